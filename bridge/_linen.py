@@ -1,0 +1,168 @@
+"""Adapter: Flax Linen variable collections <-> `bridge.Tree`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.tree_util as jtu
+
+from ._tree import Path, Tree, build, key_of, native_leaves, path_str
+
+
+_COLLISION = """\
+Linen variables collide when organised by module:
+{problems}
+bridge.Tree merges the collections under each module path, so a name may be used by one
+collection only. Rename the variable in one of the collections."""
+
+
+def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) -> Tree:
+    """Convert Flax Linen variables to a `bridge.Tree`, without copying any array.
+
+    The collections (`params`, `batch_stats`, `cache`, ...) are merged by module, so
+    a CNN's Tree reads `t.Conv_0.kernel`, `t.BatchNorm_0.scale`, `t.BatchNorm_0.mean`;
+    each leaf's role is its collection. Boxed parameters (`nn.Partitioned`,
+    `nn.LogicallyPartitioned`) become their array, the box metadata is kept; `dict`
+    and `FrozenDict` containers are remembered, so `bridge.to_linen` gives back the
+    very same structure.
+
+    **Arguments:**
+
+    - `variables`: what `module.init` returns: a mapping of collection name to nested
+      mappings of arrays. It is not modified.
+    - `module`: optional, the `nn.Module` the variables belong to. With it,
+      `bridge.to_native` gives the module bound to the variables (callable as
+      `native(x)`), and `bridge.make_step` can run it.
+
+    **Returns:**
+
+    A `bridge.Tree`.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, bridge
+    >>> model = nn.Dense(3)
+    >>> t = bridge.from_linen(model.init(jax.random.key(0), jnp.ones((1, 2))), model)
+    >>> t.kernel.shape, bridge.roles(t).kernel
+    ((2, 3), 'params')
+
+    ```
+    """
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            "bridge.from_linen expects the variables dict that `module.init` returns "
+            f"(collection -> nested mapping of arrays), got {type(variables).__name__}."
+            " For an NNX module use bridge.from_nnx, for Equinox bridge.from_equinox."
+        )
+    if module is not None and not isinstance(module, nn.Module):
+        raise TypeError(
+            f"`module` must be a flax.linen Module, got {type(module).__name__}."
+        )
+    if module is not None and module.scope is not None:
+        module = module.clone(parent=None)  # a bound module: keep its definition
+    flat, treedef = jtu.tree_flatten_with_path(variables)
+    native = {}
+    for i, (keypath, _) in enumerate(flat):
+        # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
+        keys = tuple(key_of(e) for e in keypath if not isinstance(e, jtu.GetAttrKey))
+        native[keys] = i
+    entries = _by_module(variables)
+    problems = _collisions(entries)
+    if problems:
+        raise ValueError(_COLLISION.format(problems="\n".join(problems)))
+    kinds = {(): type(module)} if module is not None else {}
+    return build(
+        [(path, role, leaf, native[(role, *path)]) for path, role, leaf in entries],
+        kinds,
+        "linen",
+        (treedef, module),
+    )
+
+
+def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
+    """`(path, collection, array)` for every variable, grouped by module path.
+
+    Modules come in the order the dicts list them (Linen's creation order, unlike
+    JAX's sorted flattening, where `Dense_10` comes before `Dense_2`), `params`
+    first; within a module, `params` before the other collections.
+    """
+    seen: dict[Path, int] = {}
+    found: list[tuple[Path, str, Any]] = []
+
+    def visit(node: Any, path: Path, role: str) -> None:
+        seen.setdefault(path, len(seen))
+        if isinstance(node, nn.meta.AxisMetadata):
+            node = node.unbox()
+        if isinstance(node, Mapping):
+            children = node.items()
+        elif isinstance(node, (tuple, list)):
+            children = enumerate(node)
+        else:
+            found.append((path, role, node))
+            return
+        for key, child in children:
+            visit(child, path + (key,), role)
+
+    names = sorted(variables, key=lambda c: c != "params")
+    for name in names:
+        visit(variables[name], (), str(name))
+    rank = lambda e: tuple(seen[e[0][:d]] for d in range(len(e[0]) + 1))  # noqa: E731
+    return sorted(found, key=rank)
+
+
+def _collisions(entries: list[tuple[Path, str, Any]]) -> list[str]:
+    problems, roles = [], {}
+    for path, role, _ in entries:
+        if not path:
+            problems.append(f"  collection {role!r} is an array, not a mapping")
+        elif path in roles:
+            problems.append(
+                f"  {path_str(path)} is in collections {roles[path]!r} and {role!r}"
+            )
+        roles.setdefault(path, role)
+    for path, role, _ in entries:
+        for depth in range(1, len(path)):
+            if path[:depth] in roles:
+                problems.append(
+                    f"  {path_str(path[:depth])} is a variable in collection "
+                    f"{roles[path[:depth]]!r} and a module in collection {role!r}"
+                )
+    return problems
+
+
+def to_linen(tree: Tree) -> dict[str, Any]:
+    """Rebuild the Linen variables of a `bridge.Tree` made by `bridge.from_linen`.
+
+    **Arguments:**
+
+    - `tree`: a `bridge.Tree` from `bridge.from_linen`, with the same leaf paths.
+
+    **Returns:**
+
+    The variables, in the container types given to `from_linen` (`dict` stays
+    `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
+    """
+    src, leaves = native_leaves(tree, "linen")
+    treedef, _ = src.record  # pyright: ignore[reportGeneralTypeIssues]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def linen_module(tree: Tree) -> nn.Module | None:
+    """The Linen module given to `bridge.from_linen`, if any."""
+    src = tree._info.source
+    return None if src is None else src.record[1]  # pyright: ignore
+
+
+def bind(tree: Tree) -> Any:
+    """The Linen module bound to the Tree's variables; non-`params` collections are
+    mutable, so a forward pass that updates batch statistics works, and
+    `bound.variables` reads the updated values. Without a module: the variables."""
+    variables = to_linen(tree)
+    module = linen_module(tree)
+    if module is None:
+        return variables
+    mutable = [c for c in variables if c != "params"]
+    return module.bind(variables, mutable=mutable)

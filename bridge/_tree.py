@@ -1,0 +1,468 @@
+"""The neutral tree: one immutable, keyed pytree node for models of every framework.
+
+A `Tree` is organised by module, the way the source model reads (`t.layers[-1].kernel`,
+`t.BatchNorm_0.mean`). Its leaves are arrays; everything else (each leaf's role, the
+native class of each node, and at the root the record an adapter needs to rebuild the
+native model) is static metadata in the pytree's aux data, so `jax.jit` takes a Tree
+directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax.tree_util as jtu
+
+
+Key = str | int
+Path = tuple[Key, ...]
+
+
+def _key_entry(key: Key, sequence: bool) -> Any:
+    if sequence:
+        return jtu.SequenceKey(key)  # pyright: ignore[reportArgumentType]
+    if isinstance(key, str) and key.isidentifier():
+        return jtu.GetAttrKey(key)
+    return jtu.DictKey(key)
+
+
+def key_of(entry: Any) -> Key:
+    """The neutral key (`str` or `int`) of one `jax.tree_util` key entry."""
+    if isinstance(entry, jtu.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jtu.DictKey):
+        return entry.key
+    if isinstance(entry, jtu.SequenceKey):
+        return entry.idx
+    if isinstance(entry, jtu.FlattenedIndexKey):
+        return entry.key
+    raise TypeError(f"Unknown key entry {entry!r}.")
+
+
+def path_str(path: Sequence[Key]) -> str:
+    """`('layers', 0, 'kernel')` -> `'.layers[0].kernel'`, as `jax.tree_util.keystr`."""
+    out = []
+    for key in path:
+        if isinstance(key, int):
+            out.append(f"[{key}]")
+        elif key.isidentifier():
+            out.append(f".{key}")
+        else:
+            out.append(f"[{key!r}]")
+    return "".join(out)
+
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    """What an adapter needs to rebuild the native model from a Tree's leaves.
+
+    `paths` are the leaf paths in Tree order, `order[i]` is the position of Tree leaf
+    `i` among the native leaves, and `record` is the adapter's own hashable data
+    (treedefs, graphdef, module). Equality is structural, the hash is computed once.
+    """
+
+    framework: str
+    paths: tuple[Path, ...]
+    order: tuple[int, ...]
+    record: Hashable
+    _hash: int = field(init=False, repr=False)
+
+    def __post_init__(self):
+        key = (self.framework, self.paths, self.order, self.record)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        return (
+            type(other) is Source
+            and self._hash == other._hash
+            and (self.framework, self.paths, self.order, self.record)
+            == (other.framework, other.paths, other.order, other.record)
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class _Info:
+    """A node's static data: child keys (None: a sequence), leaf roles, native kind."""
+
+    keys: tuple[Key, ...] | None
+    roles: tuple[str | None, ...]
+    kind: Any
+    source: Source | None
+    entries: tuple[Any, ...] = field(init=False, repr=False)
+    _hash: int = field(init=False, repr=False)
+
+    def __post_init__(self):
+        n = len(self.roles)
+        keys = tuple(range(n)) if self.keys is None else self.keys
+        seq = self.keys is None
+        object.__setattr__(self, "entries", tuple(_key_entry(k, seq) for k in keys))
+        object.__setattr__(self, "_hash", hash(self._data()))
+
+    def _data(self):
+        return (self.keys, self.roles, self.kind, self.source)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        return (
+            type(other) is _Info
+            and self._hash == other._hash
+            and self._data() == other._data()
+        )
+
+
+class Tree:
+    """A model of any framework as one immutable pytree, organised by module.
+
+    Made by the adapters (`bridge.from_linen`, `bridge.from_nnx`,
+    `bridge.from_equinox`, `bridge.to_neutral`), turned back by `bridge.to_native`.
+    Children read like the source model: by attribute (`t.layers`), by item
+    (`t["layers"]`), and sequences (NNX `nnx.List`, Equinox tuples) by index, from the
+    end too (`t.layers[-1]`). `jax.tree_util.keystr` paths read `.layers[0].kernel`.
+
+    Leaves made by an adapter are arrays, shared with the source (never copied). Each
+    leaf has a role (`bridge.roles`): `"params"`, `"batch_stats"`, `"rngs"`, ...
+
+    **Example:**
+
+    ```python
+    >>> import jax, equinox as eqx, bridge
+    >>> mlp = eqx.nn.MLP(2, 3, width_size=4, depth=2, key=jax.random.key(0))
+    >>> t = bridge.from_equinox(mlp)
+    >>> t.layers[-1].weight.shape
+    (3, 4)
+    >>> spec = jax.tree_util.tree_map(lambda _: False, t)
+    >>> spec = eqx.tree_at(lambda s: s.layers[-1].weight, spec, replace=True)
+    >>> sum(jax.tree_util.tree_leaves(spec))
+    1
+
+    ```
+    """
+
+    __slots__ = ("_info", "_children")
+    _info: _Info
+    _children: tuple[Any, ...]
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(
+            "A Tree is made by an adapter: use bridge.to_neutral(model), "
+            "bridge.from_linen, bridge.from_nnx or bridge.from_equinox."
+        )
+
+    @classmethod
+    def _make(cls, info: _Info, children: Sequence[Any]) -> Tree:
+        self = object.__new__(cls)
+        object.__setattr__(self, "_info", info)
+        object.__setattr__(self, "_children", tuple(children))
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            f"A Tree is immutable: use eqx.tree_at(lambda t: t.{name}, tree, "
+            "replace=...) to get a new Tree with that change."
+        )
+
+    def __delattr__(self, name):
+        raise AttributeError("A Tree is immutable.")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        keys = self._info.keys
+        if keys is not None and name in keys:
+            return self._children[keys.index(name)]
+        raise AttributeError(self._missing(name))
+
+    def __getitem__(self, key: Key) -> Any:
+        keys = self._info.keys
+        if keys is None:
+            if isinstance(key, int) and -len(self) <= key < len(self):
+                return self._children[key]
+        elif key in keys:
+            return self._children[keys.index(key)]
+        raise KeyError(self._missing(key))
+
+    def _missing(self, key: Key) -> str:
+        keys = self._info.keys
+        if keys is None:
+            return f"{key!r} is not an index of this sequence of {len(self)} children."
+        return f"This Tree has no child {key!r}; its children are {list(keys)}."
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Keys for a mapping node (like `dict`), children for a sequence (like
+        `list`)."""
+        keys = self._info.keys
+        return iter(self._children if keys is None else keys)
+
+    def __contains__(self, key: object) -> bool:
+        keys = self._info.keys
+        return key in (range(len(self)) if keys is None else keys)
+
+    def __dir__(self):
+        keys = self._info.keys or ()
+        return [k for k in keys if isinstance(k, str)]
+
+    def __repr__(self) -> str:
+        return "\n".join(_repr_lines(self, "Tree", 0))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _leaf_repr(leaf: Any) -> str:
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return repr(leaf)
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def _repr_lines(node: Any, label: str, depth: int) -> list[str]:
+    pad = "  " * depth
+    if not isinstance(node, Tree):
+        return [f"{pad}{label}{_leaf_repr(node)}"]
+    info = node._info
+    kind = getattr(info.kind, "__name__", None)
+    lines = [f"{pad}{label}{'(' + kind + ')' if kind else ''}".rstrip()]
+    for entry, child, role in zip(info.entries, node._children, info.roles):
+        name = jtu.keystr((entry,))
+        plain = isinstance(child, Tree) or role in (None, "params", child)
+        tag = "" if plain else f"  # {role}"
+        sub = _repr_lines(child, f"{name}: ", depth + 1)
+        sub[0] += tag
+        lines.extend(sub)
+    return lines
+
+
+def _flatten_with_keys(t: Tree):
+    return tuple(zip(t._info.entries, t._children)), t._info
+
+
+def _flatten(t: Tree):
+    return t._children, t._info
+
+
+def _unflatten(info: _Info, children) -> Tree:
+    return Tree._make(info, children)
+
+
+jtu.register_pytree_with_keys(Tree, _flatten_with_keys, _unflatten, _flatten)
+
+
+# --- building and reading Trees: used by the adapters -------------------------------
+
+
+def build(
+    entries: Sequence[tuple[Path, str, Any, int]],
+    kinds: dict[Path, Any],
+    framework: str,
+    record: Hashable,
+) -> Tree:
+    """Build a whole-model Tree from `(path, role, leaf, native_position)` entries.
+
+    Nodes come in the order their first leaf comes in `entries`. `kinds[path]` is the
+    native class of the node at `path` (`()` is the root); a node whose keys are
+    exactly `0..n-1` is a sequence. `native_position` is the leaf's index among the
+    native leaves that `record` rebuilds the model from (see `native_leaves`).
+    """
+    root: dict[Key, Any] = {}
+    for path, role, leaf, position in entries:
+        node = root
+        for key in path[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{path_str(path)} is both a leaf and a node.")
+            node = child
+        if path[-1] in node:
+            raise ValueError(f"{path_str(path)} appears twice.")
+        node[path[-1]] = (role, leaf, position)
+
+    paths: list[Path] = []
+    order: list[int] = []
+
+    def make(node: dict[Key, Any], prefix: Path) -> tuple[_Info, list[Any]]:
+        keys = tuple(node)
+        seq = keys == tuple(range(len(keys))) and len(keys) > 0
+        children, roles = [], []
+        for key in keys:
+            value = node[key]
+            if isinstance(value, dict):
+                info, grandchildren = make(value, prefix + (key,))
+                children.append(Tree._make(info, grandchildren))
+                roles.append(None)
+            else:
+                role, leaf, position = value
+                roles.append(role)
+                children.append(leaf)
+                paths.append(prefix + (key,))
+                order.append(position)
+        return _Info(
+            None if seq else keys, tuple(roles), kinds.get(prefix), None
+        ), children
+
+    info, children = make(root, ())
+    source = Source(framework, tuple(paths), tuple(order), record)
+    info = _Info(info.keys, info.roles, info.kind, source)
+    return Tree._make(info, children)
+
+
+def source_of(tree: Any, framework: str | None = None) -> Source:
+    """The adapter record of a whole-model Tree, checked against `framework`."""
+    if not isinstance(tree, Tree):
+        raise TypeError(
+            f"Expected a bridge.Tree, got {type(tree).__name__}. Make one with "
+            "bridge.to_neutral(model)."
+        )
+    src = tree._info.source
+    if src is None:
+        raise TypeError(
+            "This Tree is a part of a model (a subtree), not a whole model, so it "
+            "cannot be turned back into a native model. Pass the whole Tree."
+        )
+    if framework is not None and src.framework != framework:
+        raise TypeError(
+            f"This Tree came from a {_NAMES[src.framework]} model, not a "
+            f"{_NAMES[framework]} one: use bridge.to_{src.framework}(tree), or "
+            f"bridge.port(tree, target) to move its weights into a {_NAMES[framework]} "
+            "model."
+        )
+    return src
+
+
+_NAMES = {"linen": "Flax Linen", "nnx": "Flax NNX", "equinox": "Equinox"}
+
+_STRUCTURE_CHANGED = """\
+This Tree no longer fits the {framework} model it came from:
+{problems}
+A Tree rebuilds its model only with the same leaves at the same paths. Change values
+(or shapes) with eqx.tree_at, don't remove leaves (eqx.combine a partitioned Tree
+first); to move weights into a model of another structure, use bridge.port."""
+
+
+def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
+    """The Tree's leaves in the native order of the model it came from, checked.
+
+    Raises `ValueError` naming every path that is missing, unexpected, or not an array.
+    """
+    src = source_of(tree, framework)
+    flat, _ = jtu.tree_flatten_with_path(tree)
+    paths = tuple(tuple(key_of(e) for e in p) for p, _ in flat)
+    problems = []
+    if paths != src.paths:
+        have, want = set(paths), set(src.paths)
+        problems += [f"  missing {path_str(p)}" for p in src.paths if p not in have]
+        problems += [f"  unexpected {path_str(p)}" for p in paths if p not in want]
+        if not problems:
+            problems.append("  the leaves are in another order")
+    for path, (_, leaf) in zip(paths, flat):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            problems.append(
+                f"  {path_str(path)} is a {type(leaf).__name__}, not an array "
+                "(a filter spec or a partitioned half cannot become a model)"
+            )
+    if problems:
+        raise ValueError(
+            _STRUCTURE_CHANGED.format(
+                framework=_NAMES[framework], problems="\n".join(problems)
+            )
+        )
+    leaves: list[Any] = [None] * len(flat)
+    for (_, leaf), pos in zip(flat, src.order):
+        leaves[pos] = leaf
+    return src, leaves
+
+
+def walk(tree: Tree, prefix: Path = ()) -> Iterator[tuple[Path, Tree]]:
+    """Every node of `tree` with its path, parents before children, in Tree order."""
+    yield prefix, tree
+    for key, child in zip(_keys(tree), tree._children):
+        if isinstance(child, Tree):
+            yield from walk(child, prefix + (key,))
+
+
+def _keys(node: Tree) -> tuple[Key, ...]:
+    keys = node._info.keys
+    return tuple(range(len(node))) if keys is None else keys
+
+
+def items(node: Tree) -> list[tuple[Key, Any]]:
+    """`(key, child)` pairs of one node, in order."""
+    return list(zip(_keys(node), node._children))
+
+
+def kind(node: Tree) -> Any:
+    """The native class of the module at this node (None when unknown)."""
+    return node._info.kind
+
+
+def framework(tree: Tree) -> str | None:
+    """`"linen"`, `"nnx"` or `"equinox"` for a whole-model Tree, else None."""
+    src = tree._info.source
+    return None if src is None else src.framework
+
+
+def roles(tree: Tree) -> Tree:
+    """The same structure as `tree`, with each leaf's role string as the leaf.
+
+    A role is the Linen collection name (`"params"`, `"batch_stats"`, `"cache"`, ...);
+    for NNX the collection flax's own bridge maps the Variable type to (`Param` ->
+    `"params"`, `BatchStat` -> `"batch_stats"`, `RngKey`/`RngCount` -> `"rngs"`,
+    `Cache` -> `"cache"`, `Intermediate` -> `"intermediates"`); for Equinox
+    `"params"` for the model's arrays, `"batch_stats"` for a `BatchNorm`'s entries of
+    `eqx.nn.State` and `"state"` for other `State` entries.
+
+    **Arguments:**
+
+    - `tree`: a `bridge.Tree` (or a part of one).
+
+    **Returns:**
+
+    A `bridge.Tree` of the same structure whose leaves are role strings.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, bridge
+    >>> bn = nn.BatchNorm(use_running_average=True)
+    >>> v = bn.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> r = bridge.roles(bridge.from_linen(v))
+    >>> r.mean, r.scale
+    ('batch_stats', 'params')
+
+    ```
+    """
+    if not isinstance(tree, Tree):
+        raise TypeError(f"Expected a bridge.Tree, got {type(tree).__name__}.")
+    info = tree._info
+    children = [
+        roles(c) if isinstance(c, Tree) else r
+        for c, r in zip(tree._children, info.roles)
+    ]
+    return Tree._make(info, children)
+
+
+def leaf_roles(tree: Tree) -> list[str | None]:
+    """Each leaf's role, in `jax.tree_util.tree_leaves(tree)` order."""
+    return jtu.tree_leaves(roles(tree))
+
+
+def map_with_path(fn: Callable[[Path, Any], Any], tree: Tree, *rest: Any) -> Any:
+    """`jax.tree_util.tree_map_with_path` with neutral paths (`('layers', 0, 'w')`)."""
+    return jtu.tree_map_with_path(
+        lambda p, *xs: fn(tuple(key_of(e) for e in p), *xs), tree, *rest
+    )
