@@ -1,9 +1,11 @@
 """Flax (Linen and NNX) and Equinox models, interoperable."""
 
 from ._equinox import from_equinox as from_equinox, to_equinox as to_equinox
+from ._freeze import trainable as trainable
 from ._linen import from_linen as from_linen, to_linen as to_linen
 from ._native import to_native as to_native, to_neutral as to_neutral
 from ._nnx import from_nnx as from_nnx, to_nnx as to_nnx
+from ._step import make_step as make_step
 from ._tree import Tree as Tree, roles as roles
 
 
