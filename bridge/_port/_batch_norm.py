@@ -1,0 +1,136 @@
+"""Codec: `BatchNorm`, parameters and running statistics.
+
+Canonical (Flax): `scale`, `bias` (params) and `mean`, `var` (batch_stats), shape
+`(features,)`. Equinox keeps the statistics in `eqx.nn.State`; `bridge.from_equinox`
+places them where their `StateIndex` sits, so the codec reads and writes:
+
+- `mode="batch"`: `batch_state_index/0` and `/1` hold *hidden* statistics that
+  inference divides by `1 - momentum**batch_counter` (1 when the counter is 0).
+  Decoding divides the same way. Encoding stores the Flax statistics as they are and
+  sets the counter to `2**30`, where `momentum**counter` is 0 in float32: inference
+  uses the statistics unchanged, and further training updates them as Flax's
+  exponential moving average would.
+- `mode="ema"`: `ema_state_index/0` and `/1` are the statistics themselves;
+  encoding sets `ema_first_time_index` to `False` so the next training step averages
+  into them instead of replacing them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from flax import nnx
+
+from ._codec import (
+    Codec,
+    Leaves,
+    attributes,
+    of_class,
+    register_codec,
+    same,
+    same_as_like,
+)
+
+
+SETTLED_COUNTER = 2**30
+"""`batch_counter` given to ported statistics: `momentum**2**30` is 0 in float32."""
+
+_NO_STATE = """\
+This Equinox BatchNorm has no running statistics in the Tree (found {found}). They live
+in an eqx.nn.State: pass the model together with its state, `(model, state)`, as made by
+`model, state = eqx.nn.make_with_state(Model)(...)`."""
+
+
+def _linen(cls, leaves: Leaves) -> bool:
+    return {"mean", "var"} <= set(leaves) <= {"scale", "bias", "mean", "var"}
+
+
+def _eqx_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = (
+        {"scale": leaves["weight"], "bias": leaves["bias"]}
+        if "weight" in leaves
+        else {}
+    )
+    if "batch_state_index/0" in leaves:
+        counter = leaves["batch_counter"]
+        debias = jnp.where(counter == 0, 1, 1 - hyper["momentum"] ** counter)
+        out["mean"] = leaves["batch_state_index/0"] / debias
+        out["var"] = leaves["batch_state_index/1"] / debias
+    elif "ema_state_index/0" in leaves:
+        out["mean"] = leaves["ema_state_index/0"]
+        out["var"] = leaves["ema_state_index/1"]
+    else:
+        raise ValueError(_NO_STATE.format(found=sorted(leaves)))
+    return out
+
+
+def _eqx_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = {}
+    if "weight" in like:
+        out["weight"], out["bias"] = canonical["scale"], canonical["bias"]
+    if "batch_state_index/0" in like:
+        settled = SETTLED_COUNTER if hyper["momentum"] < 1 else 0
+        out["batch_counter"] = jnp.full_like(like["batch_counter"], settled)
+        out["batch_state_index/0"] = canonical["mean"]
+        out["batch_state_index/1"] = canonical["var"]
+    elif "ema_state_index/0" in like:
+        out["ema_first_time_index"] = jnp.zeros_like(like["ema_first_time_index"])
+        out["ema_state_index/0"] = canonical["mean"]
+        out["ema_state_index/1"] = canonical["var"]
+    else:
+        raise ValueError(_NO_STATE.format(found=sorted(like)))
+    return out
+
+
+def _eqx_hyper(module: Any) -> dict[str, Any]:
+    return {
+        "epsilon": module.eps,
+        "momentum": module.momentum,
+        "use_scale": module.channelwise_affine,
+        "use_bias": module.channelwise_affine,
+    }
+
+
+_DEFAULTS = {"bias": 0.0, "scale": 1.0}
+
+BATCH_NORM_LINEN = register_codec(
+    Codec(
+        "BatchNorm",
+        "linen",
+        _linen,
+        same,
+        same_as_like,
+        names=("BatchNorm",),
+        defaults=_DEFAULTS,
+    )
+)
+BATCH_NORM_NNX = register_codec(
+    Codec(
+        "BatchNorm",
+        "nnx",
+        of_class(nnx.BatchNorm),
+        same,
+        same_as_like,
+        attributes(
+            epsilon="epsilon",
+            momentum="momentum",
+            use_scale="use_scale",
+            use_bias="use_bias",
+        ),
+        defaults=_DEFAULTS,
+    )
+)
+BATCH_NORM_EQUINOX = register_codec(
+    Codec(
+        "BatchNorm",
+        "equinox",
+        of_class(eqx.nn.BatchNorm),
+        _eqx_decode,
+        _eqx_encode,
+        _eqx_hyper,
+        layout="stats in State",
+        defaults=_DEFAULTS,
+    )
+)

@@ -1,0 +1,154 @@
+"""The layer codec protocol and its registry.
+
+A codec says how one layer kind (`"Dense"`, `"Conv"`, `"BatchNorm"`, ...) looks in one
+framework, as a few pure functions, like optax's `GradientTransformation(init,
+update)`. The canonical layout of every kind is Flax's (Linen and NNX agree on names
+and shapes), so the Flax codecs are the identity and the Equinox codecs say how
+Equinox differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+
+Leaves = dict[str, Any]
+"""A layer's arrays by relative path, `"/"`-joined: `"kernel"`, `"query/kernel"`,
+`"batch_state_index/0"`."""
+
+
+class Codec(NamedTuple):
+    """How one layer kind is stored in one framework.
+
+    **Fields:**
+
+    - `kind`: the layer family, shared by the codecs of every framework (`"Dense"`).
+      Layers pair only with layers of the same kind.
+    - `framework`: `"linen"`, `"nnx"` or `"equinox"`.
+    - `recognise`: `recognise(cls, leaves) -> bool`. `cls` is the native class of the
+      module (`None` for Linen submodules, whose classes are not recorded), `leaves`
+      its arrays by relative path. NNX and Equinox codecs check the class; Linen
+      codecs check the names and shapes of the arrays.
+    - `decode`: `decode(leaves, hyper) -> canonical`: the arrays in Flax's names and
+      layouts. `hyper` is what `hyperparameters` returned for this layer.
+    - `encode`: `encode(canonical, like, hyper) -> leaves`: the inverse. `like` are the
+      target layer's arrays (or `jax.ShapeDtypeStruct`s): the result must have exactly
+      their paths, shapes and dtypes.
+    - `hyperparameters`: `hyperparameters(module) -> dict` of the settings that change
+      the layer's function (`"epsilon"`, `"momentum"`, `"use_bias"`, `"heads"`), read
+      from the native module; compared between source and target where both have a
+      value. Linen submodules are not available: Linen codecs receive `None`.
+    - `layout`: a few words for the plan: how the native layout differs from the
+      canonical one (`"transpose"`, `"OIHW, bias (O,1,1)"`); `""` for the canonical one.
+    - `names`: Linen only: class names whose auto-names (`Dense_0`) identify the kind.
+    - `defaults`: canonical entries that may be absent on one side, with the value that
+      means "absent" (`{"bias": 0.0, "scale": 1.0}`): a missing entry is filled with it,
+      a dropped entry must hold only it.
+    """
+
+    kind: str
+    framework: str
+    recognise: Callable[[Any, Leaves], bool]
+    decode: Callable[[Leaves, dict[str, Any]], Leaves]
+    encode: Callable[[Leaves, Leaves, dict[str, Any]], Leaves]
+    hyperparameters: Callable[[Any], dict[str, Any]] = lambda module: {}
+    layout: str = ""
+    names: tuple[str, ...] = ()
+    defaults: Mapping[str, float] = {}
+
+
+_FRAMEWORKS = ("linen", "nnx", "equinox")
+_REGISTRY: dict[tuple[str, str], Codec] = {}
+
+
+def register_codec(codec: Codec) -> Codec:
+    """Teach `bridge.port` a layer kind in one framework.
+
+    Register one `bridge.Codec` per framework the kind exists in; layers pair with
+    layers of the same `kind`. A codec registered again for the same `(kind,
+    framework)` replaces the previous one.
+
+    **Arguments:**
+
+    - `codec`: a `bridge.Codec`.
+
+    **Returns:**
+
+    The codec, so registration can be an expression.
+
+    **Example:**
+
+    ```python
+    >>> import jax.numpy as jnp, bridge
+    >>> from flax import nnx
+    >>> class Scale(nnx.Module):
+    ...     def __init__(self, n):
+    ...         self.gain = nnx.Param(jnp.ones(n))
+    >>> codec = bridge.register_codec(bridge.Codec(
+    ...     kind="Scale",
+    ...     framework="nnx",
+    ...     recognise=lambda cls, leaves: getattr(cls, "__name__", "") == "Scale",
+    ...     decode=lambda leaves, hyper: {"scale": leaves["gain"]},
+    ...     encode=lambda canonical, like, hyper: {"gain": canonical["scale"]},
+    ... ))
+    >>> ported = bridge.port(Scale(3), Scale(3))
+    >>> ported.gain.shape
+    (3,)
+
+    ```
+    """
+    if not isinstance(codec, Codec):
+        raise TypeError(f"Expected a bridge.Codec, got {type(codec).__name__}.")
+    if codec.framework not in _FRAMEWORKS:
+        raise ValueError(
+            f"Codec {codec.kind!r}: framework must be one of {_FRAMEWORKS}, got "
+            f"{codec.framework!r}."
+        )
+    _REGISTRY[(codec.kind, codec.framework)] = codec
+    return codec
+
+
+def codecs(framework: str) -> list[Codec]:
+    """The registered codecs of one framework, most recently registered first."""
+    return [c for (_, fw), c in reversed(_REGISTRY.items()) if fw == framework]
+
+
+def codec_of(kind: str, framework: str) -> Codec | None:
+    return _REGISTRY.get((kind, framework))
+
+
+# --- helpers for writing codecs ----------------------------------------------------
+
+
+def of_class(*classes: type) -> Callable[[Any, Leaves], bool]:
+    """`recognise` for NNX and Equinox codecs: the module is one of `classes`."""
+    return lambda cls, leaves: isinstance(cls, type) and issubclass(cls, classes)
+
+
+def same(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    """`decode` of a codec whose layout is the canonical one."""
+    return dict(leaves)
+
+
+def same_as_like(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    """`encode` of a codec whose layout is the canonical one."""
+    return {name: canonical[name] for name in like}
+
+
+def attributes(**names: str) -> Callable[[Any], dict[str, Any]]:
+    """`hyperparameters` that read attributes: `attributes(epsilon="eps")` gives
+    `{"epsilon": module.eps}`; attributes the module lacks are left out."""
+
+    def read(module: Any) -> dict[str, Any]:
+        out = {}
+        for key, attr in names.items():
+            if hasattr(module, attr):
+                out[key] = getattr(module, attr)
+        return out
+
+    return read
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)

@@ -1,0 +1,134 @@
+"""`compare`: the largest output difference of two models of any frameworks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .._native import to_native
+from .._tree import Tree
+
+
+_NO_MODULE = """\
+Linen variables alone cannot be called: pass `(module, variables)`, a bound module, or a
+Tree made with `bridge.from_linen(variables, module)`."""
+
+_OUTPUTS_DIFFER = """\
+The two models' outputs do not have the same structure: {a} and {b}. Compare models
+that compute the same function (and mind channel order: see `channel_first`)."""
+
+
+def _forward(model: Any, inputs: tuple[Any, ...], channel_first: bool) -> Any:
+    if isinstance(model, Tree):
+        model = to_native(model)
+    if isinstance(model, nnx.Module):
+        model = nnx.clone(model)
+        model.eval()
+        return model(*inputs)
+    if isinstance(model, nn.Module):
+        return model(*inputs)
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
+        return model[0].apply(model[1], *inputs)
+    if isinstance(model, Mapping):
+        raise TypeError(_NO_MODULE)
+    state = None
+    if isinstance(model, tuple) and len(model) == 2:
+        model, state = model
+    model = eqx.nn.inference_mode(model)
+    if channel_first:
+        inputs = tuple(jnp.moveaxis(x, -1, 1) if x.ndim >= 3 else x for x in inputs)
+
+    def one(*xs):
+        return model(*xs) if state is None else model(*xs, state)[0]
+
+    out = jax.vmap(one)(*inputs)
+    if channel_first:
+        out = jax.tree_util.tree_map(
+            lambda y: jnp.moveaxis(y, 1, -1) if y.ndim >= 3 else y, out
+        )
+    return out
+
+
+def compare(
+    a: Any, b: Any, *inputs: Any, channel_first: tuple[bool, bool] | None = None
+) -> float:
+    """The largest absolute difference between two models' outputs on the same inputs,
+    whatever their frameworks: the check to run after `bridge.port`.
+
+    Each model runs as its framework runs it for inference:
+
+    - Linen `(module, variables)` or a bound module: `module.apply(variables, *inputs)`
+      (pass the module's own flags, e.g. a `train=False` default, through its
+      definition);
+    - NNX: a clone of the module in `.eval()` mode (BatchNorm uses its running
+      statistics, Dropout is off), called on the batch;
+    - Equinox `model` or `(model, state)`: `eqx.nn.inference_mode(model)`, vmapped over
+      the leading (batch) axis of every input, called as `model(*x)` or
+      `model(*x, state)[0]`;
+    - a `bridge.Tree`: its native model, as above.
+
+    Inputs are batched and channel-last, as Flax takes them. An Equinox model that
+    says `channel_first = True` (a class attribute or field), or whose entry in
+    `channel_first` is True, gets each input of rank >= 3 with its last axis moved to
+    axis 1 (`(N, H, W, C)` -> `(N, C, H, W)`, so each example is `(C, H, W)`), and its
+    outputs of rank >= 3 moved back.
+
+    **Arguments:**
+
+    - `a`, `b`: the two models.
+    - `*inputs`: the batched inputs, passed to both.
+    - `channel_first`: optional `(for a, for b)`, overriding the models' own
+      `channel_first` attribute.
+
+    **Returns:**
+
+    A python float: `max |a(*inputs) - b(*inputs)|` over every output array.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, equinox as eqx, bridge
+    >>> from flax import nnx
+    >>> source = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> target = bridge.port(source, eqx.nn.Linear(2, 3, key=jax.random.key(1)))
+    >>> bridge.compare(source, target, jnp.ones((4, 2))) < 1e-6
+    True
+
+    ```
+    """
+    if channel_first is None:
+        channel_first = (
+            bool(getattr(_model_of(a), "channel_first", False)),
+            bool(getattr(_model_of(b), "channel_first", False)),
+        )
+    out_a = _forward(a, inputs, channel_first[0])
+    out_b = _forward(b, inputs, channel_first[1])
+    leaves_a, leaves_b = (
+        jax.tree_util.tree_leaves(out_a),
+        jax.tree_util.tree_leaves(out_b),
+    )
+    shapes_a = [tuple(jnp.shape(x)) for x in leaves_a]
+    shapes_b = [tuple(jnp.shape(x)) for x in leaves_b]
+    if shapes_a != shapes_b:
+        raise ValueError(_OUTPUTS_DIFFER.format(a=shapes_a, b=shapes_b))
+    return max(
+        (
+            float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+            for x, y in zip(leaves_a, leaves_b)
+            if np.size(x)
+        ),
+        default=0.0,
+    )
+
+
+def _model_of(obj: Any) -> Any:
+    if isinstance(obj, tuple) and obj:
+        return obj[0]
+    return obj

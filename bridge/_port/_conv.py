@@ -1,0 +1,140 @@
+"""Codecs: `Conv` (1-D, 2-D, 3-D, any groups and strides) and `ConvTranspose`.
+
+Canonical (Flax): `kernel` shape `(*kernel_size, in // groups, out)` (HWIO), `bias`
+shape `(out,)`. Equinox stores `weight` shape `(out, in // groups, *kernel_size)`
+(OIHW) and `bias` shape `(out, 1, ..., 1)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from flax import nnx
+
+from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+
+
+def _linen_conv(cls, leaves: Leaves) -> bool:
+    kernel, bias = leaves.get("kernel"), leaves.get("bias")
+    return (
+        set(leaves) <= {"kernel", "bias"}
+        and kernel is not None
+        and 3 <= kernel.ndim <= 5
+        and (bias is None or tuple(bias.shape) == kernel.shape[-1:])
+    )
+
+
+def _eqx_decode(leaves: Leaves, hyper) -> Leaves:
+    weight = leaves["weight"]
+    spatial = tuple(range(2, weight.ndim))
+    out = {"kernel": jnp.transpose(weight, (*spatial, 1, 0))}
+    if "bias" in leaves:
+        out["bias"] = jnp.reshape(leaves["bias"], leaves["bias"].shape[:1])
+    return out
+
+
+def _eqx_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
+    kernel = canonical["kernel"]
+    n = kernel.ndim - 2
+    out = {"weight": jnp.transpose(kernel, (n + 1, n, *range(n)))}
+    if "bias" in like:
+        out["bias"] = jnp.reshape(canonical["bias"], like["bias"].shape)
+    return out
+
+
+def _tuple(value: Any, n: int) -> tuple[int, ...]:
+    if value is None:
+        return (1,) * n
+    if isinstance(value, int):
+        return (value,) * n
+    return tuple(value)
+
+
+def _padding(padding: Any, kernel: tuple[int, ...], dilation, strides) -> Any:
+    """Flax and Equinox paddings in one form: `"SAME"` with stride 1 and explicit
+    paddings become `((lo, hi), ...)`; other strings stay strings."""
+    n = len(kernel)
+    if isinstance(padding, str):
+        padding = padding.upper()
+        if padding == "VALID":
+            return ((0, 0),) * n
+        if padding == "SAME" and all(s == 1 for s in strides):
+            total = [(k - 1) * d for k, d in zip(kernel, dilation)]
+            return tuple((t // 2, t - t // 2) for t in total)
+        return padding
+    if isinstance(padding, int):
+        return ((padding, padding),) * n
+    return tuple(
+        (p, p) if isinstance(p, int) else (int(p[0]), int(p[1])) for p in padding
+    )
+
+
+def _nnx_hyper(module: Any) -> dict[str, Any]:
+    kernel = tuple(module.kernel_size)
+    n = len(kernel)
+    strides = _tuple(module.strides, n)
+    dilation = _tuple(module.kernel_dilation, n)
+    return {
+        "strides": strides,
+        "dilation": dilation,
+        "groups": getattr(module, "feature_group_count", 1),
+        "padding": _padding(module.padding, kernel, dilation, strides),
+        "use_bias": module.use_bias,
+    }
+
+
+def _eqx_hyper(module: Any) -> dict[str, Any]:
+    kernel = tuple(module.kernel_size)
+    return {
+        "strides": tuple(module.stride),
+        "dilation": tuple(module.dilation),
+        "groups": module.groups,
+        "padding": _padding(module.padding, kernel, module.dilation, module.stride),
+        "use_bias": module.use_bias,
+    }
+
+
+_DEFAULTS = {"bias": 0.0}
+_LAYOUT = "weight OIHW, bias (O,1,..)"
+
+
+def _eqx_conv(cls, leaves: Leaves) -> bool:
+    return isinstance(cls, type) and issubclass(cls, eqx.nn.Conv)
+
+
+CONV_LINEN = register_codec(
+    Codec(
+        "Conv",
+        "linen",
+        _linen_conv,
+        same,
+        same_as_like,
+        names=("Conv",),
+        defaults=_DEFAULTS,
+    )
+)
+CONV_NNX = register_codec(
+    Codec(
+        "Conv",
+        "nnx",
+        of_class(nnx.Conv),
+        same,
+        same_as_like,
+        _nnx_hyper,
+        defaults=_DEFAULTS,
+    )
+)
+CONV_EQUINOX = register_codec(
+    Codec(
+        "Conv",
+        "equinox",
+        _eqx_conv,
+        _eqx_decode,
+        _eqx_encode,
+        _eqx_hyper,
+        layout=_LAYOUT,
+        defaults=_DEFAULTS,
+    )
+)

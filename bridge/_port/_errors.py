@@ -1,0 +1,96 @@
+"""`PortError`, `PortWarning` and the messages of every problem a port can meet."""
+
+from __future__ import annotations
+
+
+class PortError(ValueError):
+    """Raised by `bridge.port` and `bridge.port_plan`, once, listing every problem.
+
+    **Attributes:**
+
+    - `problems`: a list of strings, one per problem, each naming the path(s), what was
+      expected and what was found: missing and unexpected layers, shape and dtype
+      mismatches, ambiguous pairings, unsupported layer kinds, rules that do not apply.
+    """
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(_HEADER.format(n=len(self.problems), problems=lines))
+
+
+class PortWarning(UserWarning):
+    """A hyperparameter that changes the layer's function differs between the source
+    and the target layer (`epsilon`, `momentum`, `use_bias`, `heads`, ...). The weights
+    are ported anyway; the plan lists every mismatch."""
+
+
+_HEADER = """\
+Cannot port: {n} problem(s), nothing was written.
+{problems}
+See `bridge.port_plan(source, target)` for the pairing, and docs/guides/porting.md."""
+
+MISSING = (
+    "missing: target layer {target} ({kind}: {shapes}) has no source layer. Pair it "
+    "with rules={{r'<source path>': '{target}'}}, or pass strict=False to keep its "
+    "current values."
+)
+UNEXPECTED = (
+    "unexpected: source layer {source} ({kind}: {shapes}) has no target layer. Pair "
+    "it with rules={{r'{source_re}': '<target path>'}}, or pass strict=False to leave "
+    "it out."
+)
+SHAPE = (
+    "shape: {source} -> {target} ({kind}): `{entry}` is {actual} in the source, the "
+    "target expects {expected}. These are different layers: build the target with the "
+    "source's sizes, or pair it with another layer through `rules`."
+)
+DTYPE = (
+    "dtype: {source} -> {target} ({kind}): `{entry}` is {actual} in the source, the "
+    "target expects {expected}. Cast one model first, e.g. "
+    "jax.tree_util.tree_map(lambda x: x.astype(jnp.{expected}), tree)."
+)
+AMBIGUOUS = (
+    "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "
+    "and order leave a choice. Say which with rules={{r'{source_re}': '{target}'}}."
+)
+UNSUPPORTED = (
+    "unsupported: {where} ({cls}) holds {names} but no codec recognises it. Register "
+    "one with bridge.register_codec(bridge.Codec(...)) (see docs/guides/porting.md)."
+)
+MISNAMED = (
+    "unsupported: Linen layer {where} is named like a {name} but holds {names}, which "
+    "a {name} does not. Rename the submodule, or register a codec for it."
+)
+UNREADABLE = "unreadable: {where} ({kind}): {error}"
+UNFIT = (
+    "shape: {source} -> {target} ({kind}): the {kind} codec made {made} for the "
+    "target, which holds {like}."
+)
+KIND = (
+    "kind: the rule pairs {source} ({source_kind}) with {target} ({target_kind}); "
+    "layers of different kinds cannot be ported into each other."
+)
+RULE_TARGET = (
+    "rule {pattern!r}: maps {source} to {target!r}, which is not a layer of the "
+    "target. Target layers: {layers}."
+)
+RULE_UNUSED = "rule {pattern!r}: matches no source layer. Source layers: {layers}."
+RULE_TWICE = "rule: target layer {target} is paired with {sources}; pair it once."
+ENTRY_MISSING = (
+    "shape: {source} -> {target} ({kind}): the target has `{entry}` and the source "
+    "has not, and `{entry}` has no neutral value to fill in."
+)
+ENTRY_DROPPED = (
+    "value: {source} -> {target} ({kind}): the target has no `{entry}`, and the "
+    "source's `{entry}` is not {default} everywhere, so dropping it changes the "
+    "output. Give the target a `{entry}` (e.g. use_bias=True)."
+)
+ENTRY_EXTRA = (
+    "shape: {source} -> {target} ({kind}): the source has `{entry}` and the target has "
+    "no place for it."
+)
+HYPER = (
+    "{source} -> {target} ({kind}): {name} is {a!r} in the source and {b!r} in the "
+    "target, so the ported layer computes something else."
+)

@@ -1,0 +1,169 @@
+"""Finding the layers of a Tree: each node a codec recognises, in definition order."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from .._native import to_native
+from .._tree import Path, Tree, framework, items, kind, path_str, roles, walk
+from . import _errors
+from ._codec import Codec, Leaves, codecs
+
+
+NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses"})
+"""Roles whose leaves are the running state of one model, never ported."""
+
+_AUTO_NAME = re.compile(r"^(.+)_\d+$")
+_FIRST = {"kernel": 0, "embedding": 0, "scale": 1, "bias": 2, "mean": 3, "var": 4}
+
+
+@dataclass(eq=False)
+class Layer:
+    """One recognised layer: its path, candidate codecs (several only for a Linen
+    layer that neither its name nor its arrays pin to one kind), arrays, settings."""
+
+    path: Path
+    codecs: tuple[Codec, ...]
+    leaves: Leaves
+    paths: dict[str, Path]
+    hyper: dict[str, Any]
+    specs: dict[str, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return path_str(self.path) or "(root)"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(c.kind for c in self.codecs)
+
+    def codec(self, kind: str) -> Codec:
+        return next(c for c in self.codecs if c.kind == kind)
+
+    def shapes(self, kind: str | None = None) -> str:
+        spec = self.specs[kind or self.kinds[0]]
+        names = sorted(spec, key=lambda k: (_FIRST.get(k.split("/")[-1], 9), k))
+        return ", ".join(f"{k} {tuple(spec[k].shape)}" for k in names)
+
+
+def _subtree_leaves(node: Tree, roles: Tree) -> tuple[Leaves, dict[str, Path]]:
+    leaves: Leaves = {}
+    paths: dict[str, Path] = {}
+
+    def visit(n: Any, r: Any, rel: Path) -> None:
+        for (key, child), (_, role) in zip(items(n), items(r)):
+            if isinstance(child, Tree):
+                visit(child, role, rel + (key,))
+            elif role not in NOT_PORTED:
+                name = "/".join(str(k) for k in rel + (key,))
+                leaves[name] = child
+                paths[name] = rel + (key,)
+
+    visit(node, roles, ())
+    return leaves, paths
+
+
+def _native_at(root: Any, path: Path) -> Any:
+    obj = root
+    for key in path:
+        if isinstance(key, int) or isinstance(obj, dict):
+            obj = obj[key]
+        else:
+            obj = getattr(obj, key)
+    return obj
+
+
+def _linen_name(cls: Any, path: Path) -> str | None:
+    if not path:
+        return getattr(cls, "__name__", None)
+    match = _AUTO_NAME.match(str(path[-1]))
+    return match.group(1) if match else None
+
+
+def _recognise(fw: str, cls: Any, path: Path, leaves: Leaves, problems: list[str]):
+    """The codecs that recognise this node (empty: not a layer)."""
+    found = tuple(c for c in codecs(fw) if c.recognise(cls, leaves))
+    if fw != "linen":
+        return found[:1]
+    name = _linen_name(cls, path)
+    named = [c for c in codecs(fw) if name in c.names]
+    if not named:
+        return found
+    fitting = tuple(c for c in named if c in found)
+    if not fitting and leaves:
+        problems.append(
+            _errors.MISNAMED.format(
+                where=path_str(path) or "(root)", name=name, names=sorted(leaves)
+            )
+        )
+    return fitting
+
+
+def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
+    """Every layer of `tree`, parents before children, in the Tree's (definition)
+    order. Arrays under no recognised layer are reported as unsupported."""
+    fw = framework(tree) or "linen"
+    all_roles = roles(tree)
+    role_nodes = dict(walk(all_roles))
+    native = None
+    if fw != "linen":
+        native = to_native(tree)
+        if isinstance(native, tuple):
+            native = native[0]
+    layers: list[Layer] = []
+    taken: list[Path] = []
+    for path, node in walk(tree):
+        if any(path[: len(p)] == p for p in taken):
+            continue
+        leaves, paths = _subtree_leaves(node, role_nodes[path])
+        if not leaves:
+            continue
+        cls = kind(node)
+        found = _recognise(fw, cls, path, leaves, problems)
+        if found:
+            module = None if native is None else _native_at(native, path)
+            hyper = found[0].hyperparameters(module)
+            layer = Layer(path, found, leaves, paths, hyper)
+            _read_specs(layer, problems)
+            if layer.codecs:
+                layers.append(layer)
+            taken.append(path)
+            continue
+        direct = [
+            str(k)
+            for (k, child), (_, role) in zip(items(node), items(role_nodes[path]))
+            if not isinstance(child, Tree) and role not in NOT_PORTED
+        ]
+        if direct:
+            problems.append(
+                _errors.UNSUPPORTED.format(
+                    where=path_str(path) or "(root)",
+                    cls=getattr(cls, "__name__", "Linen module"),
+                    names=direct,
+                )
+            )
+            taken.append(path)
+    return layers
+
+
+def _read_specs(layer: Layer, problems: list[str]) -> None:
+    """The canonical shapes and dtypes of the layer, for each candidate kind."""
+    structs = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()
+    }
+    for codec in layer.codecs:
+        try:
+            layer.specs[codec.kind] = jax.eval_shape(
+                lambda leaves, c=codec: c.decode(leaves, layer.hyper), structs
+            )
+        except Exception as error:  # a codec's own message, reported with the path
+            problems.append(
+                _errors.UNREADABLE.format(
+                    where=layer.where, kind=codec.kind, error=error
+                )
+            )
+    layer.codecs = tuple(c for c in layer.codecs if c.kind in layer.specs)

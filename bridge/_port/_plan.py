@@ -1,0 +1,256 @@
+"""`port_plan`: which source layer goes where, how, and what does not fit."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from .._native import to_neutral
+from .._tree import Tree
+from . import _errors
+from ._codec import Codec
+from ._layers import Layer, find_layers
+from ._pairing import pair
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One layer moved: `source` path -> `target` path, its `kind`, the `transform`
+    applied (`", bias = 0.0"` when the source has no bias) and the canonical (Flax)
+    shapes. `fill` are entries the target has and the
+    source lacks (given their neutral value), `drop` entries the source has and the
+    target lacks (which must hold their neutral value)."""
+
+    source: str
+    target: str
+    kind: str
+    transform: str
+    shapes: str
+    fill: dict[str, float] = field(default_factory=dict, repr=False)
+    drop: dict[str, float] = field(default_factory=dict, repr=False)
+    _source: Layer | None = field(default=None, repr=False)
+    _target: Layer | None = field(default=None, repr=False)
+
+    @property
+    def source_codec(self) -> Codec:
+        assert self._source is not None
+        return self._source.codec(self.kind)
+
+    @property
+    def target_codec(self) -> Codec:
+        assert self._target is not None
+        return self._target.codec(self.kind)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What `bridge.port` does: `str(plan)` is a table, one row per layer.
+
+    **Attributes:**
+
+    - `steps`: tuple of `Step`s (`source`, `target`, `kind`, `transform`, `shapes`),
+      in the target's definition order.
+    - `missing`: target layers no source layer fills (they keep their values; only
+      with `strict=False`, else an error).
+    - `unexpected`: source layers that go nowhere (only with `strict=False`).
+    - `warnings`: hyperparameters that differ between paired layers.
+    """
+
+    steps: tuple[Step, ...]
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    _source: Tree | None = field(default=None, repr=False)
+    _target: Tree | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        head = ("source", "target", "kind", "transform", "shapes (Flax layout)")
+        rows = [head] + [
+            (s.source, s.target, s.kind, s.transform, s.shapes) for s in self.steps
+        ]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
+        lines = [
+            "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1]
+            for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
+        lines = [line.rstrip() for line in lines]
+        for title, entries in (
+            ("missing (kept as they are)", self.missing),
+            ("unexpected (left out)", self.unexpected),
+            ("warnings", self.warnings),
+        ):
+            if entries:
+                lines.append(f"{title}:")
+                lines += [f"  {e}" for e in entries]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self.steps)} steps)\n{self}"
+
+
+def _transform(source: Codec, target: Codec) -> str:
+    if source.layout == target.layout:
+        return "copy"
+    return f"{source.layout or 'Flax'} -> {target.layout or 'Flax'}"
+
+
+def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> Step:
+    sspec, tspec = s.specs[kind], t.specs[kind]
+    defaults = {**s.codec(kind).defaults, **t.codec(kind).defaults}
+    names = dict(source=s.where, target=t.where, kind=kind)
+    fill, drop = {}, {}
+    for entry in tspec.keys() - sspec.keys():
+        if entry in defaults:
+            fill[entry] = defaults[entry]
+        else:
+            problems.append(_errors.ENTRY_MISSING.format(entry=entry, **names))
+    for entry in sspec.keys() - tspec.keys():
+        if entry in defaults:
+            drop[entry] = defaults[entry]
+        else:
+            problems.append(_errors.ENTRY_EXTRA.format(entry=entry, **names))
+    fitting = True
+    for entry in sspec.keys() & tspec.keys():
+        a, b = sspec[entry], tspec[entry]
+        if a.shape != b.shape:
+            fitting = False
+            problems.append(
+                _errors.SHAPE.format(
+                    entry=entry, actual=tuple(a.shape), expected=tuple(b.shape), **names
+                )
+            )
+        elif a.dtype != b.dtype:
+            fitting = False
+            problems.append(
+                _errors.DTYPE.format(
+                    entry=entry, actual=a.dtype, expected=b.dtype, **names
+                )
+            )
+    tcodec = t.codec(kind)
+    transform = _transform(s.codec(kind), tcodec)
+    transform += "".join(f", {k} = {v}" for k, v in sorted(fill.items()))
+    if fitting:
+        like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.leaves.items()}
+        canonical = {k: v for k, v in tspec.items()}
+        made = jax.eval_shape(
+            lambda c, like: tcodec.encode(c, like, t.hyper), canonical, like
+        )
+        got = {k: (tuple(v.shape), v.dtype) for k, v in made.items()}
+        want = {k: (tuple(v.shape), v.dtype) for k, v in like.items()}
+        if got != want:
+            problems.append(_errors.UNFIT.format(made=got, like=want, **names))
+    return Step(
+        s.where,
+        t.where,
+        kind,
+        transform,
+        t.shapes(kind),
+        fill,
+        drop,
+        s,
+        t,
+    )
+
+
+def make_plan(
+    source: Any, target: Any, rules: Mapping[str, str] | None, strict: bool
+) -> tuple[Plan, list[str]]:
+    """The plan and every problem found (empty: `port` may run it)."""
+    source, target = to_neutral(source), to_neutral(target)
+    problems: list[str] = []
+    sources = find_layers(source, problems)
+    targets = find_layers(target, problems)
+    pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems)
+    steps, warnings = [], []
+    for s, t in pairs:
+        kind = (
+            next(k for k in s.kinds if k in t.kinds)
+            if set(s.kinds) & set(t.kinds)
+            else None
+        )
+        if kind is None:
+            continue
+        step = _check(s, t, kind, problems)
+        steps.append(step)
+        for name in sorted(s.hyper.keys() & t.hyper.keys()):
+            a, b = s.hyper[name], t.hyper[name]
+            if a != b:
+                warnings.append(
+                    _errors.HYPER.format(
+                        source=s.where, target=t.where, kind=kind, name=name, a=a, b=b
+                    )
+                )
+    missing = [
+        _errors.MISSING.format(
+            target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
+        )
+        for t in lone_targets
+    ]
+    unexpected = [
+        _errors.UNEXPECTED.format(
+            source=s.where,
+            kind="/".join(s.kinds),
+            shapes=s.shapes(),
+            source_re=re.escape(s.where),
+        )
+        for s in lone_sources
+    ]
+    if strict:
+        problems += missing + unexpected
+    plan = Plan(
+        tuple(steps),
+        tuple(t.where for t in lone_targets),
+        tuple(s.where for s in lone_sources),
+        tuple(warnings),
+        source,
+        target,
+    )
+    return plan, problems
+
+
+def port_plan(
+    source: Any, target: Any, *, rules: Mapping[str, str] | None = None
+) -> Plan:
+    """Show how `bridge.port(source, target)` would pair layers, before moving anything.
+
+    **Arguments:**
+
+    - `source`, `target`: models of any framework, as `bridge.port` takes them.
+    - `rules`: as in `bridge.port`.
+
+    **Returns:**
+
+    A `Plan`; `print(plan)` shows one row per layer: source path, target path, layer
+    kind, the transform applied (`copy`, `Flax -> weight (out, in)`, `Flax -> stats
+    in State`, ...), and the shapes in Flax's layout; then the missing and unexpected
+    layers and the hyperparameter warnings.
+
+    **Raises:**
+
+    `PortError` for shape and dtype mismatches, ambiguous pairings, unsupported layer
+    kinds and rules that do not apply; missing and unexpected layers are listed in
+    the plan instead.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, equinox as eqx, bridge
+    >>> dense = nn.Dense(3)
+    >>> variables = dense.init(jax.random.key(0), jnp.ones((1, 2)))
+    >>> linear = eqx.nn.Linear(2, 3, key=jax.random.key(1))
+    >>> print(bridge.port_plan((dense, variables), linear))
+    source  target  kind   transform                shapes (Flax layout)
+    ------  ------  -----  -----------------------  --------------------
+    (root)  (root)  Dense  Flax -> weight (out,in)  kernel (2, 3), bias (3,)
+
+    ```
+    """
+    plan, problems = make_plan(source, target, rules, strict=False)
+    if problems:
+        raise _errors.PortError(problems)
+    return plan

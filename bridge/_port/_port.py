@@ -1,0 +1,134 @@
+"""`port`: fill a model of any framework with the weights of another."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax.numpy as jnp
+from flax import nnx
+
+from .._linen import to_linen
+from .._native import to_native
+from .._tree import Path, Tree, map_with_path
+from . import _errors
+from ._plan import Plan, Step, make_plan
+
+
+def port(
+    source: Any,
+    target: Any,
+    *,
+    rules: Mapping[str, str] | None = None,
+    strict: bool = True,
+) -> Any:
+    """Fill `target`'s structure with `source`'s weights, whatever their frameworks.
+
+    Layers are recognised by kind through the registered codecs (`bridge.Codec`),
+    paired by kind, shape and definition order (or by `rules`), and converted between
+    layouts: Dense kernel `(in, out)` <-> Equinox weight `(out, in)`, conv HWIO <->
+    OIHW, attention heads split <-> fused, BatchNorm statistics <-> `eqx.nn.State`.
+    Every problem is collected first and raised once, as a `PortError`: nothing is
+    half-written, and `target` is never modified.
+
+    **Arguments:**
+
+    - `source`: the model holding the weights: a `bridge.Tree`, an `nnx.Module`, an
+      Equinox model or `(model, state)`, Linen variables or `(module, variables)`.
+    - `target`: a model of the structure wanted, in any of the same forms. Its values
+      are replaced, except in layers left unpaired with `strict=False`.
+    - `rules`: `{source regex: target path}`, applied before automatic pairing: a
+      source layer whose path (`keystr` form, like `.Dense_0` or `.layers[2]`) fully
+      matches the regex goes to the target layer at the path the replacement gives
+      (`re.Match.expand`, so `\\1` works): `{r"\\.Dense_(\\d+)": r".layers[\\1]"}`.
+    - `strict`: with `False`, missing and unexpected layers are listed in the plan
+      instead of raising; shape and dtype mismatches, ambiguities and unsupported
+      layers always raise.
+
+    **Returns:**
+
+    The filled target, of the target's kind: a `bridge.Tree` for a Tree, a new
+    `nnx.Module`, a new Equinox model (or `(model, state)`), new Linen variables (or
+    `(module, variables)`, or a bound module).
+
+    **Raises:**
+
+    `PortError` (a `ValueError`) listing every problem. A `PortWarning` lists the
+    hyperparameters that differ between paired layers.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, equinox as eqx, bridge
+    >>> from flax import nnx
+    >>> source = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> target = eqx.nn.Linear(2, 3, key=jax.random.key(1))
+    >>> ported = bridge.port(source, target)
+    >>> bool(jnp.all(ported.weight == source.kernel[...].T))
+    True
+
+    ```
+    """
+    plan, problems = make_plan(source, target, rules, strict)
+    if problems:
+        raise _errors.PortError(problems)
+    if plan.warnings:
+        warnings.warn(
+            "Hyperparameters differ:\n  " + "\n  ".join(plan.warnings),
+            _errors.PortWarning,
+            stacklevel=2,
+        )
+    tree = run(plan)
+    return _like(target, tree)
+
+
+def run(plan: Plan) -> Tree:
+    """Execute a plan: the target Tree with every paired layer's arrays replaced."""
+    problems: list[str] = []
+    new: dict[Path, Any] = {}
+    for step in plan.steps:
+        new.update(_move(step, problems))
+    if problems:
+        raise _errors.PortError(problems)
+    assert plan._target is not None
+    return map_with_path(lambda path, leaf: new.get(path, leaf), plan._target)
+
+
+def _move(step: Step, problems: list[str]) -> dict[Path, Any]:
+    s, t = step._source, step._target
+    assert s is not None and t is not None
+    canonical = step.source_codec.decode(s.leaves, s.hyper)
+    for entry, value in step.drop.items():
+        if not bool(jnp.all(canonical[entry] == value)):
+            problems.append(
+                _errors.ENTRY_DROPPED.format(
+                    source=step.source,
+                    target=step.target,
+                    kind=step.kind,
+                    entry=entry,
+                    default=value,
+                )
+            )
+    spec = t.specs[step.kind]
+    canonical = {k: canonical[k] for k in spec if k in canonical}
+    for entry, value in step.fill.items():
+        canonical[entry] = jnp.full(spec[entry].shape, value, spec[entry].dtype)
+    leaves = step.target_codec.encode(canonical, t.leaves, t.hyper)
+    base = t.path
+    return {base + t.paths[name]: leaf for name, leaf in leaves.items()}
+
+
+def _like(target: Any, tree: Tree) -> Any:
+    """The filled Tree in the form the target was given."""
+    if isinstance(target, Tree):
+        return tree
+    if isinstance(target, (nnx.Module, eqx.Module, nn.Module)):
+        return to_native(tree)
+    if isinstance(target, tuple) and isinstance(target[0], eqx.Module):
+        return to_native(tree)
+    if isinstance(target, tuple) and isinstance(target[0], nn.Module):
+        return target[0], to_linen(tree)
+    return to_linen(tree)
