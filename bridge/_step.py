@@ -153,9 +153,10 @@ class Step:
         problems = []
         for keypath, flag in flat:
             path = tuple(key_of(e) for e in keypath)
-            if not isinstance(flag, (bool, np.bool_)):
+            if isinstance(flag, (bool, np.bool_)):
+                flags[path] = bool(flag)
+            else:
                 problems.append(f"  {path_str(path)}: {type(flag).__name__}")
-            flags[path] = bool(flag)
         if problems:
             raise TypeError(_SPEC_NOT_BOOL.format(problems="\n".join(problems)))
         if not any(flags.values()):
