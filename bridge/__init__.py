@@ -1,5 +1,6 @@
 """Flax (Linen and NNX) and Equinox models, interoperable."""
 
+from ._checkpoint import load as load, save as save
 from ._equinox import from_equinox as from_equinox, to_equinox as to_equinox
 from ._freeze import trainable as trainable
 from ._linen import from_linen as from_linen, to_linen as to_linen

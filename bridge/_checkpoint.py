@@ -1,0 +1,610 @@
+"""`save` and `load`: a model of any framework to and from a checkpoint on disk.
+
+A checkpoint is one safetensors file (`*.safetensors`), a flax msgpack file
+(`*.msgpack`) or an orbax checkpoint directory (any other path). Arrays are stored
+under their dotted neutral path (`layers.0.kernel`); the metadata records, for each
+array, its path, role, shape and dtype (and for a typed PRNG key its impl), plus the
+source framework, its layout, the native class of each module and the bridge version.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import safetensors
+
+from . import _msgpack, _orbax, _safetensors
+from ._equinox import to_equinox
+from ._linen import bind, from_linen, to_linen
+from ._native import to_neutral
+from ._nnx import to_nnx
+from ._tree import (
+    _NAMES,
+    Key,
+    Path as TreePath,
+    Tree,
+    build,
+    framework,
+    key_of,
+    kind,
+    leaf_roles,
+    walk,
+)
+
+
+VERSION = importlib.metadata.version("bridge")
+LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
+RESERVED = ("bridge_version", "framework", "layout", "tensors", "kinds")
+
+_RESERVED_KEY = """\
+metadata key {key!r} is reserved: bridge writes {reserved} itself. Rename your key
+(for example to 'user.{key}')."""
+
+_NOT_STRINGS = """\
+`metadata` must map strings to strings (safetensors stores text only); got {problems}.
+Encode other values yourself, e.g. json.dumps(value)."""
+
+_NOT_AN_ARRAY = """\
+Only arrays can be saved, but {problems}. Save the whole model (eqx.combine a
+partitioned Tree first), not a filter spec."""
+
+_KEY_COLLISION = """\
+Two paths give the same dotted name in the file: {problems}. Rename one of them."""
+
+_MISSING = "{path}: no such file or directory."
+
+_NOT_A_CHECKPOINT = """\
+{path} is a directory but not a checkpoint written by bridge.save (no '{arrays}' and \
+'{metadata}' items). Point at the checkpoint directory itself."""
+
+_UNREADABLE = """\
+{path} is not a readable {format} checkpoint: {reason}. The file may be truncated or \
+corrupted; save it again from the model."""
+
+_MISMATCH = """\
+{path} does not fit the model given as `like`:
+{problems}
+load(path, like=model) fills `like` only with exactly its arrays: the same paths,
+shapes and dtypes. Run `bridge inspect {path}` to see what the file holds, or load
+without `like` to get its Tree."""
+
+_NO_NATIVE = """\
+This Tree was read from {path} without `like`, so there is no {framework} model to
+rebuild. Pass the model to fill: bridge.load(path, like=model)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One array in a checkpoint, as stored: a typed PRNG key is stored as its key
+    data (`shape`, `dtype` are the key data's), and `prng_impl` names its impl."""
+
+    key: str
+    path: TreePath
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    prng_impl: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def logical(self) -> tuple[tuple[int, ...], str]:
+        """`(shape, dtype)` as the model holds it (a typed key array for PRNG keys)."""
+        if self.prng_impl is None:
+            return self.shape, self.dtype
+        data_ndim, dtype = _key_info(self.prng_impl)
+        return self.shape[: len(self.shape) - data_ndim], dtype
+
+
+@dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds, read from its header only (no array is read)."""
+
+    path: Path
+    format: str  # "safetensors", "orbax" or "msgpack"
+    framework: str | None  # None: not written by bridge
+    version: str | None
+    kinds: tuple[tuple[TreePath, str], ...]
+    metadata: dict[str, str]  # the user's own
+    tensors: tuple[Stored, ...]
+
+
+@functools.cache
+def _key_info(impl: str) -> tuple[int, str]:
+    key = jax.random.key(0, impl=impl)
+    return jax.random.key_data(key).ndim, str(key.dtype)
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def dotted(path: TreePath) -> str:
+    """`('layers', 0, 'kernel')` -> `'layers.0.kernel'`."""
+    return ".".join(map(str, path))
+
+
+def format_of(path: Path) -> str:
+    """The format a path is saved in: by its suffix, orbax for anything else."""
+    return {".safetensors": "safetensors", ".msgpack": "msgpack"}.get(
+        path.suffix, "orbax"
+    )
+
+
+# --- saving -----------------------------------------------------------------------
+
+
+def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, dict]:
+    """The `Contents` a Tree is saved as, and `{dotted name: array to store}`."""
+    flat = jtu.tree_flatten_with_path(tree)[0]
+    problems, names, arrays, tensors = [], {}, {}, []
+    for (keypath, leaf), role in zip(flat, leaf_roles(tree)):
+        path = tuple(key_of(e) for e in keypath)
+        name = dotted(path)
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            problems.append(f"{jtu.keystr(keypath)} is a {type(leaf).__name__}")
+            continue
+        if name in names:
+            collisions = f"{jtu.keystr(names[name])} and {jtu.keystr(keypath)}"
+            raise ValueError(_KEY_COLLISION.format(problems=collisions))
+        names[name] = keypath
+        impl = None
+        if _is_key(leaf):
+            impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        arrays[name] = leaf
+        tensors.append(
+            Stored(name, path, str(role), tuple(leaf.shape), str(leaf.dtype), impl)
+        )
+    if problems:
+        raise TypeError(_NOT_AN_ARRAY.format(problems=", ".join(problems)))
+    user = dict(metadata or {})
+    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
+    if bad:
+        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    for key in user:
+        if key in RESERVED:
+            raise ValueError(_RESERVED_KEY.format(key=key, reserved=RESERVED))
+    kinds = tuple(
+        (path, f"{cls.__module__}:{cls.__qualname__}")
+        for path, node in walk(tree)
+        if (cls := kind(node)) is not None
+    )
+    contents = Contents(
+        Path(), "", framework(tree), VERSION, kinds, user, tuple(tensors)
+    )
+    return contents, arrays
+
+
+def _both_str(key: Any, value: Any) -> bool:
+    return isinstance(key, str) and isinstance(value, str)
+
+
+def encode(contents: Contents) -> dict[str, str]:
+    """The metadata strings written to the file."""
+    tensors = {}
+    for s in contents.tensors:
+        entry: dict[str, Any] = dict(
+            path=list(s.path), role=s.role, shape=list(s.shape), dtype=s.dtype
+        )
+        if s.prng_impl is not None:
+            entry["prng_impl"] = s.prng_impl
+        tensors[s.key] = entry
+    fw = contents.framework or ""
+    return {
+        **contents.metadata,
+        "bridge_version": VERSION,
+        "framework": fw,
+        "layout": LAYOUTS.get(fw, ""),
+        "tensors": json.dumps(tensors),
+        "kinds": json.dumps([[list(p), k] for p, k in contents.kinds]),
+    }
+
+
+def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
+    """Write `arrays` (by dotted name) with `contents`' metadata, atomically."""
+    fmt = format_of(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            f"{path.parent}: no such directory to save {path.name} in."
+        )
+    if fmt != "orbax" and path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a directory: a {fmt} checkpoint is one file; pick a file name."
+        )
+    if fmt == "safetensors":
+        host = {k: np.asarray(v) for k, v in arrays.items()}
+        _safetensors.write(path, host, encode(contents))
+    elif fmt == "msgpack":
+        variables: dict[str, Any] = {}
+        for s in contents.tensors:
+            _put(variables, (s.role, *map(str, s.path)), np.asarray(arrays[s.key]))
+        _msgpack.write(path, variables)
+    else:
+        nested: dict[str, Any] = {}
+        for s in contents.tensors:
+            _put(nested, tuple(map(str, s.path)), arrays[s.key])
+        _orbax.write(path, nested, encode(contents))
+
+
+def _put(nested: dict, keys: tuple[str, ...], value: Any) -> None:
+    for key in keys[:-1]:
+        nested = nested.setdefault(key, {})
+    nested[keys[-1]] = value
+
+
+def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> None:
+    """Save a model of any framework as a checkpoint, atomically.
+
+    The format follows the path: `*.safetensors` writes one safetensors file, keyed
+    by the dotted neutral paths (`layers.0.kernel`), with the role, shape and dtype
+    of every array, the source framework and its layout (`"flax"` or `"equinox"`),
+    and the bridge version in the file's metadata, so any framework can read it.
+    `*.msgpack` writes a flax msgpack file of Linen-style variables
+    (`{role: {module: {name: array}}}`). Any other path is an orbax checkpoint
+    directory (items `state`: the arrays as a nested dict with their shardings, and
+    `bridge`: the metadata).
+
+    Typed PRNG keys (NNX's `RngKey`) are stored as their key data, with the impl name
+    in the metadata (safetensors, orbax), and come back as typed keys.
+
+    The checkpoint is written under a temporary name in the same directory, flushed
+    to disk, then renamed to `path`: a failure leaves any earlier checkpoint at
+    `path` intact. An existing orbax directory is replaced only if it is a bridge
+    checkpoint.
+
+    **Arguments:**
+
+    - `path`: where to write.
+    - `obj`: a `bridge.Tree` or a native model (anything `bridge.to_neutral` takes).
+    - `metadata`: optional `dict[str, str]` stored with the arrays (safetensors,
+      orbax); `bridge inspect` shows it.
+
+    **Returns:**
+
+    Nothing.
+
+    **Example:**
+
+    ```python
+    >>> import bridge, tempfile, os
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> path = os.path.join(tempfile.mkdtemp(), "linear.safetensors")
+    >>> bridge.save(path, model, metadata={"step": "100"})
+    >>> bridge.load(path).kernel.shape
+    (2, 3)
+
+    ```
+    """
+    contents, arrays = describe(to_neutral(obj), metadata)
+    write(Path(path), contents, arrays)
+
+
+# --- reading ------------------------------------------------------------------------
+
+
+def open_checkpoint(path: str | os.PathLike) -> Contents:
+    """Read what a checkpoint holds from its header (no array is read).
+
+    Raises `FileNotFoundError` for a missing path and `ValueError` naming the file
+    for a directory that is not a checkpoint or a truncated or corrupted file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(_MISSING.format(path=path))
+    fmt = "orbax" if path.is_dir() else format_of(path)
+    if fmt == "orbax" and not (path.is_dir() and _orbax.is_checkpoint(path)):
+        if path.is_dir():
+            raise ValueError(
+                _NOT_A_CHECKPOINT.format(
+                    path=path, arrays=_orbax.ARRAYS, metadata=_orbax.METADATA
+                )
+            )
+        raise ValueError(
+            f"{path}: unknown checkpoint format '{path.suffix}': bridge reads "
+            "*.safetensors and *.msgpack files and orbax checkpoint directories."
+        )
+    try:
+        if fmt == "safetensors":
+            meta, shapes = _safetensors.header(path)
+            return _decode(path, fmt, meta, shapes)
+        if fmt == "msgpack":
+            return _msgpack_contents(path, _msgpack.read(path))
+        return _decode(path, fmt, _orbax.header(path), None)
+    except (ValueError, KeyError, TypeError, OSError, safetensors.SafetensorError) as e:
+        raise ValueError(
+            _UNREADABLE.format(path=path, format=fmt, reason=_reason(e))
+        ) from e
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _split(name: str) -> TreePath:
+    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+
+
+def _decode(
+    path: Path,
+    fmt: str,
+    meta: dict[str, str],
+    shapes: dict[str, tuple[tuple[int, ...], str]] | None,
+) -> Contents:
+    if "bridge_version" not in meta:
+        if shapes is None:
+            raise ValueError("no bridge metadata")
+        # a safetensors file from elsewhere: names are paths, every array a param
+        tensors = tuple(
+            Stored(name, _split(name), "params", shape, dtype)
+            for name, (shape, dtype) in shapes.items()
+        )
+        return Contents(path, fmt, None, None, (), dict(meta), tensors)
+    entries = json.loads(meta["tensors"])
+    tensors = tuple(
+        Stored(
+            name,
+            tuple(e["path"]),
+            e["role"],
+            tuple(e["shape"]),
+            e["dtype"],
+            e.get("prng_impl"),
+        )
+        for name, e in entries.items()
+    )
+    if shapes is not None:
+        described = {s.key: (s.shape, s.dtype) for s in tensors}
+        if described != shapes:
+            raise ValueError(
+                "the metadata describes other arrays than the file holds ("
+                + ", ".join(sorted(set(described).symmetric_difference(shapes)))
+                + ")"
+            )
+    kinds = tuple((tuple(p), k) for p, k in json.loads(meta["kinds"]))
+    user = {k: v for k, v in meta.items() if k not in RESERVED}
+    fw = meta["framework"] or None
+    return Contents(path, fmt, fw, meta["bridge_version"], kinds, user, tensors)
+
+
+def _msgpack_contents(path: Path, variables: dict[str, Any]) -> Contents:
+    tensors = []
+    for keypath, leaf in jtu.tree_flatten_with_path(variables)[0]:
+        role, *rest = (str(key_of(e)) for e in keypath)
+        if not rest or not hasattr(leaf, "shape"):
+            raise ValueError(
+                f"{jtu.keystr(keypath)} is not an array inside a collection"
+            )
+        name = ".".join(rest)
+        dtype = str(np.asarray(leaf).dtype)
+        tensors.append(Stored(name, _split(name), role, np.shape(leaf), dtype))
+    return Contents(path, "msgpack", None, None, (), {}, tuple(tensors))
+
+
+def read(
+    contents: Contents, shardings: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every array of a checkpoint as a JAX array, by dotted name, one at a time
+    (typed PRNG keys re-wrapped). `shardings` places arrays (by name)."""
+    shardings = shardings or {}
+    by_name = {s.key: s for s in contents.tensors}
+    try:
+        raw = _read_raw(contents, shardings)
+        out = {}
+        for name, array in raw:
+            stored = by_name[name]
+            if stored.prng_impl is not None:
+                array = jax.random.wrap_key_data(array, impl=stored.prng_impl)
+            sharding = shardings.get(name)
+            if sharding is not None:
+                out[name] = jax.device_put(array, sharding)
+            else:
+                out[name] = jnp.asarray(array)
+        return out
+    except (ValueError, KeyError, TypeError, OSError, safetensors.SafetensorError) as e:
+        raise ValueError(
+            _UNREADABLE.format(
+                path=contents.path, format=contents.format, reason=_reason(e)
+            )
+        ) from e
+
+
+def _read_raw(contents: Contents, shardings: Mapping[str, Any]):
+    names = [s.key for s in contents.tensors]
+    if contents.format == "safetensors":
+        return _safetensors.read(contents.path, names)
+    if contents.format == "msgpack":
+        variables = _msgpack.read(contents.path)
+        return [
+            (s.key, _get(variables, (s.role, *s.key.split("."))))
+            for s in contents.tensors
+        ]
+    abstract: dict[str, Any] | None = None  # None: each array's saved sharding
+    if shardings:
+        abstract = {}
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        for s in contents.tensors:
+            sharding = shardings.get(s.key) if s.prng_impl is None else None
+            spec = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding or default)
+            _put(abstract, tuple(map(str, s.path)), spec)
+    restored = _orbax.read(contents.path, abstract)
+    return [(s.key, _get(restored, tuple(map(str, s.path)))) for s in contents.tensors]
+
+
+def _get(nested: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        nested = nested[key]
+    return nested
+
+
+class _FileRecord:
+    """The adapter record of a Tree read without `like`: there is no native model,
+    and turning it into one says so."""
+
+    def __init__(self, path: Path, framework: str):
+        self.path, self.framework = path, framework
+
+    def __iter__(self):
+        raise TypeError(
+            _NO_NATIVE.format(path=self.path, framework=_NAMES[self.framework])
+        )
+
+    def __eq__(self, other):
+        return type(other) is _FileRecord and other.path == self.path
+
+    def __hash__(self):
+        return hash(self.path)
+
+
+def _resolve(name: str) -> type | None:
+    """The class named `module:qualname` if its module is already imported (nothing is
+    imported or executed on load)."""
+    module, _, qualname = name.partition(":")
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
+    """The Tree of a checkpoint's arrays, with their roles and the modules' kinds."""
+    if contents.framework in ("nnx", "equinox"):
+        kinds = {p: cls for p, name in contents.kinds if (cls := _resolve(name))}
+        entries = [
+            (s.path, s.role, arrays[s.key], i) for i, s in enumerate(contents.tensors)
+        ]
+        record = _FileRecord(contents.path, contents.framework)
+        return build(entries, kinds, contents.framework, record)
+    variables: dict[Key, Any] = {}
+    for s in contents.tensors:
+        node = variables.setdefault(s.role, {})
+        for key in s.path[:-1]:
+            node = node.setdefault(key, {})
+        node[s.path[-1]] = arrays[s.key]
+    return from_linen(variables)
+
+
+def _fill(contents: Contents, target: Tree) -> Tree:
+    """`target` with every leaf read from the checkpoint, or one error listing every
+    missing, unexpected, shape and dtype problem."""
+    stored = {s.key: s for s in contents.tensors}
+    flat = jtu.tree_flatten_with_path(target)[0]
+    wanted = {dotted(tuple(key_of(e) for e in p)): (p, leaf) for p, leaf in flat}
+    problems = []
+    for name, (keypath, leaf) in wanted.items():
+        if name not in stored:
+            problems.append(
+                f"  missing {jtu.keystr(keypath)} (no '{name}' in the file)"
+            )
+            continue
+        shape, dtype = stored[name].logical
+        want = (tuple(np.shape(leaf)), str(leaf.dtype))
+        if shape != want[0]:
+            problems.append(
+                f"  {jtu.keystr(keypath)}: shape {shape} in the file, {want[0]} in "
+                "`like`"
+            )
+        if dtype != want[1]:
+            problems.append(
+                f"  {jtu.keystr(keypath)}: dtype {dtype} in the file, {want[1]} in "
+                "`like`"
+            )
+    problems += [
+        f"  unexpected '{name}' in the file (not in `like`)"
+        for name in stored
+        if name not in wanted
+    ]
+    if problems:
+        raise ValueError(
+            _MISMATCH.format(path=contents.path, problems="\n".join(problems))
+        )
+    shardings = {
+        name: leaf.sharding
+        for name, (_, leaf) in wanted.items()
+        if isinstance(leaf, jax.Array)
+    }
+    arrays = read(contents, shardings)
+    return jtu.tree_map_with_path(
+        lambda p, _: arrays[dotted(tuple(key_of(e) for e in p))], target
+    )
+
+
+def _like(like: Any, tree: Tree) -> Any:
+    """`tree` as the same kind of object as `like`."""
+    if isinstance(like, Tree):
+        return tree
+    fw = framework(tree)
+    if fw == "nnx":
+        return to_nnx(tree)
+    if fw == "equinox":
+        return to_equinox(tree)
+    if isinstance(like, nn.Module):
+        return bind(tree)
+    if isinstance(like, tuple):
+        return like[0], to_linen(tree)
+    return to_linen(tree)
+
+
+def load(path: str | os.PathLike, like: Any = None) -> Any:
+    """Load a checkpoint written by `bridge.save` (or any safetensors file).
+
+    Arrays are read one at a time (safetensors through its memory map), so memory
+    stays near one copy of the model. Nothing in the file is executed: safetensors,
+    msgpack and orbax's formats hold data only, and module classes recorded in the
+    metadata are looked up only among modules already imported.
+
+    **Arguments:**
+
+    - `path`: a `*.safetensors` or `*.msgpack` file, or an orbax checkpoint directory.
+    - `like`: optional, the model to fill: a `bridge.Tree` or a native model of any
+      framework (anything `bridge.to_neutral` takes). Its arrays' shardings are kept.
+
+    **Returns:**
+
+    Without `like`: a `bridge.Tree` of the file's arrays, with their roles (typed
+    PRNG keys restored, sharded arrays with their saved sharding under orbax). With
+    `like`: the same kind of object as `like` (a Tree, an NNX module, an Equinox
+    model or `(model, state)`, Linen variables, `(module, variables)` or a bound
+    module), filled from the file.
+
+    **Raises:**
+
+    `FileNotFoundError` for a missing path; `ValueError` naming the file for a
+    directory that is not a checkpoint or a truncated or corrupted file; `ValueError`
+    listing every missing, unexpected, shape and dtype problem when the file does not
+    fit `like`.
+
+    **Example:**
+
+    ```python
+    >>> import bridge, tempfile, os
+    >>> from flax import nnx
+    >>> path = os.path.join(tempfile.mkdtemp(), "linear.safetensors")
+    >>> bridge.save(path, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> model = bridge.load(path, like=nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+    >>> type(model).__name__
+    'Linear'
+
+    ```
+    """
+    contents = open_checkpoint(path)
+    if like is None:
+        return file_tree(contents, read(contents))
+    return _like(like, _fill(contents, to_neutral(like)))
