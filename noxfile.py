@@ -54,6 +54,9 @@ BROKEN = {
 }
 
 
+RUFF = "ruff==0.17.6"
+
+
 def _requirements(*, without: tuple[str, ...] = ()) -> list[str]:
     """pyproject.toml's dependencies and test extra, less the packages in `without`."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -62,10 +65,10 @@ def _requirements(*, without: tuple[str, ...] = ()) -> list[str]:
     return [r for r in reqs if name(r) not in without]
 
 
-def _scripts(folder: str) -> list[Path]:
+def _scripts(session: nox.Session, folder: str) -> list[Path]:
     scripts = sorted((ROOT / folder).glob("*.py"))
     if not scripts:
-        raise RuntimeError(f"no {folder}/*.py to run")
+        session.error(f"no {folder}/*.py to run")
     return scripts
 
 
@@ -114,7 +117,7 @@ def tests_matrix(session: nox.Session, flax: str, equinox: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """`ruff format --check` and `ruff check` over the whole repository."""
-    session.install("ruff==0.17.6")
+    session.install(RUFF)
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
 
@@ -129,7 +132,10 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the site with `strict: true` (every warning is an error)."""
-    session.install("-e", ".", "mkdocs-material>=9.5", "mkdocstrings-python>=1.16")
+    # ruff formats the signatures mkdocstrings shows
+    session.install(
+        "-e", ".", "mkdocs-material>=9.5", "mkdocstrings-python>=1.16", RUFF
+    )
     session.run("mkdocs", "build", "--strict", "--site-dir", str(session.create_tmp()))
 
 
@@ -137,7 +143,7 @@ def docs(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Run every `examples/*.py`; any error fails the session."""
     session.install("-e", ".")
-    for script in _scripts("examples"):
+    for script in _scripts(session, "examples"):
         session.log(f"--- {script.name}")
         session.run("python", str(script))
 
@@ -146,7 +152,7 @@ def examples(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every `benchmarks/*.py` with `--quick`; each prints its timing ratios."""
     session.install("-e", ".")
-    for script in _scripts("benchmarks"):
+    for script in _scripts(session, "benchmarks"):
         session.log(f"--- {script.name}")
         session.run("python", str(script), "--quick")
 
