@@ -174,7 +174,13 @@ class Step:
 
     def __call__(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> tuple:
         """One step: `(tree, opt_state, loss)`, and `aux` when `has_aux=True`."""
-        return self._jit(tree, opt_state, *batch)
+        changed, *rest = self._jit(tree, opt_state, *batch)
+        leaves, treedef = jtu.tree_flatten(tree)
+        for i, leaf in changed.items():
+            leaves[i] = leaf
+        # the input treedef: the new Tree shares its static data, so the next call
+        # finds the compiled step by identity
+        return (jtu.tree_unflatten(treedef, leaves), *rest)
 
     def lower(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> Any:
         """`jax.jit(...).lower` of the step, e.g. for `.compile().cost_analysis()`."""
@@ -254,16 +260,15 @@ class Step:
         (loss, (aux, updated)), grads = grad_fn(params)
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        out = list(leaves)
-        for i, leaf in updated.items():
-            out[i] = leaf
+        # only the leaves that changed leave the compiled step (each output is a new
+        # buffer): `__call__` puts them into the Tree, by position
+        changed = dict(updated)
         for name, i in zip(names, position):
-            out[i] = params[name]
-        # the input treedef: the output Tree reuses its static data, so the next call
-        # finds the compiled step by identity
-        tree = jtu.tree_unflatten(treedef, out)
+            changed[i] = params[name]
         return (
-            (tree, opt_state, loss, aux) if self._has_aux else (tree, opt_state, loss)
+            (changed, opt_state, loss, aux)
+            if self._has_aux
+            else (changed, opt_state, loss)
         )
 
 
@@ -312,9 +317,9 @@ def _forward(
     flat = jtu.tree_flatten_with_path(tree)[0]
     roles = leaf_roles(tree)
     updated = {}
-    for i, ((keypath, _), role) in enumerate(zip(flat, roles)):
+    for i, ((keypath, leaf), role) in enumerate(zip(flat, roles)):
         path = tuple(key_of(e) for e in keypath)
-        if role != "params" and path in new:
+        if role != "params" and path in new and new[path] is not leaf:
             updated[i] = new[path]
     return out, updated
 
