@@ -165,7 +165,7 @@ class Step:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._has_aux = has_aux
-        self._jit = jax.jit(self._run)
+        self._jit = jax.jit(self._run, static_argnums=0)
 
     def init(self, tree: Tree) -> optax.OptState:
         """The optimizer state for the trainable leaves of `tree`."""
@@ -174,8 +174,8 @@ class Step:
 
     def __call__(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> tuple:
         """One step: `(tree, opt_state, loss)`, and `aux` when `has_aux=True`."""
-        changed, *rest = self._jit(tree, opt_state, *batch)
         leaves, treedef = jtu.tree_flatten(tree)
+        changed, *rest = self._jit(treedef, leaves, opt_state, *batch)
         for i, leaf in changed.items():
             leaves[i] = leaf
         # the input treedef: the new Tree shares its static data, so the next call
@@ -184,7 +184,8 @@ class Step:
 
     def lower(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> Any:
         """`jax.jit(...).lower` of the step, e.g. for `.compile().cost_analysis()`."""
-        return self._jit.lower(tree, opt_state, *batch)
+        leaves, treedef = jtu.tree_flatten(tree)
+        return self._jit.lower(treedef, leaves, opt_state, *batch)
 
     def _split(self, tree: Tree) -> tuple[dict[str, Any], list[int]]:
         """The trainable leaves by name, and their positions; checks the structure."""
@@ -241,10 +242,9 @@ class Step:
             problems = ["its structure, shapes or dtypes differ from `step.init(tree)`"]
         raise ValueError(_OPT_STATE_MISMATCH.format(problems="; ".join(problems)))
 
-    def _run(self, tree: Tree, opt_state: Any, *batch: Any) -> tuple:
-        params, position = self._split(tree)
+    def _run(self, treedef: Any, leaves: list, opt_state: Any, *batch: Any) -> tuple:
+        params, position = self._split(jtu.tree_unflatten(treedef, leaves))
         self._check_opt_state(opt_state, params)
-        leaves, treedef = jtu.tree_flatten(tree)
         names = list(params)
 
         def loss_of(params):
