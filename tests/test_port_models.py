@@ -50,7 +50,7 @@ INPUTS = {
 }
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "block"])
 @pytest.mark.parametrize("source_fw,target_fw", DIRECTIONS)
 def test_port_model(name, source_fw, target_fw):
     source = _make(name, source_fw, seed=1)

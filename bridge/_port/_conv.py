@@ -1,4 +1,5 @@
-"""Codecs: `Conv` (1-D, 2-D, 3-D, any groups and strides) and `ConvTranspose`.
+"""Codecs: `Conv` (1-D, 2-D, 3-D, any groups and strides) and `ConvTranspose`
+(Flax with `transpose_kernel=False`, the default).
 
 Canonical (Flax): `kernel` shape `(*kernel_size, in // groups, out)` (HWIO), `bias`
 shape `(out,)`. Equinox stores `weight` shape `(out, in // groups, *kernel_size)`
@@ -134,6 +135,53 @@ CONV_EQUINOX = register_codec(
         _eqx_decode,
         _eqx_encode,
         _eqx_hyper,
+        layout=_LAYOUT,
+        defaults=_DEFAULTS,
+    )
+)
+
+
+def _nnx_transpose_hyper(module: Any) -> dict[str, Any]:
+    n = len(tuple(module.kernel_size))
+    return {"strides": _tuple(module.strides, n), "use_bias": module.use_bias}
+
+
+def _eqx_transpose_hyper(module: Any) -> dict[str, Any]:
+    return {"strides": tuple(module.stride), "use_bias": module.use_bias}
+
+
+# Flax's ConvTranspose (transpose_kernel=False) and Equinox's read the same kernel
+# unflipped: the layout change is the Conv one.
+CONV_TRANSPOSE_LINEN = register_codec(
+    Codec(
+        "ConvTranspose",
+        "linen",
+        _linen_conv,
+        same,
+        same_as_like,
+        names=("ConvTranspose",),
+        defaults=_DEFAULTS,
+    )
+)
+CONV_TRANSPOSE_NNX = register_codec(
+    Codec(
+        "ConvTranspose",
+        "nnx",
+        of_class(nnx.ConvTranspose),
+        same,
+        same_as_like,
+        _nnx_transpose_hyper,
+        defaults=_DEFAULTS,
+    )
+)
+CONV_TRANSPOSE_EQUINOX = register_codec(
+    Codec(
+        "ConvTranspose",
+        "equinox",
+        of_class(eqx.nn.ConvTranspose),
+        _eqx_decode,
+        _eqx_encode,
+        _eqx_transpose_hyper,
         layout=_LAYOUT,
         defaults=_DEFAULTS,
     )

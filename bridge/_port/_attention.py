@@ -1,0 +1,112 @@
+"""Codec: `MultiHeadAttention` (Linen `nn.MultiHeadDotProductAttention`, NNX
+`nnx.MultiHeadAttention`, Equinox `eqx.nn.MultiheadAttention`).
+
+Canonical (Flax): `query/kernel`, `key/kernel`, `value/kernel` shape
+`(in, heads, head_dim)` with biases `(heads, head_dim)`; `out/kernel` shape
+`(heads, head_dim, out)` with bias `(out,)`. Equinox fuses the heads:
+`query_proj/weight` shape `(heads * head_dim, in)`, bias `(heads * head_dim,)`,
+`output_proj/weight` shape `(out, heads * head_dim)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+from flax import nnx
+
+from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+
+
+_PROJ = {"query": "query_proj", "key": "key_proj", "value": "value_proj"}
+_DEFAULTS = {f"{p}/bias": 0.0 for p in ("query", "key", "value", "out")}
+
+
+def _linen(cls, leaves: Leaves) -> bool:
+    kernels = {f"{p}/kernel" for p in ("query", "key", "value", "out")}
+    return kernels <= set(leaves) <= kernels | set(_DEFAULTS)
+
+
+def _eqx_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    heads = hyper["heads"]
+    out: Leaves = {}
+    for flax_name, eqx_name in _PROJ.items():
+        weight = leaves[f"{eqx_name}/weight"]
+        out[f"{flax_name}/kernel"] = jnp.reshape(weight.T, (weight.shape[1], heads, -1))
+        if f"{eqx_name}/bias" in leaves:
+            out[f"{flax_name}/bias"] = jnp.reshape(
+                leaves[f"{eqx_name}/bias"], (heads, -1)
+            )
+    weight = leaves["output_proj/weight"]
+    out["out/kernel"] = jnp.reshape(weight.T, (heads, -1, weight.shape[0]))
+    if "output_proj/bias" in leaves:
+        out["out/bias"] = leaves["output_proj/bias"]
+    return out
+
+
+def _eqx_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out: Leaves = {}
+    for flax_name, eqx_name in _PROJ.items():
+        kernel = canonical[f"{flax_name}/kernel"]
+        out[f"{eqx_name}/weight"] = jnp.reshape(kernel, (kernel.shape[0], -1)).T
+        if f"{eqx_name}/bias" in like:
+            out[f"{eqx_name}/bias"] = jnp.reshape(canonical[f"{flax_name}/bias"], -1)
+    kernel = canonical["out/kernel"]
+    out["output_proj/weight"] = jnp.reshape(kernel, (-1, kernel.shape[-1])).T
+    if "output_proj/bias" in like:
+        out["output_proj/bias"] = canonical["out/bias"]
+    return out
+
+
+def _nnx_hyper(module: Any) -> dict[str, Any]:
+    return {"heads": module.num_heads, "use_bias": module.use_bias}
+
+
+def _eqx_hyper(module: Any) -> dict[str, Any]:
+    flags = {
+        module.use_query_bias,
+        module.use_key_bias,
+        module.use_value_bias,
+        module.use_output_bias,
+    }
+    hyper: dict[str, Any] = {"heads": module.num_heads}
+    if len(flags) == 1:
+        hyper["use_bias"] = flags.pop()
+    return hyper
+
+
+MHA_LINEN = register_codec(
+    Codec(
+        "MultiHeadAttention",
+        "linen",
+        _linen,
+        same,
+        same_as_like,
+        names=("MultiHeadDotProductAttention", "MultiHeadAttention", "SelfAttention"),
+        defaults=_DEFAULTS,
+    )
+)
+MHA_NNX = register_codec(
+    Codec(
+        "MultiHeadAttention",
+        "nnx",
+        of_class(nnx.MultiHeadAttention),
+        same,
+        same_as_like,
+        _nnx_hyper,
+        defaults=_DEFAULTS,
+    )
+)
+MHA_EQUINOX = register_codec(
+    Codec(
+        "MultiHeadAttention",
+        "equinox",
+        of_class(eqx.nn.MultiheadAttention),
+        _eqx_decode,
+        _eqx_encode,
+        _eqx_hyper,
+        layout="fused heads (H*D, in)",
+        defaults=_DEFAULTS,
+    )
+)

@@ -1,0 +1,34 @@
+"""Codec: `Embed` (Linen `nn.Embed`, NNX `nnx.Embed`, Equinox `eqx.nn.Embedding`).
+
+Canonical: `embedding` shape `(num_embeddings, features)`; Equinox calls it `weight`,
+same layout.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+from flax import nnx
+
+from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+
+
+def _linen(cls, leaves: Leaves) -> bool:
+    return set(leaves) == {"embedding"} and leaves["embedding"].ndim == 2
+
+
+EMBED_LINEN = register_codec(
+    Codec("Embed", "linen", _linen, same, same_as_like, names=("Embed",))
+)
+EMBED_NNX = register_codec(
+    Codec("Embed", "nnx", of_class(nnx.Embed), same, same_as_like)
+)
+EMBED_EQUINOX = register_codec(
+    Codec(
+        "Embed",
+        "equinox",
+        of_class(eqx.nn.Embedding),
+        lambda leaves, hyper: {"embedding": leaves["weight"]},
+        lambda canonical, like, hyper: {"weight": canonical["embedding"]},
+        layout="weight",
+    )
+)

@@ -1,0 +1,108 @@
+"""Codecs: `LayerNorm`, `RMSNorm` and `GroupNorm`.
+
+Canonical (Flax): `scale` and `bias`, shape `(features,)`; Equinox calls them
+`weight` and `bias`. Equinox's `RMSNorm` has a `bias` Flax's has not: it is 0 when
+coming from Flax, and porting to Flax refuses a non-zero one. Either side may lack
+`scale` (1) or `bias` (0): a missing one is filled with that neutral value, a dropped
+one must hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+from flax import nnx
+
+from ._codec import (
+    Codec,
+    Leaves,
+    attributes,
+    of_class,
+    register_codec,
+    same,
+    same_as_like,
+)
+
+
+_DEFAULTS = {"scale": 1.0, "bias": 0.0}
+_RENAME = {"weight": "scale", "bias": "bias"}
+_BACK = {"scale": "weight", "bias": "bias"}
+
+
+def _linen_affine(cls, leaves: Leaves) -> bool:
+    return bool(leaves) and set(leaves) <= {"scale", "bias"}
+
+
+def _linen_rms(cls, leaves: Leaves) -> bool:
+    return set(leaves) == {"scale"}
+
+
+def _eqx_decode(leaves: Leaves, hyper) -> Leaves:
+    return {_RENAME[k]: v for k, v in leaves.items()}
+
+
+def _eqx_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
+    return {k: canonical[_RENAME[k]] for k in like}
+
+
+def _eqx_groups(module: Any) -> dict[str, Any]:
+    return {
+        "epsilon": module.eps,
+        "groups": module.groups,
+        "use_scale": module.channelwise_affine,
+        "use_bias": module.channelwise_affine,
+    }
+
+
+def _flax(kind: str, framework: str, recognise, hyper=None, names=()) -> Codec:
+    return register_codec(
+        Codec(
+            kind,
+            framework,
+            recognise,
+            same,
+            same_as_like,
+            hyper or (lambda module: {}),
+            names=names,
+            defaults=_DEFAULTS,
+        )
+    )
+
+
+def _equinox(kind: str, cls: type, hyper) -> Codec:
+    return register_codec(
+        Codec(
+            kind,
+            "equinox",
+            of_class(cls),
+            _eqx_decode,
+            _eqx_encode,
+            hyper,
+            layout="weight",
+            defaults=_DEFAULTS,
+        )
+    )
+
+
+_NNX_NORM = attributes(epsilon="epsilon", use_scale="use_scale", use_bias="use_bias")
+_EQX_NORM = attributes(epsilon="eps", use_scale="use_weight", use_bias="use_bias")
+
+LAYER_NORM_LINEN = _flax("LayerNorm", "linen", _linen_affine, names=("LayerNorm",))
+LAYER_NORM_NNX = _flax("LayerNorm", "nnx", of_class(nnx.LayerNorm), _NNX_NORM)
+LAYER_NORM_EQUINOX = _equinox("LayerNorm", eqx.nn.LayerNorm, _EQX_NORM)
+
+RMS_NORM_LINEN = _flax("RMSNorm", "linen", _linen_rms, names=("RMSNorm",))
+RMS_NORM_NNX = _flax(
+    "RMSNorm", "nnx", of_class(nnx.RMSNorm), attributes(epsilon="epsilon")
+)
+RMS_NORM_EQUINOX = _equinox("RMSNorm", eqx.nn.RMSNorm, attributes(epsilon="eps"))
+
+GROUP_NORM_LINEN = _flax("GroupNorm", "linen", _linen_affine, names=("GroupNorm",))
+GROUP_NORM_NNX = _flax(
+    "GroupNorm",
+    "nnx",
+    of_class(nnx.GroupNorm),
+    attributes(epsilon="epsilon", groups="num_groups"),
+)
+GROUP_NORM_EQUINOX = _equinox("GroupNorm", eqx.nn.GroupNorm, _eqx_groups)
