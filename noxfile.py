@@ -31,7 +31,7 @@ FLOOR = [
     "optax==0.2.5",
     "numpy==2.0.0",
     "safetensors==0.4.3",
-    "orbax-checkpoint==0.11.0",
+    "orbax-checkpoint==0.11.17",
     "rich==13.0.0",
 ]
 
