@@ -4,7 +4,8 @@ A checkpoint is one safetensors file (`*.safetensors`), a flax msgpack file
 (`*.msgpack`) or an orbax checkpoint directory (any other path). Arrays are stored
 under their dotted neutral path (`layers.0.kernel`); the metadata records, for each
 array, its path, role, shape and dtype (and for a typed PRNG key its impl), plus the
-source framework, its layout, the native class of each module and the bridge version.
+source framework, its layout, the native class of each module (and for Equinox its
+plain settings, so a file can be ported without the model) and the bridge version.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import safetensors
 from . import _msgpack, _orbax, _safetensors
 from ._equinox import to_equinox
 from ._linen import bind, from_linen, to_linen
-from ._native import to_neutral
+from ._native import to_native, to_neutral
 from ._nnx import to_nnx
+from ._port._errors import PortError
+from ._port._port import port
+from ._skeleton import settings, skeleton
 from ._tree import (
-    _NAMES,
     Key,
     Path as TreePath,
     Tree,
@@ -48,7 +51,7 @@ from ._tree import (
 
 VERSION = importlib.metadata.version("bridge")
 LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
-RESERVED = ("bridge_version", "framework", "layout", "tensors", "kinds")
+RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
 
 _RESERVED_KEY = """\
 metadata key {key!r} is reserved: bridge writes {reserved} itself. Rename your key
@@ -75,16 +78,16 @@ _UNREADABLE = """\
 {path} is not a readable {format} checkpoint: {reason}. The file may be truncated or \
 corrupted; save it again from the model."""
 
+_PORTING = """\
+(while porting {path} into `like`: the file came from another framework, so its
+arrays were paired with `like`'s layers by bridge.port)"""
+
 _MISMATCH = """\
 {path} does not fit the model given as `like`:
 {problems}
 load(path, like=model) fills `like` only with exactly its arrays: the same paths,
 shapes and dtypes. Run `bridge inspect {path}` to see what the file holds, or load
 without `like` to get its Tree."""
-
-_NO_NATIVE = """\
-This Tree was read from {path} without `like`, so there is no {framework} model to
-rebuild. Pass the model to fill: bridge.load(path, like=model)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class Contents:
     format: str  # "safetensors", "orbax" or "msgpack"
     framework: str | None  # None: not written by bridge
     version: str | None
-    kinds: tuple[tuple[TreePath, str], ...]
+    modules: tuple[tuple[TreePath, str, dict[str, Any]], ...]  # class, settings
     metadata: dict[str, str]  # the user's own
     tensors: tuple[Stored, ...]
 
@@ -181,14 +184,20 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
     for key in user:
         if key in RESERVED:
             raise ValueError(_RESERVED_KEY.format(key=key, reserved=RESERVED))
-    kinds = tuple(
-        (path, f"{cls.__module__}:{cls.__qualname__}")
+    fw = framework(tree)
+    native = to_native(tree) if fw == "equinox" else None
+    if isinstance(native, tuple):
+        native = native[0]
+    modules = tuple(
+        (
+            path,
+            f"{cls.__module__}:{cls.__qualname__}",
+            settings(_at(native, path)) if native is not None else {},
+        )
         for path, node in walk(tree)
         if (cls := kind(node)) is not None
     )
-    contents = Contents(
-        Path(), "", framework(tree), VERSION, kinds, user, tuple(tensors)
-    )
+    contents = Contents(Path(), "", fw, VERSION, modules, user, tuple(tensors))
     return contents, arrays
 
 
@@ -213,7 +222,7 @@ def encode(contents: Contents) -> dict[str, str]:
         "framework": fw,
         "layout": LAYOUTS.get(fw, ""),
         "tensors": json.dumps(tensors),
-        "kinds": json.dumps([[list(p), k] for p, k in contents.kinds]),
+        "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
     }
 
 
@@ -378,10 +387,10 @@ def _decode(
                 + ", ".join(sorted(set(described).symmetric_difference(shapes)))
                 + ")"
             )
-    kinds = tuple((tuple(p), k) for p, k in json.loads(meta["kinds"]))
+    modules = tuple((tuple(p), c, f) for p, c, f in json.loads(meta["modules"]))
     user = {k: v for k, v in meta.items() if k not in RESERVED}
     fw = meta["framework"] or None
-    return Contents(path, fmt, fw, meta["bridge_version"], kinds, user, tensors)
+    return Contents(path, fmt, fw, meta["bridge_version"], modules, user, tensors)
 
 
 def _msgpack_contents(path: Path, variables: dict[str, Any]) -> Contents:
@@ -454,25 +463,6 @@ def _get(nested: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
     return nested
 
 
-class _FileRecord:
-    """The adapter record of a Tree read without `like`: there is no native model,
-    and turning it into one says so."""
-
-    def __init__(self, path: Path, framework: str):
-        self.path, self.framework = path, framework
-
-    def __iter__(self):
-        raise TypeError(
-            _NO_NATIVE.format(path=self.path, framework=_NAMES[self.framework])
-        )
-
-    def __eq__(self, other):
-        return type(other) is _FileRecord and other.path == self.path
-
-    def __hash__(self):
-        return hash(self.path)
-
-
 def _resolve(name: str) -> type | None:
     """The class named `module:qualname` if its module is already imported (nothing is
     imported or executed on load)."""
@@ -483,15 +473,32 @@ def _resolve(name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
+def _at(obj: Any, path: TreePath) -> Any:
+    for key in path:
+        obj = obj[key] if isinstance(key, int) else getattr(obj, key)
+    return obj
+
+
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
-    """The Tree of a checkpoint's arrays, with their roles and the modules' kinds."""
-    if contents.framework in ("nnx", "equinox"):
-        kinds = {p: cls for p, name in contents.kinds if (cls := _resolve(name))}
+    """The Tree of a checkpoint's arrays, with their roles.
+
+    From an Equinox file: a Tree of kind `equinox` whose native model is a skeleton
+    (`bridge._skeleton`), with each module's class as its kind where that class is
+    already imported. From any other file: the Tree of Linen-style variables
+    (`{role: {module: {name: array}}}`, Flax's layout), so `bridge.to_native` gives
+    that dict.
+    """
+    if contents.framework == "equinox":
+        paths = [s.path for s in contents.tensors]
+        model_def, position = skeleton(
+            paths, {p: (c, f) for p, c, f in contents.modules}
+        )
+        kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
         entries = [
-            (s.path, s.role, arrays[s.key], i) for i, s in enumerate(contents.tensors)
+            (s.path, s.role, arrays[s.key], position[s.path]) for s in contents.tensors
         ]
-        record = _FileRecord(contents.path, contents.framework)
-        return build(entries, kinds, contents.framework, record)
+        slots = tuple(range(len(paths)))
+        return build(entries, kinds, "equinox", (model_def, (), slots, None))
     variables: dict[Key, Any] = {}
     for s in contents.tensors:
         node = variables.setdefault(s.role, {})
@@ -501,45 +508,39 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     return from_linen(variables)
 
 
-def _fill(contents: Contents, target: Tree) -> Tree:
-    """`target` with every leaf read from the checkpoint, or one error listing every
-    missing, unexpected, shape and dtype problem."""
+def _problems(contents: Contents, target: Tree) -> list[str]:
+    """Every missing, unexpected, shape and dtype problem of filling `target` from the
+    file."""
     stored = {s.key: s for s in contents.tensors}
     flat = jtu.tree_flatten_with_path(target)[0]
-    wanted = {dotted(tuple(key_of(e) for e in p)): (p, leaf) for p, leaf in flat}
     problems = []
-    for name, (keypath, leaf) in wanted.items():
+    for keypath, leaf in flat:
+        name = dotted(tuple(key_of(e) for e in keypath))
+        where = jtu.keystr(keypath)
         if name not in stored:
-            problems.append(
-                f"  missing {jtu.keystr(keypath)} (no '{name}' in the file)"
-            )
+            problems.append(f"  missing {where} (no '{name}' in the file)")
             continue
-        shape, dtype = stored[name].logical
-        want = (tuple(np.shape(leaf)), str(leaf.dtype))
-        if shape != want[0]:
+        shape, dtype = stored.pop(name).logical
+        if shape != tuple(np.shape(leaf)):
             problems.append(
-                f"  {jtu.keystr(keypath)}: shape {shape} in the file, {want[0]} in "
-                "`like`"
+                f"  {where}: shape {shape} in the file, {np.shape(leaf)} in `like`"
             )
-        if dtype != want[1]:
+        if dtype != str(leaf.dtype):
             problems.append(
-                f"  {jtu.keystr(keypath)}: dtype {dtype} in the file, {want[1]} in "
-                "`like`"
+                f"  {where}: dtype {dtype} in the file, {leaf.dtype} in `like`"
             )
     problems += [
-        f"  unexpected '{name}' in the file (not in `like`)"
-        for name in stored
-        if name not in wanted
+        f"  unexpected '{name}' in the file (not in `like`)" for name in stored
     ]
-    if problems:
-        raise ValueError(
-            _MISMATCH.format(path=contents.path, problems="\n".join(problems))
-        )
-    shardings = {
-        name: leaf.sharding
-        for name, (_, leaf) in wanted.items()
-        if isinstance(leaf, jax.Array)
-    }
+    return problems
+
+
+def _fill(contents: Contents, target: Tree) -> Tree:
+    """`target` with every leaf read from the checkpoint, with `target`'s shardings."""
+    shardings = {}
+    for keypath, leaf in jtu.tree_flatten_with_path(target)[0]:
+        if isinstance(leaf, jax.Array):
+            shardings[dotted(tuple(key_of(e) for e in keypath))] = leaf.sharding
     arrays = read(contents, shardings)
     return jtu.tree_map_with_path(
         lambda p, _: arrays[dotted(tuple(key_of(e) for e in p))], target
@@ -575,21 +576,30 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     - `path`: a `*.safetensors` or `*.msgpack` file, or an orbax checkpoint directory.
     - `like`: optional, the model to fill: a `bridge.Tree` or a native model of any
       framework (anything `bridge.to_neutral` takes). Its arrays' shardings are kept.
+      When the file has exactly `like`'s arrays (same dotted paths, shapes, dtypes)
+      they are read straight into it; when it was saved from another framework, its
+      arrays go through `bridge.port` (layers paired by kind, shape and order,
+      layouts converted).
 
     **Returns:**
 
     Without `like`: a `bridge.Tree` of the file's arrays, with their roles (typed
-    PRNG keys restored, sharded arrays with their saved sharding under orbax). With
-    `like`: the same kind of object as `like` (a Tree, an NNX module, an Equinox
-    model or `(model, state)`, Linen variables, `(module, variables)` or a bound
-    module), filled from the file.
+    PRNG keys restored, sharded arrays with their saved sharding under orbax). From
+    a Flax (Linen or NNX) file or any other safetensors file it is the Tree of
+    Linen-style variables (`bridge.to_native` gives `{role: {module: {name:
+    array}}}`); from an Equinox file, its native model is an inert skeleton holding
+    the arrays and each module's recorded settings (enough for `bridge.port`, not
+    callable). With `like`: the same kind of object as `like` (a Tree, an NNX
+    module, an Equinox model or `(model, state)`, Linen variables, `(module,
+    variables)` or a bound module), filled from the file.
 
     **Raises:**
 
     `FileNotFoundError` for a missing path; `ValueError` naming the file for a
     directory that is not a checkpoint or a truncated or corrupted file; `ValueError`
-    listing every missing, unexpected, shape and dtype problem when the file does not
-    fit `like`.
+    listing every missing, unexpected, shape and dtype problem when a file of
+    `like`'s own framework does not fit it; `bridge.PortError` listing every problem
+    when a file of another framework cannot be ported into it.
 
     **Example:**
 
@@ -607,4 +617,15 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     contents = open_checkpoint(path)
     if like is None:
         return file_tree(contents, read(contents))
-    return _like(like, _fill(contents, to_neutral(like)))
+    target = to_neutral(like)
+    problems = _problems(contents, target)
+    if not problems:
+        return _like(like, _fill(contents, target))
+    if contents.framework != framework(target):
+        source = file_tree(contents, read(contents))
+        try:
+            return port(source, like)
+        except PortError as error:
+            error.add_note(_PORTING.format(path=contents.path))
+            raise
+    raise ValueError(_MISMATCH.format(path=contents.path, problems="\n".join(problems)))

@@ -152,14 +152,65 @@ def test_load_without_like_keeps_paths_and_roles(tmp_path, name):
     np.testing.assert_array_equal(tree.conv.kernel, model.conv.kernel[...])
 
 
-def test_load_without_like_has_no_native_model(tmp_path):
-    bridge.save(tmp_path / "m.safetensors", models.nnx_mlp())
+def test_flax_file_without_like_is_linen_variables(tmp_path):
+    model = models.nnx_cnn()
+    bridge.save(tmp_path / "m.safetensors", model)
+    variables = bridge.to_native(bridge.load(tmp_path / "m.safetensors"))
+    assert sorted(variables) == ["batch_stats", "params"]
+    np.testing.assert_array_equal(
+        variables["batch_stats"]["bn"]["mean"], model.bn.mean[...]
+    )
+
+
+def test_equinox_file_without_like_is_a_skeleton(tmp_path):
+    model = models.equinox_mlp()
+    bridge.save(tmp_path / "m.safetensors", model)
     tree = bridge.load(tmp_path / "m.safetensors")
-    assert type(tree.layers[-1]).__name__ == "Tree"
-    with pytest.raises(
-        TypeError, match="without `like`, so there is no Flax NNX model"
-    ):
-        bridge.to_native(tree)
+    assert kind(tree.layers[0]) is eqx.nn.Linear
+    skeleton = bridge.to_native(tree)
+    assert skeleton.layers[0].in_features == models.D_IN
+    np.testing.assert_array_equal(skeleton.layers[0].weight, model.layers[0].weight)
+    with pytest.raises(TypeError, match=r"(?s)skeleton of equinox.*like=model"):
+        skeleton(jnp.ones(models.D_IN))
+
+
+FRAMEWORKS = {
+    "linen": {"mlp": models.linen_mlp, "cnn": models.linen_cnn},
+    "nnx": {"mlp": models.nnx_mlp, "cnn": models.nnx_cnn},
+    "equinox": {"mlp": models.equinox_mlp, "cnn": models.equinox_cnn},
+}
+INPUTS = {"mlp": models.mlp_input, "cnn": models.cnn_input}
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+@pytest.mark.parametrize(
+    "source, target",
+    [(s, t) for s in FRAMEWORKS for t in FRAMEWORKS if s != t],
+)
+def test_load_across_frameworks(tmp_path, arch, source, target):
+    model = FRAMEWORKS[source][arch](0)
+    other = FRAMEWORKS[target][arch](1)
+    x = INPUTS[arch]()
+    assert bridge.compare(model, other, x) > 1e-3
+    bridge.save(tmp_path / "m.safetensors", model)
+    loaded = bridge.load(tmp_path / "m.safetensors", like=other)
+    assert type(loaded) is type(other)
+    assert bridge.compare(model, loaded, x) < 1e-5
+
+
+def test_load_across_frameworks_orbax_block(tmp_path):
+    model, other = models.equinox_block(0), models.nnx_block(1)
+    bridge.save(tmp_path / "ckpt", model)
+    loaded = bridge.load(tmp_path / "ckpt", like=other)
+    assert bridge.compare(model, loaded, models.tokens()) < 1e-5
+
+
+def test_load_across_frameworks_error_names_the_file(tmp_path):
+    bridge.save(tmp_path / "m.safetensors", models.equinox_mlp())
+    with pytest.raises(bridge.PortError) as info:
+        bridge.load(tmp_path / "m.safetensors", like=models.nnx_cnn())
+    assert "while porting" in "".join(info.value.__notes__)
+    assert "m.safetensors" in "".join(info.value.__notes__)
 
 
 def test_safetensors_keys_and_metadata(tmp_path):
@@ -316,10 +367,11 @@ def test_corrupted_orbax(tmp_path):
 
 def test_nothing_is_imported_on_load(tmp_path):
     path = tmp_path / "m.safetensors"
-    tree = bridge.from_nnx(models.nnx_mlp())
+    tree = bridge.from_equinox(models.equinox_mlp())
     contents, arrays = _checkpoint.describe(tree, None)
     meta = _checkpoint.encode(contents)
-    meta["kinds"] = json.dumps([[[], "antigravity:Module"], [["layers"], "os:system"]])
+    modules = [[[], "antigravity:Module", {}], [["layers"], "os:system", {}]]
+    meta["modules"] = json.dumps(modules)
     safetensors.numpy.save_file(
         {k: np.asarray(v) for k, v in arrays.items()}, path, metadata=meta
     )
