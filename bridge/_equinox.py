@@ -2,55 +2,80 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._tree import Path, Tree, build, key_of, native_leaves, path_str
+from ._tree import Held, Path, Tree, build, key_of, native_leaves, path_of
 
 
-_UNDELETED_INIT = """\
-{paths}: this StateIndex still holds its initial value, and a State was given too.
-Make stateful models with `model, state = eqx.nn.make_with_state(Model)(...)`, or call
-`model = eqx.nn.delete_init_state(model)` after `state = eqx.nn.State(model)`."""
+_FOREIGN_STATE = """\
+The State holds an entry for a StateIndex that is not in the model: pass the State made
+together with this model (`model, state = eqx.nn.make_with_state(Model)(...)`)."""
 
 
 def _is_index(x: Any) -> bool:
     return isinstance(x, eqx.nn.StateIndex)
 
 
-class _Static:
-    """A non-array leaf of an Equinox model, hashable whatever it is."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __eq__(self, other):
-        if type(other) is not _Static:
-            return False
-        try:
-            return bool(self.value is other.value or self.value == other.value)
-        except Exception:
-            return False
-
-    def __hash__(self):
-        try:
-            return hash(self.value)
-        except TypeError:
-            return hash(type(self.value))
+_ARRAY_TYPES: dict[type, bool] = {}
 
 
-def _get(obj: Any, path: Path) -> Any:
-    for key in path:
-        obj = (
-            obj[key]
-            if isinstance(key, int) or isinstance(obj, dict)
-            else getattr(obj, key)
-        )
-    return obj
+def _is_array(leaf: Any) -> bool:
+    """`eqx.is_array`, decided once per type."""
+    cls = type(leaf)
+    known = _ARRAY_TYPES.get(cls)
+    if known is None:
+        known = _ARRAY_TYPES[cls] = eqx.is_array(leaf)
+    return known
+
+
+_MISSING = object()
+
+
+class _Nodes:
+    """The model's nodes by path, each fetched once (for kinds and owners)."""
+
+    def __init__(self, model: Any):
+        self.nodes: dict[Path, Any] = {(): model}
+
+    def get(self, path: Path) -> Any:
+        node = self.nodes.get(path, _MISSING)
+        if node is _MISSING:
+            parent, key = self.get(path[:-1]), path[-1]
+            if isinstance(key, int) or isinstance(parent, Mapping):
+                node = parent[key]
+            else:
+                node = getattr(parent, key)
+            self.nodes[path] = node
+        return node
+
+    def kinds(self, paths: Iterable[Path]) -> dict[Path, Any]:
+        """The class of every node above `paths` (None: not reachable by key)."""
+        kinds: dict[Path, Any] = {}
+        for path in paths:
+            for depth in range(len(path) - 1, -1, -1):
+                prefix = path[:depth]
+                if prefix in kinds:
+                    break
+                try:
+                    kinds[prefix] = type(self.get(prefix))
+                except (AttributeError, KeyError, IndexError, TypeError):
+                    kinds[prefix] = None  # a custom pytree node without keys
+        return kinds
+
+    def index_above(self, path: Path) -> Path | None:
+        """The path of the StateIndex whose `init` holds the leaf at `path`."""
+        for depth in range(len(path) - 1, -1, -1):
+            if path[depth] == "init" and _is_index(self.get(path[:depth])):
+                return path[:depth]
+        return None
+
+    def state_role(self, index_path: Path) -> str:
+        owner = self.get(index_path[:-1]) if index_path else None
+        return "batch_stats" if isinstance(owner, eqx.nn.BatchNorm) else "state"
 
 
 def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
@@ -93,65 +118,50 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
     if state is not None and not isinstance(state, eqx.nn.State):
         raise TypeError(f"`state` must be an eqx.nn.State, got {type(state).__name__}.")
     flat, model_def = jtu.tree_flatten_with_path(model)
-    entries: list[tuple[Path, str, Any]] = []
-    order: list[int] = []
-    statics: list[tuple[int, _Static]] = []
+    nodes = _Nodes(model)
+    entries: list[tuple[Path, str, Any, int]] = []
+    statics: list[tuple[int, Held]] = []
     array_slots: list[int] = []  # model leaf positions that hold arrays
     for i, (keypath, leaf) in enumerate(flat):
-        if eqx.is_array(leaf):
-            path = tuple(key_of(e) for e in keypath)
-            role = (
-                "state"
-                if any(k == "init" for k in path) and _under_index(model, path)
-                else "params"
-            )
-            entries.append((path, role, leaf))
-            order.append(len(array_slots))
-            array_slots.append(i)
-        else:
-            statics.append((i, _Static(leaf)))
-    kinds = _kinds(model, [e[0] for e in entries])
+        if not _is_array(leaf):
+            statics.append((i, Held(leaf)))
+            continue
+        path = path_of(keypath)
+        role = "params"
+        index = nodes.index_above(path) if "init" in path else None
+        if index is not None:
+            if state is not None:  # an undeleted initial value: State has the live one
+                statics.append((i, Held(leaf)))
+                continue
+            role = nodes.state_role(index)
+        entries.append((path, role, leaf, len(array_slots)))
+        array_slots.append(i)
+    kinds = nodes.kinds(e[0] for e in entries)
 
     state_def = None
     if state is not None:
         index_paths = _index_paths(model)
-        bad = [p for p, index in index_paths.items() if jtu.tree_leaves(index)]
-        if bad:
-            raise ValueError(
-                _UNDELETED_INIT.format(paths=", ".join(path_str(p) for p in bad))
-            )
         by_marker = {index.marker: p for p, index in index_paths.items()}
         state_flat, state_def = jtu.tree_flatten_with_path(state)
         markers = tuple(state_def.node_data()[1])  # pyright: ignore
         for j, (keypath, leaf) in enumerate(state_flat):
             marker = markers[key_of(keypath[0])]  # pyright: ignore[reportIndexIssue]
             if marker not in by_marker:
-                raise ValueError(
-                    "The State holds an entry for a StateIndex that is not in the "
-                    "model: pass the State made together with this model."
-                )
+                raise ValueError(_FOREIGN_STATE)
             at = by_marker[marker]
-            owner = _get(model, at[:-1])
-            role = "batch_stats" if isinstance(owner, eqx.nn.BatchNorm) else "state"
-            path = at + tuple(key_of(e) for e in keypath[1:])
-            entries.append((path, role, leaf))
-            order.append(len(array_slots) + j)
-        kinds.update(_kinds(model, list(index_paths)))
+            path = at + path_of(keypath[1:])
+            entries.append((path, nodes.state_role(at), leaf, len(array_slots) + j))
+        kinds.update(nodes.kinds(list(index_paths)))
         kinds.update({p: type(index) for p, index in index_paths.items()})
+        entries.sort(key=_model_rank(model))
     record = (model_def, tuple(statics), tuple(array_slots), state_def)
-    entries = [(p, r, leaf, pos) for (p, r, leaf), pos in zip(entries, order)]
-    entries.sort(key=_model_rank(model))
     return build(entries, kinds, "equinox", record)
-
-
-def _under_index(model: Any, path: Path) -> bool:
-    return any(_is_index(_get(model, path[:d])) for d in range(len(path)))
 
 
 def _model_rank(model: Any):
     """Sort key: a State entry goes where its StateIndex is in the model."""
     flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_index)
-    rank = {tuple(key_of(e) for e in p): i for i, (p, _) in enumerate(flat)}
+    rank = {path_of(p): i for i, (p, _) in enumerate(flat)}
 
     def key(entry: tuple[Path, str, Any, int]) -> int:
         path = entry[0]
@@ -164,17 +174,7 @@ def _model_rank(model: Any):
 
 def _index_paths(model: Any) -> dict[Path, Any]:
     flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_index)
-    return {tuple(key_of(e) for e in p): x for p, x in flat if _is_index(x)}
-
-
-def _kinds(model: Any, paths: list[Path]) -> dict[Path, Any]:
-    kinds: dict[Path, Any] = {}
-    for path in paths:
-        for depth in range(len(path)):
-            prefix = path[:depth]
-            if prefix not in kinds:
-                kinds[prefix] = type(_get(model, prefix))
-    return kinds
+    return {path_of(p): x for p, x in flat if _is_index(x)}
 
 
 def to_equinox(tree: Tree) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.tree_util as jtu
 
-from ._tree import Path, Tree, build, key_of, native_leaves, path_str
+from ._tree import Held, Path, Tree, build, key_of, native_leaves, path_str
 
 
 _COLLISION = """\
@@ -63,23 +63,59 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         )
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
-    flat, treedef = jtu.tree_flatten_with_path(variables)
-    native = {}
-    for i, (keypath, _) in enumerate(flat):
-        # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
-        keys = tuple(key_of(e) for e in keypath if not isinstance(e, jtu.GetAttrKey))
-        native[keys] = i
     entries = _by_module(variables)
     problems = _collisions(entries)
     if problems:
         raise ValueError(_COLLISION.format(problems="\n".join(problems)))
+    leaves, treedef = jtu.tree_flatten(variables)
+    positions = _positions(variables, leaves, entries)
     kinds = {(): type(module)} if module is not None else {}
     return build(
-        [(path, role, leaf, native[(role, *path)]) for path, role, leaf in entries],
+        [(path, role, leaf, positions[role, *path]) for (path, role, leaf) in entries],
         kinds,
         "linen",
-        (treedef, module),
+        (treedef, Held(module)),
     )
+
+
+def _positions(
+    variables: Mapping[str, Any], leaves: list[Any], entries: list[tuple]
+) -> dict[Path, int]:
+    """`(collection, *path)` -> the variable's index among JAX's leaves of
+    `variables` (JAX sorts dict keys: `Dense_10` comes before `Dense_2`)."""
+    by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
+    if len(by_id) == len(leaves) == len(entries):
+        # each array object once: its position is where JAX put that object
+        found = {(role, *path): by_id.get(id(leaf)) for path, role, leaf in entries}
+        if None not in found.values():
+            return found
+    flat, _ = jtu.tree_flatten_with_path(variables)
+    # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
+    return {
+        tuple(key_of(e) for e in keypath if not isinstance(e, jtu.GetAttrKey)): i
+        for i, (keypath, _) in enumerate(flat)
+    }
+
+
+_MAPPING, _BOX, _SEQUENCE, _LEAF = range(4)
+
+
+_KINDS: dict[type, int] = {}
+
+
+def _node_kind(cls: type) -> int:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, nn.meta.AxisMetadata):
+            kind = _BOX
+        elif issubclass(cls, Mapping):
+            kind = _MAPPING
+        elif issubclass(cls, (tuple, list)):
+            kind = _SEQUENCE
+        else:
+            kind = _LEAF
+        _KINDS[cls] = kind
+    return kind
 
 
 def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
@@ -93,13 +129,18 @@ def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
     found: list[tuple[Path, str, Any]] = []
 
     def visit(node: Any, path: Path, role: str) -> None:
-        seen.setdefault(path, len(seen))
-        if isinstance(node, nn.meta.AxisMetadata):
+        if path not in seen:
+            seen[path] = len(seen)
+        kind = _node_kind(type(node))
+        if kind == _BOX:
             node = node.unbox()
-        if isinstance(node, Mapping):
+            kind = _node_kind(type(node))
+        if kind == _MAPPING:
             children = node.items()
-        elif isinstance(node, (tuple, list)):
+        elif kind == _SEQUENCE:
             children = enumerate(node)
+        elif node is None:  # an empty subtree for JAX, as in `tree_leaves`
+            return
         else:
             found.append((path, role, node))
             return
@@ -109,12 +150,20 @@ def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
     names = sorted(variables, key=lambda c: c != "params")
     for name in names:
         visit(variables[name], (), str(name))
+    if len(names) == 1:  # one collection: visited module by module already
+        return found
     rank = lambda e: tuple(seen[e[0][:d]] for d in range(len(e[0]) + 1))  # noqa: E731
     return sorted(found, key=rank)
 
 
 def _collisions(entries: list[tuple[Path, str, Any]]) -> list[str]:
     problems, roles = [], {}
+    if len({role for _, role, _ in entries}) == 1:  # one collection: no collision
+        return [
+            f"  collection {r!r} is an array, not a mapping"
+            for p, r, _ in entries
+            if not p
+        ]
     for path, role, _ in entries:
         if not path:
             problems.append(f"  collection {role!r} is an array, not a mapping")
@@ -153,7 +202,7 @@ def to_linen(tree: Tree) -> dict[str, Any]:
 def linen_module(tree: Tree) -> nn.Module | None:
     """The Linen module given to `bridge.from_linen`, if any."""
     src = tree._info.source
-    return None if src is None else src.record[1]  # pyright: ignore
+    return None if src is None else src.record[1].value  # pyright: ignore
 
 
 def bind(tree: Tree) -> Any:

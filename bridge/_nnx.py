@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
-import jax.tree_util as jtu
 from flax import nnx
 from flax.nnx import variablelib
+from flax.nnx.graph import Static
 
-from ._tree import Key, Path, Tree, build, key_of, native_leaves
+from ._tree import Held, Key, Path, Tree, build, native_leaves
 
 
 def role_of(variable_type: type) -> str:
@@ -23,19 +26,21 @@ def role_of(variable_type: type) -> str:
 
 def _child_order(node: Any) -> dict[Key, int]:
     """Definition order of a graph node's children (NNX state keys are sorted)."""
-    if isinstance(node, nnx.Module) or not hasattr(node, "__getitem__"):
+    if isinstance(node, nnx.List) or isinstance(node, (list, tuple)):
+        keys: list[Key] = list(range(len(node)))
+    elif isinstance(node, nnx.Pytree):  # Module, nnx.Dict, Rngs, RngStream, ...
         keys = list(vars(node))
-    elif hasattr(node, "keys"):
-        keys = list(node.keys())
+    elif isinstance(node, Mapping):
+        keys = list(node)
     else:
-        keys = list(range(len(node)))
+        keys = []  # an unknown node: keep NNX's (sorted) order
     return {k: i for i, k in enumerate(keys)}
 
 
 def _child(node: Any, key: Key) -> Any:
-    if isinstance(key, str) and not hasattr(node, "keys"):
-        return getattr(node, key)
-    return node[key]
+    if isinstance(node, nnx.List) or not isinstance(node, nnx.Pytree):
+        return node[key]
+    return getattr(node, key)  # type: ignore[arg-type]
 
 
 def from_nnx(module: nnx.Module) -> Tree:
@@ -74,9 +79,8 @@ def from_nnx(module: nnx.Module) -> Tree:
             "For Linen variables use bridge.from_linen, for Equinox models "
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )
-    graphdef, state = nnx.split(module)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    flat, state_def = jtu.tree_flatten_with_path(state, is_leaf=is_var)
+    graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
+    paths: list[Path] = [tuple(p) for p in flat.paths]
 
     kinds: dict[Path, Any] = {(): type(module)}
     orders: dict[Path, dict[Key, int]] = {}
@@ -86,28 +90,48 @@ def from_nnx(module: nnx.Module) -> Tree:
         out = []
         for depth, key in enumerate(path):
             prefix = path[:depth]
-            if prefix not in orders:
-                orders[prefix] = _child_order(nodes[prefix])
-            out.append(orders[prefix].get(key, len(orders[prefix])))
+            order = orders.get(prefix)
+            if order is None:
+                order = orders[prefix] = _child_order(nodes[prefix])
+            out.append(order.get(key, len(order)))
             here = prefix + (key,)
-            if here not in nodes and depth < len(path) - 1:
+            if depth < len(path) - 1 and here not in nodes:
                 nodes[here] = _child(nodes[prefix], key)
                 kinds[here] = type(nodes[here])
         return tuple(out)
 
-    paths = [tuple(key_of(e) for e in p) for p, _ in flat]
-    order = sorted(range(len(flat)), key=lambda i: sort_key(paths[i]))
-    entries = [
-        (paths[i], role_of(type(v)), _value(v), i) for i, (_, v) in enumerate(flat)
-    ]
-    entries = [entries[i] for i in order]
-    return build(entries, kinds, "nnx", (graphdef, state_def))
+    order = sorted(range(len(paths)), key=lambda i: sort_key(paths[i]))
+    leaves = flat.leaves
+    entries = []
+    for i in order:
+        role, value = _role_and_value(leaves[i])
+        entries.append((paths[i], role, value, i))
+    return build(entries, kinds, "nnx", (Held(graphdef), _mutable_statics(graphdef)))
 
 
-def _value(variable: nnx.Variable) -> Any:
-    # flax >= 0.12: get_value(); before: .value (both return the stored array)
-    get = getattr(variable, "get_value", None)
-    return get() if get is not None else variable.value
+_ROLES: dict[type, str] = {}
+
+
+def _role_and_value(leaf: Any) -> tuple[str, Any]:
+    if not isinstance(leaf, nnx.Variable):
+        return "state", leaf  # an array attribute that is not a Variable
+    cls = type(leaf)
+    role = _ROLES.get(cls)
+    if role is None:
+        role = _ROLES[cls] = role_of(cls)
+    return role, leaf.get_raw_value()
+
+
+def _mutable_statics(graphdef: Any) -> tuple[int, ...]:
+    """Positions of static attributes holding mutable containers (a list of layer
+    sizes, ...): `nnx.merge` would share them with the source module."""
+    return tuple(
+        i
+        for i, (key, attr) in enumerate(graphdef.attributes)
+        if type(attr) is Static
+        and key != "_pytree__nodes"  # flax copies this one on write
+        and isinstance(attr.value, (list, dict, set, bytearray))
+    )
 
 
 def to_nnx(tree: Tree) -> nnx.Module:
@@ -127,6 +151,12 @@ def to_nnx(tree: Tree) -> nnx.Module:
     An `nnx.Module`.
     """
     src, leaves = native_leaves(tree, "nnx")
-    graphdef, state_def = src.record  # pyright: ignore[reportGeneralTypeIssues]
-    state = jtu.tree_unflatten(state_def, leaves)
-    return nnx.merge(graphdef, state)
+    held, mutable = src.record  # pyright: ignore[reportGeneralTypeIssues]
+    graphdef = held.value
+    if mutable:  # give the new module its own copies
+        attributes = list(graphdef.attributes)
+        for i in mutable:
+            key, attr = attributes[i]
+            attributes[i] = (key, Static(copy.deepcopy(attr.value)))
+        graphdef = dataclasses.replace(graphdef, attributes=attributes)
+    return nnx.merge(graphdef, leaves)

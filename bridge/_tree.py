@@ -28,17 +28,25 @@ def _key_entry(key: Key, sequence: bool) -> Any:
     return jtu.DictKey(key)
 
 
+_KEY_OF = {
+    jtu.GetAttrKey: lambda e: e.name,
+    jtu.DictKey: lambda e: e.key,
+    jtu.SequenceKey: lambda e: e.idx,
+    jtu.FlattenedIndexKey: lambda e: e.key,
+}
+
+
 def key_of(entry: Any) -> Key:
     """The neutral key (`str` or `int`) of one `jax.tree_util` key entry."""
-    if isinstance(entry, jtu.GetAttrKey):
-        return entry.name
-    if isinstance(entry, jtu.DictKey):
-        return entry.key
-    if isinstance(entry, jtu.SequenceKey):
-        return entry.idx
-    if isinstance(entry, jtu.FlattenedIndexKey):
-        return entry.key
-    raise TypeError(f"Unknown key entry {entry!r}.")
+    get = _KEY_OF.get(type(entry))
+    if get is None:
+        raise TypeError(f"Unknown key entry {entry!r}.")
+    return get(entry)
+
+
+def path_of(keypath: Sequence[Any]) -> Path:
+    """The neutral path of a `jax.tree_util` key path: `('layers', 0, 'kernel')`."""
+    return tuple(map(key_of, keypath))
 
 
 def path_str(path: Sequence[Key]) -> str:
@@ -52,6 +60,36 @@ def path_str(path: Sequence[Key]) -> str:
         else:
             out.append(f"[{key!r}]")
     return "".join(out)
+
+
+class Held:
+    """Any value as hashable static data: hashed and compared by value when it
+    can be (so `jax.jit` sees two equal models as one), by identity otherwise (a
+    function, a list, an `nn.Sequential` holding a list)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other):
+        if type(other) is not Held:
+            return False
+        if self.value is other.value:
+            return True
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # an array compares elementwise: not static data
+            return False
+
+    def __hash__(self):
+        try:
+            return hash(self.value)
+        except TypeError:
+            return hash(type(self.value))
+
+    def __repr__(self):
+        return f"Held({self.value!r})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +106,8 @@ class Source:
     order: tuple[int, ...]
     record: Hashable
     _hash: int = field(init=False, repr=False)
+    # the last Tree structure checked to fit (see `native_leaves`): a cache
+    _treedef: Any = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         key = (self.framework, self.paths, self.order, self.record)
@@ -281,44 +321,50 @@ def build(
     native leaves that `record` rebuilds the model from (see `native_leaves`).
     """
     root: dict[Key, Any] = {}
-    for path, role, leaf, position in entries:
+    for entry in entries:
+        path = entry[0]
         node = root
         for key in path[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif type(child) is not dict:
                 raise ValueError(f"{path_str(path)} is both a leaf and a node.")
             node = child
         if path[-1] in node:
             raise ValueError(f"{path_str(path)} appears twice.")
-        node[path[-1]] = (role, leaf, position)
+        node[path[-1]] = entry
 
     paths: list[Path] = []
     order: list[int] = []
+    infos: dict[Any, _Info] = {}  # one _Info per distinct node: cheap hashing, eq
 
-    def make(node: dict[Key, Any], prefix: Path) -> tuple[_Info, list[Any]]:
+    def make(node: dict[Key, Any], prefix: Path) -> Tree:
         keys = tuple(node)
-        seq = keys == tuple(range(len(keys))) and len(keys) > 0
         children, roles = [], []
-        for key in keys:
-            value = node[key]
-            if isinstance(value, dict):
-                info, grandchildren = make(value, prefix + (key,))
-                children.append(Tree._make(info, grandchildren))
+        for key, value in node.items():
+            if type(value) is dict:
+                children.append(make(value, prefix + (key,)))
                 roles.append(None)
             else:
-                role, leaf, position = value
+                path, role, leaf, position = value
                 roles.append(role)
                 children.append(leaf)
-                paths.append(prefix + (key,))
+                paths.append(path)
                 order.append(position)
-        return _Info(
-            None if seq else keys, tuple(roles), kinds.get(prefix), None
-        ), children
+        seq = keys == tuple(range(len(keys))) and len(keys) > 0
+        data = (None if seq else keys, tuple(roles), kinds.get(prefix))
+        info = infos.get(data)
+        if info is None:
+            info = infos[data] = _Info(*data, None)
+        return Tree._make(info, children)
 
-    info, children = make(root, ())
+    tree = make(root, ())
     source = Source(framework, tuple(paths), tuple(order), record)
-    info = _Info(info.keys, info.roles, info.kind, source)
-    return Tree._make(info, children)
+    info = tree._info
+    tree = Tree._make(_Info(info.keys, info.roles, info.kind, source), tree._children)
+    object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
+    return tree
 
 
 def source_of(tree: Any, framework: str | None = None) -> Source:
@@ -360,8 +406,25 @@ def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
     Raises `ValueError` naming every path that is missing, unexpected, or not an array.
     """
     src = source_of(tree, framework)
+    flat, treedef = jtu.tree_flatten(tree)
+    # Fast path: the structure this Source was last rebuilt from (so the same paths),
+    # and array leaves. Otherwise compare paths, and remember the structure if it fits.
+    if src._treedef is None or treedef != src._treedef or not all(map(_is_array, flat)):
+        _check_paths(tree, src, framework)
+        object.__setattr__(src, "_treedef", treedef)
+    leaves: list[Any] = [None] * len(flat)
+    for leaf, pos in zip(flat, src.order):
+        leaves[pos] = leaf
+    return src, leaves
+
+
+def _is_array(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _check_paths(tree: Tree, src: Source, framework: str) -> None:
     flat, _ = jtu.tree_flatten_with_path(tree)
-    paths = tuple(tuple(key_of(e) for e in p) for p, _ in flat)
+    paths = tuple(path_of(p) for p, _ in flat)
     problems = []
     if paths != src.paths:
         have, want = set(paths), set(src.paths)
@@ -370,7 +433,7 @@ def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
         if not problems:
             problems.append("  the leaves are in another order")
     for path, (_, leaf) in zip(paths, flat):
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        if not _is_array(leaf):
             problems.append(
                 f"  {path_str(path)} is a {type(leaf).__name__}, not an array "
                 "(a filter spec or a partitioned half cannot become a model)"
@@ -381,10 +444,6 @@ def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
                 framework=_NAMES[framework], problems="\n".join(problems)
             )
         )
-    leaves: list[Any] = [None] * len(flat)
-    for (_, leaf), pos in zip(flat, src.order):
-        leaves[pos] = leaf
-    return src, leaves
 
 
 def walk(tree: Tree, prefix: Path = ()) -> Iterator[tuple[Path, Tree]]:
@@ -463,6 +522,4 @@ def leaf_roles(tree: Tree) -> list[str | None]:
 
 def map_with_path(fn: Callable[[Path, Any], Any], tree: Tree, *rest: Any) -> Any:
     """`jax.tree_util.tree_map_with_path` with neutral paths (`('layers', 0, 'w')`)."""
-    return jtu.tree_map_with_path(
-        lambda p, *xs: fn(tuple(key_of(e) for e in p), *xs), tree, *rest
-    )
+    return jtu.tree_map_with_path(lambda p, *xs: fn(path_of(p), *xs), tree, *rest)
