@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -298,3 +301,12 @@ def test_linen_without_module_gets_the_variables():
     oracle, _, _ = native(with_module, native.init(with_module), x, TARGET)
     assert tree_equal_bits(by_path(after), by_path(oracle))
     assert isinstance(bridge.to_native(after), dict)
+
+
+@pytest.mark.slow
+def test_freezing_guide_runs():
+    """Every code block of docs/guides/freezing.md, in order, as one script."""
+    guide = Path(__file__).parent.parent / "docs" / "guides" / "freezing.md"
+    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    assert "bridge.make_step" in code
+    exec(compile(code, str(guide), "exec"), {"__name__": "guide"})
