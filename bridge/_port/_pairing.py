@@ -91,6 +91,10 @@ def pair(
             )
     rest_s = [s for s in sources if id(s) not in ruled_sources]
     rest_t = [t for t in targets if id(t) not in ruled_targets]
+    grouped = _by_signature(rest_s, rest_t)
+    pairs += grouped
+    rest_s = [s for s in rest_s if all(s is not a for a, _ in grouped)]
+    rest_t = [t for t in rest_t if all(t is not b for _, b in grouped)]
     ambiguous: set[int] = set()
     aligned = _align(rest_s, rest_t, problems, ambiguous)
     pairs += [(s, t) for s, t in aligned if common_kind(s, t) is not None]
@@ -103,6 +107,32 @@ def pair(
         [s for s in sources if id(s) not in paired_s | ambiguous],
         [t for t in targets if id(t) not in paired_t | ambiguous],
     )
+
+
+def _signature(layer: Layer) -> tuple | None:
+    if len(layer.kinds) != 1:
+        return None
+    spec = layer.specs[layer.kinds[0]]
+    return (layer.kinds[0], tuple(sorted((k, v.shape) for k, v in spec.items())))
+
+
+def _by_signature(
+    sources: list[Layer], targets: list[Layer]
+) -> list[tuple[Layer, Layer]]:
+    """Pairs of layers whose kind and shapes appear as often in the source as in the
+    target, in definition order within each such group: shapes pair layers even
+    when the two models define them in another order."""
+    groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
+    for side, layers in ((0, sources), (1, targets)):
+        for layer in layers:
+            sig = _signature(layer)
+            if sig is not None:
+                groups.setdefault(sig, ([], []))[side].append(layer)
+    out = []
+    for a, b in groups.values():
+        if len(a) == len(b):
+            out += list(zip(a, b))
+    return out
 
 
 def _align(

@@ -75,13 +75,13 @@ def port(
     plan, problems = make_plan(source, target, rules, strict)
     if problems:
         raise _errors.PortError(problems)
+    tree = run(plan)
     if plan.warnings:
         warnings.warn(
             "Hyperparameters differ:\n  " + "\n  ".join(plan.warnings),
             _errors.PortWarning,
             stacklevel=2,
         )
-    tree = run(plan)
     return _like(target, tree)
 
 

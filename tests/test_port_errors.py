@@ -1,0 +1,158 @@
+"""Every PortError, once with every problem; warnings; compare's own errors."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import bridge
+
+from . import models
+
+
+KEY = jax.random.key
+
+
+def _eqx_mlp(width=models.D_HID, depth=2, **kwargs):
+    return eqx.nn.MLP(
+        models.D_IN, models.D_OUT, width, depth=depth, key=KEY(0), **kwargs
+    )
+
+
+def test_missing_layer():
+    with pytest.raises(bridge.PortError, match=r"missing: target layer \.layers\[1\]"):
+        bridge.port(_eqx_mlp(depth=1), models.nnx_mlp())
+
+
+def test_unexpected_layer():
+    with pytest.raises(
+        bridge.PortError, match=r"unexpected: source layer \.layers\[1\]"
+    ):
+        bridge.port(models.nnx_mlp(), _eqx_mlp(depth=1))
+
+
+def test_strict_false_lists_missing_in_the_plan_and_keeps_the_target():
+    source, target = _eqx_mlp(depth=1), models.nnx_mlp(2)
+    plan = bridge.port_plan(source, target)
+    assert plan.missing == (".layers[1]",)
+    assert "missing (kept as they are):" in str(plan)
+    ported = bridge.port(source, target, strict=False)
+    assert ported.layers[1].kernel[...] is target.layers[1].kernel[...]
+    assert jnp.array_equal(ported.layers[2].kernel[...], source.layers[1].weight.T)
+
+
+def test_shape_mismatch_raises_even_when_not_strict():
+    with pytest.raises(bridge.PortError, match=r"shape: .* `kernel` is \(3, 6\)"):
+        bridge.port(_eqx_mlp(width=6), models.nnx_mlp(), strict=False)
+
+
+def test_dtype_mismatch():
+    source = eqx.nn.Linear(2, 3, key=KEY(0))
+    target = eqx.nn.Linear(2, 3, dtype=jnp.float16, key=KEY(1))
+    with pytest.raises(bridge.PortError, match=r"dtype: .*float32 in the source"):
+        bridge.port(source, target)
+
+
+def test_ambiguous_pairing_suggests_a_rule():
+    source = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+    target = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=KEY(0))])
+    with pytest.raises(bridge.PortError, match=r"ambiguous: .*rules=") as info:
+        bridge.port(source, target, strict=False)
+    assert any(".layers[0]" in p for p in info.value.problems)
+    ported = bridge.port(source, target, rules={r"\[1\]": ".layers[0]"}, strict=False)
+    assert jnp.array_equal(ported.layers[0].weight, source[1].kernel[...].T)
+
+
+def test_unsupported_layer_kind():
+    source = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=KEY(0)), eqx.nn.PReLU()])
+    target = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=KEY(1)), eqx.nn.PReLU()])
+    with pytest.raises(bridge.PortError, match=r"unsupported: \.layers\[1\] \(PReLU\)"):
+        bridge.port(source, target)
+
+
+def test_rules_that_do_not_apply():
+    source, target = models.linen_mlp(), models.nnx_mlp()
+    with pytest.raises(bridge.PortError, match=r"matches no source layer") as info:
+        bridge.port(source, target, rules={r"\.nope": ".layers[0]"})
+    assert len(info.value.problems) == 1
+    with pytest.raises(bridge.PortError, match=r"not a layer of the target"):
+        bridge.port(source, target, rules={r"\.Dense_0": ".layers[7]"})
+    with pytest.raises(
+        bridge.PortError, match=r"paired with \['\.Dense_0', '\.Dense_1'\]"
+    ):
+        bridge.port(source, target, rules={r"\.Dense_[01]": ".layers[1]"})
+
+
+def test_rule_across_kinds():
+    source, target = models.linen_cnn(), models.nnx_cnn()
+    with pytest.raises(bridge.PortError, match=r"kind: the rule pairs \.Dense_0"):
+        bridge.port(source, target, rules={r"\.Dense_0": ".bn"})
+
+
+def test_non_zero_equinox_rms_bias_cannot_go_to_flax():
+    source = eqx.tree_at(lambda m: m.bias, eqx.nn.RMSNorm(4), jnp.ones(4))
+    with pytest.raises(bridge.PortError, match=r"value: .*`bias` is not 0.0"):
+        bridge.port(
+            source,
+            nnx.RMSNorm(4, rngs=nnx.Rngs(0)),
+        )
+    zero = bridge.port(
+        eqx.nn.RMSNorm(4), nnx.RMSNorm(4, epsilon=1e-5, rngs=nnx.Rngs(0))
+    )
+    assert zero.scale[...].shape == (4,)
+
+
+def test_dropping_a_non_zero_bias():
+    source = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    source.bias[...] = jnp.ones(3)
+    target = eqx.nn.Linear(2, 3, use_bias=False, key=KEY(0))
+    with pytest.raises(bridge.PortError, match=r"dropping it changes the output"):
+        bridge.port(source, target)
+    plan = bridge.port_plan(source, target)
+    assert "use_bias is True in the source and False" in plan.warnings[0]
+
+
+def test_equinox_batch_norm_without_its_state():
+    model, _ = models.equinox_cnn()
+    with pytest.raises(
+        bridge.PortError, match=r"(?s)unreadable: \.bn .*\(model, state\)"
+    ):
+        bridge.port(models.nnx_cnn(), model)
+
+
+def test_linen_layer_named_like_another_kind():
+    variables = {"params": {"Dense_0": {"scale": jnp.ones(3)}}}
+    with pytest.raises(bridge.PortError, match=r"named like a Dense"):
+        bridge.port(variables, variables)
+
+
+def test_every_problem_at_once():
+    source = eqx.nn.Sequential([eqx.nn.Linear(2, 3, key=KEY(0)), eqx.nn.PReLU()])
+    target = nnx.Sequential(
+        nnx.Linear(2, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(
+        bridge.PortError, match=r"4 problem\(s\), nothing was written"
+    ) as info:
+        bridge.port(source, target)
+    kinds = sorted(p.split(":")[0] for p in info.value.problems)
+    assert kinds == ["missing", "shape", "shape", "unsupported"]
+
+
+def test_hyperparameter_mismatch_warns_and_is_in_the_plan():
+    source = eqx.nn.LayerNorm(4)  # eps 1e-5
+    target = nnx.LayerNorm(4, rngs=nnx.Rngs(0))  # epsilon 1e-6
+    plan = bridge.port_plan(source, target)
+    assert len(plan.warnings) == 1 and "epsilon" in plan.warnings[0]
+    with pytest.warns(bridge.PortWarning, match=r"epsilon is 1e-05 in the source"):
+        bridge.port(source, target)
+
+
+def test_compare_errors():
+    module, variables = models.linen_mlp()
+    with pytest.raises(TypeError, match=r"pass `\(module, variables\)`"):
+        bridge.compare(variables, models.nnx_mlp(), models.mlp_input())
+    with pytest.raises(ValueError, match="do not have the same structure"):
+        other = eqx.nn.Linear(models.D_IN, 4, key=KEY(0))
+        bridge.compare((module, variables), other, models.mlp_input())
