@@ -27,3 +27,40 @@ def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
         np.allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
         for x, y in zip(la, lb)
     )
+
+
+# --- adapters: zero copy, no mutation, nothing shared --------------------------------
+
+# One array of every dtype the adapters must carry exactly (typed PRNG keys aside).
+DTYPES = ("float32", "bfloat16", "float16", "int8", "uint32", "complex64")
+
+
+def array_of(dtype: str, shape=(2, 3)) -> jax.Array:
+    """Distinct, non-trivial bits for `dtype` (NaN-free)."""
+    values = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) + 1.5
+    if dtype == "complex64":
+        return (values + 1j * values).astype(jnp.complex64)
+    return values.astype(dtype)
+
+
+def leaf_objects(obj, is_leaf=None) -> list:
+    """The leaves of a pytree, for identity checks (`is`)."""
+    return jax.tree_util.tree_leaves(obj, is_leaf=is_leaf)
+
+
+def same_objects(a: list, b: list) -> bool:
+    """Element by element the very same objects (zero copy)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def snapshot(obj):
+    """What a pytree is made of: its structure and its leaf objects. Compare two
+    snapshots with `==` to see that nothing was replaced or mutated in place."""
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    return treedef, tuple(map(id, leaves)), tuple(_bits(x) for x in leaves)
+
+
+def _bits(x) -> bytes:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x).tobytes()
