@@ -236,7 +236,8 @@ class Step:
         }
         problems = [f"it has no entry for {k}" for k in params if k not in found]
         problems += [
-            f"it has an entry for {k}, which is frozen" for k in found - set(params)
+            f"it has an entry for {k}, which this step does not train"
+            for k in sorted(found - set(params))
         ]
         if not problems:
             problems = ["its structure, shapes or dtypes differ from `step.init(tree)`"]
@@ -259,12 +260,12 @@ class Step:
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
         (loss, (aux, updated)), grads = grad_fn(params)
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        new: Any = optax.apply_updates(params, updates)
         # only the leaves that changed leave the compiled step (each output is a new
         # buffer): `__call__` puts them into the Tree, by position
         changed = dict(updated)
         for name, i in zip(names, position):
-            changed[i] = params[name]
+            changed[i] = new[name]
         return (
             (changed, opt_state, loss, aux)
             if self._has_aux

@@ -271,6 +271,9 @@ def test_opt_state_of_another_spec():
     match = r"no entry for \.layers\[0\]\.kernel"
     with pytest.raises(ValueError, match=match):
         every(tree, head.init(tree), models.mlp_input(), TARGET)
+    match = r"entry for \.layers\[0\]\.bias, which this step does not train"
+    with pytest.raises(ValueError, match=match):
+        head(tree, every.init(tree), models.mlp_input(), TARGET)
     sgd = bridge.make_step(mse, optax.sgd(0.1), bridge.trainable(tree, r"\[2\]"))
     with pytest.raises(ValueError, match=r"structure, shapes or dtypes differ"):
         sgd(tree, head.init(tree), models.mlp_input(), TARGET)
