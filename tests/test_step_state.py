@@ -183,3 +183,20 @@ def test_equinox_loss_must_return_the_new_state():
     step = bridge.make_step(forgets_state, optax.sgd(0.1), bridge.trainable(tree, "."))
     with pytest.raises(TypeError, match=r"must return `\(loss, new_state\)`"):
         step(tree, step.init(tree), models.cnn_input(), TARGET)
+
+
+def test_equinox_state_with_aux():
+    tree = bridge.from_equinox(*models.equinox_cnn())
+
+    def loss_fn(model, state, x, y):
+        loss, state = eqx_loss(model, state, x, y)
+        return (loss, {"twice": 2 * loss}), state
+
+    spec = bridge.trainable(tree, lambda t: t.head)
+    step = bridge.make_step(loss_fn, optax.sgd(0.1), spec, has_aux=True)
+    plain = bridge.make_step(eqx_loss, optax.sgd(0.1), spec)
+    x = models.cnn_input()
+    new, _, loss, aux = step(tree, step.init(tree), x, TARGET)
+    oracle, _, _ = plain(tree, plain.init(tree), x, TARGET)
+    assert tree_equal_bits(aux["twice"], 2 * loss)
+    assert tree_equal_bits(by_path(new), by_path(oracle))
