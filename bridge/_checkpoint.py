@@ -45,6 +45,7 @@ from ._tree import (
     key_of,
     kind,
     leaf_roles,
+    source_of,
     walk,
 )
 
@@ -488,12 +489,12 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     (`{role: {module: {name: array}}}`, Flax's layout), so `bridge.to_native` gives
     that dict.
     """
+    kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
     if contents.framework == "equinox":
         paths = [s.path for s in contents.tensors]
         model_def, position = skeleton(
             paths, {p: (c, f) for p, c, f in contents.modules}
         )
-        kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
         entries = [
             (s.path, s.role, arrays[s.key], position[s.path]) for s in contents.tensors
         ]
@@ -505,7 +506,17 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         for key in s.path[:-1]:
             node = node.setdefault(key, {})
         node[s.path[-1]] = arrays[s.key]
-    return from_linen(variables)
+    plain = from_linen(variables)
+    # the same Tree, with the recorded classes (NNX's): they tell bridge.port each
+    # layer's kind
+    src = source_of(plain)
+    entries = [
+        (path, role, leaf, position)
+        for path, position, role, leaf in zip(
+            src.paths, src.order, leaf_roles(plain), jtu.tree_leaves(plain)
+        )
+    ]
+    return build(entries, kinds, "linen", src.record)
 
 
 def _problems(contents: Contents, target: Tree) -> list[str]:

@@ -78,7 +78,7 @@ def _native_at(root: Any, path: Path) -> Any:
 
 
 def _linen_name(cls: Any, path: Path) -> str | None:
-    if not path:
+    if not path or cls is not None:  # the root, or a class a checkpoint recorded
         return getattr(cls, "__name__", None)
     match = _AUTO_NAME.match(str(path[-1]))
     return match.group(1) if match else None

@@ -1,0 +1,137 @@
+"""The `bridge` command: `inspect`, `convert` and `demo` (also `python -m bridge`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ._checkpoint import Contents, format_of, open_checkpoint, read, write
+
+
+_DESCRIPTION = """\
+Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models, and run the
+demo. Checkpoints are *.safetensors and *.msgpack files and orbax directories."""
+
+_CONVERT_HELP = """\
+Convert a checkpoint between safetensors (*.safetensors), flax msgpack (*.msgpack) and
+orbax (any other path, a directory), keeping each array's role; the format follows
+each path. The destination is written atomically."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def human(nbytes: int) -> str:
+    """`1536` -> `'1.5 KiB'`."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    power = min(int(math.log(nbytes, 1024)), 4)
+    return f"{nbytes / 1024**power:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][power]}"
+
+
+def inspect_table(contents: Contents) -> Table:
+    """The arrays of a checkpoint as a rich table, with the totals as its caption."""
+    fw = contents.framework or "unknown"
+    title = f"{contents.path} ({contents.format}, {fw})"
+    table = Table(title=title, title_justify="left")
+    table.add_column("path", overflow="fold")
+    table.add_column("role")
+    table.add_column("shape")
+    table.add_column("dtype")
+    table.add_column("size", justify="right")
+    params = elements = nbytes = 0
+    for s in contents.tensors:
+        shape, dtype = s.logical
+        count = math.prod(shape)
+        elements += count
+        nbytes += s.nbytes
+        params += count if s.role == "params" else 0
+        table.add_row(s.key, s.role, str(shape), dtype, human(s.nbytes))
+    table.caption = (
+        f"{len(contents.tensors):,} arrays, {params:,} parameters "
+        f"({elements:,} elements), {nbytes:,} bytes ({human(nbytes)})"
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def _inspect(args: argparse.Namespace, console: Console) -> None:
+    contents = open_checkpoint(args.path)
+    console.print(inspect_table(contents))
+    if contents.version:
+        console.print(f"saved by bridge {contents.version}", highlight=False)
+    for key, value in contents.metadata.items():
+        console.print(f"{key}: {value}", highlight=False, markup=False)
+
+
+def _convert(args: argparse.Namespace, console: Console) -> None:
+    contents = open_checkpoint(args.src)
+    dst = Path(args.dst)
+    write(dst, contents, read(contents))
+    console.print(
+        f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst)}): "
+        f"{len(contents.tensors):,} arrays",
+        highlight=False,
+    )
+
+
+def _demo(args: argparse.Namespace, console: Console) -> None:
+    from ._demo import demo
+
+    demo(steps=args.steps, console=console)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line parser of `bridge`."""
+    top = _Parser(prog="bridge", description=_DESCRIPTION)
+    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "inspect",
+        help="list a checkpoint's arrays: path, role, shape, dtype, size, totals",
+        description="List a checkpoint's arrays (path, role, shape, dtype, size), the "
+        "totals, and the metadata saved with it.",
+    )
+    p.add_argument("path", help="a *.safetensors or *.msgpack file, or an orbax dir")
+    p.set_defaults(run=_inspect)
+    p = sub.add_parser(
+        "convert",
+        help="convert between safetensors, msgpack and orbax",
+        description=_CONVERT_HELP,
+    )
+    p.add_argument("src", help="the checkpoint to read")
+    p.add_argument("dst", help="the checkpoint to write")
+    p.set_defaults(run=_convert)
+    p = sub.add_parser(
+        "demo",
+        help="train, freeze, port across frameworks, save and reload a small model",
+        description="Build a small NNX model, freeze all but its head and train it "
+        "on a generated task, port it to Equinox and Linen, check all three agree, "
+        "save and reload a checkpoint, and print a summary.",
+    )
+    p.add_argument("--steps", type=int, default=300, help="training steps (300)")
+    p.set_defaults(run=_demo)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `bridge` command; returns the exit code (errors: one line on stderr,
+    exit code 1)."""
+    args = parser().parse_args(argv)
+    console = Console(highlight=False)
+    try:
+        args.run(args, console)
+    except (OSError, ValueError, TypeError) as error:
+        message = " ".join(str(error).split())
+        print(f"bridge {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    return 0
