@@ -61,6 +61,8 @@ def snapshot(obj):
 
 
 def _bits(x) -> bytes:
+    if not hasattr(x, "dtype"):  # a function, a python number: its identity
+        return repr((type(x), id(x))).encode()
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.asarray(x).tobytes()
