@@ -196,9 +196,12 @@ def test_one_trace_across_steps_and_optimizer_state_of_trainable_leaves_only():
     step = bridge.make_step(loss_fn, optax.adam(1e-2), spec)
     opt_state = step.init(tree)
     assert sorted(opt_state[0].mu) == [".layers[2].bias", ".layers[2].kernel"]
+    before = tree
     for _ in range(STEPS):
         tree, opt_state, _ = step(tree, opt_state, models.mlp_input(), TARGET)
     assert len(traces) == 1
+    assert tree.layers[0].kernel is before.layers[0].kernel  # not even copied
+    assert jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(before)
 
 
 def test_has_aux_returns_aux():
