@@ -8,7 +8,9 @@ from typing import Any
 
 import equinox as eqx
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .._linen import to_linen
@@ -39,7 +41,10 @@ def port(
     - `source`: the model holding the weights: a `bridge.Tree`, an `nnx.Module`, an
       Equinox model or `(model, state)`, Linen variables or `(module, variables)`.
     - `target`: a model of the structure wanted, in any of the same forms. Its values
-      are replaced, except in layers left unpaired with `strict=False`.
+      are replaced, except in layers left unpaired with `strict=False`. It may be
+      abstract, costing no memory: `eqx.filter_eval_shape(Model, ...)` (unpaired
+      layers then hold zeros), `nnx.eval_shape(lambda: Model(...))`, or
+      `jax.eval_shape(module.init, ...)` for Linen.
     - `rules`: `{source regex: target path}`, applied before automatic pairing: a
       source layer whose path (`keystr` form, like `.Dense_0` or `.layers[2]`) fully
       matches the regex goes to the target layer at the path the replacement gives
@@ -72,7 +77,8 @@ def port(
 
     ```
     """
-    plan, problems = make_plan(source, target, rules, strict)
+    abstract = _placeholders(target)
+    plan, problems = make_plan(source, abstract, rules, strict)
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
@@ -83,6 +89,25 @@ def port(
             stacklevel=2,
         )
     return _like(target, tree)
+
+
+def _placeholders(target: Any) -> Any:
+    """An Equinox target made with `eqx.filter_eval_shape` holds `ShapeDtypeStruct`s,
+    which Equinox does not count as arrays: stand in zero-memory read-only zeros
+    (`np.broadcast_to`), so the target's structure costs no memory. (NNX targets from
+    `nnx.eval_shape` and Linen ones from `jax.eval_shape(module.init, ...)` work as
+    they are.)"""
+    model = target[0] if isinstance(target, tuple) and target else target
+    if not isinstance(model, eqx.Module):
+        return target
+    return jax.tree_util.tree_map(
+        lambda x: (
+            np.broadcast_to(np.zeros((), x.dtype), x.shape)
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        target,
+    )
 
 
 def run(plan: Plan) -> Tree:
