@@ -39,11 +39,9 @@ def human(nbytes: int) -> str:
     return f"{nbytes / 1024**power:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][power]}"
 
 
-def inspect_table(contents: Contents) -> Table:
-    """The arrays of a checkpoint as a rich table, with the totals as its caption."""
-    fw = contents.framework or "unknown"
-    title = f"{contents.path} ({contents.format}, {fw})"
-    table = Table(title=title, title_justify="left")
+def inspect_table(contents: Contents) -> tuple[Table, str]:
+    """The arrays of a checkpoint as a rich table, and the line of totals."""
+    table = Table()
     table.add_column("path", overflow="fold")
     table.add_column("role")
     table.add_column("shape")
@@ -57,21 +55,24 @@ def inspect_table(contents: Contents) -> Table:
         nbytes += s.nbytes
         params += count if s.role == "params" else 0
         table.add_row(s.key, s.role, str(shape), dtype, human(s.nbytes))
-    table.caption = (
+    totals = (
         f"{len(contents.tensors):,} arrays, {params:,} parameters "
         f"({elements:,} elements), {nbytes:,} bytes ({human(nbytes)})"
     )
-    table.caption_justify = "left"
-    return table
+    return table, totals
 
 
 def _inspect(args: argparse.Namespace, console: Console) -> None:
     contents = open_checkpoint(args.path)
-    console.print(inspect_table(contents))
+    table, totals = inspect_table(contents)
+    fw = contents.framework or "framework unknown"
+    console.print(f"{contents.path} ({contents.format}, {fw})", soft_wrap=True)
+    console.print(table)
+    console.print(totals, soft_wrap=True)
     if contents.version:
-        console.print(f"saved by bridge {contents.version}", highlight=False)
+        console.print(f"saved by bridge {contents.version}", soft_wrap=True)
     for key, value in contents.metadata.items():
-        console.print(f"{key}: {value}", highlight=False, markup=False)
+        console.print(f"{key}: {value}", markup=False, soft_wrap=True)
 
 
 def _convert(args: argparse.Namespace, console: Console) -> None:
@@ -81,7 +82,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     console.print(
         f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst)}): "
         f"{len(contents.tensors):,} arrays",
-        highlight=False,
+        soft_wrap=True,
     )
 
 

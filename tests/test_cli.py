@@ -1,0 +1,149 @@
+"""The `bridge` command: run as a subprocess (`python -m bridge`, as the console
+script runs `bridge._cli:main`), and in-process through `main` for the many cases."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import bridge
+from bridge._cli import main
+
+from . import models
+
+
+def run(*args, script=False):
+    """Run `python -m bridge`, or the installed console script `bridge`."""
+    env = dict(os.environ, COLUMNS="200")
+    command = [sys.executable, "-m", "bridge"]
+    if script:
+        command = [str(Path(sys.executable).parent / "bridge")]
+    return subprocess.run(
+        [*command, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def cnn_file(tmp_path):
+    path = tmp_path / "cnn.safetensors"
+    bridge.save(path, models.nnx_cnn(), metadata={"step": "100"})
+    return path
+
+
+def test_inspect_subprocess(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    model = nnx.Linear(40, 30, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    bridge.save(path, model, metadata={"step": "100"})
+    done = run("inspect", path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for column in ("path", "role", "shape", "dtype", "size"):
+        assert column in out
+    assert "kernel" in out and "(40, 30)" in out and "bfloat16" in out
+    assert "1,230 parameters" in out and "2,460 bytes" in out
+    assert "(safetensors, nnx)" in out and "step: 100" in out
+
+
+def test_convert_subprocess_keeps_roles(tmp_path, cnn_file):
+    done = run("convert", cnn_file, tmp_path / "ckpt")
+    assert done.returncode == 0, done.stderr
+    tree = bridge.load(tmp_path / "ckpt")
+    assert bridge.roles(tree).bn.mean == "batch_stats"
+    np.testing.assert_array_equal(tree.bn.var, bridge.load(cnn_file).bn.var)
+
+
+def test_error_subprocess_is_one_line(tmp_path):
+    done = run("inspect", tmp_path / "missing.safetensors", script=True)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith("bridge inspect: error: ")
+    assert "missing.safetensors: no such file" in done.stderr
+
+
+def test_convert_chain_keeps_everything(tmp_path, cnn_file, capsys):
+    model = models.nnx_cnn()
+    assert main(["convert", str(cnn_file), str(tmp_path / "a")]) == 0
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b.safetensors")]) == 0
+    assert "b.safetensors (safetensors): 8 arrays" in capsys.readouterr().out
+    back = bridge.load(tmp_path / "b.safetensors", like=models.nnx_cnn(1))
+    np.testing.assert_array_equal(back.conv.kernel[...], model.conv.kernel[...])
+    assert main(["inspect", str(tmp_path / "b.safetensors")]) == 0
+    assert "step: 100" in capsys.readouterr().out
+
+
+def test_convert_msgpack_keeps_roles(tmp_path, cnn_file):
+    assert main(["convert", str(cnn_file), str(tmp_path / "m.msgpack")]) == 0
+    variables = bridge.to_native(bridge.load(tmp_path / "m.msgpack"))
+    assert sorted(variables) == ["batch_stats", "params"]
+    assert main(["convert", str(tmp_path / "m.msgpack"), str(tmp_path / "c")]) == 0
+    assert bridge.roles(bridge.load(tmp_path / "c")).bn.mean == "batch_stats"
+
+
+def test_inspect_orbax_and_msgpack(tmp_path, capsys):
+    bridge.save(tmp_path / "ckpt", models.equinox_cnn())
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "(orbax, equinox)" in out and "batch_stats" in out
+    assert "94 parameters (103 elements)" in out
+
+
+def empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    return tmp_path / "empty"
+
+
+def text_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    return tmp_path / "notes.txt"
+
+
+def garbage_file(tmp_path):
+    (tmp_path / "x.safetensors").write_bytes(b"\x00" * 20)
+    return tmp_path / "x.safetensors"
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (empty_dir, "empty is a directory but not a checkpoint"),
+        (text_file, "unknown checkpoint format '.txt'"),
+        (garbage_file, "x.safetensors is not a readable safetensors checkpoint"),
+    ],
+)
+def test_errors(tmp_path, capsys, make, message):
+    assert main(["inspect", str(make(tmp_path))]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_convert_refuses_to_replace_a_directory(tmp_path, cnn_file, capsys):
+    (tmp_path / "photos").mkdir()
+    assert main(["convert", str(cnn_file), str(tmp_path / "photos")]) == 1
+    assert "is not a checkpoint directory" in capsys.readouterr().err
+    assert os.path.isdir(tmp_path / "photos")
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "demo"])
+def test_help_on_every_subcommand(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: bridge {command}" in capsys.readouterr().out
+
+
+def test_usage_error_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["frobnicate"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'frobnicate'" in err and err.count("\n") == 1
