@@ -90,3 +90,17 @@ def test_tree_in_tree_out():
     ported = bridge.port(source, target)
     assert isinstance(ported, bridge.Tree)
     assert bridge.compare(source, ported, models.mlp_input()) < 1e-5
+
+
+def test_abstract_targets_cost_no_memory():
+    """Targets made under eval_shape hold no arrays; the port fills them."""
+    from flax import nnx
+
+    x = models.cnn_input()
+    source = _trained_cnn("linen", seed=1)
+    model_state = eqx.filter_eval_shape(models.equinox_cnn, 2)
+    nnx_model = nnx.eval_shape(lambda: models.nnx_cnn(2))
+    module = models.LinenCNN()
+    variables = jax.eval_shape(module.init, jax.random.key(0), x)
+    for target in (model_state, nnx_model, (module, variables)):
+        assert bridge.compare(source, bridge.port(source, target), x) < 1e-5
