@@ -156,3 +156,64 @@ def test_compare_errors():
     with pytest.raises(ValueError, match="do not have the same structure"):
         other = eqx.nn.Linear(models.D_IN, 4, key=KEY(0))
         bridge.compare((module, variables), other, models.mlp_input())
+
+
+def test_attention_entries_without_a_place():
+    """NNX attention with `normalize_qk` has LayerNorms Equinox's has not."""
+    source = nnx.MultiHeadAttention(
+        2, 8, decode=False, normalize_qk=True, rngs=nnx.Rngs(0)
+    )
+    target = eqx.nn.MultiheadAttention(
+        2,
+        8,
+        use_query_bias=True,
+        use_key_bias=True,
+        use_value_bias=True,
+        use_output_bias=True,
+        key=KEY(0),
+    )
+    with pytest.raises(bridge.PortError, match=r"source has `query_ln/scale` and the"):
+        bridge.port(source, target)
+    with pytest.raises(bridge.PortError, match=r"target has `query_ln/scale` and the"):
+        bridge.port(target, source)
+
+
+class Gain(nnx.Module):
+    def __init__(self):
+        self.gain = nnx.Param(jnp.ones(3))
+
+
+class EqxGain(eqx.Module):
+    weight: jax.Array
+
+
+def test_a_codec_that_makes_the_wrong_shape():
+    bridge.register_codec(
+        bridge.Codec(
+            "TestGain",
+            "nnx",
+            lambda cls, leaves: cls is Gain,
+            lambda leaves, hyper: {"scale": leaves["gain"]},
+            lambda canonical, like, hyper: {"gain": canonical["scale"]},
+        )
+    )
+    bridge.register_codec(
+        bridge.Codec(
+            "TestGain",
+            "equinox",
+            lambda cls, leaves: cls is EqxGain,
+            lambda leaves, hyper: {"scale": leaves["weight"]},
+            lambda canonical, like, hyper: {"weight": canonical["scale"][:2]},
+        )
+    )
+    with pytest.raises(bridge.PortError, match=r"the TestGain codec made .*\(2,\)"):
+        bridge.port(Gain(), EqxGain(jnp.zeros(3)))
+    assert bridge.port(EqxGain(jnp.zeros(3)), Gain()).gain[...].shape == (3,)
+
+
+def test_register_codec_checks_its_argument():
+    with pytest.raises(TypeError, match="Expected a bridge.Codec"):
+        bridge.register_codec({"kind": "X"})
+    codec = bridge.Codec("X", "torch", None, None, None)  # pyright: ignore
+    with pytest.raises(ValueError, match="framework must be one of"):
+        bridge.register_codec(codec)
