@@ -63,7 +63,8 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         )
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
-    entries = _by_module(variables)
+    orders: dict[Path, tuple] = {}
+    entries = _by_module(variables, orders)
     problems = _collisions(entries)
     if problems:
         raise ValueError(_COLLISION.format(problems="\n".join(problems)))
@@ -74,7 +75,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         [(path, role, leaf, positions[role, *path]) for (path, role, leaf) in entries],
         kinds,
         "linen",
-        (treedef, Held(module)),
+        (treedef, Held(module), tuple(orders.items())),
     )
 
 
@@ -118,13 +119,17 @@ def _node_kind(cls: type) -> int:
     return kind
 
 
-def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
+def _by_module(
+    variables: Mapping[str, Any], orders: dict[Path, tuple]
+) -> list[tuple[Path, str, Any]]:
     """`(path, collection, array)` for every variable, grouped by module path.
 
     Modules come in the order the dicts list them (Linen's creation order, unlike
     JAX's sorted flattening, where `Dense_10` comes before `Dense_2`), `params`
-    first; within a module, `params` before the other collections.
+    first; within a module, `params` before the other collections. `orders` gets
+    the key order of every mapping not in sorted order, by `(collection, *path)`.
     """
+    _note_order(variables, (), orders)
     seen: dict[Path, int] = {}
     found: list[tuple[Path, str, Any]] = []
 
@@ -137,6 +142,7 @@ def _by_module(variables: Mapping[str, Any]) -> list[tuple[Path, str, Any]]:
             kind = _node_kind(type(node))
         if kind == _MAPPING:
             children = node.items()
+            _note_order(node, (role, *path), orders)
         elif kind == _SEQUENCE:
             children = enumerate(node)
         elif node is None:  # an empty subtree for JAX, as in `tree_leaves`
@@ -195,8 +201,37 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
     src, leaves = native_leaves(tree, "linen")
-    treedef, _ = src.record  # pyright: ignore[reportGeneralTypeIssues]
-    return jtu.tree_unflatten(treedef, leaves)
+    treedef, _, orders = src.record  # pyright: ignore[reportGeneralTypeIssues]
+    variables = jtu.tree_unflatten(treedef, leaves)
+    if orders:  # JAX rebuilds dicts in sorted key order: restore the given order
+        variables = _reorder(variables, (), dict(orders))
+    return variables
+
+
+def _note_order(node: Mapping, path: Path, orders: dict[Path, tuple]) -> None:
+    keys = tuple(node)
+    try:
+        in_order = list(keys) == sorted(keys)
+    except TypeError:  # keys of mixed types
+        in_order = False
+    if not in_order:
+        orders[path] = keys
+
+
+def _reorder(node: Any, path: Path, orders: dict[Path, tuple]) -> Any:
+    """`node` (a mapping at `path`) with every mapping in `orders` in that order."""
+    children = {
+        key: _reorder(child, path + (key,), orders)
+        if _node_kind(type(child)) == _MAPPING
+        else child
+        for key, child in node.items()
+    }
+    keys = orders.get(path)
+    if keys is not None:
+        children = {key: children[key] for key in keys}
+    if type(node) is dict:
+        return children
+    return type(node)(children)  # FrozenDict
 
 
 def linen_module(tree: Tree) -> nn.Module | None:

@@ -106,7 +106,14 @@ def from_nnx(module: nnx.Module) -> Tree:
     for i in order:
         role, value = _role_and_value(leaves[i])
         entries.append((paths[i], role, value, i))
-    return build(entries, kinds, "nnx", (Held(graphdef), _mutable_statics(graphdef)))
+    # nnx.merge sets attributes in sorted order: remember the definition order
+    attribute_order = tuple(
+        (path, tuple(vars(node)))
+        for path, node in nodes.items()
+        if isinstance(node, nnx.Pytree) and not isinstance(node, nnx.List)
+    )
+    record = (Held(graphdef), _mutable_statics(graphdef), attribute_order)
+    return build(entries, kinds, "nnx", record)
 
 
 _ROLES: dict[type, str] = {}
@@ -151,7 +158,7 @@ def to_nnx(tree: Tree) -> nnx.Module:
     An `nnx.Module`.
     """
     src, leaves = native_leaves(tree, "nnx")
-    held, mutable = src.record  # pyright: ignore[reportGeneralTypeIssues]
+    held, mutable, attribute_order = src.record  # pyright: ignore
     graphdef = held.value
     if mutable:  # give the new module its own copies
         attributes = list(graphdef.attributes)
@@ -159,4 +166,26 @@ def to_nnx(tree: Tree) -> nnx.Module:
             key, attr = attributes[i]
             attributes[i] = (key, Static(copy.deepcopy(attr.value)))
         graphdef = dataclasses.replace(graphdef, attributes=attributes)
-    return nnx.merge(graphdef, leaves)
+    module = nnx.merge(graphdef, leaves)
+    _reorder(module, attribute_order)
+    return module
+
+
+def _reorder(module: nnx.Module, attribute_order: tuple) -> None:
+    """Put each new node's attributes in the source's definition order (`vars`
+    order: what `repr` shows, and what `bridge.from_nnx` reads the order from)."""
+    nodes: dict[Path, Any] = {(): module}
+
+    def get(path: Path) -> Any:
+        node = nodes.get(path)
+        if node is None:
+            node = nodes[path] = _child(get(path[:-1]), path[-1])
+        return node
+
+    for path, keys in attribute_order:
+        attributes = vars(get(path))
+        if tuple(attributes) != keys:
+            ordered = {k: attributes[k] for k in keys if k in attributes}
+            ordered.update(attributes)
+            attributes.clear()
+            attributes.update(ordered)

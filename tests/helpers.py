@@ -1,5 +1,7 @@
 """Shared test helpers: tiny models in every framework and exact comparisons."""
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,3 +68,14 @@ def _bits(x) -> bytes:
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.asarray(x).tobytes()
+
+
+def key_orders(obj, path=()) -> list:
+    """`(path, keys)` of every mapping in a nested structure, keys in their order
+    (JAX's treedefs do not see insertion order; a user reading the dict does)."""
+    if not isinstance(obj, Mapping):
+        return []
+    out = [(path, tuple(obj))]
+    for key, child in obj.items():
+        out += key_orders(child, path + (key,))
+    return out

@@ -12,6 +12,7 @@ from . import models
 from .helpers import (
     DTYPES,
     array_of,
+    key_orders,
     leaf_objects,
     same_objects,
     snapshot,
@@ -80,6 +81,7 @@ def test_round_trip_is_exact_zero_copy_and_leaves_the_source(name):
     back = bridge.to_linen(t)
 
     assert type(back) is dict and tree_equal_bits(back, variables)
+    assert key_orders(back) == key_orders(variables)  # creation order, not sorted
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(variables)
     # zero copy both ways: the Tree's leaves and the result's are the source arrays
     assert {id(x) for x in leaf_objects(t)} == {id(x) for x in leaf_objects(variables)}
@@ -141,6 +143,7 @@ def test_frozen_dict_stays_frozen_dict():
     assert type(back) is FrozenDict and type(back["params"]) is FrozenDict
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(frozen)
     assert tree_equal_bits(back, frozen)
+    assert key_orders(back) == key_orders(frozen)
 
 
 def test_boxed_partitioning_metadata_survives():

@@ -106,6 +106,10 @@ def test_round_trip_is_exact_zero_copy_and_shares_nothing(name):
     graphdef2, state2 = nnx.split(back)
     assert type(back) is type(module) and graphdef2 == graphdef
     assert tree_equal_bits(state2, state)
+    # the attributes in definition order again, so converting back gives the same Tree
+    assert list(vars(back)) == list(vars(module))
+    again = bridge.from_nnx(back)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(t)
     # zero copy: the Tree's leaves and the new Variables hold the very same arrays
     raw = [v.get_raw_value() for v in _variables(module)]
     assert {id(x) for x in leaf_objects(t)} == {id(x) for x in raw}

@@ -5,6 +5,7 @@ import pytest
 import bridge
 
 from . import models
+from .helpers import tree_equal_bits
 
 
 def test_access_reads_like_the_model():
@@ -38,3 +39,107 @@ def test_seed_pattern_verbatim():
         diff.layers[0].kernel is None and diff.layers[-1].kernel is t.layers[-1].kernel
     )
     assert eqx.tree_equal(eqx.combine(diff, static), t)
+
+
+def _trees():
+    """One Tree per framework, each with its last layer's kernel and bias names."""
+    module, variables = models.linen_mlp()
+    return {
+        "linen": (bridge.from_linen(variables, module), lambda s: s.Dense_2),
+        "nnx": (bridge.from_nnx(models.nnx_mlp()), lambda s: s.layers[-1]),
+        "equinox": (bridge.from_equinox(models.equinox_mlp()), lambda s: s.layers[-1]),
+    }
+
+
+LAST = {
+    "linen": ("kernel", "bias"),
+    "nnx": ("kernel", "bias"),
+    "equinox": ("weight", "bias"),
+}
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx", "equinox"])
+def test_seed_pattern_verbatim_in_every_framework(name):
+    t, last = _trees()[name]
+    w, b = LAST[name]
+    spec = jax.tree_util.tree_map(lambda _: False, t)
+    spec = eqx.tree_at(
+        lambda s: (getattr(last(s), w), getattr(last(s), b)), spec, replace=(True, True)
+    )
+    assert sum(jax.tree_util.tree_leaves(spec)) == 2
+    diff, static = eqx.partition(t, spec)
+    assert getattr(last(diff), w) is getattr(last(t), w)
+    assert getattr(last(static), w) is None
+    combined = eqx.combine(diff, static)
+    assert jax.tree_util.tree_structure(combined) == jax.tree_util.tree_structure(t)
+    assert all(
+        x is y
+        for x, y in zip(
+            jax.tree_util.tree_leaves(combined), jax.tree_util.tree_leaves(t)
+        )
+    )
+    # the combined Tree turns back into the model; a half or a spec does not
+    native = bridge.to_native(combined)
+    if name == "linen":  # a bound module's `.variables` sorts the names: use ours
+        native = (native.clone(parent=None), bridge.to_linen(combined))
+    assert tree_equal_bits(bridge.to_neutral(native), t)
+    with pytest.raises(ValueError, match=r"missing \.[^\n]*\n"):
+        bridge.to_native(diff)
+    with pytest.raises(ValueError, match="is a bool, not an array"):
+        bridge.to_native(spec)
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx", "equinox"])
+def test_jit_takes_a_tree_and_does_not_retrace(name):
+    traces = []
+
+    @jax.jit
+    def double(tree):
+        traces.append(None)
+        return jax.tree_util.tree_map(lambda x: 2 * x, tree)
+
+    t, _ = _trees()[name]
+    again, _ = _trees()[name]  # a second Tree of the same model
+    out = double(t)
+    assert isinstance(out, bridge.Tree)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(t)
+    double(again)
+    double(jax.tree_util.tree_map(lambda x: x + 1, t))
+    assert len(traces) == 1
+    doubled = jax.tree_util.tree_map(lambda x: 2 * x, t)
+    assert tree_equal_bits(out, doubled)
+
+
+def test_changed_structure_names_every_path():
+    t = bridge.from_nnx(models.nnx_mlp())
+    cut = eqx.tree_at(
+        lambda s: (s.layers[0].kernel, s.layers[2].bias),
+        t,
+        replace=(None, None),
+        is_leaf=lambda x: x is None,
+    )
+    with pytest.raises(ValueError, match="no longer fits the Flax NNX model") as info:
+        bridge.to_nnx(cut)
+    assert "missing .layers[0].kernel" in str(info.value)
+    assert "missing .layers[2].bias" in str(info.value)
+
+
+def test_leaves_may_change_shape_and_dtype_but_stay_arrays():
+    t = bridge.from_equinox(models.equinox_mlp())
+    half = jax.tree_util.tree_map(lambda x: x.astype("bfloat16"), t)
+    model = bridge.to_equinox(half)
+    assert model.layers[0].weight.dtype == "bfloat16"
+
+
+def test_roles_repr_and_errors():
+    module, variables = models.linen_cnn()
+    t = bridge.from_linen(variables, module)
+    text = repr(t)
+    assert "Tree(LinenCNN)" in text and ".mean: float32[4]  # batch_stats" in text
+    assert "Conv_0" in t and "nope" not in t and len(t) == 3
+    with pytest.raises(TypeError, match="made by an adapter"):
+        bridge.Tree()
+    with pytest.raises(TypeError, match="Expected a bridge.Tree, got dict"):
+        bridge.roles({})
+    with pytest.raises(KeyError, match="is not an index of this sequence of 3"):
+        bridge.from_nnx(models.nnx_mlp()).layers[3]
