@@ -159,6 +159,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Install bridge and run its demo (for now an example: `bridge demo` is not in)."""
+    """Install bridge and run `bridge demo`: freeze, train, port, save and load."""
     session.install(".")
-    session.run("python", str(ROOT / "examples" / "freeze_nnx.py"))
+    session.run("bridge", "demo", *session.posargs)
