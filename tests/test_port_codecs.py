@@ -236,8 +236,17 @@ def _build(case, framework, seed):
     return model
 
 
+# Linen <-> NNX share the layout (identity codecs on both sides): slow tier; the
+# six-direction model tests cover that pair in the default run.
 PARAMS = [
-    (case, a, b)
+    pytest.param(
+        case,
+        a,
+        b,
+        marks=[pytest.mark.slow]
+        if {a, b} == {"linen", "nnx"} and "equinox" in builders
+        else [],
+    )
     for case, (_, _, builders) in CASES.items()
     for a, b in itertools.permutations(builders, 2)
 ]

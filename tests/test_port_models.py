@@ -5,6 +5,7 @@ import itertools
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import pytest
 
 import bridge
@@ -104,3 +105,22 @@ def test_abstract_targets_cost_no_memory():
     variables = jax.eval_shape(module.init, jax.random.key(0), x)
     for target in (model_state, nnx_model, (module, variables)):
         assert bridge.compare(source, bridge.port(source, target), x) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["batch", "ema"])
+def test_training_continues_in_equinox_as_in_flax(mode):
+    """After the port, one Equinox training step moves the running statistics as
+    one Linen training step does (the counter and first-time flag are set so)."""
+    module, variables = _trained_cnn("linen", seed=1)
+    model, state = bridge.port((module, variables), _make("cnn", "equinox", 2, mode))
+    x = models.cnn_input()
+    train = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    _, state = train(x, state)
+    _, linen = module.apply(variables, x, train=True, mutable=["batch_stats"])
+    back = bridge.port((model, state), models.nnx_cnn())
+    want = linen["batch_stats"]["BatchNorm_0"]
+    assert jnp.allclose(back.bn.mean[...], want["mean"], rtol=1e-5, atol=1e-6)
+    assert jnp.allclose(back.bn.var[...], want["var"], rtol=1e-5, atol=1e-6)
+    assert not jnp.allclose(
+        want["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
+    )
