@@ -419,14 +419,16 @@ def read(
         raw = _read_raw(contents, shardings)
         out = {}
         for name, array in raw:
-            stored = by_name[name]
-            if stored.prng_impl is not None:
-                array = jax.random.wrap_key_data(array, impl=stored.prng_impl)
-            sharding = shardings.get(name)
-            if sharding is not None:
-                out[name] = jax.device_put(array, sharding)
-            else:
-                out[name] = jnp.asarray(array)
+            impl, sharding = by_name[name].prng_impl, shardings.get(name)
+            if isinstance(array, np.ndarray):
+                # a view of the file's memory map: copied once, into memory JAX owns
+                where = sharding if impl is None else None
+                array = jax.device_put(array, where, may_alias=False)
+            if impl is not None:
+                array = jax.random.wrap_key_data(array, impl=impl)
+            if sharding is not None and array.sharding != sharding:
+                array = jax.device_put(array, sharding)
+            out[name] = array
         return out
     except (ValueError, KeyError, TypeError, OSError, safetensors.SafetensorError) as e:
         raise ValueError(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -36,10 +38,19 @@ def header(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...],
 
 
 def read(path: Path, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Each named array, one at a time, from the file's memory map."""
-    with safetensors.safe_open(path, framework="numpy") as f:
-        for name in names:
-            yield name, f.get_tensor(name)
+    """Each named array, one at a time, as a read-only view of the file's memory map
+    (no copy: the caller copies it once, into a JAX array). Call `header` first: it
+    checks that the file is whole."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        layout = json.loads(f.read(size))
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for name in names:
+        entry = layout[name]
+        begin, end = entry["data_offsets"]
+        dtype = jnp.dtype(_dtype_name(entry["dtype"]))
+        view = data[8 + size + begin : 8 + size + end].view(dtype)
+        yield name, view.reshape(entry["shape"])
 
 
 # safetensors' dtype codes -> numpy names

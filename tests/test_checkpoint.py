@@ -441,3 +441,14 @@ def test_like_dtype_mismatch(tmp_path):
         ValueError, match=r"\.kernel: dtype float32 in the file, bfloat16 in `like`"
     ):
         bridge.load(tmp_path / "m.safetensors", like=like)
+
+
+def test_loaded_arrays_do_not_alias_the_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    bridge.save(path, model)
+    tree = bridge.load(path)
+    with open(path, "r+b") as f:  # overwrite the last float in place
+        f.seek(-4, os.SEEK_END)
+        f.write(np.float32(123.0).tobytes())
+    assert float(tree.bias[-1]) == float(model.bias[-1])

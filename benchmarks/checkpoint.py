@@ -1,0 +1,204 @@
+"""Save and load a ~1 GB model: `bridge.save` / `bridge.load` against
+`safetensors.numpy.save_file` / `load_file` of the same flat dict of arrays.
+
+Times are interleaved (bridge, floor, bridge, floor, ...) in one process; the printed
+figures are medians and ratios bridge / floor (goal: <= 1.2). Peak memory is measured
+in a fresh subprocess per operation: the peak anonymous resident memory (file pages of
+a memory map are page cache, not counted) above the process's just before the
+operation, as a multiple of the model's size.
+
+    python benchmarks/checkpoint.py            # ~1 GB, 3 rounds
+    python benchmarks/checkpoint.py --quick    # ~64 MB, 2 rounds (a smoke run)
+    python benchmarks/checkpoint.py --size-mb 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import safetensors.flax
+import safetensors.numpy
+
+import bridge
+
+
+WIDTH, LAYERS = 4096, 8
+
+
+def make_model(size_mb: int) -> dict:
+    """Linen-style variables: LAYERS float32 kernels of shape (rows, WIDTH)."""
+    rows = max(1, size_mb * 2**20 // (LAYERS * WIDTH * 4))
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    params = {
+        f"dense_{i}": {"kernel": jax.random.uniform(k, (rows, WIDTH))}
+        for i, k in enumerate(keys)
+    }
+    jax.block_until_ready(params)
+    return {"params": params}
+
+
+def flat(variables: dict) -> dict[str, np.ndarray]:
+    """The same arrays as numpy (zero-copy views), keyed like bridge's file."""
+    return {
+        f"{name}.kernel": np.asarray(layer["kernel"])
+        for name, layer in variables["params"].items()
+    }
+
+
+def save_fsync(arrays: dict[str, np.ndarray], path: Path) -> None:
+    safetensors.numpy.save_file(arrays, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def load_copy(path: Path) -> list[np.ndarray]:
+    """load_file maps the file without reading it; copying reads every byte once."""
+    return [np.array(a) for a in safetensors.numpy.load_file(path).values()]
+
+
+def bridge_load(path: Path) -> None:
+    jax.block_until_ready(jax.tree_util.tree_leaves(bridge.load(path)))
+
+
+# (name, bridge's operation, the floor's, what the floor is)
+def operations(variables: dict | None, directory: Path) -> list[tuple]:
+    ours, theirs = directory / "bridge.safetensors", directory / "floor.safetensors"
+    return [
+        (
+            "save",
+            lambda: bridge.save(ours, variables),
+            lambda: safetensors.numpy.save_file(flat(variables), theirs),
+            "safetensors.numpy.save_file (no fsync)",
+        ),
+        (
+            "save",
+            lambda: bridge.save(ours, variables),
+            lambda: save_fsync(flat(variables), theirs),
+            "safetensors.numpy.save_file + fsync (bridge's durability)",
+        ),
+        (
+            "load",
+            lambda: bridge_load(ours),
+            lambda: load_copy(theirs),
+            "safetensors.numpy.load_file + reading the arrays (one copy)",
+        ),
+        (
+            "load",
+            lambda: bridge_load(ours),
+            lambda: safetensors.numpy.load_file(theirs),
+            "safetensors.numpy.load_file alone (mapped, no byte read)",
+        ),
+        (
+            "load",
+            lambda: bridge_load(ours),
+            lambda: jax.block_until_ready(safetensors.flax.load_file(theirs)),
+            "safetensors.flax.load_file (JAX arrays)",
+        ),
+    ]
+
+
+def anonymous() -> int:
+    """This process's anonymous (non-file) resident memory, from /proc/self/status:
+    file pages mapped by a memory map are page cache, shared and reclaimable."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def child(index: int, side: int, size_mb: int, directory: Path) -> None:
+    """One operation in this fresh process; print its peak anonymous memory above
+    the start, sampled every millisecond."""
+    name = operations(None, directory)[index][0]
+    variables = make_model(size_mb) if name == "save" else None
+    run = operations(variables, directory)[index][1 + side]
+    before = peak = anonymous()
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, anonymous())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    run()
+    done.set()
+    sampler.join()
+    print(json.dumps({"extra": max(peak, anonymous()) - before}))
+
+
+def peak_extra(index: int, side: int, size_mb: int, directory: Path) -> int:
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", str(index), str(side)]
+        + ["--size-mb", str(size_mb)]
+        + ["--dir", str(directory)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])["extra"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MB, 2 rounds")
+    parser.add_argument("--size-mb", type=int, default=None, help="model size (MB)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size_mb = args.size_mb or (64 if args.quick else 1024)
+    if args.child:
+        child(int(args.child[0]), int(args.child[1]), size_mb, Path(args.dir))
+        return
+    rounds = args.rounds or (2 if args.quick else 3)
+
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        directory = Path(tmp)
+        variables = make_model(size_mb)
+        nbytes = sum(a.nbytes for a in flat(variables).values())
+        ops = operations(variables, directory)
+        times: list[tuple[list[float], list[float]]] = [([], []) for _ in ops]
+        for _ in range(rounds):
+            for (_, *pair, _), (ours, theirs) in zip(ops, times):
+                for run, record in zip(pair, (ours, theirs)):  # bridge, floor, ...
+                    start = time.perf_counter()
+                    run()
+                    record.append(time.perf_counter() - start)
+
+        print(
+            f"model: {LAYERS} float32 arrays, {nbytes / 2**20:,.0f} MiB; "
+            f"{rounds} interleaved rounds; medians"
+        )
+        print(f"{'':5} {'bridge':>8} {'floor':>8} {'ratio':>6}  floor")
+        for (name, *_, floor), (ours, theirs) in zip(ops, times):
+            a, b = statistics.median(ours), statistics.median(theirs)
+            print(f"{name:5} {a:7.3f}s {b:7.3f}s {a / b:6.2f}  {floor}")
+
+        print("peak anonymous RSS above the process's before the operation / model:")
+        for index in (0, 2, 4):
+            name, *_, floor = ops[index]
+            ours, theirs = (
+                peak_extra(index, side, size_mb, directory) for side in (0, 1)
+            )
+            print(
+                f"  {name:5} bridge {ours / nbytes:4.2f}x ({ours / 2**20:,.0f} MiB)  "
+                f"floor {theirs / nbytes:4.2f}x ({theirs / 2**20:,.0f} MiB)  {floor}"
+            )
+
+
+if __name__ == "__main__":
+    main()
