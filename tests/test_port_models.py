@@ -124,3 +124,17 @@ def test_training_continues_in_equinox_as_in_flax(mode):
     assert not jnp.allclose(
         want["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
     )
+
+
+def test_ported_arrays_take_the_target_sharding():
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(jax.devices()[:8], ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "x"))
+    source = eqx.nn.Linear(4, 16, key=jax.random.key(0))
+    target = nnx.Linear(4, 16, rngs=nnx.Rngs(1))
+    target.kernel[...] = jax.device_put(target.kernel[...], sharding)
+    ported = bridge.port(source, target)
+    assert ported.kernel[...].sharding.is_equivalent_to(sharding, 2)
+    assert jnp.array_equal(ported.kernel[...], source.weight.T)

@@ -34,7 +34,8 @@ def port(
     layouts: Dense kernel `(in, out)` <-> Equinox weight `(out, in)`, conv HWIO <->
     OIHW, attention heads split <-> fused, BatchNorm statistics <-> `eqx.nn.State`.
     Every problem is collected first and raised once, as a `PortError`: nothing is
-    half-written, and `target` is never modified.
+    half-written, and `target` is never modified. Each ported array takes the sharding
+    of the target's array it replaces.
 
     **Arguments:**
 
@@ -142,8 +143,17 @@ def _move(step: Step, problems: list[str]) -> dict[Path, Any]:
     for entry, value in step.fill.items():
         canonical[entry] = jnp.full(spec[entry].shape, value, spec[entry].dtype)
     leaves = step.target_codec.encode(canonical, t.leaves, t.hyper)
-    base = t.path
-    return {base + t.paths[name]: leaf for name, leaf in leaves.items()}
+    return {t.path + t.paths[k]: _placed(v, t.leaves[k]) for k, v in leaves.items()}
+
+
+def _placed(new: Any, like: Any) -> Any:
+    """`new` with the sharding of the target's array it replaces (a no-op when they
+    already agree, or when the target's array is abstract)."""
+    sharding = getattr(like, "sharding", None)
+    if isinstance(like, jax.Array) and isinstance(new, jax.Array):
+        if not new.sharding.is_equivalent_to(sharding, new.ndim):  # pyright: ignore
+            return jax.device_put(new, sharding)
+    return new
 
 
 def _like(target: Any, tree: Tree) -> Any:
