@@ -14,7 +14,7 @@ from .._tree import Tree
 from . import _errors
 from ._codec import Codec
 from ._layers import Layer, find_layers
-from ._pairing import pair
+from ._pairing import common_kind, pair
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,12 +168,8 @@ def make_plan(
     pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems)
     steps, warnings = [], []
     for s, t in pairs:
-        kind = (
-            next(k for k in s.kinds if k in t.kinds)
-            if set(s.kinds) & set(t.kinds)
-            else None
-        )
-        if kind is None:
+        kind = common_kind(s, t)
+        if kind is None:  # a rule across kinds, already reported
             continue
         step = _check(s, t, kind, problems)
         steps.append(step)
