@@ -13,7 +13,7 @@ its own. Runs alternate (numpy, port, numpy, port, ...); the figures are medians
 The Equinox target is abstract (`eqx.filter_eval_shape`), so it costs no memory.
 
     python benchmarks/port.py            # ~1 GB, 4 layers
-    python benchmarks/port.py --quick    # 16 MB smoke run
+    python benchmarks/port.py --quick    # 16 MB smoke run (fixed costs dominate)
     python benchmarks/port.py --size-mb 512 --layers 2 --repeats 5
 
 Measured on a 2-core machine shared with other jobs (1 GiB, 4 layers): port 3.3-4.8 s
@@ -46,7 +46,8 @@ def _worker(kind: str, size_mb: float, layers: int) -> dict:
 
     import bridge
 
-    base = _rss("VmRSS")  # the interpreter, JAX, bridge: no model yet
+    jnp.zeros(1).block_until_ready()  # start the CPU backend
+    base = _rss("VmRSS")  # the interpreter, JAX and its backend, bridge: no model yet
 
     n = int((size_mb * 2**20 / 4 / layers) ** 0.5)
     params = {}
