@@ -151,3 +151,14 @@ def test_compare_equals_native_outputs():
     conv = eqx.nn.Conv2d(2, 3, 3, padding=1, key=KEY(0))
     flax_conv = bridge.port(conv, nnx.Conv(2, 3, (3, 3), rngs=nnx.Rngs(0)))
     assert bridge.compare(conv, flax_conv, x, channel_first=(True, False)) < 1e-5
+
+
+def test_bound_linen_modules_in_and_out():
+    module, variables = models.linen_mlp(1)
+    target_module, target_variables = models.linen_mlp(2)
+    bound = target_module.bind(target_variables)
+    ported = bridge.port(module.bind(variables), bound)
+    assert isinstance(ported, nn.Module) and ported.scope is not None
+    x = models.mlp_input()
+    assert np.array_equal(ported(x), module.apply(variables, x))
+    assert not np.array_equal(bound(x), module.apply(variables, x))
