@@ -228,7 +228,8 @@ def encode(contents: Contents) -> dict[str, str]:
 
 
 def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
-    """Write `arrays` (by dotted name) with `contents`' metadata, atomically."""
+    """Write `arrays` (by dotted name; typed PRNG keys as their key data) with
+    `contents`' metadata, atomically."""
     fmt = format_of(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(
@@ -238,6 +239,7 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
         raise IsADirectoryError(
             f"{path} is a directory: a {fmt} checkpoint is one file; pick a file name."
         )
+    arrays = {k: jax.random.key_data(v) if _is_key(v) else v for k, v in arrays.items()}
     if fmt == "safetensors":
         host = {k: np.asarray(v) for k, v in arrays.items()}
         _safetensors.write(path, host, encode(contents))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,6 +80,28 @@ def test_convert_chain_keeps_everything(tmp_path, cnn_file, capsys):
     np.testing.assert_array_equal(back.conv.kernel[...], model.conv.kernel[...])
     assert main(["inspect", str(tmp_path / "b.safetensors")]) == 0
     assert "step: 100" in capsys.readouterr().out
+
+
+class WithKeys(nnx.Module):
+    def __init__(self, seed):
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(seed))
+        self.lin = nnx.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+
+
+def test_convert_every_pair_of_formats_with_prng_keys(tmp_path):
+    bridge.save(tmp_path / "a.safetensors", WithKeys(0))
+    chain = ["a.safetensors", "b", "c.safetensors", "d.msgpack", "e"]
+    for src, dst in zip(chain, chain[1:]):
+        assert main(["convert", str(tmp_path / src), str(tmp_path / dst)]) == 0
+    back = bridge.load(tmp_path / "c.safetensors", like=WithKeys(1))
+    key = back.drop.rngs.key[...]
+    assert jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(
+        jax.random.key_data(key), jax.random.key_data(WithKeys(0).drop.rngs.key[...])
+    )
+    tree = bridge.load(tmp_path / "e")  # msgpack keeps key data, not the key type
+    assert bridge.roles(tree).drop.rngs.key == "rngs"
+    assert tree.lin.kernel.dtype == jnp.bfloat16
 
 
 def test_convert_msgpack_keeps_roles(tmp_path, cnn_file):
