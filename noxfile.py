@@ -24,9 +24,9 @@ PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [
-    "jax==0.7.2",
-    "jaxlib==0.7.2",
-    "flax==0.12.0",
+    "jax==0.8.1",
+    "jaxlib==0.8.1",
+    "flax==0.12.1",
     "equinox==0.13.1",
     "optax==0.2.5",
     "numpy==2.0.0",

@@ -243,7 +243,8 @@ def test_plain_safetensors_file_loads(tmp_path):
 
 
 def sharded_model():
-    mesh = jax.make_mesh((8,), ("x",))
+    # explicit axis types: jax < 0.9 warns when they are left to the default
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     model = nnx.Linear(4, 16, rngs=nnx.Rngs(0))
     sharded = jax.device_put(model.kernel[...], NamedSharding(mesh, P(None, "x")))
     model.kernel = nnx.Param(sharded)

@@ -78,7 +78,8 @@ def test_nnx_partitioning_annotations_survive(mesh):
     t = bridge.from_nnx(module)
     assert t.kernel.sharding.spec == P(None, "model")
     back = bridge.to_nnx(t)
-    assert back.kernel.out_sharding == (None, "model")
+    # `out_sharding` since flax 0.12.4, `sharding_names` before
+    assert (None, "model") in back.kernel.get_metadata().values()
     assert back.kernel.get_metadata() == module.kernel.get_metadata()
     assert back.kernel.get_raw_value() is t.kernel
 
