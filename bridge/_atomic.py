@@ -39,7 +39,10 @@ def atomic_file(path: Path) -> Iterator[Path]:
     `path`. On any exception the temporary is removed and `path` is left as it was."""
     tmp = _temporary(path, "tmp")
     try:
+        tmp.touch(exist_ok=False)  # the mode a new file gets here (the umask applied)
+        mode = tmp.stat().st_mode
         yield tmp
+        os.chmod(tmp, mode)  # a writer may have made its own file, private
         _fsync(tmp)
         os.replace(tmp, path)
     finally:

@@ -454,3 +454,10 @@ def test_loaded_arrays_do_not_alias_the_file(tmp_path):
         f.write(np.float32(123.0).tobytes())
     assert not same_bits(bridge.load(path), model)  # the file did change
     assert same_bits(tree, model)  # the arrays loaded before did not
+
+
+def test_saved_file_has_the_usual_permissions(tmp_path):
+    (tmp_path / "plain").touch()
+    bridge.save(tmp_path / "m.safetensors", models.nnx_mlp())
+    mode = (tmp_path / "plain").stat().st_mode
+    assert (tmp_path / "m.safetensors").stat().st_mode == mode
