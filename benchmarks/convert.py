@@ -15,6 +15,7 @@ under 3x. Conversion must grow linearly with the leaves: 1k and 10k are both sho
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -82,15 +83,23 @@ def nnx_split_merge(module):
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn (ABAB...) `repeats` times."""
+    """Median seconds of each function, run in turn (ABAB...) `repeats` times.
+
+    As `timeit` does, the garbage collector is off while a call runs: with 10k live
+    arrays a collection can land in any call and cost more than the call itself. The
+    time is this process's CPU time: the machine may be shared, and conversion is
+    single-threaded Python."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm up (caches, first-call imports)
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            gc.collect()
+            gc.disable()
+            start = time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.process_time() - start)
+            gc.enable()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -124,7 +133,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     args = parser.parse_args()
     sizes = [200, 1000] if args.quick else [1_000, 10_000]
-    repeats = 3 if args.quick else 7
+    repeats = 3 if args.quick else 9
     medians: dict[tuple[str, int], dict[str, float]] = {}
     print(f"round trip to_*(from_*(model)), median of {repeats} interleaved runs")
     print(f"{'framework':<9} {'leaves':>7} {'what':<16} {'ms':>9} {'x floor':>8}")

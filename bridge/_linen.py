@@ -8,7 +8,17 @@ from typing import Any
 import flax.linen as nn
 import jax.tree_util as jtu
 
-from ._tree import Held, Path, Tree, build, key_of, native_leaves, path_str
+from ._tree import (
+    Held,
+    Key,
+    Maker,
+    Path,
+    Tree,
+    items,
+    key_of,
+    native_leaves,
+    path_str,
+)
 
 
 _COLLISION = """\
@@ -63,39 +73,31 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         )
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
-    orders: dict[Path, tuple] = {}
-    entries = _by_module(variables, orders)
-    problems = _collisions(entries)
-    if problems:
-        raise ValueError(_COLLISION.format(problems="\n".join(problems)))
     leaves, treedef = jtu.tree_flatten(variables)
-    positions = _positions(variables, leaves, entries)
-    kinds = {(): type(module)} if module is not None else {}
-    return build(
-        [(path, role, leaf, positions[role, *path]) for (path, role, leaf) in entries],
-        kinds,
-        "linen",
-        (treedef, Held(module), tuple(orders.items())),
-    )
+    walk = _Walk(variables, leaves, {(): type(module)} if module is not None else {})
+    parts = []
+    for name in sorted(variables, key=lambda c: c != "params"):
+        collection = variables[name]
+        if _node_kind(type(collection)) in (_MAPPING, _SEQUENCE):
+            parts.append((str(name), collection))
+        else:
+            walk.problems.append(f"  collection {name!r} is an array, not a mapping")
+    _note_order(variables, (), walk.orders)
+    root = walk.merge(parts, ())
+    if walk.problems:
+        raise ValueError(_COLLISION.format(problems="\n".join(walk.problems)))
+    if len(walk.maker.paths) != len(leaves):
+        raise TypeError(_UNSUPPORTED.format(found=len(walk.maker.paths), n=len(leaves)))
+    # one collection of plain dicts: they are the Tree's nodes, in the same order
+    plain = parts[0][0] if walk.plain and len(parts) == 1 else None
+    record = (treedef, Held(module), tuple(walk.orders.items()), plain)
+    return walk.maker.root(*root, "linen", record)
 
 
-def _positions(
-    variables: Mapping[str, Any], leaves: list[Any], entries: list[tuple]
-) -> dict[Path, int]:
-    """`(collection, *path)` -> the variable's index among JAX's leaves of
-    `variables` (JAX sorts dict keys: `Dense_10` comes before `Dense_2`)."""
-    by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
-    if len(by_id) == len(leaves) == len(entries):
-        # each array object once: its position is where JAX put that object
-        found = {(role, *path): by_id.get(id(leaf)) for path, role, leaf in entries}
-        if None not in found.values():
-            return found
-    flat, _ = jtu.tree_flatten_with_path(variables)
-    # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
-    return {
-        tuple(key_of(e) for e in keypath if not isinstance(e, jtu.GetAttrKey)): i
-        for i, (keypath, _) in enumerate(flat)
-    }
+_UNSUPPORTED = """\
+These Linen variables hold {n} JAX leaves, of which {found} were found as arrays in
+nested mappings (and nn.Partitioned-style boxes): some node is of a kind Linen does not
+make. Pass the variables as `module.init` returns them."""
 
 
 _MAPPING, _BOX, _SEQUENCE, _LEAF = range(4)
@@ -119,73 +121,103 @@ def _node_kind(cls: type) -> int:
     return kind
 
 
-def _by_module(
-    variables: Mapping[str, Any], orders: dict[Path, tuple]
-) -> list[tuple[Path, str, Any]]:
-    """`(path, collection, array)` for every variable, grouped by module path.
+class _Walk:
+    """One pass over the collections, merged by module path, making the Tree.
 
     Modules come in the order the dicts list them (Linen's creation order, unlike
     JAX's sorted flattening, where `Dense_10` comes before `Dense_2`), `params`
     first; within a module, `params` before the other collections. `orders` gets
     the key order of every mapping not in sorted order, by `(collection, *path)`.
     """
-    _note_order(variables, (), orders)
-    seen: dict[Path, int] = {}
-    found: list[tuple[Path, str, Any]] = []
 
-    def visit(node: Any, path: Path, role: str) -> None:
-        if path not in seen:
-            seen[path] = len(seen)
-        kind = _node_kind(type(node))
-        if kind == _BOX:
-            node = node.unbox()
-            kind = _node_kind(type(node))
-        if kind == _MAPPING:
-            children = node.items()
-            _note_order(node, (role, *path), orders)
-        elif kind == _SEQUENCE:
-            children = enumerate(node)
-        elif node is None:  # an empty subtree for JAX, as in `tree_leaves`
-            return
+    def __init__(self, variables: Mapping, leaves: list[Any], kinds: dict):
+        self.variables = variables
+        self.maker = Maker(kinds)
+        self.orders: dict[Path, tuple] = {}
+        self.problems: list[str] = []
+        by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
+        self.by_id = by_id if len(by_id) == len(leaves) else {}
+        self.by_path: dict[Path, int] | None = None
+        # plain nested dicts of arrays (no box, FrozenDict, list or None): then the
+        # Tree's nodes, in creation order, are the dicts `to_linen` rebuilds
+        self.plain = type(variables) is dict
+
+    def position(self, role: str, path: Path, leaf: Any) -> int:
+        """The leaf's index among JAX's leaves of the variables: where JAX put
+        this very object, or (an object used twice) where JAX put this path."""
+        i = self.by_id.get(id(leaf))
+        if i is not None:
+            return i
+        if self.by_path is None:
+            flat, _ = jtu.tree_flatten_with_path(self.variables)
+            # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
+            self.by_path = {
+                tuple(key_of(e) for e in keypath if type(e) is not jtu.GetAttrKey): i
+                for i, (keypath, _) in enumerate(flat)
+            }
+        return self.by_path[(role, *path)]
+
+    def items(self, role: str, container: Any, path: Path):
+        if type(container) is not dict:
+            self.plain = False
+        if _node_kind(type(container)) == _MAPPING:
+            _note_order(container, (role, *path), self.orders)
+            return container.items()
+        return enumerate(container)
+
+    def merge(self, parts: list[tuple[str, Any]], path: Path) -> tuple:
+        """`(keys, roles, children)` of the node at `path`, from its containers
+        in each collection, `parts = [(collection, mapping), ...]`."""
+        if len(parts) == 1:
+            role, container = parts[0]
+            groups = ((k, ((role, c),)) for k, c in self.items(role, container, path))
         else:
-            found.append((path, role, node))
-            return
-        for key, child in children:
-            visit(child, path + (key,), role)
+            merged: dict[Key, list[tuple[str, Any]]] = {}
+            for role, container in parts:
+                for key, child in self.items(role, container, path):
+                    merged.setdefault(key, []).append((role, child))
+            groups = merged.items()
+        keys, roles, children = [], [], []
+        for key, group in groups:
+            here = path + (key,)
+            inner, found = [], []
+            for role, child in group:
+                kind = _node_kind(type(child))
+                if kind == _BOX:
+                    self.plain = False
+                    child = child.unbox()
+                    kind = _node_kind(type(child))
+                if kind == _MAPPING or kind == _SEQUENCE:
+                    inner.append((role, child))
+                elif child is not None:  # None: an empty subtree for JAX
+                    found.append((role, child))
+                else:
+                    self.plain = False
+            if found and (inner or len(found) > 1):
+                self.collision(here, found, inner)
+            elif found:
+                role, leaf = found[0]
+                position = self.position(role, here, leaf)
+                children.append(self.maker.leaf(here, leaf, position))
+                keys.append(key)
+                roles.append(role)
+            elif inner:
+                node = self.merge(inner, here)
+                if node[0]:  # an empty mapping is no module
+                    children.append(self.maker.node(here, *node))
+                    keys.append(key)
+                    roles.append(None)
+        return tuple(keys), roles, children
 
-    names = sorted(variables, key=lambda c: c != "params")
-    for name in names:
-        visit(variables[name], (), str(name))
-    if len(names) == 1:  # one collection: visited module by module already
-        return found
-    rank = lambda e: tuple(seen[e[0][:d]] for d in range(len(e[0]) + 1))  # noqa: E731
-    return sorted(found, key=rank)
-
-
-def _collisions(entries: list[tuple[Path, str, Any]]) -> list[str]:
-    problems, roles = [], {}
-    if len({role for _, role, _ in entries}) == 1:  # one collection: no collision
-        return [
-            f"  collection {r!r} is an array, not a mapping"
-            for p, r, _ in entries
-            if not p
-        ]
-    for path, role, _ in entries:
-        if not path:
-            problems.append(f"  collection {role!r} is an array, not a mapping")
-        elif path in roles:
-            problems.append(
-                f"  {path_str(path)} is in collections {roles[path]!r} and {role!r}"
+    def collision(self, path: Path, found: list, inner: list) -> None:
+        where = path_str(path)
+        for (first, _), (role, _) in zip(found, found[1:]):
+            self.problems.append(f"  {where} is in collections {first!r} and {role!r}")
+        for role, _ in inner:
+            self.problems.append(
+                f"  {where} is a variable in collection {found[0][0]!r} and a module "
+                f"in collection {role!r}"
             )
-        roles.setdefault(path, role)
-    for path, role, _ in entries:
-        for depth in range(1, len(path)):
-            if path[:depth] in roles:
-                problems.append(
-                    f"  {path_str(path[:depth])} is a variable in collection "
-                    f"{roles[path[:depth]]!r} and a module in collection {role!r}"
-                )
-    return problems
 
 
 def to_linen(tree: Tree) -> dict[str, Any]:
@@ -201,11 +233,17 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
     src, leaves = native_leaves(tree, "linen")
-    treedef, _, orders = src.record  # pyright: ignore[reportGeneralTypeIssues]
+    treedef, _, orders, plain = src.record  # pyright: ignore
+    if plain is not None:
+        return {plain: _dicts(tree)}
     variables = jtu.tree_unflatten(treedef, leaves)
     if orders:  # JAX rebuilds dicts in sorted key order: restore the given order
         variables = _reorder(variables, (), dict(orders))
     return variables
+
+
+def _dicts(node: Tree) -> dict[Key, Any]:
+    return {k: _dicts(c) if type(c) is Tree else c for k, c in items(node)}
 
 
 def _note_order(node: Mapping, path: Path, orders: dict[Path, tuple]) -> None:

@@ -335,36 +335,68 @@ def build(
             raise ValueError(f"{path_str(path)} appears twice.")
         node[path[-1]] = entry
 
-    paths: list[Path] = []
-    order: list[int] = []
-    infos: dict[Any, _Info] = {}  # one _Info per distinct node: cheap hashing, eq
+    maker = Maker(kinds)
 
-    def make(node: dict[Key, Any], prefix: Path) -> Tree:
-        keys = tuple(node)
-        children, roles = [], []
+    def make(node: dict[Key, Any], prefix: Path) -> tuple[tuple[Key, ...], list, list]:
+        roles, children = [], []
         for key, value in node.items():
             if type(value) is dict:
-                children.append(make(value, prefix + (key,)))
+                here = prefix + (key,)
+                children.append(maker.node(here, *make(value, here)))
                 roles.append(None)
             else:
                 path, role, leaf, position = value
+                children.append(maker.leaf(path, leaf, position))
                 roles.append(role)
-                children.append(leaf)
-                paths.append(path)
-                order.append(position)
-        seq = keys == tuple(range(len(keys))) and len(keys) > 0
-        data = (None if seq else keys, tuple(roles), kinds.get(prefix))
-        info = infos.get(data)
+        return tuple(node), roles, children
+
+    return maker.root(*make(root, ()), framework, record)
+
+
+class Maker:
+    """Makes the nodes of one whole-model Tree, children before parents.
+
+    `leaf` records a leaf's path and native position (call it in Tree order),
+    `node` makes an inner node, `root` the Tree with its `Source`. Nodes with the same
+    keys, roles and kind share one static record: cheap to make, hash and compare.
+    """
+
+    def __init__(self, kinds: dict[Path, Any]):
+        self.kinds = kinds
+        self.paths: list[Path] = []
+        self.order: list[int] = []
+        self.infos: dict[Any, _Info] = {}
+
+    def leaf(self, path: Path, leaf: Any, position: int) -> Any:
+        self.paths.append(path)
+        self.order.append(position)
+        return leaf
+
+    def _data(self, path: Path, keys: tuple[Key, ...], roles: list) -> tuple:
+        seq = bool(keys) and type(keys[0]) is int and keys == tuple(range(len(keys)))
+        return (None if seq else keys, tuple(roles), self.kinds.get(path))
+
+    def node(
+        self, path: Path, keys: tuple[Key, ...], roles: list, children: list
+    ) -> Tree:
+        data = self._data(path, keys, roles)
+        info = self.infos.get(data)
         if info is None:
-            info = infos[data] = _Info(*data, None)
+            info = self.infos[data] = _Info(*data, None)
         return Tree._make(info, children)
 
-    tree = make(root, ())
-    source = Source(framework, tuple(paths), tuple(order), record)
-    info = tree._info
-    tree = Tree._make(_Info(info.keys, info.roles, info.kind, source), tree._children)
-    object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
-    return tree
+    def root(
+        self,
+        keys: tuple[Key, ...],
+        roles: list,
+        children: list,
+        framework: str,
+        record: Hashable,
+    ) -> Tree:
+        source = Source(framework, tuple(self.paths), tuple(self.order), record)
+        tree = Tree._make(_Info(*self._data((), keys, roles), source), children)
+        object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
+        return tree
 
 
 def source_of(tree: Any, framework: str | None = None) -> Source:
