@@ -13,8 +13,8 @@ Peak memory is measured in a fresh subprocess per operation: the peak anonymous
 resident memory (file pages of a memory map are page cache, not counted) above the
 process's just before the operation, as a multiple of the model's size.
 
-    python benchmarks/checkpoint.py            # ~1 GB, 3 rounds
-    python benchmarks/checkpoint.py --quick    # ~64 MB, 2 rounds (a smoke run)
+    python benchmarks/checkpoint.py            # ~1 GB, 2 rounds
+    python benchmarks/checkpoint.py --quick    # ~64 MB (a smoke run)
     python benchmarks/checkpoint.py --size-mb 256
 """
 
@@ -153,7 +153,7 @@ def peak_extra(index: int, side: int, size_mb: int, directory: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 MB, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="a 64 MB model")
     parser.add_argument("--size-mb", type=int, default=None, help="model size (MB)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -163,7 +163,7 @@ def main() -> None:
     if args.child:
         child(int(args.child[0]), int(args.child[1]), size_mb, Path(args.dir))
         return
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or 2
 
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         directory = Path(tmp)

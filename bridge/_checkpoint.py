@@ -86,9 +86,9 @@ arrays were paired with `like`'s layers by bridge.port)"""
 _MISMATCH = """\
 {path} does not fit the model given as `like`:
 {problems}
-load(path, like=model) fills `like` only with exactly its arrays: the same paths,
-shapes and dtypes. Run `bridge inspect {path}` to see what the file holds, or load
-without `like` to get its Tree."""
+A file of `like`'s own framework fills it only with exactly its arrays (the same paths,
+shapes and dtypes). To see what the file holds, run `bridge inspect` on it, or load it
+without `like`."""
 
 
 @dataclass(frozen=True)
