@@ -145,7 +145,7 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         state_flat, state_def = jtu.tree_flatten_with_path(state)
         markers = tuple(state_def.node_data()[1])  # pyright: ignore
         for j, (keypath, leaf) in enumerate(state_flat):
-            marker = markers[key_of(keypath[0])]  # pyright: ignore[reportIndexIssue]
+            marker = markers[key_of(keypath[0])]  # pyright: ignore
             if marker not in by_marker:
                 raise ValueError(_FOREIGN_STATE)
             at = by_marker[marker]

@@ -83,7 +83,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         else:
             walk.problems.append(f"  collection {name!r} is an array, not a mapping")
     _note_order(variables, (), walk.orders)
-    root = walk.merge(parts, ())
+    keys, roles, children = walk.merge(parts, ())
     if walk.problems:
         raise ValueError(_COLLISION.format(problems="\n".join(walk.problems)))
     if len(walk.maker.paths) != len(leaves):
@@ -91,7 +91,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
     record = (treedef, Held(module), tuple(walk.orders.items()), plain)
-    return walk.maker.root(*root, "linen", record)
+    return walk.maker.root(keys, roles, children, "linen", record)
 
 
 _UNSUPPORTED = """\
@@ -165,7 +165,9 @@ class _Walk:
             return container.items()
         return enumerate(container)
 
-    def merge(self, parts: list[tuple[str, Any]], path: Path) -> tuple:
+    def merge(
+        self, parts: list[tuple[str, Any]], path: Path
+    ) -> tuple[tuple[Key, ...], list, list]:
         """`(keys, roles, children)` of the node at `path`, from its containers
         in each collection, `parts = [(collection, mapping), ...]`."""
         if len(parts) == 1:
@@ -202,9 +204,10 @@ class _Walk:
                 keys.append(key)
                 roles.append(role)
             elif inner:
-                node = self.merge(inner, here)
-                if node[0]:  # an empty mapping is no module
-                    children.append(self.maker.node(here, *node))
+                sub_keys, sub_roles, sub_children = self.merge(inner, here)
+                if sub_keys:  # an empty mapping is no module
+                    node = self.maker.node(here, sub_keys, sub_roles, sub_children)
+                    children.append(node)
                     keys.append(key)
                     roles.append(None)
         return tuple(keys), roles, children

@@ -39,8 +39,8 @@ def _child_order(node: Any) -> dict[Key, int]:
 
 def _child(node: Any, key: Key) -> Any:
     if isinstance(node, nnx.List) or not isinstance(node, nnx.Pytree):
-        return node[key]
-    return getattr(node, key)  # type: ignore[arg-type]
+        return node[key]  # pyright: ignore[reportCallIssue, reportArgumentType]
+    return getattr(node, key)  # pyright: ignore[reportArgumentType]
 
 
 def from_nnx(module: nnx.Module) -> Tree:
@@ -80,7 +80,7 @@ def from_nnx(module: nnx.Module) -> Tree:
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
-    paths: list[Path] = [tuple(p) for p in flat.paths]
+    paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
     kinds: dict[Path, Any] = {(): type(module)}
     orders: dict[Path, dict[Key, int]] = {}

@@ -372,7 +372,9 @@ class Maker:
         self.order.append(position)
         return leaf
 
-    def _data(self, path: Path, keys: tuple[Key, ...], roles: list) -> tuple:
+    def _data(
+        self, path: Path, keys: tuple[Key, ...], roles: list
+    ) -> tuple[tuple[Key, ...] | None, tuple[str | None, ...], Any]:
         seq = bool(keys) and type(keys[0]) is int and keys == tuple(range(len(keys)))
         return (None if seq else keys, tuple(roles), self.kinds.get(path))
 
@@ -382,7 +384,7 @@ class Maker:
         data = self._data(path, keys, roles)
         info = self.infos.get(data)
         if info is None:
-            info = self.infos[data] = _Info(*data, None)
+            info = self.infos[data] = _Info(data[0], data[1], data[2], None)
         return Tree._make(info, children)
 
     def root(
@@ -394,7 +396,8 @@ class Maker:
         record: Hashable,
     ) -> Tree:
         source = Source(framework, tuple(self.paths), tuple(self.order), record)
-        tree = Tree._make(_Info(*self._data((), keys, roles), source), children)
+        keys_, roles_, kind_ = self._data((), keys, roles)
+        tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
         object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
         return tree
 
