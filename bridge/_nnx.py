@@ -108,9 +108,9 @@ def from_nnx(module: nnx.Module) -> Tree:
         entries.append((paths[i], role, value, i))
     # nnx.merge sets attributes in sorted order: remember the definition order
     attribute_order = tuple(
-        (path, tuple(vars(node)))
+        (path, tuple(attributes))
         for path, node in nodes.items()
-        if isinstance(node, nnx.Pytree) and not isinstance(node, nnx.List)
+        if (attributes := _attributes(node)) is not None
     )
     record = (Held(graphdef), _mutable_statics(graphdef), attribute_order)
     return build(entries, kinds, "nnx", record)
@@ -171,6 +171,16 @@ def to_nnx(tree: Tree) -> nnx.Module:
     return module
 
 
+def _attributes(node: Any) -> dict | None:
+    """The dict whose order is a node's child order: `vars` of a module (or other
+    `nnx.Pytree`), a plain dict itself; None for sequences."""
+    if isinstance(node, nnx.List):
+        return None
+    if isinstance(node, nnx.Pytree):
+        return vars(node)
+    return node if type(node) is dict else None
+
+
 def _reorder(module: nnx.Module, attribute_order: tuple) -> None:
     """Put each new node's attributes in the source's definition order (`vars`
     order: what `repr` shows, and what `bridge.from_nnx` reads the order from)."""
@@ -183,8 +193,8 @@ def _reorder(module: nnx.Module, attribute_order: tuple) -> None:
         return node
 
     for path, keys in attribute_order:
-        attributes = vars(get(path))
-        if tuple(attributes) != keys:
+        attributes = _attributes(get(path))
+        if attributes is not None and tuple(attributes) != keys:
             ordered = {k: attributes[k] for k in keys if k in attributes}
             ordered.update(attributes)
             attributes.clear()

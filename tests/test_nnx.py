@@ -52,6 +52,11 @@ class Nested(nnx.Module):
             b=nnx.List([nnx.Linear(2, 3, rngs=rngs)]), a=nnx.Linear(2, 1, rngs=rngs)
         )
         self.sizes = [2, 2]  # a static, mutable attribute
+        # plain containers of Variables (nnx.merge rebuilds dicts in sorted order)
+        self.extra = nnx.data(
+            (nnx.Param(jnp.ones(1)), {"z": nnx.BatchStat(jnp.ones(2)), "y": None})
+        )
+        self.seq = nnx.Sequential(nnx.Linear(2, 2, rngs=rngs), jax.nn.relu)
 
     def __call__(self, x):
         for block in self.blocks:
@@ -124,7 +129,8 @@ def test_round_trip_is_exact_zero_copy_and_shares_nothing(name):
 
 def test_children_come_in_definition_order():
     t = bridge.from_nnx(_nested())
-    assert list(t) == ["blocks", "heads"]
+    assert list(t) == ["blocks", "heads", "extra", "seq"]
+    assert list(t.extra[1]) == ["z"] and t.seq.layers[-1].kernel.shape == (2, 2)
     assert list(t.heads) == ["b", "a"]  # nnx.split sorts: a before b
     assert len(t.blocks) == 12 and t.blocks[-1] is t.blocks[11]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)]
