@@ -122,7 +122,8 @@ class Contents:
 
     path: Path
     format: str  # "safetensors", "orbax" or "msgpack"
-    framework: str | None  # None: not written by bridge
+    framework: str | None  # None: not written by bridge, or converted
+    layout: str  # "flax", "equinox" or "" (unknown)
     version: str | None
     modules: tuple[tuple[TreePath, str, dict[str, Any]], ...]  # class, settings
     metadata: dict[str, str]  # the user's own
@@ -198,7 +199,8 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
         for path, node in walk(tree)
         if (cls := kind(node)) is not None
     )
-    contents = Contents(Path(), "", fw, VERSION, modules, user, tuple(tensors))
+    layout = LAYOUTS.get(fw or "", "")
+    contents = Contents(Path(), "", fw, layout, VERSION, modules, user, tuple(tensors))
     return contents, arrays
 
 
@@ -216,12 +218,11 @@ def encode(contents: Contents) -> dict[str, str]:
         if s.prng_impl is not None:
             entry["prng_impl"] = s.prng_impl
         tensors[s.key] = entry
-    fw = contents.framework or ""
     return {
         **contents.metadata,
         "bridge_version": VERSION,
-        "framework": fw,
-        "layout": LAYOUTS.get(fw, ""),
+        "framework": contents.framework or "",
+        "layout": contents.layout,
         "tensors": json.dumps(tensors),
         "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
     }
@@ -369,7 +370,7 @@ def _decode(
             Stored(name, _split(name), "params", shape, dtype)
             for name, (shape, dtype) in shapes.items()
         )
-        return Contents(path, fmt, None, None, (), dict(meta), tensors)
+        return Contents(path, fmt, None, "", None, (), dict(meta), tensors)
     entries = json.loads(meta["tensors"])
     tensors = tuple(
         Stored(
@@ -393,7 +394,8 @@ def _decode(
     modules = tuple((tuple(p), c, f) for p, c, f in json.loads(meta["modules"]))
     user = {k: v for k, v in meta.items() if k not in RESERVED}
     fw = meta["framework"] or None
-    return Contents(path, fmt, fw, meta["bridge_version"], modules, user, tensors)
+    version, layout = meta["bridge_version"], meta["layout"]
+    return Contents(path, fmt, fw, layout, version, modules, user, tensors)
 
 
 def _msgpack_contents(path: Path, variables: dict[str, Any]) -> Contents:
@@ -407,7 +409,7 @@ def _msgpack_contents(path: Path, variables: dict[str, Any]) -> Contents:
         name = ".".join(rest)
         dtype = str(np.asarray(leaf).dtype)
         tensors.append(Stored(name, _split(name), role, np.shape(leaf), dtype))
-    return Contents(path, "msgpack", None, None, (), {}, tuple(tensors))
+    return Contents(path, "msgpack", None, "", None, (), {}, tuple(tensors))
 
 
 def read(

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._checkpoint import Contents, format_of, open_checkpoint, read, write
+from ._layout import LAYOUTS, relayout
 
 
 _DESCRIPTION = """\
@@ -66,7 +67,10 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
     contents = open_checkpoint(args.path)
     table, totals = inspect_table(contents)
     fw = contents.framework or "framework unknown"
-    console.print(f"{contents.path} ({contents.format}, {fw})", soft_wrap=True)
+    layout = f"{contents.layout or 'unknown'} layout"
+    console.print(
+        f"{contents.path} ({contents.format}, {fw}, {layout})", soft_wrap=True
+    )
     console.print(table)
     console.print(totals, soft_wrap=True)
     if contents.version:
@@ -78,7 +82,10 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
 def _convert(args: argparse.Namespace, console: Console) -> None:
     contents = open_checkpoint(args.src)
     dst = Path(args.dst)
-    write(dst, contents, read(contents))
+    arrays = read(contents)
+    if args.to_layout:
+        contents, arrays = relayout(contents, arrays, args.to_layout)
+    write(dst, contents, arrays)
     console.print(
         f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst)}): "
         f"{len(contents.tensors):,} arrays",
@@ -111,6 +118,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument("dst", help="the checkpoint to write")
+    p.add_argument(
+        "--to-layout",
+        choices=LAYOUTS,
+        help="store the arrays in this framework's layout (through the port "
+        "codecs): 'flax' converts an Equinox checkpoint to Flax names and shapes",
+    )
     p.set_defaults(run=_convert)
     p = sub.add_parser(
         "demo",
@@ -131,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(highlight=False)
     try:
         args.run(args, console)
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError) as error:  # PortError is a ValueError
         message = " ".join(str(error).split())
         print(f"bridge {args.command}: error: {message}", file=sys.stderr)
         return 1

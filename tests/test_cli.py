@@ -51,7 +51,7 @@ def test_inspect_subprocess(tmp_path):
         assert column in out
     assert "kernel" in out and "(40, 30)" in out and "bfloat16" in out
     assert "1,230 parameters" in out and "2,460 bytes" in out
-    assert "(safetensors, nnx)" in out and "step: 100" in out
+    assert "(safetensors, nnx, flax layout)" in out and "step: 100" in out
 
 
 def test_convert_subprocess_keeps_roles(tmp_path, cnn_file):
@@ -116,7 +116,7 @@ def test_inspect_orbax_and_msgpack(tmp_path, capsys):
     bridge.save(tmp_path / "ckpt", models.equinox_cnn())
     assert main(["inspect", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
-    assert "(orbax, equinox)" in out and "batch_stats" in out
+    assert "(orbax, equinox, equinox layout)" in out and "batch_stats" in out
     assert "94 parameters (103 elements)" in out
 
 
@@ -170,3 +170,30 @@ def test_usage_error_is_one_line(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'frobnicate'" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("dst", ["flax.safetensors", "flax_dir", "flax.msgpack"])
+def test_convert_to_flax_layout(tmp_path, dst, capsys):
+    model, state = models.equinox_cnn(0)
+    bridge.save(tmp_path / "eqx.safetensors", (model, state))
+    src, out = str(tmp_path / "eqx.safetensors"), str(tmp_path / dst)
+    assert main(["convert", src, out, "--to-layout", "flax"]) == 0
+    x = models.cnn_input()
+    module, variables = models.linen_cnn(1)
+    linen = bridge.load(out, like=(module, variables))
+    assert linen[1]["params"]["Conv_0"]["kernel"].shape == (3, 3, 2, 4)  # HWIO
+    assert bridge.compare((model, state), linen, x) < 1e-5
+    assert (
+        bridge.compare((model, state), bridge.load(out, like=models.nnx_cnn(1)), x)
+        < 1e-5
+    )
+    capsys.readouterr()
+    assert main(["inspect", out]) == 0
+    assert "bn.mean" in capsys.readouterr().out
+
+
+def test_convert_to_equinox_layout_needs_the_model(tmp_path, cnn_file, capsys):
+    dst = str(tmp_path / "e.safetensors")
+    assert main(["convert", str(cnn_file), dst, "--to-layout", "equinox"]) == 1
+    assert "needs the Equinox model" in capsys.readouterr().err
+    assert not os.path.exists(dst)
