@@ -112,7 +112,8 @@ def from_nnx(module: nnx.Module) -> Tree:
         for path, node in nodes.items()
         if (attributes := _attributes(node)) is not None
     )
-    record = (Held(graphdef), _mutable_statics(graphdef), attribute_order)
+    summary = (type(module), graphdef.num_leaves, len(graphdef.nodes))
+    record = (Held(graphdef, summary), _mutable_statics(graphdef), attribute_order)
     return build(entries, kinds, "nnx", record)
 
 

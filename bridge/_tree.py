@@ -65,12 +65,18 @@ def path_str(path: Sequence[Key]) -> str:
 class Held:
     """Any value as hashable static data: hashed and compared by value when it
     can be (so `jax.jit` sees two equal models as one), by identity otherwise (a
-    function, a list, an `nn.Sequential` holding a list)."""
+    function, a list, an `nn.Sequential` holding a list). `summary`, when given,
+    is hashed instead of the value (equal values must have equal summaries): for a
+    value that is slow to hash, such as a large NNX graph definition."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "_hash")
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any, summary: Hashable = None):
         self.value = value
+        try:
+            self._hash = hash(value if summary is None else summary)
+        except TypeError:
+            self._hash = hash(type(value))
 
     def __eq__(self, other):
         if type(other) is not Held:
@@ -78,15 +84,12 @@ class Held:
         if self.value is other.value:
             return True
         try:
-            return bool(self.value == other.value)
+            return bool(self._hash == other._hash and self.value == other.value)
         except Exception:  # an array compares elementwise: not static data
             return False
 
     def __hash__(self):
-        try:
-            return hash(self.value)
-        except TypeError:
-            return hash(type(self.value))
+        return self._hash
 
     def __repr__(self):
         return f"Held({self.value!r})"
