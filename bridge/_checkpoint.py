@@ -37,7 +37,6 @@ from ._port._errors import PortError
 from ._port._port import port
 from ._skeleton import settings, skeleton
 from ._tree import (
-    Key,
     Path as TreePath,
     Tree,
     build,
@@ -137,7 +136,8 @@ def _key_info(impl: str) -> tuple[int, str]:
 
 
 def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def dotted(path: TreePath) -> str:
@@ -506,7 +506,7 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         ]
         slots = tuple(range(len(paths)))
         return build(entries, kinds, "equinox", (model_def, (), slots, None))
-    variables: dict[Key, Any] = {}
+    variables: dict[str, Any] = {}
     for s in contents.tensors:
         node = variables.setdefault(s.role, {})
         for key in s.path[:-1]:
@@ -517,7 +517,7 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     # layer's kind
     src = source_of(plain)
     entries = [
-        (path, role, leaf, position)
+        (path, str(role), leaf, position)
         for path, position, role, leaf in zip(
             src.paths, src.order, leaf_roles(plain), jtu.tree_leaves(plain)
         )

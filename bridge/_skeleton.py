@@ -107,7 +107,7 @@ class _Slot:
 
 def skeleton(
     paths: Sequence[Path], modules: dict[Path, tuple[str, dict[str, Any]]]
-) -> tuple[jtu.PyTreeDef, dict[Path, int]]:
+) -> tuple[Any, dict[Path, int]]:
     """The treedef of a skeleton model with a leaf at each of `paths`, and each
     path's position among its leaves. `modules[path]` is `(class name, settings)`; nodes
     whose keys are `0..n-1` become tuples (like Equinox's `Sequential`, `MLP`)."""
