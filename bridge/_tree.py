@@ -456,8 +456,16 @@ def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
     return src, leaves
 
 
+_ARRAY_TYPES: dict[type, bool] = {}
+
+
 def _is_array(leaf: Any) -> bool:
-    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    """Has a shape and a dtype (a JAX or NumPy array), decided once per type."""
+    cls = type(leaf)
+    known = _ARRAY_TYPES.get(cls)
+    if known is None:
+        known = _ARRAY_TYPES[cls] = hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    return known
 
 
 def _check_paths(tree: Tree, src: Source, framework: str) -> None:
