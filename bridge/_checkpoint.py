@@ -54,8 +54,8 @@ LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
 RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
 
 _RESERVED_KEY = """\
-metadata key {key!r} is reserved: bridge writes {reserved} itself. Rename your key
-(for example to 'user.{key}')."""
+metadata keys {keys} are reserved: bridge writes {reserved} itself. Rename your keys
+(for example with a prefix: 'user.step')."""
 
 _NOT_STRINGS = """\
 `metadata` must map strings to strings (safetensors stores text only); got {problems}.
@@ -158,7 +158,7 @@ def format_of(path: Path) -> str:
 def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, dict]:
     """The `Contents` a Tree is saved as, and `{dotted name: array to store}`."""
     flat = jtu.tree_flatten_with_path(tree)[0]
-    problems, names, arrays, tensors = [], {}, {}, []
+    problems, collisions, names, arrays, tensors = [], [], {}, {}, []
     for (keypath, leaf), role in zip(flat, leaf_roles(tree)):
         path = tuple(key_of(e) for e in keypath)
         name = dotted(path)
@@ -166,8 +166,7 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
             problems.append(f"{jtu.keystr(keypath)} is a {type(leaf).__name__}")
             continue
         if name in names:
-            collisions = f"{jtu.keystr(names[name])} and {jtu.keystr(keypath)}"
-            raise ValueError(_KEY_COLLISION.format(problems=collisions))
+            collisions.append(f"{jtu.keystr(names[name])} and {jtu.keystr(keypath)}")
         names[name] = keypath
         impl = None
         if _is_key(leaf):
@@ -179,13 +178,15 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
         )
     if problems:
         raise TypeError(_NOT_AN_ARRAY.format(problems=", ".join(problems)))
+    if collisions:
+        raise ValueError(_KEY_COLLISION.format(problems="; ".join(collisions)))
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
     if bad:
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
-    for key in user:
-        if key in RESERVED:
-            raise ValueError(_RESERVED_KEY.format(key=key, reserved=RESERVED))
+    taken = [key for key in user if key in RESERVED]
+    if taken:
+        raise ValueError(_RESERVED_KEY.format(keys=taken, reserved=RESERVED))
     fw = framework(tree)
     native = to_native(tree) if fw == "equinox" else None
     if isinstance(native, tuple):

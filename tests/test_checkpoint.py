@@ -395,8 +395,9 @@ def test_missing_and_not_a_checkpoint(tmp_path):
 
 def test_save_errors(tmp_path):
     model = models.nnx_mlp()
-    with pytest.raises(ValueError, match="metadata key 'tensors' is reserved"):
-        bridge.save(tmp_path / "m.safetensors", model, metadata={"tensors": "x"})
+    with pytest.raises(ValueError, match=r"keys \['tensors', 'layout'\] are reserved"):
+        metadata = {"tensors": "x", "layout": "y", "step": "1"}
+        bridge.save(tmp_path / "m.safetensors", model, metadata=metadata)
     with pytest.raises(TypeError, match="must map strings to strings"):
         bridge.save(tmp_path / "m.safetensors", model, metadata={"step": 3})
     with pytest.raises(FileNotFoundError, match="no such directory"):
@@ -461,3 +462,9 @@ def test_saved_file_has_the_usual_permissions(tmp_path):
     bridge.save(tmp_path / "m.safetensors", models.nnx_mlp())
     mode = (tmp_path / "plain").stat().st_mode
     assert (tmp_path / "m.safetensors").stat().st_mode == mode
+
+
+def test_dotted_names_that_collide(tmp_path):
+    variables = {"params": {"a.b": {"c": jnp.ones(2)}, "a": {"b.c": jnp.ones(2)}}}
+    with pytest.raises(ValueError, match=r"same dotted name.*\['a.b'\]\.c and"):
+        bridge.save(tmp_path / "m.safetensors", variables)
