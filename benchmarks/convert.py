@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     args = parser.parse_args()
     sizes = [200, 1000] if args.quick else [1_000, 10_000]
-    repeats = 3 if args.quick else 9
+    repeats = 3 if args.quick else 7
     medians: dict[tuple[str, int], dict[str, float]] = {}
     print(f"round trip to_*(from_*(model)), median of {repeats} interleaved runs")
     print(f"{'framework':<9} {'leaves':>7} {'what':<16} {'ms':>9} {'x floor':>8}")

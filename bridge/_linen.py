@@ -182,6 +182,14 @@ class _Walk:
         keys, roles, children = [], [], []
         for key, group in groups:
             here = path + (key,)
+            if len(group) == 1:  # the common case, a leaf in one collection: fast
+                role, child = group[0]
+                if child is not None and _node_kind(type(child)) == _LEAF:
+                    position = self.position(role, here, child)
+                    children.append(self.maker.leaf(here, child, position))
+                    keys.append(key)
+                    roles.append(role)
+                    continue
             inner, found = [], []
             for role, child in group:
                 kind = _node_kind(type(child))

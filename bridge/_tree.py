@@ -75,7 +75,7 @@ class Held:
         self.value = value
         try:
             self._hash = hash(value if summary is None else summary)
-        except TypeError:
+        except Exception:  # unhashable (a list, an array): equal by identity
             self._hash = hash(type(value))
 
     def __eq__(self, other):
