@@ -96,7 +96,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
 def _demo(args: argparse.Namespace, console: Console) -> None:
     from ._demo import demo
 
-    demo(steps=args.steps, console=console)
+    demo(steps=args.steps, console=console, out=args.out)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -133,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
         "save and reload a checkpoint, and print a summary.",
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (300)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="directory to keep the checkpoint in (default: a temporary one)",
+    )
     p.set_defaults(run=_demo)
     return top
 

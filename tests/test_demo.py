@@ -24,12 +24,13 @@ def test_demo(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_command():
+def test_demo_command(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "bridge", "demo", "--steps", "50"],
+        [sys.executable, "-m", "bridge", "demo", "--steps", "50", "--out", tmp_path],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
     assert "bridge demo" in done.stdout and "NO" not in done.stdout
+    assert (tmp_path / "demo.safetensors").exists()
