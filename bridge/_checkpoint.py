@@ -49,7 +49,10 @@ from ._tree import (
 )
 
 
-VERSION = importlib.metadata.version("bridge")
+try:
+    VERSION = importlib.metadata.version("bridge")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "unknown"
 LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
 RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
 
@@ -384,6 +387,10 @@ def _decode(
         )
         for name, e in entries.items()
     )
+    for s in tensors:  # raises for a dtype or a PRNG impl JAX does not know
+        jnp.dtype(s.dtype)
+        if s.prng_impl is not None:
+            _key_info(s.prng_impl)
     if shapes is not None:
         described = {s.key: (s.shape, s.dtype) for s in tensors}
         if described != shapes:

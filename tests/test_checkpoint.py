@@ -468,3 +468,17 @@ def test_dotted_names_that_collide(tmp_path):
     variables = {"params": {"a.b": {"c": jnp.ones(2)}, "a": {"b.c": jnp.ones(2)}}}
     with pytest.raises(ValueError, match=r"same dotted name.*\['a.b'\]\.c and"):
         bridge.save(tmp_path / "m.safetensors", variables)
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "float99"), ("prng_impl", "nope")])
+def test_metadata_naming_unknown_types(tmp_path, field, value):
+    path = tmp_path / "m.safetensors"
+    bridge.save(path, nnx.Dropout(0.5, rngs=nnx.Rngs(0)))
+    with safetensors.safe_open(path, framework="numpy") as f:
+        meta, arrays = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors = json.loads(meta["tensors"])
+    tensors["rngs.key"][field] = value
+    meta["tensors"] = json.dumps(tensors)
+    safetensors.numpy.save_file(arrays, path, metadata=meta)
+    with pytest.raises(ValueError, match=r"m\.safetensors is not a readable"):
+        bridge.load(path)
