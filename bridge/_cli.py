@@ -32,12 +32,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
 def human(nbytes: int) -> str:
-    """`1536` -> `'1.5 KiB'`."""
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    power = min(int(math.log(nbytes, 1024)), 4)
-    return f"{nbytes / 1024**power:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][power]}"
+    """A size in bytes, for people.
+
+    ```python
+    >>> human(20), human(1536), human(2**30)
+    ('20 B', '1.5 KiB', '1.0 GiB')
+
+    ```
+    """
+    size, unit = float(nbytes), 0
+    while size >= 1024 and unit < len(_UNITS) - 1:
+        size, unit = size / 1024, unit + 1
+    return f"{nbytes} B" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
 
 
 def inspect_table(contents: Contents) -> tuple[Table, str]:
