@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._checkpoint import Contents, format_of, open_checkpoint, read, write
+from ._demo import demo
 from ._layout import LAYOUTS, relayout
 
 
@@ -104,8 +105,6 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> None:
-    from ._demo import demo
-
     demo(steps=args.steps, console=console, out=args.out)
 
 
