@@ -86,7 +86,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     keys, roles, children = walk.merge(parts, ())
     if walk.problems:
         raise ValueError(_COLLISION.format(problems="\n".join(walk.problems)))
-    if len(walk.maker.paths) != len(leaves):
+    if len(walk.maker.paths) != len(leaves) or -1 in walk.maker.order:
         raise TypeError(_UNSUPPORTED.format(found=len(walk.maker.paths), n=len(leaves)))
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
@@ -95,9 +95,10 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
 
 
 _UNSUPPORTED = """\
-These Linen variables hold {n} JAX leaves, of which {found} were found as arrays in
-nested mappings (and nn.Partitioned-style boxes): some node is of a kind Linen does not
-make. Pass the variables as `module.init` returns them."""
+These Linen variables hold {n} JAX leaves, and {found} values were found in their
+nested mappings (and nn.Partitioned-style boxes) that do not match them: some node is
+a pytree of a kind Linen does not make. Pass the variables as `module.init` returns
+them."""
 
 
 _MAPPING, _BOX, _SEQUENCE, _LEAF = range(4)
@@ -155,7 +156,8 @@ class _Walk:
                 tuple(key_of(e) for e in keypath if type(e) is not jtu.GetAttrKey): i
                 for i, (keypath, _) in enumerate(flat)
             }
-        return self.by_path[(role, *path)]
+        # -1: not a JAX leaf (a pytree node of another kind): reported by from_linen
+        return self.by_path.get((role, *path), -1)
 
     def items(self, role: str, container: Any, path: Path):
         if type(container) is not dict:

@@ -243,3 +243,11 @@ def test_name_colliding_across_collections_names_path_and_collections():
     assert ".Dense_0.kernel is in collections 'params' and 'batch_stats'" in message
     assert ".Dense_0.bias is a variable in collection 'params' and a module" in message
     assert "and a module in collection 'cache'" in message  # all, not the first
+
+
+def test_variables_linen_does_not_make_are_refused():
+    with pytest.raises(ValueError, match="collection 'params' is an array"):
+        bridge.from_linen({"params": jnp.ones(2)})
+    layer = eqx.nn.Linear(2, 2, key=jax.random.key(0))  # a pytree, not a mapping
+    with pytest.raises(TypeError, match="hold 2 JAX leaves, and 1 values"):
+        bridge.from_linen({"params": {"layer": layer}})

@@ -20,6 +20,8 @@ def test_tree_is_immutable():
     t = bridge.from_equinox(models.equinox_mlp())
     with pytest.raises(AttributeError, match="immutable"):
         t.layers = None
+    with pytest.raises(AttributeError, match="A Tree is immutable"):
+        del t.layers
 
 
 def test_missing_child_names_the_children():
