@@ -87,11 +87,14 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
     static metadata. With `state`, each entry of the `State` is placed where its
     `StateIndex` sits in the model (a `BatchNorm` in `mode="batch"` gives
     `t.bn.batch_state_index[0]` for the running mean and `[1]` for the variance),
-    role `"batch_stats"` for a `BatchNorm`'s entries and `"state"` otherwise.
+    role `"batch_stats"` for a `BatchNorm`'s entries and `"state"` otherwise. A
+    `StateIndex` whose initial value was not deleted (`eqx.nn.State(model)` without
+    `eqx.nn.delete_init_state`) keeps it as static data when `state` is given; without
+    `state`, the initial values are the leaves, with the roles above.
 
     **Arguments:**
 
-    - `model`: an `eqx.Module` (or any pytree of them). It is not modified.
+    - `model`: an `eqx.Module`. It is not modified.
     - `state`: optional, the model's `eqx.nn.State` (from `eqx.nn.make_with_state`).
 
     **Returns:**

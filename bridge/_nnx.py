@@ -147,8 +147,9 @@ def to_nnx(tree: Tree) -> nnx.Module:
 
     The result is a new module of the same class that shares no Variable with the
     source module; its Variables hold the Tree's arrays (not copied). Shared (tied)
-    submodules and Variables stay shared. Leaves changed with `eqx.tree_at` (values,
-    shapes, dtypes) are taken as they are.
+    submodules and Variables stay shared; attributes come in the source's definition
+    order, and mutable static attributes (a list of layer sizes) are copies. Leaves
+    changed with `eqx.tree_at` (values, shapes, dtypes) are taken as they are.
 
     **Arguments:**
 
