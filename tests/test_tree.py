@@ -1,6 +1,7 @@
 import equinox as eqx
 import jax
 import pytest
+from flax import nnx
 
 import bridge
 
@@ -145,3 +146,28 @@ def test_roles_repr_and_errors():
         bridge.roles({})
     with pytest.raises(KeyError, match="is not an index of this sequence of 3"):
         bridge.from_nnx(models.nnx_mlp()).layers[3]
+
+
+def test_grad_through_the_native_model_matches_the_frameworks_own():
+    x = models.mlp_input()
+
+    # NNX: nnx.grad is the oracle
+    module = models.nnx_mlp()
+    t = bridge.from_nnx(module)
+    grads = jax.jit(jax.grad(lambda s: bridge.to_nnx(s)(x).sum()))(t)
+    want = nnx.grad(lambda m: m(x).sum())(module)
+    assert tree_equal_bits(grads.layers[-1].kernel, want["layers"][2]["kernel"][...])
+
+    # Linen: jax.grad of apply with respect to the params
+    linen, variables = models.linen_mlp()
+    t = bridge.from_linen(variables, linen)
+    grads = jax.jit(jax.grad(lambda s: linen.apply(bridge.to_linen(s), x).sum()))(t)
+    want = jax.grad(lambda v: linen.apply(v, x).sum())(variables)
+    assert tree_equal_bits(grads.Dense_0.kernel, want["params"]["Dense_0"]["kernel"])
+
+    # Equinox: eqx.filter_grad
+    model = models.equinox_mlp()
+    t = bridge.from_equinox(model)
+    grads = jax.jit(jax.grad(lambda s: jax.vmap(bridge.to_equinox(s))(x).sum()))(t)
+    want = eqx.filter_grad(lambda m: jax.vmap(m)(x).sum())(model)
+    assert tree_equal_bits(grads.layers[0].weight, want.layers[0].weight)
