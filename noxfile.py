@@ -55,6 +55,9 @@ BROKEN = {
 
 
 RUFF = "ruff==0.17.6"
+_QUIET_MKDOCS = {
+    "NO_MKDOCS_2_WARNING": "1"
+}  # mkdocs-material's banner about its future
 
 
 def _requirements(*, without: tuple[str, ...] = ()) -> list[str]:
@@ -136,7 +139,8 @@ def docs(session: nox.Session) -> None:
     session.install(
         "-e", ".", "mkdocs-material>=9.5", "mkdocstrings-python>=1.16", RUFF
     )
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(session.create_tmp()))
+    site = str(session.create_tmp())
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env=_QUIET_MKDOCS)
 
 
 @nox.session
