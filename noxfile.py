@@ -55,9 +55,8 @@ BROKEN = {
 
 
 RUFF = "ruff==0.17.6"
-_QUIET_MKDOCS = {
-    "NO_MKDOCS_2_WARNING": "1"
-}  # mkdocs-material's banner about its future
+# mkdocs-material prints a banner about its future on every build
+_QUIET_MKDOCS = {"NO_MKDOCS_2_WARNING": "1"}
 
 
 def _requirements(*, without: tuple[str, ...] = ()) -> list[str]:
