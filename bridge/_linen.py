@@ -291,13 +291,25 @@ def linen_module(tree: Tree) -> nn.Module | None:
     return None if src is None else src.record[1].value  # pyright: ignore
 
 
-def bind(tree: Tree) -> Any:
+_RNGS_WITHOUT_MODULE = """\
+`rngs` was given, but this Linen Tree was made without its module, so there is no
+module to bind them to. Make the Tree with bridge.from_linen(variables, module), or
+call module.apply(variables, ..., rngs=...) yourself on bridge.to_linen(tree)."""
+
+
+def bind(tree: Tree, rngs: Any = None) -> Any:
     """The Linen module bound to the Tree's variables; non-`params` collections are
     mutable, so a forward pass that updates batch statistics works, and
-    `bound.variables` reads the updated values. Without a module: the variables."""
+    `bound.variables` reads the updated values. `rngs` as for `module.apply`: a
+    dict `{stream: key}`, or one key for the `"params"` stream (which Linen's
+    `make_rng` falls back to). Without a module: the variables."""
     variables = to_linen(tree)
     module = linen_module(tree)
     if module is None:
+        if rngs is not None:
+            raise ValueError(_RNGS_WITHOUT_MODULE)
         return variables
+    if rngs is not None and not isinstance(rngs, Mapping):
+        rngs = {"params": rngs}
     mutable = [c for c in variables if c != "params"]
-    return module.bind(variables, mutable=mutable)
+    return module.bind(variables, rngs=rngs, mutable=mutable)

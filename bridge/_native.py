@@ -72,25 +72,69 @@ def to_neutral(obj: Any) -> Tree:
     )
 
 
-def to_native(tree: Tree) -> Any:
+_RNGS_NOT_LINEN = """\
+`rngs` is for Flax Linen models, which take their random streams when they are bound
+(`module.apply(..., rngs=...)`), but this Tree came from a {framework} model. {fix}"""
+
+_FRAMEWORK_NAMES = {
+    "nnx": "Flax NNX",
+    "equinox": "Equinox",
+}
+_RNGS_HOW = {
+    "nnx": "An NNX model carries its RNG state (nnx.Rngs) in the model, and "
+    "bridge.make_step carries it from step to step: drop `rngs`.",
+    "equinox": "Equinox layers take a `key=` argument: pass the key as a batch "
+    "argument, `step(tree, opt_state, x, y, key)`, and give it to the model in "
+    "loss_fn.",
+}
+
+
+def to_native(tree: Tree, *, rngs: Any = None) -> Any:
     """Turn a `bridge.Tree` back into the native model it came from.
 
     **Arguments:**
 
     - `tree`: a whole-model `bridge.Tree` made by an adapter.
+    - `rngs`: Flax Linen only, with the module: the random streams to bind, with the
+      meaning of `module.apply(..., rngs=...)`: a dict `{"dropout": key, ...}`, or
+      one key, which feeds the `"params"` stream (Linen's `make_rng` falls back to
+      it for a stream that is not given). Needed by layers that call `make_rng`,
+      such as `nn.Dropout(deterministic=False)`.
 
     **Returns:**
 
     - from NNX: a new `nnx.Module` (as `bridge.to_nnx`);
     - from Equinox: the model, or `(model, state)` (as `bridge.to_equinox`);
-    - from Linen with a module: the module bound to the variables, callable as
-      `native(x)`; collections other than `params` are mutable, and
+    - from Linen with a module: the module bound to the variables (and `rngs`),
+      callable as `native(x)`; collections other than `params` are mutable, and
       `native.variables` reads them after a forward pass. Without a module: the
       variables dict (as `bridge.to_linen`).
+
+    **Raises:**
+
+    `ValueError` when `rngs` is given for a model other than a Linen module.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, bridge
+    >>> module = nn.Dropout(0.5, deterministic=False)
+    >>> tree = bridge.from_linen({"params": {}}, module)
+    >>> model = bridge.to_native(tree, rngs={"dropout": jax.random.key(0)})
+    >>> model(jnp.ones(4)).shape
+    (4,)
+
+    ```
     """
     framework = source_of(tree).framework
+    if rngs is not None and framework != "linen":
+        raise ValueError(
+            _RNGS_NOT_LINEN.format(
+                framework=_FRAMEWORK_NAMES[framework], fix=_RNGS_HOW[framework]
+            )
+        )
     if framework == "nnx":
         return to_nnx(tree)
     if framework == "equinox":
         return to_equinox(tree)
-    return bind(tree)
+    return bind(tree, rngs)

@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from flax.errors import InvalidRngError
 
 from ._equinox import from_equinox
 from ._linen import from_linen, linen_module
@@ -50,6 +52,13 @@ _AUX_FORM = """\
 With has_aux=True, loss_fn must return a pair `(loss, aux)`, but it returned a
 {kind}."""
 
+_NEEDS_RNGS = """\
+{error}
+This Linen model draws random numbers (`make_rng`, as `nn.Dropout` does when not
+deterministic) from a stream the step was not given. Give the step its streams, as to
+`module.apply`: `step(tree, opt_state, *batch, rngs={{"dropout": key}})`, with a new
+key each step (e.g. `jax.random.fold_in(key, i)`); a new key does not retrace."""
+
 _STATE_FORM = """\
 This Equinox model has an eqx.nn.State, so loss_fn is called as
 `loss_fn(model, state, *batch)` and must return `(loss, new_state)` (with has_aux=True:
@@ -75,7 +84,10 @@ def make_step(
     - Flax Linen, Tree made with the module (`bridge.from_linen(variables, module)`):
       `loss_fn(bound_module, *batch)`; collections other than `params` are mutable,
       and what the forward pass writes to them (`batch_stats`) comes back in the Tree.
-      Without the module, `loss_fn(variables, *batch)`.
+      Random streams (`nn.Dropout`, any `make_rng`) are given to each call,
+      `step(tree, opt_state, *batch, rngs={"dropout": key})`, and bound with the
+      variables, as `module.apply(..., rngs=...)` would. Without the module,
+      `loss_fn(variables, *batch)`.
     - Equinox: `loss_fn(model, *batch)`. When the Tree holds an `eqx.nn.State`
       (`bridge.from_equinox(model, state)`), `loss_fn(model, state, *batch)`, which
       returns `(loss, new_state)`, the Equinox convention; the new state comes back
@@ -103,10 +115,13 @@ def make_step(
     A step with
     - `step.init(tree) -> opt_state`: the optimizer state, for the trainable leaves
       only;
-    - `step(tree, opt_state, *batch) -> (tree, opt_state, loss)`, with `aux` appended
-      when `has_aux=True`;
-    - `step.lower(tree, opt_state, *batch)`: the `jax.jit` lowering, to inspect the
-      compiled step (`.compile().cost_analysis()`).
+    - `step(tree, opt_state, *batch, rngs=None) -> (tree, opt_state, loss)`, with
+      `aux` appended when `has_aux=True`. `rngs`, for a Linen model with its module
+      only: a dict `{stream: key}` or one key (the `"params"` stream, which
+      `make_rng` falls back to), as for `module.apply`. The keys are traced: a new
+      key each step does not retrace.
+    - `step.lower(tree, opt_state, *batch, rngs=None)`: the `jax.jit` lowering, to
+      inspect the compiled step (`.compile().cost_analysis()`).
 
     **Example:**
 
@@ -172,20 +187,28 @@ class Step:
         params, _ = self._split(tree)
         return self._optimizer.init(params)
 
-    def __call__(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> tuple:
-        """One step: `(tree, opt_state, loss)`, and `aux` when `has_aux=True`."""
+    def __call__(
+        self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
+    ) -> tuple:
+        """One step: `(tree, opt_state, loss)`, and `aux` when `has_aux=True`.
+
+        `rngs` (Flax Linen only): the random streams of this step, as for
+        `module.apply(..., rngs=...)`; a traced argument, so a new key each step
+        does not retrace."""
         leaves, treedef = jtu.tree_flatten(tree)
-        changed, *rest = self._jit(treedef, leaves, opt_state, *batch)
+        changed, *rest = self._jit(treedef, leaves, opt_state, rngs, *batch)
         for i, leaf in changed.items():
             leaves[i] = leaf
         # the input treedef: the new Tree shares its static data, so the next call
         # finds the compiled step by identity
         return (jtu.tree_unflatten(treedef, leaves), *rest)
 
-    def lower(self, tree: Tree, opt_state: optax.OptState, *batch: Any) -> Any:
+    def lower(
+        self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
+    ) -> Any:
         """`jax.jit(...).lower` of the step, e.g. for `.compile().cost_analysis()`."""
         leaves, treedef = jtu.tree_flatten(tree)
-        return self._jit.lower(treedef, leaves, opt_state, *batch)
+        return self._jit.lower(treedef, leaves, opt_state, rngs, *batch)
 
     def _split(self, tree: Tree) -> tuple[dict[str, Any], list[int]]:
         """The trainable leaves by name, and their positions; checks the structure."""
@@ -243,7 +266,9 @@ class Step:
             problems = ["its structure, shapes or dtypes differ from `step.init(tree)`"]
         raise ValueError(_OPT_STATE_MISMATCH.format(problems="; ".join(problems)))
 
-    def _run(self, treedef: Any, leaves: list, opt_state: Any, *batch: Any) -> tuple:
+    def _run(
+        self, treedef: Any, leaves: list, opt_state: Any, rngs: Any, *batch: Any
+    ) -> tuple:
         params, position = self._split(jtu.tree_unflatten(treedef, leaves))
         self._check_opt_state(opt_state, params)
         names = list(params)
@@ -253,7 +278,7 @@ class Step:
             for name, i in zip(names, position):
                 full[i] = params[name]
             model = jtu.tree_unflatten(treedef, full)
-            out, updated = _forward(model, self._loss_fn, batch)
+            out, updated = _forward(model, self._loss_fn, batch, rngs)
             loss, aux = _unpack(out, self._has_aux)
             return loss, (aux, updated)
 
@@ -286,11 +311,11 @@ def _unpack(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 
 def _forward(
-    tree: Tree, loss_fn: Callable[..., Any], batch: tuple
+    tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
 ) -> tuple[Any, dict[int, Any]]:
     """Run `loss_fn` on the native model; return its output and, by leaf position,
     the new values of the non-`params` leaves that the forward pass wrote."""
-    native = to_native(tree)
+    native = to_native(tree, rngs=rngs)
     kind = framework(tree)
     if kind == "equinox" and isinstance(native, tuple):
         model, state = native
@@ -303,12 +328,16 @@ def _forward(
         ):
             raise TypeError(_STATE_FORM.format(got=_describe(result)))
         out, after = result[0], from_equinox(model, result[1])
+    elif kind == "linen" and isinstance(native, nn.Module):
+        try:
+            out = loss_fn(native, *batch)
+        except InvalidRngError as error:
+            raise ValueError(_NEEDS_RNGS.format(error=error)) from error
+        after = from_linen(native.variables, linen_module(tree))
     else:
         out = loss_fn(native, *batch)
         if kind == "nnx":
             after = from_nnx(native)
-        elif kind == "linen" and linen_module(tree) is not None:
-            after = from_linen(native.variables, linen_module(tree))
         else:
             return out, {}
     new = {
