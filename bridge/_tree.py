@@ -164,6 +164,12 @@ class _Info:
         )
 
 
+_SLICE_OF_MAPPING = """\
+Only a sequence node (an NNX nnx.List, an Equinox tuple or list) takes a slice; this
+node maps names to children, {keys}. Select children by name, e.g.
+`lambda t: (t.layers_0, t.layers_1)`."""
+
+
 class Tree:
     """A model of any framework as one immutable pytree, organised by module.
 
@@ -171,7 +177,8 @@ class Tree:
     `bridge.from_equinox`, `bridge.to_neutral`), turned back by `bridge.to_native`.
     Children read like the source model: by attribute (`t.layers`), by item
     (`t["layers"]`), and sequences (NNX `nnx.List`, Equinox tuples) by index, from the
-    end too (`t.layers[-1]`). `jax.tree_util.keystr` paths read `.layers[0].kernel`.
+    end too (`t.layers[-1]`), and by slice, a tuple of the children (`t.layers[1:]`).
+    `jax.tree_util.keystr` paths read `.layers[0].kernel`.
 
     Leaves made by an adapter are arrays, shared with the source (never copied). Each
     leaf has a role (`bridge.roles`): `"params"`, `"batch_stats"`, `"rngs"`, ...
@@ -226,11 +233,17 @@ class Tree:
             return self._children[keys.index(name)]
         raise AttributeError(self._missing(name))
 
-    def __getitem__(self, key: Key) -> Any:
+    def __getitem__(self, key: Key | slice) -> Any:
+        """A child by key or index; a slice of a sequence node is a tuple of the
+        stored children (`t.layers[1:]`), so `eqx.tree_at` finds them."""
         keys = self._info.keys
         if keys is None:
+            if isinstance(key, slice):
+                return self._children[key]
             if isinstance(key, int) and -len(self) <= key < len(self):
                 return self._children[key]
+        elif isinstance(key, slice):
+            raise KeyError(_SLICE_OF_MAPPING.format(keys=list(keys)))
         elif key in keys:
             return self._children[keys.index(key)]
         raise KeyError(self._missing(key))
