@@ -1,6 +1,9 @@
 """Slices of sequence nodes: `t.layers[1:]` is a tuple of the stored children, so
 `eqx.tree_at` and `bridge.trainable` select with it as Equinox does on its tuples."""
 
+import re
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,10 @@ from .helpers import same_objects as same, tree_equal_bits
 
 def zeros(node):
     return jax.tree_util.tree_map(jnp.zeros_like, node)
+
+
+def negate(node):
+    return jax.tree_util.tree_map(jnp.negative, node)
 
 
 def trees():
@@ -59,9 +66,9 @@ def test_tree_at_with_a_slice(tree):
 
 def test_tree_at_with_a_slice_equals_equinox_on_its_own_tuple():
     model, x = models.equinox_mlp(), models.mlp_input()
-    native = eqx.tree_at(lambda m: m.layers[-2:], model, replace_fn=zeros)
+    native = eqx.tree_at(lambda m: m.layers[-2:], model, replace_fn=negate)
     tree = eqx.tree_at(
-        lambda t: t.layers[-2:], bridge.from_equinox(model), replace_fn=zeros
+        lambda t: t.layers[-2:], bridge.from_equinox(model), replace_fn=negate
     )
     via_tree = bridge.to_equinox(tree)
     assert tree_equal_bits(
@@ -86,3 +93,12 @@ def test_a_slice_of_a_mapping_node_is_an_error():
         tree[1:]
     with pytest.raises(KeyError, match="Dense_0"):
         bridge.trainable(tree, lambda t: t[:2])
+
+
+@pytest.mark.slow
+def test_tree_guide_runs():
+    """Every code block of docs/guides/tree.md, in order, as one script."""
+    guide = Path(__file__).parent.parent / "docs" / "guides" / "tree.md"
+    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    assert "t.layers[-2:]" in code
+    exec(compile(code, str(guide), "exec"), {"__name__": "guide"})
