@@ -309,7 +309,7 @@ def bind(tree: Tree, rngs: Any = None) -> Any:
         if rngs is not None:
             raise ValueError(_RNGS_WITHOUT_MODULE)
         return variables
-    if rngs is not None and not isinstance(rngs, Mapping):
-        rngs = {"params": rngs}
+    if rngs is not None:
+        rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
     mutable = [c for c in variables if c != "params"]
     return module.bind(variables, rngs=rngs, mutable=mutable)
