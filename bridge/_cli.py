@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ._checkpoint import Contents, format_of, open_checkpoint, read, write
 from ._demo import demo
-from ._layout import LAYOUTS, relayout
+from ._layout import BATCH_NORM_MODES, LAYOUTS, relayout
 
 
 _DESCRIPTION = """\
@@ -23,7 +23,12 @@ demo. Checkpoints are *.safetensors and *.msgpack files and orbax directories.""
 _CONVERT_HELP = """\
 Convert a checkpoint between safetensors (*.safetensors), flax msgpack (*.msgpack) and
 orbax (any other path, a directory), keeping each array's role; the format follows
-each path. The destination is written atomically."""
+each path. The destination is written atomically. With --to-layout, the arrays are
+also converted to another framework's names and shapes through the port codecs,
+without the model: Equinox -> Flax (Linen/NNX), or Flax -> Equinox (Dense kernel
+(in,out) -> Linear weight (out,in), HWIO -> OIHW convolutions, fused attention
+heads, BatchNorm statistics as eqx.nn.State entries). A layer no codec recognises is
+an error naming it; nothing is written then."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,7 +100,13 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     dst = Path(args.dst)
     arrays = read(contents)
     if args.to_layout:
-        contents, arrays = relayout(contents, arrays, args.to_layout)
+        contents, arrays = relayout(
+            contents,
+            arrays,
+            args.to_layout,
+            rename=args.rename,
+            batch_norm_mode=args.batch_norm_mode,
+        )
     write(dst, contents, arrays)
     console.print(
         f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst)}): "
@@ -131,7 +142,27 @@ def parser() -> argparse.ArgumentParser:
         "--to-layout",
         choices=LAYOUTS,
         help="store the arrays in this framework's layout (through the port "
-        "codecs): 'flax' converts an Equinox checkpoint to Flax names and shapes",
+        "codecs): 'flax' converts an Equinox checkpoint to Flax names and shapes, "
+        "'equinox' a Linen or NNX checkpoint to the names and shapes "
+        "bridge.save gives the Equinox model of the same layers",
+    )
+    p.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="PATTERN=PATH",
+        help="with --to-layout equinox: store the layer whose dotted path fully "
+        "matches the regex PATTERN under PATH (re.Match.expand), e.g. "
+        "'Dense_(\\d+)=layers.\\1' or 'Conv_0=conv' for Linen auto-names; "
+        "repeatable, the first matching rule wins",
+    )
+    p.add_argument(
+        "--batch-norm-mode",
+        choices=BATCH_NORM_MODES,
+        default="batch",
+        help="with --to-layout equinox: the mode of each eqx.nn.BatchNorm: 'batch' "
+        "(default; the statistics as they are with batch_counter 2**30, so inference "
+        "uses them unchanged) or 'ema'",
     )
     p.set_defaults(run=_convert)
     p = sub.add_parser(

@@ -190,10 +190,3 @@ def test_convert_to_flax_layout(tmp_path, dst, capsys):
     capsys.readouterr()
     assert main(["inspect", out]) == 0
     assert "bn.mean" in capsys.readouterr().out
-
-
-def test_convert_to_equinox_layout_needs_the_model(tmp_path, cnn_file, capsys):
-    dst = str(tmp_path / "e.safetensors")
-    assert main(["convert", str(cnn_file), dst, "--to-layout", "equinox"]) == 1
-    assert "needs the Equinox model" in capsys.readouterr().err
-    assert not os.path.exists(dst)
