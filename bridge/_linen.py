@@ -13,6 +13,7 @@ from ._tree import (
     Key,
     Maker,
     Path,
+    Recent,
     Tree,
     items,
     key_of,
@@ -74,6 +75,13 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
     leaves, treedef = jtu.tree_flatten(variables)
+    # the same structure as a recent call (JAX's treedef ignores dict order, so the key
+    # orders and leaf types are part of the key): rebuild the Tree from its treedef
+    known = _known_key(variables, treedef, leaves, module)
+    hit = _KNOWN.get(known)
+    if hit is not None:
+        tree_def, order = hit
+        return jtu.tree_unflatten(tree_def, [leaves[i] for i in order])
     walk = _Walk(variables, leaves, {(): type(module)} if module is not None else {})
     parts = []
     for name in sorted(variables, key=lambda c: c != "params"):
@@ -91,7 +99,46 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
     record = (treedef, Held(module), tuple(walk.orders.items()), plain)
-    return walk.maker.root(keys, roles, children, "linen", record)
+    tree = walk.maker.root(keys, roles, children, "linen", record)
+    src = tree._info.source
+    _KNOWN.put(known, (src._treedef, src.order))  # pyright: ignore
+    return tree
+
+
+def _known_key(variables: Mapping, treedef: Any, leaves: list, module: Any) -> Any:
+    """What `from_linen`'s walk depends on besides the leaves: the variables' treedef,
+    the key order of every mapping (a treedef ignores it), each leaf's type and the
+    module's identity (a cached Source holds the module: its id is not reused)."""
+    orders: list[tuple] = []
+    _key_orders(variables, orders)
+    key = (treedef, tuple(orders), tuple(map(type, leaves)), id(module))
+    try:
+        hash(key)
+    except TypeError:  # unhashable box metadata: no cache
+        return None
+    return key
+
+
+# recently converted structures: key -> (the Tree's treedef, its leaf order)
+_KNOWN = Recent()
+
+
+def _key_orders(node: Any, out: list[tuple]) -> None:
+    """Append the keys of every mapping under `node`, depth first, in their order."""
+    if _node_kind(type(node)) == _BOX:
+        node = node.unbox()
+    kind = _node_kind(type(node))
+    if kind == _MAPPING:
+        out.append(tuple(node))
+        children = node.values()
+    elif kind == _SEQUENCE:
+        children = node
+    else:
+        return
+    kinds = _KINDS
+    for child in children:
+        if kinds.get(type(child)) != _LEAF:
+            _key_orders(child, out)
 
 
 _UNSUPPORTED = """\

@@ -7,11 +7,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax.tree_util as jtu
 from flax import nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
-from ._tree import Held, Key, Path, Tree, build, native_leaves
+from ._tree import Held, Key, Path, Recent, Tree, build, native_leaves
 
 
 def role_of(variable_type: type) -> str:
@@ -80,6 +81,16 @@ def from_nnx(module: nnx.Module) -> Tree:
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
+    leaves = flat.leaves
+    # a module of the same structure as a recent one (equal graph definitions, and
+    # the same classes and attribute order at every node, which they don't record):
+    # its Tree structure is known, only the arrays are new
+    summary = (type(module), graphdef.num_leaves, len(graphdef.nodes))
+    known = _KNOWN.get(summary)
+    if known is not None:
+        known_def, tree_def, order, checks = known
+        if known_def.value == graphdef and _same_nodes(module, checks):
+            return jtu.tree_unflatten(tree_def, [_value(leaves[i]) for i in order])
     paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
     kinds: dict[Path, Any] = {(): type(module)}
@@ -101,23 +112,50 @@ def from_nnx(module: nnx.Module) -> Tree:
         return tuple(out)
 
     order = sorted(range(len(paths)), key=lambda i: sort_key(paths[i]))
-    leaves = flat.leaves
     entries = []
     for i in order:
         role, value = _role_and_value(leaves[i])
         entries.append((paths[i], role, value, i))
-    # nnx.merge sets attributes in sorted order: remember the definition order
-    attribute_order = tuple(
-        (path, tuple(attributes))
-        for path, node in nodes.items()
-        if (attributes := _attributes(node)) is not None
-    )
-    summary = (type(module), graphdef.num_leaves, len(graphdef.nodes))
-    record = (Held(graphdef, summary), _mutable_statics(graphdef), attribute_order)
-    return build(entries, kinds, "nnx", record)
+    # parents before children: each node's class and attribute order (nnx.merge
+    # sets attributes in sorted order: to_nnx restores the definition order)
+    checks = tuple((path, kinds[path], _keys(node)) for path, node in nodes.items())
+    layout = tuple((path, keys) for path, _, keys in checks)
+    held = Held(graphdef, summary)
+    record = (held, _mutable_statics(graphdef), layout)
+    tree = build(entries, kinds, "nnx", record)
+    src = tree._info.source
+    _KNOWN.put(summary, (held, src._treedef, src.order, checks))  # pyright: ignore
+    return tree
+
+
+# recently converted structures: summary -> (graphdef, the Tree's treedef, its leaf
+# order, each node's path, class and attribute order)
+_KNOWN = Recent()
+
+
+def _keys(node: Any) -> tuple | None:
+    attributes = _attributes(node)
+    return None if attributes is None else tuple(attributes)
+
+
+def _same_nodes(module: nnx.Module, checks: tuple) -> bool:
+    """Whether `module`'s nodes have these classes and attribute orders."""
+    nodes: dict[Path, Any] = {}
+    for path, kind, keys in checks:
+        node = _child(nodes[path[:-1]], path[-1]) if path else module
+        if type(node) is not kind or _keys(node) != keys:
+            return False
+        nodes[path] = node
+    return True
 
 
 _ROLES: dict[type, str] = {}
+
+
+def _value(leaf: Any) -> Any:
+    """A Variable's array (its type is in `_ROLES` once `_role_and_value` saw it),
+    or an array attribute itself."""
+    return leaf.get_raw_value() if type(leaf) in _ROLES else leaf
 
 
 def _role_and_value(leaf: Any) -> tuple[str, Any]:
@@ -160,7 +198,7 @@ def to_nnx(tree: Tree) -> nnx.Module:
     An `nnx.Module`.
     """
     src, leaves = native_leaves(tree, "nnx")
-    held, mutable, attribute_order = src.record  # pyright: ignore
+    held, mutable, layout = src.record  # pyright: ignore
     graphdef = held.value
     if mutable:  # give the new module its own copies
         attributes = list(graphdef.attributes)
@@ -169,7 +207,7 @@ def to_nnx(tree: Tree) -> nnx.Module:
             attributes[i] = (key, Static(copy.deepcopy(attr.value)))
         graphdef = dataclasses.replace(graphdef, attributes=attributes)
     module = nnx.merge(graphdef, leaves)
-    _reorder(module, attribute_order)
+    _reorder(module, layout)
     return module
 
 
@@ -183,19 +221,16 @@ def _attributes(node: Any) -> dict | None:
     return node if type(node) is dict else None
 
 
-def _reorder(module: nnx.Module, attribute_order: tuple) -> None:
+def _reorder(module: nnx.Module, layout: tuple) -> None:
     """Put each new node's attributes in the source's definition order (`vars`
-    order: what `repr` shows, and what `bridge.from_nnx` reads the order from)."""
-    nodes: dict[Path, Any] = {(): module}
-
-    def get(path: Path) -> Any:
-        node = nodes.get(path)
-        if node is None:
-            node = nodes[path] = _child(get(path[:-1]), path[-1])
-        return node
-
-    for path, keys in attribute_order:
-        attributes = _attributes(get(path))
+    order: what `repr` shows, and what `bridge.from_nnx` reads the order from).
+    `layout` is every node's `(path, attribute keys)`, parents before children."""
+    nodes: dict[Path, Any] = {}
+    for path, keys in layout:
+        node = nodes[path] = _child(nodes[path[:-1]], path[-1]) if path else module
+        if keys is None:
+            continue
+        attributes = _attributes(node)
         if attributes is not None and tuple(attributes) != keys:
             ordered = {k: attributes[k] for k in keys if k in attributes}
             ordered.update(attributes)

@@ -418,6 +418,26 @@ class Maker:
         return tree
 
 
+class Recent:
+    """The last few structures an adapter converted: `key -> value`, the oldest
+    dropped first. A second conversion of a same-structured model looks its Tree
+    structure up here instead of walking the model in Python again."""
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self.items: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable) -> Any:
+        return None if key is None else self.items.get(key)
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if key is None:
+            return
+        if len(self.items) >= self.size and key not in self.items:
+            del self.items[next(iter(self.items))]
+        self.items[key] = value
+
+
 def source_of(tree: Any, framework: str | None = None) -> Source:
     """The adapter record of a whole-model Tree, checked against `framework`."""
     if not isinstance(tree, Tree):

@@ -7,6 +7,7 @@ import pytest
 from flax.core import FrozenDict
 
 import bridge
+from bridge._linen import linen_module
 
 from . import models
 from .helpers import (
@@ -251,3 +252,21 @@ def test_variables_linen_does_not_make_are_refused():
     layer = eqx.nn.Linear(2, 2, key=jax.random.key(0))  # a pytree, not a mapping
     with pytest.raises(TypeError, match="hold 2 JAX leaves, and 1 values"):
         bridge.from_linen({"params": {"layer": layer}})
+
+
+def test_a_second_conversion_of_the_same_structure_takes_its_own_leaves_and_order():
+    # the second call of a structure reuses the first one's Tree structure: it must
+    # still read the new leaves, the new dict order and the new module
+    a = {"params": {"b": {"w": jnp.ones(2)}, "a": {"w": jnp.zeros(2)}}}
+    first = bridge.from_linen(a)
+    again = {"params": {"b": {"w": jnp.full(2, 3.0)}, "a": {"w": jnp.zeros(2)}}}
+    second = bridge.from_linen(again)
+    assert (
+        second.b.w is again["params"]["b"]["w"] and first.b.w is a["params"]["b"]["w"]
+    )
+    swapped = {"params": {"a": {"w": jnp.zeros(2)}, "b": {"w": jnp.ones(2)}}}
+    assert list(bridge.from_linen(swapped)) == ["a", "b"] and list(second) == ["b", "a"]
+    model = nn.Dense(2)
+    with_module = bridge.from_linen(a, model)
+    assert linen_module(with_module) is model and linen_module(first) is None
+    assert jax.tree_util.tree_structure(second) == jax.tree_util.tree_structure(first)

@@ -272,3 +272,28 @@ def test_a_non_module_is_refused():
     graphdef, state = nnx.split(models.nnx_mlp())
     with pytest.raises(TypeError, match="expects an nnx.Module, got State"):
         bridge.from_nnx(state)
+
+
+class _TwoLayers(nnx.Module):
+    def __init__(self, a_first: bool, seed: int):
+        rngs = nnx.Rngs(seed)
+        if a_first:
+            self.a = nnx.Linear(2, 2, rngs=rngs)
+        self.b = nnx.Linear(2, 2, rngs=rngs)
+        if not a_first:
+            self.a = nnx.Linear(2, 2, rngs=rngs)
+
+
+def test_a_second_module_of_the_same_structure_takes_its_own_arrays_and_order():
+    # equal graph definitions (NNX sorts attributes): the second conversion reuses
+    # the first one's Tree structure only if the classes and attribute order match
+    one, two = _TwoLayers(True, 0), _TwoLayers(True, 1)
+    first, second = bridge.from_nnx(one), bridge.from_nnx(two)
+    assert second.a.kernel is two.a.kernel.get_raw_value()
+    assert first.a.kernel is one.a.kernel.get_raw_value()
+    swapped = _TwoLayers(False, 0)
+    tree = bridge.from_nnx(swapped)
+    assert list(tree) == ["b", "a"] and list(second) == ["a", "b"]
+    back = bridge.to_nnx(tree)
+    assert [k for k in vars(back) if k in ("a", "b")] == ["b", "a"]
+    assert back.a.kernel.get_raw_value() is swapped.a.kernel.get_raw_value()
