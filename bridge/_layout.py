@@ -67,7 +67,7 @@ def _dense(c, mode):
     return eqx.nn.Linear(n_in, n_out, use_bias="bias" in c, dtype=dtype, key=_KEY)
 
 
-def _conv_args(c):
+def _conv_args(c) -> dict[str, Any]:
     kernel = c["kernel"]
     *size, n_in, n_out = kernel.shape
     return dict(
@@ -253,32 +253,33 @@ def _to_equinox(
     modules: list[tuple[Path, str, dict[str, Any]]] = []
     out: dict[str, Any] = {}
     for (layer, kind), path in zip(chosen, paths):
-        flax, equinox = layer.codec(kind), codec_of(kind, "equinox")
-        assert equinox is not None  # _equinox_kind checked it
-        canonical = flax.decode(layer.leaves, layer.hyper)
-        specs = {
-            k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in canonical.items()
-        }
-        target: Tree = jax.eval_shape(lambda: _neutral(_BUILDS[kind](specs, mode)))
-        described, like_flat = describe(target, None)
-        like = {"/".join(map(str, s.path)): like_flat[s.key] for s in described.tensors}
-        native = to_native(target)
-        hyper = equinox.hyperparameters(
-            native[0] if isinstance(native, tuple) else native
-        )
-        needed = jax.eval_shape(lambda leaves: equinox.decode(leaves, hyper), like)
-        for name, value in equinox.defaults.items():  # e.g. one of scale/bias absent
-            if name in needed and name not in canonical:
-                canonical[name] = jnp.full(
-                    needed[name].shape, value, needed[name].dtype
-                )
-        encoded = equinox.encode(canonical, like, hyper)
+        described, encoded = _encode_layer(layer, kind, mode)
         for s in described.tensors:
             _add(
-                out, tensors, path + s.path, s.role, encoded["/".join(map(str, s.path))]
+                out, tensors, path + s.path, s.role, encoded["/".join(s.key.split("."))]
             )
         modules += [(path + p, cls, fields) for p, cls, fields in described.modules]
     return _contents(contents, "equinox", "equinox", tuple(modules), tensors), out
+
+
+def _encode_layer(layer: Layer, kind: str, mode: str) -> tuple[Contents, dict]:
+    """What `bridge.save` writes for the Equinox layer of this kind and shapes (built
+    abstractly), and the layer's arrays encoded into it by the Equinox codec."""
+    flax, equinox = layer.codec(kind), codec_of(kind, "equinox")
+    assert equinox is not None  # _equinox_kind checked it
+    canonical = flax.decode(layer.leaves, layer.hyper)
+    specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in canonical.items()}
+    target: Tree = jax.eval_shape(lambda: _neutral(_BUILDS[kind](specs, mode)))
+    described, flat = describe(target, None)
+    like = {"/".join(map(str, s.path)): flat[s.key] for s in described.tensors}
+    native = to_native(target)
+    hyper = equinox.hyperparameters(native[0] if isinstance(native, tuple) else native)
+    decode = equinox.decode
+    needed = jax.eval_shape(lambda leaves: decode(leaves, hyper), like)
+    for name, value in equinox.defaults.items():  # e.g. one of scale/bias absent
+        if name in needed and name not in canonical:
+            canonical[name] = jnp.full(needed[name].shape, value, needed[name].dtype)
+    return described, equinox.encode(canonical, like, hyper)
 
 
 def _raise(contents: Contents, layout: str, problems: list[str]) -> None:

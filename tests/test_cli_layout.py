@@ -6,6 +6,7 @@ give the source's outputs."""
 
 import os
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ import bridge
 from bridge import _checkpoint
 from bridge._checkpoint import open_checkpoint, read
 from bridge._cli import main
+from bridge._layout import relayout
 
 from . import models
 from .test_cli import run
@@ -212,9 +214,7 @@ def _convert_error(tmp_path, variables, *options):
     src = tmp_path / "src.safetensors"
     bridge.save(src, variables)
     contents = open_checkpoint(src)
-    return lambda: bridge._layout.relayout(
-        contents, read(contents), "equinox", **dict(options)
-    )
+    return lambda: relayout(contents, read(contents), "equinox", **dict(options))
 
 
 @pytest.mark.parametrize(
@@ -245,3 +245,54 @@ def test_error_writes_nothing_over_an_existing_file(tmp_path, capsys):
     assert main(["convert", str(src), str(dst), "--to-layout", "equinox"]) == 1
     assert dst.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["e.safetensors", "odd.safetensors"]
+
+
+def test_dtypes_and_root_layer_kept(tmp_path, monkeypatch):
+    source = nnx.Linear(3, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    bridge.save(tmp_path / "src.safetensors", source)
+    dst = tmp_path / "e.safetensors"
+    argv = ["convert", str(tmp_path / "src.safetensors"), str(dst)]
+    assert main([*argv, "--to-layout", "equinox"]) == 0
+    assert _described(dst) == [
+        ("weight", "params", (2, 3), "bfloat16"),
+        ("bias", "params", (2,), "bfloat16"),
+    ]
+    like = eqx.nn.Linear(3, 2, dtype=jnp.bfloat16, key=jax.random.key(1))
+    _no_port(monkeypatch)
+    loaded = bridge.load(dst, like=like)
+    assert (loaded.weight == source.kernel[...].T).all()
+
+
+def test_linen_to_equinox_to_flax_ports_back(tmp_path):
+    """The converted file records each Equinox layer's class and settings: it converts
+    back to the Flax layout and ports into the Linen model."""
+    (module, variables), _ = _source("linen", "block")
+    bridge.save(tmp_path / "src.safetensors", variables)
+    eqx_file, flax_file = tmp_path / "e.safetensors", tmp_path / "f.safetensors"
+    argv = ["convert", str(tmp_path / "src.safetensors"), str(eqx_file)]
+    assert main([*argv, "--to-layout", "equinox"]) == 0
+    assert main(["convert", str(eqx_file), str(flax_file), "--to-layout", "flax"]) == 0
+    back = bridge.load(flax_file, like=models.linen_block(1))
+    assert bridge.compare((module, variables), back, models.tokens()) <= 1e-5
+
+
+def test_trained_equinox_batch_norm_round_trip(tmp_path):
+    """A trained Equinox BatchNorm (counter > 0) holds debiased statistics: through the
+    Flax layout and back it gives the same outputs."""
+    model, state = models.equinox_cnn(0)
+    x = jnp.moveaxis(models.cnn_input(), -1, 1)
+
+    def train(x, state):
+        return model.bn(model.conv(x), state)[1]
+
+    state = jax.vmap(train, in_axes=(0, None), out_axes=None, axis_name="batch")(
+        x, state
+    )
+    bridge.save(tmp_path / "eqx.safetensors", (model, state))
+    flax_file, back = tmp_path / "f.safetensors", tmp_path / "back.safetensors"
+    argv = ["convert", str(tmp_path / "eqx.safetensors"), str(flax_file)]
+    assert main([*argv, "--to-layout", "flax"]) == 0
+    assert main(["convert", str(flax_file), str(back), "--to-layout", "equinox"]) == 0
+    loaded = bridge.load(back, like=models.equinox_cnn(1))
+    assert loaded[1].get(loaded[0].bn.batch_counter) == 2**30
+    assert bridge.compare((model, state), loaded, models.cnn_input()) <= 1e-5
