@@ -159,7 +159,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-norm-mode",
         choices=BATCH_NORM_MODES,
-        default="batch",
         help="with --to-layout equinox: the mode of each eqx.nn.BatchNorm: 'batch' "
         "(default; the statistics as they are with batch_counter 2**30, so inference "
         "uses them unchanged) or 'ema'",

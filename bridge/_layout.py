@@ -44,6 +44,9 @@ _NO_EQUINOX = (
 _CANNOT_CONVERT = """\
 {path} cannot be converted to the {layout} layout: {n} problem(s), nothing was written.
 {problems}"""
+_EQUINOX_ONLY = """\
+{options} only apply when converting a Flax checkpoint to the Equinox layout, and
+{path} is converted from the {source} layout to the {layout} layout. Leave them out."""
 _RENAME_UNUSED = "rename {rule!r}: matches no layer (layers: {layers})"
 _RENAME_CLASH = "rename: {sources} would all be called {target!r}"
 
@@ -163,7 +166,7 @@ def relayout(
     layout: str,
     *,
     rename: Sequence[str] = (),
-    batch_norm_mode: str = "batch",
+    batch_norm_mode: str | None = None,
 ) -> tuple[Contents, dict[str, Any]]:
     """The checkpoint's `contents` and `arrays` (by dotted name) in `layout`.
 
@@ -176,8 +179,8 @@ def relayout(
       (`re.Match.expand`: `r"Dense_(\\d+)=layers.\\1"`), so that Linen auto-names
       become the Equinox model's field names.
     - `batch_norm_mode`: to Equinox only, the `mode` of the Equinox `BatchNorm`s:
-      `"batch"` (the statistics as they are, `batch_counter` `2**30` so that
-      inference uses them unchanged) or `"ema"`.
+      `"batch"` (the default: the statistics as they are, `batch_counter` `2**30` so
+      that inference uses them unchanged) or `"ema"`.
 
     **Returns:**
 
@@ -186,7 +189,8 @@ def relayout(
     **Raises:**
 
     `ValueError`, once, listing every layer no codec knows (by path) and every unused,
-    malformed or clashing rename; `ValueError` for an unknown layout or mode.
+    malformed or clashing rename; `ValueError` for an unknown layout or mode, or
+    `rename`/`batch_norm_mode` given for another conversion than Flax to Equinox.
 
     **Example:**
 
@@ -205,10 +209,24 @@ def relayout(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"Unknown layout {layout!r}: choose one of {LAYOUTS}.")
-    if batch_norm_mode not in BATCH_NORM_MODES:
+    if batch_norm_mode not in (None, *BATCH_NORM_MODES):
         raise ValueError(
             f"Unknown BatchNorm mode {batch_norm_mode!r}: choose one of "
             f"{BATCH_NORM_MODES}."
+        )
+    options = [
+        o
+        for o, v in [("--rename", rename), ("--batch-norm-mode", batch_norm_mode)]
+        if v
+    ]
+    if options and (layout != "equinox" or contents.layout == "equinox"):
+        raise ValueError(
+            _EQUINOX_ONLY.format(
+                options=" and ".join(options),
+                path=contents.path,
+                source=contents.layout or "unknown",
+                layout=layout,
+            )
         )
     if contents.layout == layout:
         return contents, arrays
@@ -216,8 +234,9 @@ def relayout(
     problems: list[str] = []
     layers = find_layers(tree, problems)
     if layout == "equinox":
-        return _to_equinox(contents, layers, problems, rename, batch_norm_mode)
-    _raise(contents, "flax", problems)
+        mode = batch_norm_mode or "batch"
+        return _to_equinox(contents, layers, problems, rename, mode)
+    _raise(contents, "Flax", problems)
     return _to_flax(contents, arrays, layers)
 
 

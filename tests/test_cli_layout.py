@@ -231,6 +231,18 @@ def test_rename_errors(tmp_path, rules, message):
         _convert_error(tmp_path, variables, ("rename", rules))()
 
 
+@pytest.mark.parametrize(
+    "option, flag",
+    [(("rename", ["Conv_0=conv"]), "--rename"), (("batch_norm_mode", "ema"), "mode")],
+)
+def test_equinox_options_elsewhere(tmp_path, option, flag):
+    bridge.save(tmp_path / "eqx.safetensors", models.equinox_mlp())
+    contents = open_checkpoint(tmp_path / "eqx.safetensors")
+    for layout in ("flax", "equinox"):
+        with pytest.raises(ValueError, match=rf"{flag} only apply when converting a"):
+            relayout(contents, read(contents), layout, **dict([option]))
+
+
 def test_unknown_batch_norm_mode(tmp_path):
     _, variables = models.linen_cnn()
     with pytest.raises(ValueError, match=r"Unknown BatchNorm mode 'legacy'"):
