@@ -86,10 +86,12 @@ def from_nnx(module: nnx.Module) -> Tree:
     # the same classes and attribute order at every node, which they don't record):
     # its Tree structure is known, only the arrays are new
     summary = (type(module), graphdef.num_leaves, len(graphdef.nodes))
+    held = Held(graphdef, summary)
     known = _KNOWN.get(summary)
     if known is not None:
         known_def, tree_def, order, checks = known
-        if known_def.value == graphdef and _same_nodes(module, checks):
+        # Held compares safely (a static array attribute compares elementwise)
+        if known_def == held and _same_nodes(module, checks):
             return jtu.tree_unflatten(tree_def, [_value(leaves[i]) for i in order])
     paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
@@ -120,7 +122,6 @@ def from_nnx(module: nnx.Module) -> Tree:
     # sets attributes in sorted order: to_nnx restores the definition order)
     checks = tuple((path, kinds[path], _keys(node)) for path, node in nodes.items())
     layout = tuple((path, keys) for path, _, keys in checks)
-    held = Held(graphdef, summary)
     record = (held, _mutable_statics(graphdef), layout)
     tree = build(entries, kinds, "nnx", record)
     src = tree._info.source
