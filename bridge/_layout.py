@@ -61,13 +61,12 @@ def _build(kind: str):
     return register
 
 
-_KEY = jax.random.key(0)
-
-
 @_build("Dense")
 def _dense(c, mode):
     (n_in, n_out), dtype = c["kernel"].shape, c["kernel"].dtype
-    return eqx.nn.Linear(n_in, n_out, use_bias="bias" in c, dtype=dtype, key=_KEY)
+    return eqx.nn.Linear(
+        n_in, n_out, use_bias="bias" in c, dtype=dtype, key=jax.random.key(0)
+    )
 
 
 def _conv_args(c) -> dict[str, Any]:
@@ -80,7 +79,7 @@ def _conv_args(c) -> dict[str, Any]:
         kernel_size=tuple(size),
         use_bias="bias" in c,
         dtype=kernel.dtype,
-        key=_KEY,
+        key=jax.random.key(0),
     )
 
 
@@ -97,7 +96,7 @@ def _conv_transpose(c, mode):
 @_build("Embed")
 def _embed(c, mode):
     table = c["embedding"]
-    return eqx.nn.Embedding(*table.shape, dtype=table.dtype, key=_KEY)
+    return eqx.nn.Embedding(*table.shape, dtype=table.dtype, key=jax.random.key(0))
 
 
 def _affine(c):
@@ -156,7 +155,7 @@ def _attention(c, mode):
         use_value_bias="value/bias" in c,
         use_output_bias="out/bias" in c,
         dtype=query.dtype,
-        key=_KEY,
+        key=jax.random.key(0),
     )
 
 
