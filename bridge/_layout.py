@@ -69,11 +69,11 @@ def _dense(c, mode):
     )
 
 
-def _conv_args(c) -> dict[str, Any]:
+def _conv_args(c) -> tuple[int, dict[str, Any]]:
+    """The number of spatial dimensions, and the arguments of an Equinox convolution."""
     kernel = c["kernel"]
     *size, n_in, n_out = kernel.shape
-    return dict(
-        num_spatial_dims=len(size),
+    return len(size), dict(
         in_channels=n_in,
         out_channels=n_out,
         kernel_size=tuple(size),
@@ -83,14 +83,26 @@ def _conv_args(c) -> dict[str, Any]:
     )
 
 
+# the classes an Equinox model of 1, 2 or 3 spatial dimensions uses (bridge.save
+# records them)
+_CONVS = {1: eqx.nn.Conv1d, 2: eqx.nn.Conv2d, 3: eqx.nn.Conv3d}
+_CONV_TRANSPOSES = {
+    1: eqx.nn.ConvTranspose1d,
+    2: eqx.nn.ConvTranspose2d,
+    3: eqx.nn.ConvTranspose3d,
+}
+
+
 @_build("Conv")
 def _conv(c, mode):
-    return eqx.nn.Conv(**_conv_args(c), padding="SAME")
+    n, args = _conv_args(c)
+    return _CONVS[n](**args, padding="SAME")
 
 
 @_build("ConvTranspose")
 def _conv_transpose(c, mode):
-    return eqx.nn.ConvTranspose(**_conv_args(c))
+    n, args = _conv_args(c)
+    return _CONV_TRANSPOSES[n](**args)
 
 
 @_build("Embed")

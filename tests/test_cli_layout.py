@@ -98,6 +98,9 @@ def test_flax_to_equinox_loads_directly(framework, architecture, tmp_path, monke
     assert _described(dst) == _described(ref)  # the same keys, roles, shapes, dtypes
     contents = open_checkpoint(dst)
     assert (contents.framework, contents.layout) == ("equinox", "equinox")
+    classes = {path: cls for path, cls, _ in contents.modules}
+    reference = {path: cls for path, cls, _ in open_checkpoint(ref).modules}
+    assert classes and classes.items() <= reference.items()  # each layer's class
     _no_port(monkeypatch)
     loaded = bridge.load(dst, like=like)
     assert bridge.compare(source, loaded, inputs()) <= 1e-5
