@@ -286,7 +286,7 @@ def _to_equinox(
         described, encoded = _encode_layer(layer, kind, mode)
         for s in described.tensors:
             _add(
-                out, tensors, path + s.path, s.role, encoded["/".join(s.key.split("."))]
+                out, tensors, path + s.path, s.role, encoded["/".join(map(str, s.path))]
             )
         modules += [(path + p, cls, fields) for p, cls, fields in described.modules]
     return _contents(contents, "equinox", "equinox", tuple(modules), tensors), out
@@ -346,7 +346,10 @@ def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):
         if not sep:
             problems.append(f"rename {rule!r}: expected PATTERN=PATH")
             continue
-        rules.append((rule, re.compile(pattern), replacement))
+        try:
+            rules.append((rule, re.compile(pattern), replacement))
+        except re.error as error:
+            problems.append(f"rename {rule!r}: PATTERN is not a regex: {error}")
     used: set[str] = set()
     out: list[Path] = []
     for path in paths:
@@ -355,7 +358,10 @@ def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):
             match = pattern.fullmatch(name)
             if match:
                 used.add(rule)
-                name = match.expand(replacement)
+                try:
+                    name = match.expand(replacement)
+                except re.error as error:
+                    problems.append(f"rename {rule!r}: bad PATH: {error}")
                 break
         out.append(_split(name, ".") if name else ())  # "": the root
     for rule, _, _ in rules:

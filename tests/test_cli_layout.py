@@ -226,6 +226,11 @@ def _convert_error(tmp_path, variables, *options):
         (["Conv_9=conv"], r"rename 'Conv_9=conv': matches no layer \(layers: \["),
         ([r"(Conv|Dense)_0=x"], r"\['Conv_0', 'Dense_0'\] would all be called 'x'"),
         (["Conv_0"], r"rename 'Conv_0': expected PATTERN=PATH"),
+        (["Conv_(0=conv"], r"rename 'Conv_\(0=conv': PATTERN is not a regex"),
+        (
+            [r"Conv_0=conv\1"],
+            r"rename 'Conv_0=conv.*': bad PATH: invalid group reference 1",
+        ),
     ],
 )
 def test_rename_errors(tmp_path, rules, message):
