@@ -113,6 +113,7 @@ def make_step(
     **Returns:**
 
     A step with
+
     - `step.init(tree) -> opt_state`: the optimizer state, for the trainable leaves
       only;
     - `step(tree, opt_state, *batch, rngs=None) -> (tree, opt_state, loss)`, with
