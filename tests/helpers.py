@@ -1,6 +1,8 @@
 """Shared test helpers: tiny models in every framework and exact comparisons."""
 
+import re
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -79,3 +81,14 @@ def key_orders(obj, path=()) -> list:
     for key, child in obj.items():
         out += key_orders(child, path + (key,))
     return out
+
+
+def run_markdown(path) -> str:
+    """Run every ```python block of a Markdown page, in order, as one script.
+
+    Returns the code, so a test can check that the page shows what it should.
+    """
+    path = Path(path)
+    code = "\n".join(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
+    exec(compile(code, str(path), "exec"), {"__name__": "page"})
+    return code

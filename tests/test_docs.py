@@ -11,6 +11,8 @@ import pytest
 
 import bridge
 
+from .helpers import run_markdown
+
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -76,9 +78,14 @@ def test_every_page_is_in_the_nav():
 
 @pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
 def test_page_code_runs(page, capsys):
-    text = (ROOT / page).read_text()
-    code = "\n".join(re.findall(r"```python\n(.*?)```", text, re.S))
+    code = run_markdown(ROOT / page)
     assert "bridge.from_nnx" in code
-    exec(compile(code, page, "exec"), {"__name__": "page"})
     if page.endswith("getting-started.md"):
         assert "loss after 50 steps" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide", ["porting.md", "checkpoints.md"])
+def test_guide_code_runs(guide, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # guides may write checkpoint files
+    assert "import bridge" in run_markdown(ROOT / "docs" / "guides" / guide)

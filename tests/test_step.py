@@ -1,4 +1,3 @@
-import re
 from pathlib import Path
 
 import equinox as eqx
@@ -11,7 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
-from .helpers import tree_equal_bits
+from .helpers import run_markdown, tree_equal_bits
 
 
 STEPS = 3
@@ -312,7 +311,5 @@ def test_linen_without_module_gets_the_variables():
 @pytest.mark.slow
 def test_freezing_guide_runs():
     """Every code block of docs/guides/freezing.md, in order, as one script."""
-    guide = Path(__file__).parent.parent / "docs" / "guides" / "freezing.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    code = run_markdown(Path(__file__).parent.parent / "docs/guides/freezing.md")
     assert "bridge.make_step" in code
-    exec(compile(code, str(guide), "exec"), {"__name__": "guide"})

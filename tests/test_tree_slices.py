@@ -1,7 +1,6 @@
 """Slices of sequence nodes: `t.layers[1:]` is a tuple of the stored children, so
 `eqx.tree_at` and `bridge.trainable` select with it as Equinox does on its tuples."""
 
-import re
 from pathlib import Path
 
 import equinox as eqx
@@ -12,7 +11,7 @@ import pytest
 import bridge
 
 from . import models
-from .helpers import same_objects as same, tree_equal_bits
+from .helpers import run_markdown, same_objects as same, tree_equal_bits
 
 
 def zeros(node):
@@ -98,7 +97,5 @@ def test_a_slice_of_a_mapping_node_is_an_error():
 @pytest.mark.slow
 def test_tree_guide_runs():
     """Every code block of docs/guides/tree.md, in order, as one script."""
-    guide = Path(__file__).parent.parent / "docs" / "guides" / "tree.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
+    code = run_markdown(Path(__file__).parent.parent / "docs/guides/tree.md")
     assert "t.layers[-2:]" in code
-    exec(compile(code, str(guide), "exec"), {"__name__": "guide"})
