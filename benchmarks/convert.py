@@ -30,7 +30,7 @@ import jax.tree_util as jtu
 from flax import nnx
 
 import bridge
-from bridge import _linen, _nnx
+from bridge._adapters import _linen, _nnx
 from bridge._tree import Recent
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ._checkpoint import Contents, format_of, open_checkpoint, read, write
 from ._demo import demo
-from ._layout import BATCH_NORM_MODES, LAYOUTS, relayout
+from ._io._checkpoint import Contents, format_of, open_checkpoint, read, write
+from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, relayout
 
 
 _DESCRIPTION = """\

@@ -24,12 +24,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._checkpoint import load, save
-from ._freeze import trainable
-from ._native import to_native, to_neutral
+from ._adapters._native import to_native, to_neutral
+from ._io._checkpoint import load, save
 from ._port._compare import compare
 from ._port._port import port
-from ._step import make_step
+from ._train._step import make_step
+from ._train._trainable import trainable
 
 
 D_IN, WIDTH, D_OUT = 8, 64, 4

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bridge
-from bridge import _checkpoint
+from bridge._io import _checkpoint
 from bridge._tree import kind
 
 from . import models

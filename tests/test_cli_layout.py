@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 import bridge
-from bridge import _checkpoint
-from bridge._checkpoint import open_checkpoint, read
 from bridge._cli import main
-from bridge._layout import relayout
+from bridge._io import _checkpoint
+from bridge._io._checkpoint import open_checkpoint, read
+from bridge._io._relayout import relayout
 
 from . import models
 from .test_cli import run

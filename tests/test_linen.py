@@ -7,7 +7,7 @@ import pytest
 from flax.core import FrozenDict
 
 import bridge
-from bridge._linen import linen_module
+from bridge._adapters._linen import linen_module
 
 from . import models
 from .helpers import (

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .._native import to_native
+from .._adapters._native import to_native
 from .._tree import Tree
 
 

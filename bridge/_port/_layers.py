@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from .._native import to_native
+from .._adapters._native import to_native
 from .._tree import Path, Tree, framework, items, kind, path_str, roles, walk
 from . import _errors
 from ._codec import Codec, Leaves, codecs

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from .._native import to_neutral
+from .._adapters._native import to_neutral
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec

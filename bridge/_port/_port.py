@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .._linen import to_linen
-from .._native import to_native
+from .._adapters._linen import to_linen
+from .._adapters._native import to_native
 from .._tree import Path, Tree, map_with_path
 from . import _errors
 from ._plan import Plan, Step, make_plan

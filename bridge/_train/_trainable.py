@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from ._tree import Tree, leaf_roles
+from .._tree import Tree, leaf_roles
 
 
 _SELECTS_NOTHING = """\

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from flax import nnx
 
-from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
 
 
 _PROJ = {"query": "query_proj", "key": "key_proj", "value": "value_proj"}

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._adapters._equinox import from_equinox
+from .._adapters._native import to_native
+from .._port._codec import codec_of
+from .._port._layers import Layer, find_layers
+from .._tree import Path, Tree
 from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
-from ._equinox import from_equinox
-from ._native import to_native
-from ._port._codec import codec_of
-from ._port._layers import Layer, find_layers
-from ._tree import Path, Tree
 
 
 LAYOUTS = ("flax", "equinox")
@@ -208,7 +208,7 @@ def relayout(
     ```python
     >>> import bridge, tempfile, os
     >>> from flax import nnx
-    >>> from bridge._checkpoint import open_checkpoint, read
+    >>> from bridge._io._checkpoint import open_checkpoint, read
     >>> path = os.path.join(tempfile.mkdtemp(), "linear.safetensors")
     >>> bridge.save(path, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     >>> contents = open_checkpoint(path)

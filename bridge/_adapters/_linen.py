@@ -8,7 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.tree_util as jtu
 
-from ._tree import (
+from .._tree import (
     Held,
     Key,
     Maker,

@@ -9,10 +9,10 @@ import equinox as eqx
 import flax.linen as nn
 from flax import nnx
 
+from .._tree import Tree, source_of
 from ._equinox import from_equinox, to_equinox
 from ._linen import bind, from_linen
 from ._nnx import from_nnx, to_nnx
-from ._tree import Tree, source_of
 
 
 def to_neutral(obj: Any) -> Tree:

@@ -14,7 +14,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from flax import nnx
 
-from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
 
 
 def _linen_conv(cls, leaves: Leaves) -> bool:

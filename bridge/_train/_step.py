@@ -14,11 +14,11 @@ import numpy as np
 import optax
 from flax.errors import InvalidRngError
 
-from ._equinox import from_equinox
-from ._linen import from_linen, linen_module
-from ._native import to_native
-from ._nnx import from_nnx
-from ._tree import Path, Tree, framework, key_of, leaf_roles, path_str
+from .._adapters._equinox import from_equinox
+from .._adapters._linen import from_linen, linen_module
+from .._adapters._native import to_native
+from .._adapters._nnx import from_nnx
+from .._tree import Path, Tree, framework, key_of, leaf_roles, path_str
 
 
 _SPEC_NOT_BOOL = """\

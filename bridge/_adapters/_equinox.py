@@ -8,7 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._tree import Held, Path, Tree, build, key_of, native_leaves, path_of
+from .._tree import Held, Path, Tree, build, key_of, native_leaves, path_of
 
 
 _FOREIGN_STATE = """\

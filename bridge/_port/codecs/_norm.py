@@ -14,7 +14,7 @@ from typing import Any
 import equinox as eqx
 from flax import nnx
 
-from ._codec import (
+from .._codec import (
     Codec,
     Leaves,
     attributes,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import equinox as eqx
 from flax import nnx
 
-from ._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
 
 
 def _linen(cls, leaves: Leaves) -> bool:

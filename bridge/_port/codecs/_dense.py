@@ -11,7 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from flax import nnx
 
-from ._codec import (
+from .._codec import (
     Codec,
     Leaves,
     attributes,

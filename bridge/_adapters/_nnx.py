@@ -12,7 +12,7 @@ from flax import nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
-from ._tree import Held, Key, Path, Recent, Tree, build, native_leaves
+from .._tree import Held, Key, Path, Recent, Tree, build, native_leaves
 
 
 def role_of(variable_type: type) -> str:

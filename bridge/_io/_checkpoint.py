@@ -28,15 +28,14 @@ import jax.tree_util as jtu
 import numpy as np
 import safetensors
 
-from . import _msgpack, _orbax, _safetensors
-from ._equinox import to_equinox
-from ._linen import bind, from_linen, to_linen
-from ._native import to_native, to_neutral
-from ._nnx import to_nnx
-from ._port._errors import PortError
-from ._port._port import port
-from ._skeleton import settings, skeleton
-from ._tree import (
+from .._adapters._equinox import to_equinox
+from .._adapters._linen import bind, from_linen, to_linen
+from .._adapters._native import to_native, to_neutral
+from .._adapters._nnx import to_nnx
+from .._adapters._skeleton import settings, skeleton
+from .._port._errors import PortError
+from .._port._port import port
+from .._tree import (
     Path as TreePath,
     Tree,
     build,
@@ -47,6 +46,7 @@ from ._tree import (
     source_of,
     walk,
 )
+from . import _msgpack, _orbax, _safetensors
 
 
 try:
@@ -497,11 +497,11 @@ def _at(obj: Any, path: TreePath) -> Any:
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     """The Tree of a checkpoint's arrays, with their roles.
 
-    From an Equinox file: a Tree of kind `equinox` whose native model is a skeleton
-    (`bridge._skeleton`), with each module's class as its kind where that class is
-    already imported. From any other file: the Tree of Linen-style variables
-    (`{role: {module: {name: array}}}`, Flax's layout), so `bridge.to_native` gives
-    that dict.
+    From an Equinox file: a Tree of kind `equinox` whose native model is a
+    skeleton (`bridge._adapters._skeleton`), with each module's class as its kind
+    where that class is already imported. From any other file: the Tree of
+    Linen-style variables (`{role: {module: {name: array}}}`, Flax's layout), so
+    `bridge.to_native` gives that dict.
     """
     kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
     if contents.framework == "equinox":

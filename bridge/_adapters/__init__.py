@@ -1,0 +1,1 @@
+"""The adapters: each framework's models <-> `bridge.Tree`, one file per framework."""

@@ -1,0 +1,10 @@
+"""The built-in layer codecs, one file per layer family; importing registers them."""
+
+from . import (
+    _attention as _attention,
+    _batch_norm as _batch_norm,
+    _conv as _conv,
+    _dense as _dense,
+    _embed as _embed,
+    _norm as _norm,
+)

@@ -1,0 +1,1 @@
+"""Training: trainable specs and the compiled, partitioned training step."""
