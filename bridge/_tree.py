@@ -199,7 +199,10 @@ class Tree:
     ```
     """
 
-    __slots__ = ("_info", "_children")
+    # `_flat`, when set (by `bridge.make_step` on the Trees it returns): this Tree's
+    # `(treedef, leaves)`, so the next step need not flatten it again; a Tree is
+    # immutable, so it never goes stale
+    __slots__ = ("_info", "_children", "_flat")
     _info: _Info
     _children: tuple[Any, ...]
 

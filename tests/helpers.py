@@ -24,6 +24,12 @@ def tree_equal_bits(a, b) -> bool:
     return True
 
 
+def fresh(tree):
+    """A copy of every array of `tree`: a donating step consumes the copy, and the
+    test keeps the arrays it shares with the native model (the oracle's start)."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
 def tree_allclose(a, b, rtol=1e-5, atol=1e-6) -> bool:
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)

@@ -10,7 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
-from .helpers import run_markdown, tree_equal_bits
+from .helpers import fresh, run_markdown, tree_equal_bits
 
 
 STEPS = 3
@@ -42,6 +42,7 @@ def eqx_filter_spec(model, *layers):
 
 
 def run(step, tree, *batch):
+    tree = fresh(tree)
     opt_state = step.init(tree)
     for _ in range(STEPS):
         tree, opt_state, loss = step(tree, opt_state, *batch)
@@ -302,7 +303,7 @@ def test_linen_without_module_gets_the_variables():
     step = bridge.make_step(loss_fn, optax.sgd(0.1), spec)
     native = bridge.make_step(mse, optax.sgd(0.1), spec)
     x = models.mlp_input()
-    after, _, _ = step(tree, step.init(tree), x, TARGET)
+    after, _, _ = step(fresh(tree), step.init(tree), x, TARGET)
     oracle, _, _ = native(with_module, native.init(with_module), x, TARGET)
     assert tree_equal_bits(by_path(after), by_path(oracle))
     assert isinstance(bridge.to_native(after), dict)

@@ -10,7 +10,7 @@ import pytest
 import bridge
 
 from . import models
-from .helpers import tree_equal_bits
+from .helpers import fresh, tree_equal_bits
 from .test_step import STEPS, TARGET, assert_frozen_and_trained
 
 
@@ -45,7 +45,7 @@ def bridge_steps(module, variables, x, stream_keys):
     tree = bridge.from_linen(variables, module)
     spec = bridge.trainable(tree, r"^\.Dense_2\.")
     step = bridge.make_step(train_mse, optax.adam(1e-2), spec)
-    after, opt_state, losses = tree, step.init(tree), []
+    after, opt_state, losses = fresh(tree), step.init(tree), []
     for key in stream_keys:
         after, opt_state, loss = step(after, opt_state, x, TARGET, rngs=key)
         losses.append(loss)
@@ -126,7 +126,10 @@ def test_new_keys_give_new_losses_without_retracing():
 
     tree = bridge.from_linen(variables, module)
     step = bridge.make_step(
-        counting_mse, optax.sgd(0.0), bridge.trainable(tree, r"^\.Dense_2\.")
+        counting_mse,
+        optax.sgd(0.0),
+        bridge.trainable(tree, r"^\.Dense_2\."),
+        donate=False,  # the same Tree and state, step after step
     )
     opt_state = step.init(tree)
     losses = [step(tree, opt_state, x, TARGET, rngs={"dropout": k})[2] for k in keys()]

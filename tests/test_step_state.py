@@ -10,7 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
-from .helpers import tree_equal_bits
+from .helpers import fresh, tree_equal_bits
 from .test_step import STEPS, assert_frozen_and_trained, by_path, mse
 
 
@@ -33,6 +33,7 @@ def nnx_native_steps(model, loss_fn, wrt, optim, *batch):
 
 def bridge_steps(tree, loss_fn, where, optim, *batch):
     step = bridge.make_step(loss_fn, optim, bridge.trainable(tree, where))
+    tree = fresh(tree)
     opt_state, losses = step.init(tree), []
     for _ in range(STEPS):
         tree, opt_state, loss = step(tree, opt_state, *batch)
@@ -196,7 +197,7 @@ def test_equinox_state_with_aux():
     step = bridge.make_step(loss_fn, optax.sgd(0.1), spec, has_aux=True)
     plain = bridge.make_step(eqx_loss, optax.sgd(0.1), spec)
     x = models.cnn_input()
-    new, _, loss, aux = step(tree, step.init(tree), x, TARGET)
+    new, _, loss, aux = step(fresh(tree), step.init(tree), x, TARGET)
     oracle, _, _ = plain(tree, plain.init(tree), x, TARGET)
     assert tree_equal_bits(aux["twice"], 2 * loss)
     assert tree_equal_bits(by_path(new), by_path(oracle))

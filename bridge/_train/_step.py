@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import flax.linen as nn
@@ -59,6 +59,12 @@ deterministic) from a stream the step was not given. Give the step its streams, 
 `module.apply`: `step(tree, opt_state, *batch, rngs={{"dropout": key}})`, with a new
 key each step (e.g. `jax.random.fold_in(key, i)`); a new key does not retrace."""
 
+_CONSUMED = """\
+{what} was consumed by a step: the step donates the trainable leaves and the
+optimizer state to XLA, which reuses their buffers for the new ones. Use the Tree and
+`opt_state` the step returned, `tree, opt_state, loss = step(tree, opt_state, ...)`, or
+make the step with `bridge.make_step(..., donate=False)` to keep its inputs valid."""
+
 _STATE_FORM = """\
 This Equinox model has an eqx.nn.State, so loss_fn is called as
 `loss_fn(model, state, *batch)` and must return `(loss, new_state)` (with has_aux=True:
@@ -72,6 +78,8 @@ def make_step(
     spec: Any,
     *,
     has_aux: bool = False,
+    donate: bool = True,
+    axis_name: Hashable | None = None,
 ) -> Step:
     """A compiled training step that updates only the leaves `spec` marks trainable.
 
@@ -98,6 +106,24 @@ def make_step(
     bit. The step is one `jax.jit` over the Tree's arrays: it is traced once per tree
     structure and then runs with no Python walk over modules.
 
+    **Donation.** By default the step donates the trainable leaves and the optimizer
+    state to XLA (`jax.jit(..., donate_argnums=...)`), which writes the new values in
+    their buffers: the step holds one copy of them, not two. This is the convention of
+    optax loops and of `eqx.filter_jit(donate="all")`: the Tree and `opt_state` given to
+    a step are consumed, use the ones it returns (`tree, opt_state, loss =
+    step(tree, opt_state, ...)`). The frozen leaves are never donated: the returned
+    Tree holds them as they are. A Tree from an adapter shares its arrays with the
+    model it was made from, so after the first step that model's trainable arrays are
+    consumed too. Passing a consumed Tree or state again raises an error that says
+    so; `donate=False` keeps the inputs valid (to compare before and after, say).
+
+    **Data parallelism.** With `axis_name`, the gradients and the loss are averaged
+    over that named axis (`jax.lax.pmean`) before the update, so the step can run
+    under `jax.pmap(step, axis_name=...)` or `jax.shard_map`, each device on its part
+    of the batch, as in Flax's ImageNet example (with `BatchNorm(axis_name=...)`).
+    Under `jax.jit` with a batch sharded over devices, no axis name is needed: XLA
+    averages across devices by itself.
+
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, *batch) -> loss`, the loss a scalar array; with
@@ -109,6 +135,10 @@ def make_step(
       to train (from `bridge.trainable`, or built with `eqx.tree_at`). Only `params`
       leaves can be trainable.
     - `has_aux`: whether `loss_fn` returns `(loss, aux)`.
+    - `donate`: whether each call consumes the trainable leaves of its Tree and its
+      `opt_state` (default True).
+    - `axis_name`: the name of a mapped axis (`jax.pmap`, `jax.shard_map`) to average
+      the gradients and the loss over; None (the default) averages nothing.
 
     **Returns:**
 
@@ -138,15 +168,28 @@ def make_step(
     >>> step = bridge.make_step(loss_fn, optax.adam(1e-2), spec)
     >>> opt_state = step.init(tree)
     >>> x, y = jnp.ones((8, 2)), jnp.zeros((8, 1))
-    >>> new, opt_state, loss = step(tree, opt_state, x, y)
-    >>> bool((new.layers[0].kernel == tree.layers[0].kernel).all())
+    >>> frozen = tree.layers[0].kernel
+    >>> tree, opt_state, loss = step(tree, opt_state, x, y)
+    >>> tree.layers[0].kernel is frozen
     True
-    >>> bool((new.layers[2].kernel == tree.layers[2].kernel).all())
-    False
+    >>> model.layers[2].kernel[...]
+    Traceback (most recent call last):
+    ...
+    RuntimeError: Array has been deleted with shape=float32[4,1].
 
     ```
     """
-    return Step(loss_fn, optimizer, spec, has_aux)
+    return Step(loss_fn, optimizer, spec, has_aux, donate, axis_name)
+
+
+class _Layout(NamedTuple):
+    """Where the trainable leaves of a Tree of one structure are."""
+
+    names: tuple[
+        str, ...
+    ]  # the keystr paths of the trainable leaves, the opt_state keys
+    trained: tuple[int, ...]  # their positions among the Tree's leaves
+    frozen: tuple[int, ...]  # the positions of the other leaves
 
 
 class Step:
@@ -158,6 +201,8 @@ class Step:
         optimizer: optax.GradientTransformation,
         spec: Any,
         has_aux: bool,
+        donate: bool = True,
+        axis_name: Hashable | None = None,
     ):
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(
@@ -181,12 +226,20 @@ class Step:
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._has_aux = has_aux
-        self._jit = jax.jit(self._run, static_argnums=0)
+        self._donate = donate
+        self._axis_name = axis_name
+        self._layouts: dict[Any, _Layout] = {}
+        # args: treedef (static), trained, frozen, opt_state, rngs, *batch
+        donated = (1, 3) if donate else ()
+        self._jit = jax.jit(self._run, static_argnums=0, donate_argnums=donated)
 
     def init(self, tree: Tree) -> optax.OptState:
         """The optimizer state for the trainable leaves of `tree`."""
-        params, _ = self._split(tree)
-        return self._optimizer.init(params)
+        treedef, leaves = _flatten(tree)
+        layout = self._layout(treedef, tree)
+        return self._optimizer.init(
+            {n: leaves[i] for n, i in zip(layout.names, layout.trained)}
+        )
 
     def __call__(
         self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
@@ -196,28 +249,50 @@ class Step:
         `rngs` (Flax Linen only): the random streams of this step, as for
         `module.apply(..., rngs=...)`; a traced argument, so a new key each step
         does not retrace."""
-        leaves, treedef = jtu.tree_flatten(tree)
-        changed, *rest = self._jit(treedef, leaves, opt_state, rngs, *batch)
-        for i, leaf in changed.items():
+        treedef, leaves = _flatten(tree)
+        layout = self._layout(treedef, tree)
+        trained = [leaves[i] for i in layout.trained]
+        frozen = [leaves[i] for i in layout.frozen]
+        if self._donate and getattr(trained[0], "is_deleted", bool)():
+            raise RuntimeError(_CONSUMED.format(what="This Tree"))
+        try:
+            new, updated, *rest = self._jit(
+                treedef, trained, frozen, opt_state, rngs, *batch
+            )
+        except (RuntimeError, ValueError) as error:
+            if self._donate and "deleted" in str(error):
+                _raise_if_consumed(trained, opt_state, error)
+            raise
+        leaves = list(leaves)
+        for i, leaf in zip(layout.trained, new):
+            leaves[i] = leaf
+        for i, leaf in updated.items():
             leaves[i] = leaf
         # the input treedef: the new Tree shares its static data, so the next call
         # finds the compiled step by identity
-        return (jtu.tree_unflatten(treedef, leaves), *rest)
+        out = jtu.tree_unflatten(treedef, leaves)
+        object.__setattr__(out, "_flat", (treedef, leaves))
+        return (out, *rest)
 
     def lower(
         self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
     ) -> Any:
         """`jax.jit(...).lower` of the step, e.g. for `.compile().cost_analysis()`."""
-        leaves, treedef = jtu.tree_flatten(tree)
-        return self._jit.lower(treedef, leaves, opt_state, rngs, *batch)
+        treedef, leaves = _flatten(tree)
+        layout = self._layout(treedef, tree)
+        trained = [leaves[i] for i in layout.trained]
+        frozen = [leaves[i] for i in layout.frozen]
+        return self._jit.lower(treedef, trained, frozen, opt_state, rngs, *batch)
 
-    def _split(self, tree: Tree) -> tuple[dict[str, Any], list[int]]:
-        """The trainable leaves by name, and their positions; checks the structure."""
-        if not isinstance(tree, Tree):
-            raise TypeError(
-                f"A step takes the model's bridge.Tree, got {type(tree).__name__}: "
-                "convert the model once, before the loop, with bridge.to_neutral."
-            )
+    def _layout(self, treedef: Any, tree: Tree) -> _Layout:
+        """Where the trainable leaves are; checks the structure once per treedef."""
+        layout = self._layouts.get(treedef)
+        if layout is None:
+            layout = self._layouts[treedef] = self._check(tree)
+        return layout
+
+    def _check(self, tree: Tree) -> _Layout:
+        """The layout of `tree`'s trainable leaves; checks the structure."""
         flat = jtu.tree_flatten_with_path(tree)[0]
         paths = [tuple(key_of(e) for e in p) for p, _ in flat]
         have = set(paths)
@@ -232,16 +307,21 @@ class Step:
             if p not in have
         ]
         roles = leaf_roles(tree)
-        position = [i for i, p in enumerate(paths) if self._flags.get(p)]
+        trained = [i for i, p in enumerate(paths) if self._flags.get(p)]
         problems += [
             f"  {path_str(paths[i])} is marked trainable but has role {roles[i]!r}; "
             "only `params` leaves can be trained"
-            for i in position
+            for i in trained
             if roles[i] != "params"
         ]
         if problems:
             raise ValueError(_SPEC_MISMATCH.format(problems="\n".join(problems)))
-        return {path_str(paths[i]): flat[i][1] for i in position}, position
+        chosen = set(trained)
+        return _Layout(
+            names=tuple(path_str(paths[i]) for i in trained),
+            trained=tuple(trained),
+            frozen=tuple(i for i in range(len(paths)) if i not in chosen),
+        )
 
     def _check_opt_state(self, opt_state: Any, params: dict[str, Any]) -> None:
         like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}
@@ -268,15 +348,24 @@ class Step:
         raise ValueError(_OPT_STATE_MISMATCH.format(problems="; ".join(problems)))
 
     def _run(
-        self, treedef: Any, leaves: list, opt_state: Any, rngs: Any, *batch: Any
+        self,
+        treedef: Any,
+        trained: list,
+        frozen: list,
+        opt_state: Any,
+        rngs: Any,
+        *batch: Any,
     ) -> tuple:
-        params, position = self._split(jtu.tree_unflatten(treedef, leaves))
+        layout = self._layouts[treedef]
+        leaves: list[Any] = [None] * (len(trained) + len(frozen))
+        for i, leaf in zip(layout.frozen, frozen):
+            leaves[i] = leaf
+        params = dict(zip(layout.names, trained))
         self._check_opt_state(opt_state, params)
-        names = list(params)
 
         def loss_of(params):
             full = list(leaves)
-            for name, i in zip(names, position):
+            for name, i in zip(layout.names, layout.trained):
                 full[i] = params[name]
             model = jtu.tree_unflatten(treedef, full)
             out, updated = _forward(model, self._loss_fn, batch, rngs)
@@ -285,18 +374,41 @@ class Step:
 
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
         (loss, (aux, updated)), grads = grad_fn(params)
+        if self._axis_name is not None:
+            grads, loss = jax.lax.pmean((grads, loss), self._axis_name)
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
         new: Any = optax.apply_updates(params, updates)
         # only the leaves that changed leave the compiled step (each output is a new
         # buffer): `__call__` puts them into the Tree, by position
-        changed = dict(updated)
-        for name, i in zip(names, position):
-            changed[i] = new[name]
-        return (
-            (changed, opt_state, loss, aux)
-            if self._has_aux
-            else (changed, opt_state, loss)
+        new = [new[name] for name in layout.names]
+        out = (new, updated, opt_state, loss)
+        return (*out, aux) if self._has_aux else out
+
+
+def _flatten(tree: Tree) -> tuple[Any, list]:
+    """`(treedef, leaves)` of a Tree, read from the cache a step's output carries."""
+    if not isinstance(tree, Tree):
+        raise TypeError(
+            f"A step takes the model's bridge.Tree, got {type(tree).__name__}: "
+            "convert the model once, before the loop, with bridge.to_neutral."
         )
+    try:
+        return object.__getattribute__(tree, "_flat")
+    except AttributeError:
+        leaves, treedef = jtu.tree_flatten(tree)
+        return treedef, leaves
+
+
+def _raise_if_consumed(trained: list, opt_state: Any, error: Exception) -> None:
+    """Raise a `bridge` error when `error` comes from passing consumed buffers."""
+
+    def consumed(leaves):
+        return any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+
+    if consumed(trained):
+        raise RuntimeError(_CONSUMED.format(what="This Tree")) from error
+    if consumed(jtu.tree_leaves(opt_state)):
+        raise RuntimeError(_CONSUMED.format(what="This `opt_state`")) from error
 
 
 def _unpack(out: Any, has_aux: bool) -> tuple[Any, Any]:
