@@ -5,6 +5,7 @@ from ._adapters._linen import from_linen as from_linen, to_linen as to_linen
 from ._adapters._native import to_native as to_native, to_neutral as to_neutral
 from ._adapters._nnx import from_nnx as from_nnx, to_nnx as to_nnx
 from ._io._checkpoint import load as load, save as save
+from ._io._errors import CheckpointError as CheckpointError
 from ._port._codec import Codec as Codec, register_codec as register_codec
 from ._port._compare import compare as compare
 from ._port._errors import PortError as PortError, PortWarning as PortWarning

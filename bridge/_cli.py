@@ -12,23 +12,27 @@ from rich.console import Console
 from rich.table import Table
 
 from ._demo import demo
-from ._io._checkpoint import Contents, format_of, open_checkpoint, read, write
+from ._io._checkpoint import Contents, open_checkpoint, read, write
+from ._io._format import format_of, formats
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, relayout
 
 
 _DESCRIPTION = """\
 Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models, and run the
-demo. Checkpoints are *.safetensors and *.msgpack files and orbax directories."""
+demo. The checkpoint formats, chosen by each path: {formats}."""
 
 _CONVERT_HELP = """\
-Convert a checkpoint between safetensors (*.safetensors), flax msgpack (*.msgpack) and
-orbax (any other path, a directory), keeping each array's role; the format follows
-each path. The destination is written atomically. With --to-layout, the arrays are
-also converted to another framework's names and shapes through the port codecs,
-without the model: Equinox -> Flax (Linen/NNX), or Flax -> Equinox (Dense kernel
+Convert a checkpoint between the formats ({formats}), keeping each array's role; the
+format follows each path. The destination is written atomically. With --to-layout, the
+arrays are also converted to another framework's names and shapes through the port
+codecs, without the model: Equinox -> Flax (Linen/NNX), or Flax -> Equinox (Dense kernel
 (in,out) -> Linear weight (out,in), HWIO -> OIHW convolutions, fused attention
 heads, BatchNorm statistics as eqx.nn.State entries). A layer no codec recognises is
 an error naming it; nothing is written then."""
+
+
+def _formats() -> str:
+    return "; ".join(fmt.summary for fmt in formats())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,7 +84,8 @@ def inspect_table(contents: Contents) -> tuple[Table, str]:
 
 
 def _inspect(args: argparse.Namespace, console: Console) -> None:
-    contents = open_checkpoint(args.path)
+    with open_checkpoint(args.path) as contents:
+        pass  # the header is all inspect shows
     table, totals = inspect_table(contents)
     fw = contents.framework or "framework unknown"
     layout = f"{contents.layout or 'unknown'} layout"
@@ -96,9 +101,9 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
 
 
 def _convert(args: argparse.Namespace, console: Console) -> None:
-    contents = open_checkpoint(args.src)
     dst = Path(args.dst)
-    arrays = read(contents)
+    with open_checkpoint(args.src) as contents:
+        arrays = read(contents)
     if args.to_layout:
         contents, arrays = relayout(
             contents,
@@ -109,7 +114,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
         )
     write(dst, contents, arrays)
     console.print(
-        f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst)}): "
+        f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst).name}): "
         f"{len(contents.tensors):,} arrays",
         soft_wrap=True,
     )
@@ -121,7 +126,7 @@ def _demo(args: argparse.Namespace, console: Console) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line parser of `bridge`."""
-    top = _Parser(prog="bridge", description=_DESCRIPTION)
+    top = _Parser(prog="bridge", description=_DESCRIPTION.format(formats=_formats()))
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "inspect",
@@ -129,12 +134,12 @@ def parser() -> argparse.ArgumentParser:
         description="List a checkpoint's arrays (path, role, shape, dtype, size), the "
         "totals, and the metadata saved with it.",
     )
-    p.add_argument("path", help="a *.safetensors or *.msgpack file, or an orbax dir")
+    p.add_argument("path", help="a checkpoint: " + _formats())
     p.set_defaults(run=_inspect)
     p = sub.add_parser(
         "convert",
         help="convert between safetensors, msgpack and orbax",
-        description=_CONVERT_HELP,
+        description=_CONVERT_HELP.format(formats=_formats()),
     )
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument("dst", help="the checkpoint to write")

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bridge
-from bridge._io import _checkpoint
+from bridge._io import _checkpoint, _safetensors
 from bridge._tree import kind
 
 from . import models
@@ -280,12 +280,14 @@ def test_safetensors_failure_keeps_earlier_file(tmp_path, monkeypatch):
     first = models.nnx_mlp(0)
     bridge.save(path, first)
 
-    def half_write(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"\x00" * 100)
-        failing()
+    calls = []
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", half_write)
+    def fail_midway(array):  # the header and the first array are written by then
+        calls.append(array)
+        return to_bytes(array) if len(calls) < 2 else failing()
+
+    to_bytes = _safetensors._to_bytes
+    monkeypatch.setattr(_safetensors, "_to_bytes", fail_midway)
     with pytest.raises(OSError, match="injected"):
         bridge.save(path, models.nnx_mlp(1))
     assert os.listdir(tmp_path) == ["m.safetensors"]

@@ -1,23 +1,19 @@
 """`save` and `load`: a model of any framework to and from a checkpoint on disk.
 
-A checkpoint is one safetensors file (`*.safetensors`), a flax msgpack file
-(`*.msgpack`) or an orbax checkpoint directory (any other path). Arrays are stored
-under their dotted neutral path (`layers.0.kernel`); the metadata records, for each
-array, its path, role, shape and dtype (and for a typed PRNG key its impl), plus the
-source framework, its layout, the native class of each module (and for Equinox its
-plain settings, so a file can be ported without the model) and the bridge version.
+A checkpoint is in one of the registered formats (`bridge._io._format`): a
+safetensors file (`*.safetensors`), a flax msgpack file (`*.msgpack`) or an orbax
+checkpoint directory (any other path). Arrays are stored under their dotted neutral
+path (`layers.0.kernel`); the metadata records, for each array, its path, role, shape
+and dtype (and for a typed PRNG key its impl), plus the source framework, its
+layout, the native class of each module (and for Equinox its plain settings, so a
+file can be ported without the model) and the bridge version.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import json
-import math
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-import safetensors
 
 from .._adapters._equinox import to_equinox
 from .._adapters._linen import bind, from_linen, to_linen
@@ -46,15 +41,19 @@ from .._tree import (
     source_of,
     walk,
 )
-from . import _msgpack, _orbax, _safetensors
+from . import _msgpack, _orbax, _safetensors  # noqa: F401  (they register formats)
+from ._contents import (
+    RESERVED,
+    VERSION as VERSION,
+    Contents as Contents,
+    Stored,
+    dotted as dotted,
+    encode as encode,
+)
+from ._format import format_named, format_of, formats
 
 
-try:
-    VERSION = importlib.metadata.version("bridge")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree
-    VERSION = "unknown"
 LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
-RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
 
 _RESERVED_KEY = """\
 metadata keys {keys} are reserved: bridge writes {reserved} itself. Rename your keys
@@ -71,15 +70,9 @@ partitioned Tree first), not a filter spec."""
 _KEY_COLLISION = """\
 Two paths give the same dotted name in the file: {problems}. Rename one of them."""
 
-_MISSING = "{path}: no such file or directory."
-
-_NOT_A_CHECKPOINT = """\
-{path} is a directory but not a checkpoint written by bridge.save (no '{arrays}' and \
-'{metadata}' items). Point at the checkpoint directory itself."""
-
-_UNREADABLE = """\
-{path} is not a readable {format} checkpoint: {reason}. The file may be truncated or \
-corrupted; save it again from the model."""
+_DTYPES_NOT_STORED = """\
+The {format} format cannot store {problems}. Convert these arrays (e.g. with
+jax.tree.map and .astype), or save to a format that stores them: {others}."""
 
 _PORTING = """\
 (while porting {path} into `like`: the file came from another framework, so its
@@ -93,66 +86,9 @@ shapes and dtypes). To see what the file holds, run `bridge inspect` on it, or l
 without `like`."""
 
 
-@dataclass(frozen=True)
-class Stored:
-    """One array in a checkpoint, as stored: a typed PRNG key is stored as its key
-    data (`shape`, `dtype` are the key data's), and `prng_impl` names its impl."""
-
-    key: str
-    path: TreePath
-    role: str
-    shape: tuple[int, ...]
-    dtype: str
-    prng_impl: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
-
-    @property
-    def logical(self) -> tuple[tuple[int, ...], str]:
-        """`(shape, dtype)` as the model holds it (a typed key array for PRNG keys)."""
-        if self.prng_impl is None:
-            return self.shape, self.dtype
-        data_ndim, dtype = _key_info(self.prng_impl)
-        return self.shape[: len(self.shape) - data_ndim], dtype
-
-
-@dataclass(frozen=True)
-class Contents:
-    """What a checkpoint holds, read from its header only (no array is read)."""
-
-    path: Path
-    format: str  # "safetensors", "orbax" or "msgpack"
-    framework: str | None  # None: not written by bridge, or converted
-    layout: str  # "flax", "equinox" or "" (unknown)
-    version: str | None
-    modules: tuple[tuple[TreePath, str, dict[str, Any]], ...]  # class, settings
-    metadata: dict[str, str]  # the user's own
-    tensors: tuple[Stored, ...]
-
-
-@functools.cache
-def _key_info(impl: str) -> tuple[int, str]:
-    key = jax.random.key(0, impl=impl)
-    return jax.random.key_data(key).ndim, str(key.dtype)
-
-
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def dotted(path: TreePath) -> str:
-    """`('layers', 0, 'kernel')` -> `'layers.0.kernel'`."""
-    return ".".join(map(str, path))
-
-
-def format_of(path: Path) -> str:
-    """The format a path is saved in: by its suffix, orbax for anything else."""
-    return {".safetensors": "safetensors", ".msgpack": "msgpack"}.get(
-        path.suffix, "orbax"
-    )
 
 
 # --- saving -----------------------------------------------------------------------
@@ -212,58 +148,39 @@ def _both_str(key: Any, value: Any) -> bool:
     return isinstance(key, str) and isinstance(value, str)
 
 
-def encode(contents: Contents) -> dict[str, str]:
-    """The metadata strings written to the file."""
-    tensors = {}
-    for s in contents.tensors:
-        entry: dict[str, Any] = dict(
-            path=list(s.path), role=s.role, shape=list(s.shape), dtype=s.dtype
-        )
-        if s.prng_impl is not None:
-            entry["prng_impl"] = s.prng_impl
-        tensors[s.key] = entry
-    return {
-        **contents.metadata,
-        "bridge_version": VERSION,
-        "framework": contents.framework or "",
-        "layout": contents.layout,
-        "tensors": json.dumps(tensors),
-        "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
-    }
-
-
 def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     """Write `arrays` (by dotted name; typed PRNG keys as their key data) with
-    `contents`' metadata, atomically."""
+    `contents`' metadata, atomically, in the format `path` names."""
     fmt = format_of(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(
             f"{path.parent}: no such directory to save {path.name} in."
         )
-    if fmt != "orbax" and path.is_dir():
+    if fmt.suffixes and path.is_dir():
         raise IsADirectoryError(
-            f"{path} is a directory: a {fmt} checkpoint is one file; pick a file name."
+            f"{path} is a directory: a {fmt.name} checkpoint is one file; pick a "
+            "file name."
         )
+    if fmt.dtypes is not None:
+        bad = [
+            f"{s.key} ({s.dtype})"
+            for s in contents.tensors
+            if s.dtype not in fmt.dtypes
+        ]
+        if bad:
+            dtypes = {s.dtype for s in contents.tensors}
+            others = [
+                f.name for f in formats() if f.dtypes is None or dtypes <= f.dtypes
+            ]
+            raise ValueError(
+                _DTYPES_NOT_STORED.format(
+                    format=fmt.name,
+                    problems=", ".join(bad),
+                    others=", ".join(others) or "none",
+                )
+            )
     arrays = {k: jax.random.key_data(v) if _is_key(v) else v for k, v in arrays.items()}
-    if fmt == "safetensors":
-        host = {k: np.asarray(v) for k, v in arrays.items()}
-        _safetensors.write(path, host, encode(contents))
-    elif fmt == "msgpack":
-        variables: dict[str, Any] = {}
-        for s in contents.tensors:
-            _put(variables, (s.role, *map(str, s.path)), np.asarray(arrays[s.key]))
-        _msgpack.write(path, variables)
-    else:
-        nested: dict[str, Any] = {}
-        for s in contents.tensors:
-            _put(nested, tuple(map(str, s.path)), arrays[s.key])
-        _orbax.write(path, nested, encode(contents))
-
-
-def _put(nested: dict, keys: tuple[str, ...], value: Any) -> None:
-    for key in keys[:-1]:
-        nested = nested.setdefault(key, {})
-    nested[keys[-1]] = value
+    fmt.save(path, contents, arrays)
 
 
 def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> None:
@@ -317,165 +234,54 @@ def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> 
 # --- reading ------------------------------------------------------------------------
 
 
-def open_checkpoint(path: str | os.PathLike) -> Contents:
-    """Read what a checkpoint holds from its header (no array is read).
+def _fits_jax(dtype: np.dtype) -> bool:
+    """Whether JAX holds `dtype` as it is (not 64-bit while `jax_enable_x64` is off)."""
+    return jax.dtypes.canonicalize_dtype(dtype) == dtype
 
-    Raises `FileNotFoundError` for a missing path and `ValueError` naming the file
-    for a directory that is not a checkpoint or a truncated or corrupted file.
+
+def open_checkpoint(path: str | os.PathLike) -> Contents:
+    """Open a checkpoint and read what it holds from its header (no array is read).
+
+    The checkpoint stays open in the result (`Contents.source`) so that `read` takes
+    the arrays from the very file the header came from; close it with
+    `contents.close()` or `with open_checkpoint(path) as contents:`.
+
+    Raises `bridge.CheckpointError` naming the file for anything that is not a
+    readable checkpoint (also a `FileNotFoundError` for a missing path and a
+    `PermissionError` for one this user may not read).
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(_MISSING.format(path=path))
-    fmt = "orbax" if path.is_dir() else format_of(path)
-    if fmt == "orbax" and not (path.is_dir() and _orbax.is_checkpoint(path)):
-        if path.is_dir():
-            raise ValueError(
-                _NOT_A_CHECKPOINT.format(
-                    path=path, arrays=_orbax.ARRAYS, metadata=_orbax.METADATA
-                )
-            )
-        raise ValueError(
-            f"{path}: unknown checkpoint format '{path.suffix}': bridge reads "
-            "*.safetensors and *.msgpack files and orbax checkpoint directories."
-        )
-    try:
-        if fmt == "safetensors":
-            meta, shapes = _safetensors.header(path)
-            return _decode(path, fmt, meta, shapes)
-        if fmt == "msgpack":
-            return _msgpack_contents(path, _msgpack.read(path))
-        return _decode(path, fmt, _orbax.header(path), None)
-    except (ValueError, KeyError, TypeError, OSError, safetensors.SafetensorError) as e:
-        raise ValueError(
-            _UNREADABLE.format(path=path, format=fmt, reason=_reason(e))
-        ) from e
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
-
-def _split(name: str) -> TreePath:
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
-
-
-def _decode(
-    path: Path,
-    fmt: str,
-    meta: dict[str, str],
-    shapes: dict[str, tuple[tuple[int, ...], str]] | None,
-) -> Contents:
-    if "bridge_version" not in meta:
-        if shapes is None:
-            raise ValueError("no bridge metadata")
-        # a safetensors file from elsewhere: names are paths, every array a param
-        tensors = tuple(
-            Stored(name, _split(name), "params", shape, dtype)
-            for name, (shape, dtype) in shapes.items()
-        )
-        return Contents(path, fmt, None, "", None, (), dict(meta), tensors)
-    entries = json.loads(meta["tensors"])
-    tensors = tuple(
-        Stored(
-            name,
-            tuple(e["path"]),
-            e["role"],
-            tuple(e["shape"]),
-            e["dtype"],
-            e.get("prng_impl"),
-        )
-        for name, e in entries.items()
-    )
-    for s in tensors:  # raises for a dtype or a PRNG impl JAX does not know
-        jnp.dtype(s.dtype)
-        if s.prng_impl is not None:
-            _key_info(s.prng_impl)
-    if shapes is not None:
-        described = {s.key: (s.shape, s.dtype) for s in tensors}
-        if described != shapes:
-            raise ValueError(
-                "the metadata describes other arrays than the file holds ("
-                + ", ".join(sorted(set(described).symmetric_difference(shapes)))
-                + ")"
-            )
-    modules = tuple((tuple(p), c, f) for p, c, f in json.loads(meta["modules"]))
-    user = {k: v for k, v in meta.items() if k not in RESERVED}
-    fw = meta["framework"] or None
-    version, layout = meta["bridge_version"], meta["layout"]
-    return Contents(path, fmt, fw, layout, version, modules, user, tensors)
-
-
-def _msgpack_contents(path: Path, variables: dict[str, Any]) -> Contents:
-    tensors = []
-    for keypath, leaf in jtu.tree_flatten_with_path(variables)[0]:
-        role, *rest = (str(key_of(e)) for e in keypath)
-        if not rest or not hasattr(leaf, "shape"):
-            raise ValueError(
-                f"{jtu.keystr(keypath)} is not an array inside a collection"
-            )
-        name = ".".join(rest)
-        dtype = str(np.asarray(leaf).dtype)
-        tensors.append(Stored(name, _split(name), role, np.shape(leaf), dtype))
-    return Contents(path, "msgpack", None, "", None, (), {}, tuple(tensors))
+    if path.is_dir():
+        fmt = next(f for f in formats() if not f.suffixes)
+    else:
+        fmt = format_of(path)
+    return fmt.metadata(path)
 
 
 def read(
     contents: Contents, shardings: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Every array of a checkpoint as a JAX array, by dotted name, one at a time
-    (typed PRNG keys re-wrapped). `shardings` places arrays (by name)."""
+    (typed PRNG keys re-wrapped). `shardings` places arrays (by name).
+
+    A 64-bit array (`int64`, `uint64`, `float64`, `complex128`) while
+    `jax_enable_x64` is off stays a NumPy array: JAX would truncate it silently."""
     shardings = shardings or {}
     by_name = {s.key: s for s in contents.tensors}
-    try:
-        raw = _read_raw(contents, shardings)
-        out = {}
-        for name, array in raw:
-            impl, sharding = by_name[name].prng_impl, shardings.get(name)
-            if isinstance(array, np.ndarray):
-                # a view of the file's memory map: copied once, into memory JAX owns
-                where = sharding if impl is None else None
-                array = jax.device_put(array, where, may_alias=False)
-            if impl is not None:
-                array = jax.random.wrap_key_data(array, impl=impl)
-            if sharding is not None and array.sharding != sharding:
-                array = jax.device_put(array, sharding)
-            out[name] = array
-        return out
-    except (ValueError, KeyError, TypeError, OSError, safetensors.SafetensorError) as e:
-        raise ValueError(
-            _UNREADABLE.format(
-                path=contents.path, format=contents.format, reason=_reason(e)
-            )
-        ) from e
-
-
-def _read_raw(contents: Contents, shardings: Mapping[str, Any]):
-    names = [s.key for s in contents.tensors]
-    if contents.format == "safetensors":
-        return _safetensors.read(contents.path, names)
-    if contents.format == "msgpack":
-        variables = _msgpack.read(contents.path)
-        return [
-            (s.key, _get(variables, (s.role, *s.key.split("."))))
-            for s in contents.tensors
-        ]
-    abstract: dict[str, Any] | None = None  # None: each array's saved sharding
-    if shardings:
-        abstract = {}
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        for s in contents.tensors:
-            sharding = shardings.get(s.key) if s.prng_impl is None else None
-            spec = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding or default)
-            _put(abstract, tuple(map(str, s.path)), spec)
-    restored = _orbax.read(contents.path, abstract)
-    return [(s.key, _get(restored, tuple(map(str, s.path)))) for s in contents.tensors]
-
-
-def _get(nested: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        nested = nested[key]
-    return nested
+    out = {}
+    for name, array in format_named(contents.format).restore(contents, shardings):
+        impl, sharding = by_name[name].prng_impl, shardings.get(name)
+        if isinstance(array, np.ndarray) and not _fits_jax(array.dtype):
+            out[name] = np.array(array)  # 64-bit with x64 off: kept whole, in NumPy
+            continue
+        if isinstance(array, np.ndarray):  # host memory the format made: moved once
+            array = jax.device_put(array, sharding if impl is None else None)
+        if impl is not None:
+            array = jax.random.wrap_key_data(array, impl=impl)
+        if sharding is not None and array.sharding != sharding:
+            array = jax.device_put(array, sharding)
+        out[name] = array
+    return out
 
 
 def _resolve(name: str) -> type | None:
@@ -639,18 +445,20 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
 
     ```
     """
-    contents = open_checkpoint(path)
-    if like is None:
-        return file_tree(contents, read(contents))
-    target = to_neutral(like)
-    problems = _problems(contents, target)
-    if not problems:
-        return _like(like, _fill(contents, target))
-    if contents.framework != framework(target):
+    target = None if like is None else to_neutral(like)
+    with open_checkpoint(path) as contents:
+        if target is None:
+            return file_tree(contents, read(contents))
+        problems = _problems(contents, target)
+        if not problems:
+            return _like(like, _fill(contents, target))
+        if contents.framework == framework(target):
+            raise ValueError(
+                _MISMATCH.format(path=contents.path, problems="\n".join(problems))
+            )
         source = file_tree(contents, read(contents))
-        try:
-            return port(source, like)
-        except PortError as error:
-            error.add_note(_PORTING.format(path=contents.path))
-            raise
-    raise ValueError(_MISMATCH.format(path=contents.path, problems="\n".join(problems)))
+    try:
+        return port(source, like)
+    except PortError as error:
+        error.add_note(_PORTING.format(path=contents.path))
+        raise

@@ -1,19 +1,45 @@
-"""An orbax checkpoint directory: item `state` holds the arrays (a nested dict, with
-orbax's own sharding metadata), item `bridge` the string metadata (JSON)."""
+"""The orbax format: a checkpoint directory whose item `state` holds the arrays (a
+nested dict, with orbax's own sharding metadata) and item `bridge` the metadata
+strings (JSON).
+
+The metadata is read by bridge itself (one JSON file, no orbax import, no symlink
+followed, bounded in size); the arrays by orbax, after checking that nothing in
+`state` is a symlink or a special file (orbax would follow it out of the directory).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from ._atomic import atomic_dir
+from ._contents import Contents, Malformed, decode, encode
+from ._errors import CheckpointError, unreadable
+from ._files import missing, open_regular, read_at, size
+from ._format import Format, formats, register_format
 
 
 # orbax.checkpoint is imported by the functions that use it: importing it costs about
 # 0.35 s, which `import bridge` should not pay when no orbax checkpoint is touched.
 
 
+NAME = "orbax"
 ARRAYS, METADATA = "state", "bridge"
+_METADATA_FILE = "metadata"  # orbax's JsonSave file name inside the item
+_METADATA_LIMIT = 100_000_000  # bytes
+
+_NOT_A_CHECKPOINT = """\
+{path} is a directory but not a checkpoint written by bridge.save (no '{arrays}' and \
+'{metadata}' items). Point at the checkpoint directory itself."""
+
+_UNKNOWN_SUFFIX = """\
+{path}: unknown checkpoint format '{suffix}': bridge reads {known}."""
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -21,43 +47,165 @@ def is_checkpoint(path: Path) -> bool:
     return (path / METADATA).is_dir() and (path / ARRAYS).is_dir()
 
 
-def write(path: Path, arrays: dict[str, Any], metadata: dict[str, str]) -> None:
-    """Write the nested dict `arrays` and `metadata` atomically as directory `path`."""
+def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
+    """Write the arrays as a nested dict (by path) and the metadata, atomically as
+    directory `path`."""
     import orbax.checkpoint as ocp
 
+    nested: dict[str, Any] = {}
+    for s in contents.tensors:
+        node = nested
+        for key in map(str, s.path[:-1]):
+            node = node.setdefault(key, {})
+        node[str(s.path[-1])] = arrays[s.key]
     with atomic_dir(path, is_checkpoint) as tmp:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             checkpointer.save(
                 tmp.absolute(),
                 ocp.args.Composite(
                     **{
-                        ARRAYS: ocp.args.StandardSave(arrays),
-                        METADATA: ocp.args.JsonSave(metadata),
+                        ARRAYS: ocp.args.StandardSave(nested),
+                        METADATA: ocp.args.JsonSave(encode(contents)),
                     }
                 ),
             )
 
 
-def header(path: Path) -> dict[str, str]:
-    """The metadata written with the checkpoint, without reading any array."""
+def _known() -> str:
+    files = [s for fmt in formats() for s in fmt.suffixes]
+    return (
+        " and ".join(f"*{s}" for s in files) + " files and orbax checkpoint directories"
+    )
+
+
+def _open_dir(name: str | Path, dir_fd: int | None = None) -> int:
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    if dir_fd is not None:
+        flags |= os.O_NOFOLLOW
+    return os.open(name, flags, dir_fd=dir_fd)
+
+
+def _metadata_text(path: Path) -> bytes:
+    """The bytes of `bridge/metadata`, refusing symlinks and special files."""
+    top = _open_dir(path)
+    try:
+        item = _open_dir(METADATA, dir_fd=top)
+    except OSError:
+        raise unreadable(path, NAME, f"'{METADATA}' is not a directory") from None
+    finally:
+        os.close(top)
+    try:
+        fd = os.open(
+            _METADATA_FILE,
+            os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC,
+            dir_fd=item,
+        )
+    except OSError as e:
+        raise unreadable(
+            path, NAME, f"'{METADATA}/{_METADATA_FILE}': {e.strerror}"
+        ) from None
+    finally:
+        os.close(item)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Malformed(f"'{METADATA}/{_METADATA_FILE}' is not a regular file")
+        if size(fd) > _METADATA_LIMIT:
+            raise Malformed(f"'{METADATA}/{_METADATA_FILE}' is over 100 MB")
+        return read_at(fd, 0, size(fd))
+    except (Malformed, EOFError) as e:
+        raise unreadable(path, NAME, str(e)) from None
+    finally:
+        os.close(fd)
+
+
+def metadata(path: Path) -> Contents:
+    """The `Contents` of the checkpoint directory, from its `bridge` item only."""
+    if not path.is_dir():
+        if not os.path.lexists(path):
+            raise missing(path)
+        if path.suffix:
+            raise CheckpointError(
+                _UNKNOWN_SUFFIX.format(path=path, suffix=path.suffix, known=_known())
+            )
+        open_regular(path, NAME)  # raises naming what it is (a FIFO, a device, ...)
+        raise unreadable(path, NAME, "it is a file, not a checkpoint directory")
+    if not is_checkpoint(path):
+        raise CheckpointError(
+            _NOT_A_CHECKPOINT.format(path=path, arrays=ARRAYS, metadata=METADATA)
+        )
+    try:
+        meta = json.loads(_metadata_text(path))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise unreadable(path, NAME, f"its metadata is not JSON ({reason})") from None
+    try:
+        if not (
+            isinstance(meta, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+        ):
+            raise Malformed("its metadata is not a map of strings to strings")
+        return decode(path, NAME, meta, None)
+    except Malformed as e:
+        raise unreadable(path, NAME, str(e)) from None
+
+
+def _check_tree(path: Path) -> None:
+    """Refuse symlinks and special files anywhere in the `state` item."""
+    root = path / ARRAYS
+    for here, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            mode = os.lstat(os.path.join(here, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                where = os.path.relpath(os.path.join(here, name), path)
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "a special file"
+                raise unreadable(path, NAME, f"'{where}' is {what}")
+
+
+def restore(
+    contents: Contents, shardings: Mapping[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    """The arrays, restored by orbax with the shardings given (by name) or, when none
+    is given, with their saved shardings."""
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(
-            path.absolute(), ocp.args.Composite(**{METADATA: ocp.args.JsonRestore()})
-        )
-    return restored[METADATA]
+    _check_tree(contents.path)
+    abstract: dict[str, Any] | None = None  # None: each array's saved sharding
+    if shardings:
+        abstract = {}
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        for s in contents.tensors:
+            sharding = shardings.get(s.key) if s.prng_impl is None else None
+            node = abstract
+            for key in map(str, s.path[:-1]):
+                node = node.setdefault(key, {})
+            node[str(s.path[-1])] = jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=sharding or default
+            )
+    try:  # orbax reads the files: any failure of it is the directory's
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                contents.path.absolute(),
+                ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}),
+            )[ARRAYS]
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise unreadable(contents.path, NAME, reason) from None
+    for s in contents.tensors:
+        node = restored
+        for key in map(str, s.path):
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            raise unreadable(contents.path, NAME, f"no array {s.key!r} in '{ARRAYS}'")
+        yield s.key, node
 
 
-def read(path: Path, abstract: dict[str, Any] | None) -> dict[str, Any]:
-    """The arrays, restored into the shapes, dtypes and shardings of `abstract` (a
-    nested dict of `jax.ShapeDtypeStruct` with the checkpoint's structure), or with
-    their saved shardings when `abstract` is None."""
-    import orbax.checkpoint as ocp
-
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(
-            path.absolute(),
-            ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}),
-        )
-    return restored[ARRAYS]
+FORMAT = register_format(
+    Format(
+        NAME,
+        (),
+        "any other path: an orbax checkpoint directory (shardings kept)",
+        save,
+        metadata,
+        restore,
+    )
+)

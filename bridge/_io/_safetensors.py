@@ -1,77 +1,276 @@
-"""One safetensors file: flat name -> array, plus string metadata; read lazily."""
+"""The safetensors format: one file, flat name -> array, plus string metadata.
+
+The file is opened once: the header is read and checked from that handle (every
+dtype known, every byte count matching its shape, the arrays tiling the data
+exactly), and each array is then read from the same handle, one at a time, so a file
+replaced while it is loaded (`os.replace`, what `bridge.save` does) is never mixed
+with its successor. Reads are plain `pread`s of the declared sizes: no memory map (a
+file truncated in place cannot kill the process), never more than the file holds.
+
+Every dtype safetensors stores is supported, including `complex64`, the 8-bit floats
+and `float4_e2m1fn` (stored packed, two per byte, the first in the low nibble).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-import safetensors
-import safetensors.numpy
 
 from ._atomic import atomic_file
+from ._contents import Contents, Malformed, decode, encode
+from ._errors import unreadable
+from ._files import open_regular, read_at, size
+from ._format import Format, register_format
 
 
-def write(path: Path, arrays: Mapping[str, Any], metadata: dict[str, str]) -> None:
-    """Write `arrays` (numpy-convertible, C-contiguous once converted) atomically."""
-    flat = {k: np.require(v, requirements="C") for k, v in arrays.items()}
-    with atomic_file(path) as tmp:
-        safetensors.numpy.save_file(flat, tmp, metadata=metadata)
+NAME = "safetensors"
 
-
-def header(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[int, ...], str]]]:
-    """The file's metadata and `{name: (shape, dtype)}`, without reading any array.
-
-    Raises `safetensors.SafetensorError` for a file that is not safetensors or is
-    truncated (the header's offsets must cover the file exactly).
-    """
-    with safetensors.safe_open(path, framework="numpy") as f:
-        metadata = f.metadata() or {}
-        shapes = {}
-        for name in f.keys():
-            piece = f.get_slice(name)
-            shapes[name] = (tuple(piece.get_shape()), _dtype_name(piece.get_dtype()))
-    return metadata, shapes
-
-
-def read(path: Path, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Each named array, one at a time, as a read-only view of the file's memory map
-    (no copy: the caller copies it once, into a JAX array). Call `header` first: it
-    checks that the file is whole."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        layout = json.loads(f.read(size))
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    for name in names:
-        entry = layout[name]
-        begin, end = entry["data_offsets"]
-        dtype = jnp.dtype(_dtype_name(entry["dtype"]))
-        view = data[8 + size + begin : 8 + size + end].view(dtype)
-        yield name, view.reshape(entry["shape"])
-
-
-# safetensors' dtype codes -> numpy names
-_DTYPES = {
+# safetensors' dtype codes -> JAX/NumPy dtype names: every dtype safetensors stores
+DTYPES = {
     "BOOL": "bool",
     "U8": "uint8",
     "I8": "int8",
     "U16": "uint16",
     "I16": "int16",
-    "F16": "float16",
-    "BF16": "bfloat16",
     "U32": "uint32",
     "I32": "int32",
-    "F32": "float32",
     "U64": "uint64",
     "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
     "F64": "float64",
+    "C64": "complex64",
     "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn",
 }
+_CODES = {name: code for code, name in DTYPES.items()}
+_PACKED = {"F4": 2}  # elements per byte, for the dtypes stored packed
+
+_HEADER_LIMIT = 100_000_000  # bytes, as safetensors' own reader
+
+_UNKNOWN_DTYPE = """\
+tensor {name!r} has dtype code {code!r}, which is not a safetensors dtype (known: \
+{known})"""
+
+_ODD_F4 = """\
+{names}: float4_e2m1fn arrays are stored packed two per byte in safetensors, so they \
+need an even number of elements; these have an odd number. Pad them, or save to an \
+orbax checkpoint (a directory path)"""
 
 
-def _dtype_name(code: str) -> str:
-    return _DTYPES.get(code, code.lower())
+def _nbytes(code: str, shape: tuple[int, ...]) -> int | None:
+    """Bytes of an array of `code` and `shape`, None when a packed dtype cannot
+    hold that many elements."""
+    count = math.prod(shape)
+    per_byte = _PACKED.get(code)
+    if per_byte is None:
+        return count * jnp.dtype(DTYPES[code]).itemsize
+    return None if count % per_byte else count // per_byte
+
+
+def _to_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes stored for `array`: little-endian, C order, packed when its dtype is
+    packed."""
+    array = np.require(array, requirements="C")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if _CODES[str(array.dtype)] == "F4":
+        codes = array.reshape(-1).view(np.uint8) & 0x0F
+        return codes[0::2] | (codes[1::2] << 4)
+    return array.reshape(-1).view(np.uint8)
+
+
+def _from_bytes(data: np.ndarray, code: str, shape: tuple[int, ...]) -> np.ndarray:
+    if code == "F4":
+        codes = np.empty(data.size * 2, np.uint8)
+        codes[0::2], codes[1::2] = data & 0x0F, data >> 4
+        data = codes
+    return data.view(jnp.dtype(DTYPES[code])).reshape(shape)
+
+
+def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
+    """Write `arrays` in `contents`' order with its metadata, atomically. The header
+    lists the arrays in that order (safetensors' readers take any order)."""
+    host = {s.key: np.asarray(arrays[s.key]) for s in contents.tensors}
+    odd = [k for k, v in host.items() if _CODES[str(v.dtype)] == "F4" and v.size % 2]
+    if odd:
+        raise ValueError(_ODD_F4.format(names=", ".join(odd)) + ".")
+    header: dict[str, Any] = {"__metadata__": encode(contents)}
+    offset = 0
+    for name, array in host.items():
+        code = _CODES[str(array.dtype)]
+        end = offset + (_nbytes(code, array.shape) or 0)
+        header[name] = {
+            "dtype": code,
+            "shape": list(array.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for array in host.values():
+            f.write(memoryview(_to_bytes(array)))
+
+
+class Entry(NamedTuple):
+    code: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class Source(NamedTuple):
+    """The open file a header was read from: its descriptor, where the data starts,
+    and each array's entry."""
+
+    fd: int
+    start: int
+    entries: dict[str, Entry]
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:  # closed already
+            pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise Malformed(f"the header names {twice[:5]} more than once")
+    return dict(pairs)
+
+
+def _entries(header: Any, data_size: int) -> dict[str, Entry]:
+    """Every array's entry, checked: known dtype, non-negative shape, a byte range
+    that matches the shape, and ranges tiling the data exactly."""
+    if not isinstance(header, dict):
+        raise Malformed(f"the header is a JSON {type(header).__name__}, not an object")
+    entries = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if not (isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)):
+            raise Malformed(f"tensor {name!r} lacks dtype, shape or data_offsets")
+        code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        if code not in DTYPES:
+            raise Malformed(
+                _UNKNOWN_DTYPE.format(name=name, code=code, known=", ".join(DTYPES))
+            )
+        if not _naturals(shape):
+            raise Malformed(f"tensor {name!r} has shape {shape!r}")
+        if not (_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+            raise Malformed(f"tensor {name!r} has data_offsets {offsets!r}")
+        nbytes = _nbytes(code, tuple(shape))
+        if nbytes != offsets[1] - offsets[0]:
+            raise Malformed(
+                f"tensor {name!r} ({DTYPES[code]}, shape {tuple(shape)}) needs "
+                f"{nbytes} bytes but its data_offsets span {offsets[1] - offsets[0]}"
+            )
+        entries[name] = Entry(code, tuple(shape), offsets[0], offsets[1])
+    end = 0
+    for name, e in sorted(entries.items(), key=lambda item: item[1][2:]):
+        if e.begin != end:
+            what = "overlaps another" if e.begin < end else "leaves a gap before it"
+            raise Malformed(f"tensor {name!r} at bytes {e.begin}..{e.end} {what}")
+        end = e.end
+    if end != data_size:
+        raise Malformed(
+            f"the header describes {end} bytes of data but the file holds "
+            f"{data_size} (truncated, or extra bytes appended)"
+        )
+    return entries
+
+
+def _naturals(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+
+
+def _header(fd: int) -> tuple[dict[str, str], dict[str, Entry], int]:
+    total = size(fd)
+    if total < 8:
+        raise Malformed(f"it holds {total} bytes, less than a header (truncated)")
+    length = int.from_bytes(read_at(fd, 0, 8), "little")
+    if length > min(_HEADER_LIMIT, total - 8):
+        raise Malformed(
+            f"its header claims {length} bytes but the file holds {total} "
+            "(truncated, or not a safetensors file)"
+        )
+    try:
+        text = read_at(fd, 8, length).decode("utf-8")
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise Malformed(f"its header is not JSON ({reason})") from None
+    entries = _entries(header, total - 8 - length)
+    meta = header.get("__metadata__") or {}
+    if not (
+        isinstance(meta, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise Malformed("its __metadata__ is not a map of strings to strings")
+    return meta, entries, 8 + length
+
+
+def metadata(path: Path) -> Contents:
+    """The `Contents` of the file at `path`, from its header (the file stays open in
+    `Contents.source` for `restore`)."""
+    fd = open_regular(path, NAME)
+    source = None
+    try:
+        meta, entries, start = _header(fd)
+        source = Source(fd, start, entries)
+        shapes = {n: (e.shape, DTYPES[e.code]) for n, e in entries.items()}
+        return decode(path, NAME, meta, shapes, source)
+    except (Malformed, EOFError) as e:
+        raise unreadable(path, NAME, str(e)) from None
+    finally:
+        if source is None:
+            os.close(fd)
+
+
+def restore(
+    contents: Contents, shardings: Mapping[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Each array, one at a time, read from the file the header came from into fresh
+    host memory (the caller moves it into a JAX array)."""
+    source: Source = contents.source
+    for s in contents.tensors:
+        entry = source.entries[s.key]
+        data = np.empty(entry.end - entry.begin, np.uint8)
+        try:
+            read_at(source.fd, source.start + entry.begin, data.size, memoryview(data))
+        except EOFError as e:
+            raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
+        yield s.key, _from_bytes(data, entry.code, entry.shape)
+
+
+FORMAT = register_format(
+    Format(
+        NAME,
+        (".safetensors",),
+        "*.safetensors: one safetensors file (roles in its metadata), read lazily",
+        save,
+        metadata,
+        restore,
+        frozenset(DTYPES.values()),
+    )
+)

@@ -1,0 +1,311 @@
+"""What a checkpoint holds (`Contents`, one `Stored` per array) and the metadata strings
+it is written with; shared by every format.
+
+The metadata is a `dict[str, str]`: the user's own keys, and `bridge_version`,
+`framework`, `layout`, `tensors` (JSON: each array's path, role, shape, dtype and, for
+a typed PRNG key, its impl) and `modules` (JSON: each module's path, class and
+settings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._tree import Path as TreePath
+
+
+try:
+    VERSION = importlib.metadata.version("bridge")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "unknown"
+RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """One array in a checkpoint, as stored: a typed PRNG key is stored as its key
+    data (`shape`, `dtype` are the key data's), and `prng_impl` names its impl."""
+
+    key: str
+    path: TreePath
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    prng_impl: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def logical(self) -> tuple[tuple[int, ...], str]:
+        """`(shape, dtype)` as the model holds it (a typed key array for PRNG keys)."""
+        if self.prng_impl is None:
+            return self.shape, self.dtype
+        data_shape, dtype = key_info(self.prng_impl)
+        return self.shape[: len(self.shape) - len(data_shape)], dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    """What a checkpoint holds, read from its header only (no array is read).
+
+    `source` is what the format opened to read the header (for a file, its open
+    handle), so that the arrays come from the very file the header came from; it is
+    closed by `close()` (or when the `Contents` is garbage collected).
+    """
+
+    path: Path
+    format: str  # a registered format's name: "safetensors", "orbax", "msgpack"
+    framework: str | None  # None: not written by bridge, or converted
+    layout: str  # "flax", "equinox" or "" (unknown)
+    version: str | None
+    modules: tuple[tuple[TreePath, str, dict[str, Any]], ...]  # class, settings
+    metadata: dict[str, str]  # the user's own
+    tensors: tuple[Stored, ...]
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def close(self) -> None:
+        """Close what the format opened (nothing is read after this)."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Contents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@functools.cache
+def key_info(impl: str) -> tuple[tuple[int, ...], str]:
+    """`(key data shape, dtype name)` of one key of the PRNG impl named `impl`."""
+    key = jax.random.key(0, impl=impl)
+    return jax.random.key_data(key).shape, str(key.dtype)
+
+
+def dotted(path: TreePath) -> str:
+    """`('layers', 0, 'kernel')` -> `'layers.0.kernel'`."""
+    return ".".join(map(str, path))
+
+
+def split(name: str) -> TreePath:
+    """`'layers.0.kernel'` -> `('layers', 0, 'kernel')` (digits become indices)."""
+    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+
+
+def encode(contents: Contents) -> dict[str, str]:
+    """The metadata strings written to the file."""
+    tensors = {}
+    for s in contents.tensors:
+        entry: dict[str, Any] = dict(
+            path=list(s.path), role=s.role, shape=list(s.shape), dtype=s.dtype
+        )
+        if s.prng_impl is not None:
+            entry["prng_impl"] = s.prng_impl
+        tensors[s.key] = entry
+    return {
+        **contents.metadata,
+        "bridge_version": VERSION,
+        "framework": contents.framework or "",
+        "layout": contents.layout,
+        "tensors": json.dumps(tensors),
+        "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
+    }
+
+
+class Malformed(Exception):
+    """Raised by `decode` with the reason a header cannot be read (the format
+    turns it into a `CheckpointError` naming the file)."""
+
+
+# every dtype name a stored array may have (`str(dtype)` of a JAX or NumPy array)
+DTYPE_NAMES = frozenset(
+    "bool int2 int4 int8 int16 int32 int64 uint2 uint4 uint8 uint16 uint32 uint64 "
+    "float16 bfloat16 float32 float64 complex64 complex128 float4_e2m1fn "
+    "float8_e3m4 float8_e4m3 float8_e4m3b11fnuz float8_e4m3fn float8_e4m3fnuz "
+    "float8_e5m2 float8_e5m2fnuz float8_e8m0fnu".split()
+)
+MAX_DEPTH = 512  # path elements: far beyond any model, well within recursion limits
+
+
+def _json(meta: Mapping[str, str], key: str) -> Any:
+    text = meta.get(key)
+    if not isinstance(text, str):
+        raise Malformed(f"its bridge metadata has no {key!r} string")
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e.msg
+        raise Malformed(f"its {key!r} metadata is not JSON ({reason})") from None
+
+
+def _is_path(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and 0 < len(value) <= MAX_DEPTH
+        and all(
+            (isinstance(k, str) and k != "")
+            or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+            for k in value
+        )
+    )
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+
+
+def _known_impl(impl: str) -> bool:
+    try:
+        key_info(impl)
+    except (ValueError, TypeError, KeyError):  # jax's PRNG registry lookup
+        return False
+    return True
+
+
+def _stored(name: str, entry: Any) -> Stored:
+    """One `tensors` entry, checked."""
+    fields = ("path", "role", "shape", "dtype")
+    if not (isinstance(entry, dict) and all(f in entry for f in fields)):
+        raise Malformed(f"tensor {name!r}: its entry lacks one of {fields}")
+    path, role, shape, dtype = (entry[f] for f in fields)
+    impl = entry.get("prng_impl")
+    if not _is_path(path):
+        raise Malformed(
+            f"tensor {name!r}: path {_short(path)} is not a list of 1 to {MAX_DEPTH} "
+            "names and indices"
+        )
+    if not (isinstance(role, str) and role):
+        raise Malformed(f"tensor {name!r}: role {_short(role)} is not a name")
+    if not _is_shape(shape):
+        raise Malformed(f"tensor {name!r}: shape {_short(shape)} is not a shape")
+    if not (isinstance(dtype, str) and dtype in DTYPE_NAMES):
+        raise Malformed(f"tensor {name!r}: unknown dtype {_short(dtype)}")
+    if impl is not None and not (isinstance(impl, str) and _known_impl(impl)):
+        raise Malformed(f"tensor {name!r}: unknown PRNG impl {_short(impl)}")
+    if impl is not None:
+        data_shape, _ = key_info(impl)
+        if len(shape) < len(data_shape) or (
+            tuple(shape[len(shape) - len(data_shape) :]) != data_shape
+        ):
+            raise Malformed(
+                f"tensor {name!r}: shape {tuple(shape)} is not of {impl} key data "
+                f"(trailing {data_shape})"
+            )
+    return Stored(name, tuple(path), role, tuple(shape), dtype, impl)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_paths(tensors: tuple[Stored, ...]) -> None:
+    """No two arrays at one path, and no array at a path inside another's."""
+    seen: dict[TreePath, str] = {}
+    for s in tensors:
+        if s.path in seen:
+            raise Malformed(
+                f"tensors {seen[s.path]!r} and {s.key!r} both claim path {s.path}"
+            )
+        seen[s.path] = s.key
+    for s in tensors:
+        for n in range(1, len(s.path)):
+            if s.path[:n] in seen:
+                raise Malformed(
+                    f"tensor {s.key!r} is inside tensor {seen[s.path[:n]]!r} "
+                    f"(path {s.path} below {s.path[:n]})"
+                )
+
+
+def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
+    if not (
+        isinstance(entry, list)
+        and len(entry) == 3
+        and (entry[0] == [] or _is_path(entry[0]))
+        and isinstance(entry[1], str)
+        and isinstance(entry[2], dict)
+    ):
+        raise Malformed(
+            f"a 'modules' entry {_short(entry)} is not [path, 'module:Class', "
+            "{settings}]"
+        )
+    return tuple(entry[0]), entry[1], entry[2]
+
+
+def decode(
+    path: Path,
+    fmt: str,
+    meta: Mapping[str, str],
+    shapes: Mapping[str, tuple[tuple[int, ...], str]] | None,
+    source: Any = None,
+) -> Contents:
+    """The `Contents` of a file whose metadata strings are `meta` and which holds the
+    arrays `shapes` (`{name: (shape, dtype name)}`; None when the format does not say).
+
+    A file without bridge metadata (a safetensors file from elsewhere) holds params
+    named by their dotted paths. Every field is checked (types, known dtypes and PRNG
+    impls, one array per path); raises `Malformed` with the first problem.
+    """
+    if "bridge_version" not in meta:
+        if shapes is None:
+            raise Malformed("no bridge metadata")
+        tensors = tuple(
+            Stored(name, split(name), "params", shape, dtype)
+            for name, (shape, dtype) in shapes.items()
+        )
+        for s in tensors:
+            if not _is_path(list(s.path)):
+                raise Malformed(f"tensor name {_short(s.key)} is not a dotted path")
+        _check_paths(tensors)
+        return Contents(path, fmt, None, "", None, (), dict(meta), tensors, source)
+    entries = _json(meta, "tensors")
+    if not isinstance(entries, dict):
+        raise Malformed(f"its 'tensors' metadata is a {type(entries).__name__}")
+    tensors = tuple(_stored(name, e) for name, e in entries.items())
+    _check_paths(tensors)
+    if shapes is not None:
+        described = {s.key: (s.shape, s.dtype) for s in tensors}
+        differ = sorted(
+            k for k in set(described) | set(shapes) if described.get(k) != shapes.get(k)
+        )
+        if differ:
+            raise Malformed(
+                "the metadata describes other arrays than the file holds ("
+                + ", ".join(map(repr, differ[:5]))
+                + ")"
+            )
+    modules = _json(meta, "modules")
+    if not isinstance(modules, list):
+        raise Malformed(f"its 'modules' metadata is a {type(modules).__name__}")
+    user = {k: v for k, v in meta.items() if k not in RESERVED}
+    fw, version, layout = (
+        meta.get(k) for k in ("framework", "bridge_version", "layout")
+    )
+    if not all(isinstance(v, str) for v in (fw, version, layout)):
+        raise Malformed("its framework, layout or bridge_version is not a string")
+    return Contents(
+        path,
+        fmt,
+        fw or None,
+        layout,
+        version,
+        tuple(map(_module, modules)),
+        user,
+        tensors,
+        source,
+    )

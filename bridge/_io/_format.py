@@ -1,0 +1,104 @@
+"""The format registry: each checkpoint format is one `Format` record, registered once.
+
+A format is shaped like orbax's `CheckpointHandler` (`save`, `restore` and a cheap
+`metadata` read) and lives in one module, as safetensors keeps one module per
+framework: `_safetensors.py`, `_msgpack.py` and `_orbax.py` each register theirs. A
+path's format is chosen by its file name's suffix (the longest registered suffix
+that ends it); a path no suffix claims is a directory checkpoint (orbax).
+
+Adding a format is one module that builds a `Format` and calls `register_format`,
+imported by `bridge._io._checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ._contents import Contents
+
+
+class Format(NamedTuple):
+    """A checkpoint format.
+
+    - `name`: how users and the metadata call it (`"safetensors"`).
+    - `suffixes`: file names ending so are in this format (`(".safetensors",)`); `()`
+      for the directory format, which every path no suffix claims is in.
+    - `summary`: one line for `bridge --help` (`"*.safetensors: one safetensors
+      file, read lazily"`).
+    - `save(path, contents, arrays)`: write `arrays` (`{dotted name: array}`, typed
+      PRNG keys already as their key data) with `contents`' metadata, atomically.
+    - `metadata(path)`: the `Contents` of the checkpoint at `path`, from its header
+      only (cheap: no array is read), with `source` holding what it opened; raises
+      `CheckpointError` naming the file for anything unreadable.
+    - `restore(contents, shardings)`: each array as `(name, array)`, one at a time,
+      from `contents.source` (a host `numpy` array, or a `jax.Array` already placed
+      with `shardings[name]` where the format places arrays itself).
+    - `dtypes`: the dtype names it stores and reads back exactly; `None`: any.
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+    summary: str
+    save: Callable[[Path, Contents, Mapping[str, Any]], None]
+    metadata: Callable[[Path], Contents]
+    restore: Callable[[Contents, Mapping[str, Any]], Iterable[tuple[str, Any]]]
+    dtypes: frozenset[str] | None = None
+
+
+_FORMATS: dict[str, Format] = {}
+
+_TAKEN = """\
+A checkpoint format named {name!r} is registered already; formats are registered once \
+(pick another name)."""
+
+_SUFFIX_TAKEN = "The suffix {suffix!r} is the {other!r} format's already."
+
+_TWO_DIRECTORIES = """\
+{name!r} and {other!r} would both be directory formats (no suffixes); only one format \
+may claim the paths no suffix claims."""
+
+
+def register_format(fmt: Format) -> Format:
+    """Register `fmt` (refusing a second format of the same name, a suffix another
+    format has, or a second directory format) and return it."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"`fmt` must be a Format, got {type(fmt).__name__}.")
+    if fmt.name in _FORMATS:
+        raise ValueError(_TAKEN.format(name=fmt.name))
+    for other in _FORMATS.values():
+        for suffix in set(fmt.suffixes) & set(other.suffixes):
+            raise ValueError(_SUFFIX_TAKEN.format(suffix=suffix, other=other.name))
+        if not fmt.suffixes and not other.suffixes:
+            raise ValueError(_TWO_DIRECTORIES.format(name=fmt.name, other=other.name))
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def formats() -> tuple[Format, ...]:
+    """Every registered format, in registration order."""
+    return tuple(_FORMATS.values())
+
+
+def format_named(name: str) -> Format:
+    """The registered format called `name`."""
+    return _FORMATS[name]
+
+
+def format_of(path: Path) -> Format:
+    """The format of `path`, by the longest registered suffix ending its name; the
+    directory format for a name no suffix ends."""
+    best: Format | None = None
+    directory: Format | None = None
+    longest = 0
+    for fmt in _FORMATS.values():
+        if not fmt.suffixes:
+            directory = fmt
+        for suffix in fmt.suffixes:
+            if path.name.endswith(suffix) and len(suffix) > longest:
+                best, longest = fmt, len(suffix)
+    found = best or directory
+    if found is None:  # no directory format registered
+        raise ValueError(f"{path}: no checkpoint format claims this name.")
+    return found

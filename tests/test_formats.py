@@ -1,0 +1,229 @@
+"""The format registry and the safetensors dtype table: every dtype, every format."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from flax import serialization
+
+import bridge
+from bridge import _cli
+from bridge._io import _format, _safetensors
+from bridge._io._contents import Contents, encode
+
+
+FORMATS = ["m.safetensors", "m.msgpack", "ckpt"]
+
+
+def bits(dtype: str, n: int = 8) -> np.ndarray:
+    """`n` values of `dtype` with varied bit patterns (valid ones for bool and 4-bit
+    types, whose other bits do not round trip by design)."""
+    dt = jnp.dtype(dtype)
+    raw = np.random.default_rng(0).integers(0, 256, n * dt.itemsize, np.uint8)
+    if dtype == "bool":
+        raw = raw % 2
+    if dtype == "float4_e2m1fn":
+        raw = raw % 16
+    return raw.view(dt).reshape(2, n // 2)
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("code", sorted(_safetensors.DTYPES))
+def test_every_safetensors_dtype_round_trips_bits(tmp_path, code):
+    dtype = _safetensors.DTYPES[code]
+    variables = {"params": {"x": bits(dtype)}}
+    path = tmp_path / "m.safetensors"
+    bridge.save(path, variables)
+    assert same_bits(bridge.load(path).x, variables["params"]["x"])
+    back = bridge.load(path, like=variables)
+    assert same_bits(back["params"]["x"], variables["params"]["x"])
+    # safetensors' own reader agrees on the code and shape it finds in the file
+    with safetensors.safe_open(path, framework="numpy") as f:
+        piece = f.get_slice("x")
+        assert piece.get_dtype() == code and piece.get_shape() == [2, 4]
+        if code in safetensors.numpy._TYPES:
+            assert same_bits(f.get_tensor("x"), variables["params"]["x"])
+
+
+@pytest.mark.parametrize("code", sorted(_safetensors.DTYPES))
+def test_files_written_by_safetensors_are_read_exactly(tmp_path, code):
+    """safetensors' own writer as the oracle: its file, every dtype, read by bridge."""
+    dtype = _safetensors.DTYPES[code]
+    array = bits(dtype)
+    stored = _safetensors._to_bytes(array)  # F4: packed two per byte
+    shape = [2, 2] if code == "F4" else [2, 4]  # safetensors counts F4 pairs (x2)
+    spec = safetensors.TensorSpec(
+        dtype="float4_e2m1fn_x2" if code == "F4" else dtype,
+        shape=shape,
+        data_ptr=stored.ctypes.data,
+        data_len=stored.nbytes,
+    )
+    path = tmp_path / "theirs.safetensors"
+    safetensors.serialize_file({"w": spec}, path)
+    assert same_bits(bridge.load(path).w, array)
+
+
+def test_float4_is_packed_low_nibble_first(tmp_path):
+    path = tmp_path / "m.safetensors"
+    x = np.array([0.5, 1.0, 6.0, -0.5], jnp.float4_e2m1fn)  # codes 1, 2, 7, 9
+    bridge.save(path, {"params": {"x": x}})
+    data = path.read_bytes()
+    assert data[-2:] == bytes([0x21, 0x97])
+    with pytest.raises(ValueError, match=r"x: float4_e2m1fn arrays .* even number"):
+        bridge.save(path, {"params": {"x": x[:3]}})
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_complex64_round_trips_in_every_format(tmp_path, name):
+    x = np.array([1 + 2j, -3.5j, np.inf - 1j], np.complex64)
+    bridge.save(tmp_path / name, {"params": {"z": x}})
+    assert same_bits(bridge.load(tmp_path / name).z, x)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", ["int64", "uint64", "float64"])
+def test_64_bit_leaves_are_never_truncated(tmp_path, name, dtype):
+    x = np.array([2**40 + 1, 2**62], np.uint64).view(dtype)
+    variables = {"params": {"w": x}}
+    bridge.save(tmp_path / name, variables)
+    back = bridge.load(tmp_path / name, like=variables)["params"]["w"]
+    assert same_bits(back, x)
+    assert same_bits(bridge.load(tmp_path / name).w, x)
+
+
+def test_unknown_dtype_code_is_named(tmp_path):
+    path = tmp_path / "m.safetensors"
+    header = json.dumps(
+        {"x": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}
+    ).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"m\.safetensors is not a readable safetensors checkpoint: tensor 'x' "
+        r"has dtype code 'F99', which is not a safetensors dtype \(known: BOOL",
+    ):
+        bridge.load(path)
+
+
+def test_save_refuses_a_dtype_the_format_cannot_store(tmp_path):
+    variables = {"params": {"z": np.ones(2, np.complex128), "k": np.ones(2, "int4")}}
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)safetensors format cannot store z \(complex128\), k \(int4\)\. .*"
+        r"save to a format that stores them: msgpack, orbax",
+    ):
+        bridge.save(tmp_path / "m.safetensors", variables)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- the registry ---------------------------------------------------------------------
+
+
+def _toy_format() -> _format.Format:
+    """A whole format in a few lines: JSON of the metadata and the arrays as lists."""
+
+    def save(path, contents, arrays):
+        arrays = {k: np.asarray(v).tolist() for k, v in arrays.items()}
+        path.write_text(json.dumps({"meta": encode(contents), "arrays": arrays}))
+
+    def metadata(path):
+        from bridge._io._contents import decode
+
+        data = json.loads(path.read_text())
+        return decode(path, "toy", data["meta"], None, data["arrays"])
+
+    def restore(contents: Contents, shardings):
+        for s in contents.tensors:
+            yield s.key, np.asarray(contents.source[s.key], s.dtype).reshape(s.shape)
+
+    return _format.Format(
+        "toy", (".toy.json",), "*.toy.json: JSON lists", save, metadata, restore
+    )
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    monkeypatch.setattr(_format, "_FORMATS", dict(_format._FORMATS))
+
+
+def test_a_format_is_one_registration(tmp_path, registry, capsys):
+    _format.register_format(_toy_format())
+    variables = {"params": {"Dense_0": {"kernel": np.ones((2, 3), np.float32)}}}
+    path = tmp_path / "m.toy.json"
+    bridge.save(path, variables, metadata={"step": "3"})
+    back = bridge.load(path, like=variables)
+    assert same_bits(back["params"]["Dense_0"]["kernel"], np.ones((2, 3), np.float32))
+    assert _cli.main(["convert", str(path), str(tmp_path / "m.safetensors")]) == 0
+    assert _cli.main(["inspect", str(path)]) == 0
+    assert "*.toy.json: JSON lists" in _cli.parser().format_help()
+    assert _format.format_of(tmp_path / "m.json").name == "orbax"  # suffix is whole
+
+
+def test_registry_refuses_clashes(registry):
+    toy = _toy_format()
+    _format.register_format(toy)
+    with pytest.raises(ValueError, match="named 'toy' is registered already"):
+        _format.register_format(toy)
+    with pytest.raises(ValueError, match="suffix '.toy.json' is the 'toy' format's"):
+        _format.register_format(toy._replace(name="other"))
+    with pytest.raises(ValueError, match="'dir' and 'orbax' would both be directory"):
+        _format.register_format(toy._replace(name="dir", suffixes=()))
+    with pytest.raises(TypeError, match="`fmt` must be a Format, got dict"):
+        _format.register_format({"name": "x"})
+
+
+def test_longest_suffix_wins(registry):
+    toy = _toy_format()._replace(name="index", suffixes=(".safetensors.index.json",))
+    _format.register_format(toy)
+    assert _format.format_of(_format.Path("a.safetensors.index.json")).name == "index"
+    assert _format.format_of(_format.Path("a.safetensors")).name == "safetensors"
+    assert {"safetensors", "msgpack", "orbax"} <= {f.name for f in _format.formats()}
+
+
+def test_help_lists_every_registered_format():
+    text = _cli.parser().format_help()
+    for fmt in _format.formats():
+        assert fmt.summary.split(":")[0] in text
+
+
+# --- msgpack keeps the order the file holds ------------------------------------------
+
+
+class Unsorted(nn.Module):
+    """Linen params whose creation order is not sorted: z, a, m, Dense_0..Dense_10."""
+
+    @nn.compact
+    def __call__(self, x):
+        for name in ["z", "a", "m"]:
+            x = nn.Dense(2, name=name)(x)
+        for _ in range(11):
+            x = nn.Dense(2)(x)
+        return x
+
+
+def test_msgpack_keeps_the_creation_order_reading_and_writing(tmp_path):
+    variables = Unsorted().init(jax.random.key(0), jnp.ones((1, 2)))
+    order = list(variables["params"])
+    assert order != sorted(order)  # the test can fail
+    path = tmp_path / "flax.msgpack"
+    path.write_bytes(serialization.to_bytes(variables))  # flax's own writer
+    tree = bridge.load(path)
+    assert list(bridge.to_native(tree)["params"]) == order
+    paths = [jax.tree_util.keystr(p) for p, _ in jtu.tree_flatten_with_path(tree)[0]]
+    assert paths[::2] == [f".{name}.kernel" for name in order]
+    back = bridge.load(path, like=variables)
+    assert list(back["params"]) == order
+    bridge.save(tmp_path / "bridge.msgpack", back)  # and bridge's writer
+    data = serialization.msgpack_restore((tmp_path / "bridge.msgpack").read_bytes())
+    assert list(data["params"]) == order
+    assert list(data["params"]["z"]) == list(variables["params"]["z"])
