@@ -9,15 +9,15 @@ directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchange
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax.tree_util as jtu
 
-
-Key = str | int
-Path = tuple[Key, ...]
+from ._adapters._registry import display_name
+from ._paths import Key, Path, is_array, path_of, path_str
 
 
 def _key_entry(key: Key, sequence: bool) -> Any:
@@ -26,40 +26,6 @@ def _key_entry(key: Key, sequence: bool) -> Any:
     if isinstance(key, str) and key.isidentifier():
         return jtu.GetAttrKey(key)
     return jtu.DictKey(key)
-
-
-_KEY_OF = {
-    jtu.GetAttrKey: lambda e: e.name,
-    jtu.DictKey: lambda e: e.key,
-    jtu.SequenceKey: lambda e: e.idx,
-    jtu.FlattenedIndexKey: lambda e: e.key,
-}
-
-
-def key_of(entry: Any) -> Key:
-    """The neutral key (`str` or `int`) of one `jax.tree_util` key entry."""
-    get = _KEY_OF.get(type(entry))
-    if get is None:
-        raise TypeError(f"Unknown key entry {entry!r}.")
-    return get(entry)
-
-
-def path_of(keypath: Sequence[Any]) -> Path:
-    """The neutral path of a `jax.tree_util` key path: `('layers', 0, 'kernel')`."""
-    return tuple(map(key_of, keypath))
-
-
-def path_str(path: Sequence[Key]) -> str:
-    """`('layers', 0, 'kernel')` -> `'.layers[0].kernel'`, as `jax.tree_util.keystr`."""
-    out = []
-    for key in path:
-        if isinstance(key, int):
-            out.append(f"[{key}]")
-        elif key.isidentifier():
-            out.append(f".{key}")
-        else:
-            out.append(f"[{key!r}]")
-    return "".join(out)
 
 
 class Held:
@@ -422,13 +388,16 @@ class Maker:
 
 
 class Recent:
-    """The last few structures an adapter converted: `key -> value`, the oldest
-    dropped first. A second conversion of a same-structured model looks its Tree
-    structure up here instead of walking the model in Python again."""
+    """The last few structures an adapter converted: `key -> value`, at most `size`
+    of them, the oldest dropped first. A second conversion of a same-structured model
+    looks its Tree structure up here instead of walking the model in Python again.
+    Safe to use from several threads at once (a lookup is one `dict.get`; changes
+    hold a lock)."""
 
     def __init__(self, size: int = 32):
         self.size = size
         self.items: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
 
     def get(self, key: Hashable) -> Any:
         return None if key is None else self.items.get(key)
@@ -436,9 +405,14 @@ class Recent:
     def put(self, key: Hashable, value: Any) -> None:
         if key is None:
             return
-        if len(self.items) >= self.size and key not in self.items:
-            del self.items[next(iter(self.items))]
-        self.items[key] = value
+        with self._lock:
+            while len(self.items) >= self.size and key not in self.items:
+                del self.items[next(iter(self.items))]
+            self.items[key] = value
+
+    def clear(self) -> None:
+        with self._lock:
+            self.items.clear()
 
 
 def source_of(tree: Any, framework: str | None = None) -> Source:
@@ -456,15 +430,13 @@ def source_of(tree: Any, framework: str | None = None) -> Source:
         )
     if framework is not None and src.framework != framework:
         raise TypeError(
-            f"This Tree came from a {_NAMES[src.framework]} model, not a "
-            f"{_NAMES[framework]} one: use bridge.to_{src.framework}(tree), or "
-            f"bridge.port(tree, target) to move its weights into a {_NAMES[framework]} "
-            "model."
+            f"This Tree came from a {display_name(src.framework)} model, not a "
+            f"{display_name(framework)} one: use bridge.to_native(tree), or "
+            "bridge.port(tree, target) to move its weights into a "
+            f"{display_name(framework)} model."
         )
     return src
 
-
-_NAMES = {"linen": "Flax Linen", "nnx": "Flax NNX", "equinox": "Equinox"}
 
 _STRUCTURE_CHANGED = """\
 This Tree no longer fits the {framework} model it came from:
@@ -483,25 +455,13 @@ def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
     flat, treedef = jtu.tree_flatten(tree)
     # Fast path: the structure this Source was last rebuilt from (so the same paths),
     # and array leaves. Otherwise compare paths, and remember the structure if it fits.
-    if src._treedef is None or treedef != src._treedef or not all(map(_is_array, flat)):
+    if src._treedef is None or treedef != src._treedef or not all(map(is_array, flat)):
         _check_paths(tree, src, framework)
         object.__setattr__(src, "_treedef", treedef)
     leaves: list[Any] = [None] * len(flat)
     for leaf, pos in zip(flat, src.order):
         leaves[pos] = leaf
     return src, leaves
-
-
-_ARRAY_TYPES: dict[type, bool] = {}
-
-
-def _is_array(leaf: Any) -> bool:
-    """Has a shape and a dtype (a JAX or NumPy array), decided once per type."""
-    cls = type(leaf)
-    known = _ARRAY_TYPES.get(cls)
-    if known is None:
-        known = _ARRAY_TYPES[cls] = hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-    return known
 
 
 def _check_paths(tree: Tree, src: Source, framework: str) -> None:
@@ -515,7 +475,7 @@ def _check_paths(tree: Tree, src: Source, framework: str) -> None:
         if not problems:
             problems.append("  the leaves are in another order")
     for path, (_, leaf) in zip(paths, flat):
-        if not _is_array(leaf):
+        if not is_array(leaf):
             problems.append(
                 f"  {path_str(path)} is a {type(leaf).__name__}, not an array "
                 "(a filter spec or a partitioned half cannot become a model)"
@@ -523,7 +483,7 @@ def _check_paths(tree: Tree, src: Source, framework: str) -> None:
     if problems:
         raise ValueError(
             _STRUCTURE_CHANGED.format(
-                framework=_NAMES[framework], problems="\n".join(problems)
+                framework=display_name(framework), problems="\n".join(problems)
             )
         )
 

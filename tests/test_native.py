@@ -82,6 +82,6 @@ def test_a_tree_from_another_framework_is_refused(source, to):
         "equinox": lambda: bridge.from_equinox(models.equinox_mlp()),
     }[source]
     with pytest.raises(
-        TypeError, match=f"use bridge.to_{source}\\(tree\\), or bridge.port"
+        TypeError, match=r"use bridge.to_native\(tree\), or bridge.port"
     ):
         to(make())

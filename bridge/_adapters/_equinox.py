@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax
 import jax.tree_util as jtu
+import numpy as np
 
-from .._tree import Held, Path, Tree, build, key_of, native_leaves, path_of
+from .._paths import Path, child, is_array, key_of, path_of
+from .._tree import Held, Tree, build, native_leaves
+from ._registry import Adapter, register_adapter
 
 
 _FOREIGN_STATE = """\
@@ -18,18 +22,6 @@ together with this model (`model, state = eqx.nn.make_with_state(Model)(...)`)."
 
 def _is_index(x: Any) -> bool:
     return isinstance(x, eqx.nn.StateIndex)
-
-
-_ARRAY_TYPES: dict[type, bool] = {}
-
-
-def _is_array(leaf: Any) -> bool:
-    """`eqx.is_array`, decided once per type."""
-    cls = type(leaf)
-    known = _ARRAY_TYPES.get(cls)
-    if known is None:
-        known = _ARRAY_TYPES[cls] = eqx.is_array(leaf)
-    return known
 
 
 _MISSING = object()
@@ -44,12 +36,7 @@ class _Nodes:
     def get(self, path: Path) -> Any:
         node = self.nodes.get(path, _MISSING)
         if node is _MISSING:
-            parent, key = self.get(path[:-1]), path[-1]
-            if isinstance(key, int) or isinstance(parent, Mapping):
-                node = parent[key]
-            else:
-                node = getattr(parent, key)
-            self.nodes[path] = node
+            node = self.nodes[path] = child(self.get(path[:-1]), path[-1])
         return node
 
     def kinds(self, paths: Iterable[Path]) -> dict[Path, Any]:
@@ -126,7 +113,7 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
     statics: list[tuple[int, Held]] = []
     array_slots: list[int] = []  # model leaf positions that hold arrays
     for i, (keypath, leaf) in enumerate(flat):
-        if not _is_array(leaf):
+        if not is_array(leaf):
             statics.append((i, Held(leaf)))
             continue
         path = path_of(keypath)
@@ -157,8 +144,17 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         kinds.update(nodes.kinds(list(index_paths)))
         kinds.update({p: type(index) for p, index in index_paths.items()})
         entries.sort(key=_model_rank(model))
-    record = (model_def, tuple(statics), tuple(array_slots), state_def)
+    record = EquinoxRecord(model_def, tuple(statics), tuple(array_slots), state_def)
     return build(entries, kinds, "equinox", record)
+
+
+class EquinoxRecord(NamedTuple):
+    """What `to_equinox` rebuilds the model from (a Tree's `Source.record`)."""
+
+    model_def: Any  # the model's treedef
+    statics: tuple[tuple[int, Held], ...]  # (model leaf position, non-array leaf)
+    array_slots: tuple[int, ...]  # the model leaf position of each Tree leaf
+    state_def: Any  # the eqx.nn.State's treedef, or None: no state
 
 
 def _model_rank(model: Any):
@@ -194,13 +190,114 @@ def to_equinox(tree: Tree) -> Any:
     static fields are those of the source model.
     """
     src, leaves = native_leaves(tree, "equinox")
-    model_def, statics, array_slots, state_def = src.record  # pyright: ignore
-    model_leaves: list[Any] = [None] * model_def.num_leaves
-    for i, static in statics:
+    record: EquinoxRecord = src.record  # pyright: ignore[reportAssignmentType]
+    model_leaves: list[Any] = [None] * record.model_def.num_leaves
+    for i, static in record.statics:
         model_leaves[i] = static.value
-    for i, leaf in zip(array_slots, leaves):
+    for i, leaf in zip(record.array_slots, leaves):
         model_leaves[i] = leaf
-    model = jtu.tree_unflatten(model_def, model_leaves)
-    if state_def is None:
+    model = jtu.tree_unflatten(record.model_def, model_leaves)
+    if record.state_def is None:
         return model
-    return model, jtu.tree_unflatten(state_def, leaves[len(array_slots) :])
+    state = leaves[len(record.array_slots) :]
+    return model, jtu.tree_unflatten(record.state_def, state)
+
+
+# --- the adapter record -------------------------------------------------------------
+
+
+_STATE_FORM = """\
+This Equinox model has an eqx.nn.State, so loss_fn is called as
+`loss_fn(model, state, *batch)` and must return `(loss, new_state)` (with has_aux=True:
+`((loss, aux), new_state)`), the new state being what the model's layers return, but it
+returned {got}."""
+
+
+def _is_pair(obj: Any) -> bool:
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and isinstance(obj[0], eqx.Module)
+        and isinstance(obj[1], eqx.nn.State)
+    )
+
+
+def _to_tree(obj: Any) -> Tree:
+    return from_equinox(*obj) if isinstance(obj, tuple) else from_equinox(obj)
+
+
+def _model(tree: Tree) -> Any:
+    native = to_equinox(tree)
+    return native[0] if isinstance(native, tuple) else native
+
+
+def _placeholders(target: Any) -> Any:
+    """A model made with `eqx.filter_eval_shape` holds `ShapeDtypeStruct`s: stand in
+    zero-memory read-only zeros (`np.broadcast_to`), which Equinox counts as arrays."""
+    return jtu.tree_map(
+        lambda x: (
+            np.broadcast_to(np.zeros((), x.dtype), x.shape)
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        target,
+    )
+
+
+def _forward(
+    tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
+) -> tuple[Any, Tree | None]:
+    native = to_equinox(tree)
+    if not isinstance(native, tuple):
+        return loss_fn(native, *batch), None
+    model, state = native
+    result = loss_fn(model, state, *batch)
+    if not (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[1], eqx.nn.State)
+        and jtu.tree_structure(result[1]) == jtu.tree_structure(state)
+    ):
+        raise TypeError(_STATE_FORM.format(got=_describe(result)))
+    return result[0], from_equinox(model, result[1])
+
+
+def _describe(result: Any) -> str:
+    if isinstance(result, tuple):
+        inner = ", ".join(type(x).__name__ for x in result)
+        return f"a tuple ({inner})"
+    return f"a {type(result).__name__}"
+
+
+def _infer(model: Any, inputs: tuple[Any, ...]) -> Any:
+    """`eqx.nn.inference_mode(model)` vmapped over the batch (with a state:
+    `model(*x, state)[0]`)."""
+    state = None
+    if isinstance(model, tuple):
+        model, state = model
+    model = eqx.nn.inference_mode(model)
+
+    def one(*xs):
+        return model(*xs) if state is None else model(*xs, state)[0]
+
+    return jax.vmap(one)(*inputs)
+
+
+ADAPTER = register_adapter(
+    Adapter(
+        name="equinox",
+        display="Equinox",
+        recognise=lambda obj: isinstance(obj, eqx.Module) or _is_pair(obj),
+        to_tree=_to_tree,
+        to_native=to_equinox,
+        module_types=(eqx.Module,),
+        layout="equinox",
+        placeholders=_placeholders,
+        forward=_forward,
+        infer=_infer,
+        rngs_hint="Equinox layers take a `key=` argument: pass the key as a batch "
+        "argument, `step(tree, opt_state, x, y, key)`, and give it to the model in "
+        "loss_fn.",
+        modules=_model,
+    )
+)

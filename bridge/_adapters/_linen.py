@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax.tree_util as jtu
+from flax.errors import InvalidRngError
 
-from .._tree import (
-    Held,
-    Key,
-    Maker,
-    Path,
-    Recent,
-    Tree,
-    items,
-    key_of,
-    native_leaves,
-    path_str,
-)
+from .._paths import Key, Path, path_of, path_str
+from .._tree import Held, Maker, Recent, Tree, items, native_leaves
+from ._registry import Adapter, register_adapter
 
 
 _COLLISION = """\
@@ -98,11 +90,21 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         raise TypeError(_UNSUPPORTED.format(found=len(walk.maker.paths), n=len(leaves)))
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
-    record = (treedef, Held(module), tuple(walk.orders.items()), plain)
+    record = LinenRecord(treedef, Held(module), tuple(walk.orders.items()), plain)
     tree = walk.maker.root(keys, roles, children, "linen", record)
     src = tree._info.source
-    _KNOWN.put(known, (src._treedef, src.order))  # pyright: ignore
+    assert src is not None
+    _KNOWN.put(known, (src._treedef, src.order))
     return tree
+
+
+class LinenRecord(NamedTuple):
+    """What `to_linen` rebuilds the variables from (a Tree's `Source.record`)."""
+
+    treedef: Any  # of the variables, as given
+    module: Held  # the nn.Module given to from_linen, or Held(None)
+    orders: tuple[tuple[Path, tuple], ...]  # mappings not in sorted key order
+    plain: str | None  # one collection of plain dicts: its name
 
 
 def _known_key(variables: Mapping, treedef: Any, leaves: list, module: Any) -> Any:
@@ -200,7 +202,7 @@ class _Walk:
             flat, _ = jtu.tree_flatten_with_path(self.variables)
             # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
             self.by_path = {
-                tuple(key_of(e) for e in keypath if type(e) is not jtu.GetAttrKey): i
+                path_of([e for e in keypath if type(e) is not jtu.GetAttrKey]): i
                 for i, (keypath, _) in enumerate(flat)
             }
         # -1: not a JAX leaf (a pytree node of another kind): reported by from_linen
@@ -293,12 +295,12 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
     src, leaves = native_leaves(tree, "linen")
-    treedef, _, orders, plain = src.record  # pyright: ignore
-    if plain is not None:
-        return {plain: _dicts(tree)}
-    variables = jtu.tree_unflatten(treedef, leaves)
-    if orders:  # JAX rebuilds dicts in sorted key order: restore the given order
-        variables = _reorder(variables, (), dict(orders))
+    record: LinenRecord = src.record  # pyright: ignore[reportAssignmentType]
+    if record.plain is not None:
+        return {record.plain: _dicts(tree)}
+    variables = jtu.tree_unflatten(record.treedef, leaves)
+    if record.orders:  # JAX rebuilds dicts in sorted key order: restore the order
+        variables = _reorder(variables, (), dict(record.orders))
     return variables
 
 
@@ -335,7 +337,7 @@ def _reorder(node: Any, path: Path, orders: dict[Path, tuple]) -> Any:
 def linen_module(tree: Tree) -> nn.Module | None:
     """The Linen module given to `bridge.from_linen`, if any."""
     src = tree._info.source
-    return None if src is None else src.record[1].value  # pyright: ignore
+    return None if src is None else src.record.module.value  # pyright: ignore
 
 
 _RNGS_WITHOUT_MODULE = """\
@@ -360,3 +362,92 @@ def bind(tree: Tree, rngs: Any = None) -> Any:
         rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
     mutable = [c for c in variables if c != "params"]
     return module.bind(variables, rngs=rngs, mutable=mutable)
+
+
+# --- the adapter record -------------------------------------------------------------
+
+
+_UNBOUND = """\
+An unbound Linen module holds no weights: pass its variables too, as
+bridge.to_neutral((module, variables)) or bridge.from_linen(variables, module)."""
+
+_NEEDS_RNGS = """\
+{error}
+This Linen model draws random numbers (`make_rng`, as `nn.Dropout` does when not
+deterministic) from a stream the step was not given. Give the step its streams, as to
+`module.apply`: `step(tree, opt_state, *batch, rngs={{"dropout": key}})`, with a new
+key each step (e.g. `jax.random.fold_in(key, i)`); a new key does not retrace."""
+
+_NO_MODULE = """\
+Linen variables alone cannot be called: pass `(module, variables)`, a bound module, or a
+Tree made with `bridge.from_linen(variables, module)`."""
+
+
+def _is_pair(obj: Any) -> bool:
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and isinstance(obj[0], nn.Module)
+        and isinstance(obj[1], Mapping)
+    )
+
+
+def _recognise(obj: Any) -> bool:
+    return isinstance(obj, (nn.Module, Mapping)) or _is_pair(obj)
+
+
+def _to_tree(obj: Any) -> Tree:
+    if isinstance(obj, nn.Module):
+        if obj.scope is None:
+            raise TypeError(_UNBOUND)
+        return from_linen(obj.variables, obj)
+    if isinstance(obj, tuple):
+        return from_linen(obj[1], obj[0])
+    return from_linen(obj)
+
+
+def _like(target: Any, tree: Tree) -> Any:
+    if isinstance(target, nn.Module):
+        return bind(tree)
+    if isinstance(target, tuple):
+        return target[0], to_linen(tree)
+    return to_linen(tree)
+
+
+def _forward(
+    tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
+) -> tuple[Any, Tree | None]:
+    native = bind(tree, rngs)
+    if not isinstance(native, nn.Module):  # variables without a module
+        return loss_fn(native, *batch), None
+    try:
+        out = loss_fn(native, *batch)
+    except InvalidRngError as error:
+        raise ValueError(_NEEDS_RNGS.format(error=error)) from error
+    return out, from_linen(native.variables, linen_module(tree))
+
+
+def _infer(model: Any, inputs: tuple[Any, ...]) -> Any:
+    if isinstance(model, nn.Module):
+        return model(*inputs)
+    if isinstance(model, tuple):
+        return model[0].apply(model[1], *inputs)
+    raise TypeError(_NO_MODULE)
+
+
+ADAPTER = register_adapter(
+    Adapter(
+        name="linen",
+        display="Flax Linen",
+        recognise=_recognise,
+        to_tree=_to_tree,
+        to_native=bind,
+        module_types=(nn.Module,),
+        layout="flax",
+        like=_like,
+        forward=_forward,
+        infer=_infer,
+        bind=bind,
+        records_classes=False,
+    )
+)

@@ -1,18 +1,14 @@
-"""`to_neutral` and `to_native`: the adapters, chosen by what they are given."""
+"""Dispatch to the adapters: `to_neutral` and `to_native`, and the few steps that
+`make_step`, `port`, `compare` and `load` need, each a lookup in the registry."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
-import flax.linen as nn
-from flax import nnx
-
 from .._tree import Tree, source_of
-from ._equinox import from_equinox, to_equinox
-from ._linen import bind, from_linen
-from ._nnx import from_nnx, to_nnx
+from . import _equinox, _linen, _nnx  # noqa: F401  (they register the built-in adapters)
+from ._registry import Adapter, adapter_for, adapter_named, adapters
 
 
 def to_neutral(obj: Any) -> Tree:
@@ -45,48 +41,26 @@ def to_neutral(obj: Any) -> Tree:
     """
     if isinstance(obj, Tree):
         return obj
-    if isinstance(obj, nnx.Module):
-        return from_nnx(obj)
-    if isinstance(obj, eqx.Module):
-        return from_equinox(obj)
-    if isinstance(obj, nn.Module):
-        if obj.scope is None:
-            raise TypeError(
-                "An unbound Linen module holds no weights: pass its variables too, "
-                "as bridge.to_neutral((module, variables)) or "
-                "bridge.from_linen(variables, module)."
-            )
-        return from_linen(obj.variables, obj)
-    if isinstance(obj, tuple) and len(obj) == 2:
-        first, second = obj
-        if isinstance(first, eqx.Module) and isinstance(second, eqx.nn.State):
-            return from_equinox(first, second)
-        if isinstance(first, nn.Module) and isinstance(second, Mapping):
-            return from_linen(second, first)
-    if isinstance(obj, Mapping):
-        return from_linen(obj)
-    raise TypeError(
-        f"bridge.to_neutral does not know how to convert a {type(obj).__name__}: "
-        "expected an nnx.Module, an Equinox model or (model, state), Linen variables "
-        "or (module, variables), or a bridge.Tree."
-    )
+    return adapter_of(obj).to_tree(obj)
+
+
+def adapter_of(obj: Any) -> Adapter:
+    """The adapter whose `recognise` accepts a native model (`TypeError` if none)."""
+    adapter = adapter_for(obj)
+    if adapter is None:
+        frameworks = ", ".join(a.display for a in reversed(adapters()))
+        raise TypeError(
+            f"bridge.to_neutral does not know how to convert a {type(obj).__name__}: "
+            "expected an nnx.Module, an Equinox model or (model, state), Linen "
+            "variables or (module, variables), or a bridge.Tree (the registered "
+            f"frameworks are {frameworks})."
+        )
+    return adapter
 
 
 _RNGS_NOT_LINEN = """\
 `rngs` is for Flax Linen models, which take their random streams when they are bound
 (`module.apply(..., rngs=...)`), but this Tree came from a {framework} model. {fix}"""
-
-_FRAMEWORK_NAMES = {
-    "nnx": "Flax NNX",
-    "equinox": "Equinox",
-}
-_RNGS_HOW = {
-    "nnx": "An NNX model carries its RNG state (nnx.Rngs) in the model, and "
-    "bridge.make_step carries it from step to step: drop `rngs`.",
-    "equinox": "Equinox layers take a `key=` argument: pass the key as a batch "
-    "argument, `step(tree, opt_state, x, y, key)`, and give it to the model in "
-    "loss_fn.",
-}
 
 
 def to_native(tree: Tree, *, rngs: Any = None) -> Any:
@@ -126,15 +100,58 @@ def to_native(tree: Tree, *, rngs: Any = None) -> Any:
 
     ```
     """
-    framework = source_of(tree).framework
-    if rngs is not None and framework != "linen":
-        raise ValueError(
-            _RNGS_NOT_LINEN.format(
-                framework=_FRAMEWORK_NAMES[framework], fix=_RNGS_HOW[framework]
-            )
-        )
-    if framework == "nnx":
-        return to_nnx(tree)
-    if framework == "equinox":
-        return to_equinox(tree)
-    return bind(tree, rngs)
+    adapter = adapter_of_tree(tree)
+    if rngs is None:
+        return adapter.to_native(tree)
+    if adapter.bind is None:
+        fix = adapter.rngs_hint
+        raise ValueError(_RNGS_NOT_LINEN.format(framework=adapter.display, fix=fix))
+    return adapter.bind(tree, rngs)
+
+
+def adapter_of_tree(tree: Any) -> Adapter:
+    """The adapter of the model a whole-model Tree came from (`TypeError` for
+    anything else)."""
+    return adapter_named(source_of(tree).framework)
+
+
+def like(target: Any, tree: Tree) -> Any:
+    """A filled `tree` in the form `target` was given in: a Tree stays a Tree, a
+    native model becomes one of the same form (`port`, `load(like=...)`)."""
+    if isinstance(target, Tree):
+        return tree
+    adapter = adapter_of_tree(tree)
+    return (
+        adapter.to_native(tree) if adapter.like is None else adapter.like(target, tree)
+    )
+
+
+def placeholders(target: Any) -> Any:
+    """An abstract target model (from `eval_shape`) made acceptable to its adapter at
+    no memory cost; anything else as it is."""
+    adapter = None if isinstance(target, Tree) else adapter_for(target)
+    if adapter is None or adapter.placeholders is None:
+        return target
+    return adapter.placeholders(target)
+
+
+def forward(
+    tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
+) -> tuple[Any, Tree | None]:
+    """`loss_fn` called on the native model of `tree`, and the Tree after the forward
+    pass (None: the pass writes no state), for `bridge.make_step`."""
+    adapter = adapter_of_tree(tree)
+    if adapter.forward is None or (rngs is not None and adapter.bind is None):
+        return loss_fn(to_native(tree, rngs=rngs), *batch), None
+    return adapter.forward(tree, loss_fn, batch, rngs)
+
+
+def infer(model: Any, inputs: tuple[Any, ...]) -> Any:
+    """A model of any framework (or a Tree) run for inference on batched inputs, as
+    its framework runs it (`bridge.compare`)."""
+    if isinstance(model, Tree):
+        adapter = adapter_of_tree(model)
+        model = adapter.to_native(model)
+    else:
+        adapter = adapter_of(model)
+    return model(*inputs) if adapter.infer is None else adapter.infer(model, inputs)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
-import jax.tree_util as jtu
 from flax import nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
-from .._tree import Held, Key, Path, Recent, Tree, build, native_leaves
+from .._paths import Key, Path
+from .._tree import Held, Tree, build, native_leaves
+from ._registry import Adapter, register_adapter
 
 
 def role_of(variable_type: type) -> str:
@@ -82,17 +83,8 @@ def from_nnx(module: nnx.Module) -> Tree:
         )
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
     leaves = flat.leaves
-    # a module of the same structure as a recent one (equal graph definitions, and
-    # the same classes and attribute order at every node, which they don't record):
-    # its Tree structure is known, only the arrays are new
-    summary = (type(module), graphdef.num_leaves, len(graphdef.nodes))
-    held = Held(graphdef, summary)
-    known = _KNOWN.get(summary)
-    if known is not None:
-        known_def, tree_def, order, checks = known
-        # Held compares safely (a static array attribute compares elementwise)
-        if known_def == held and _same_nodes(module, checks):
-            return jtu.tree_unflatten(tree_def, [_value(leaves[i]) for i in order])
+    # a graph definition is slow to hash: hash a summary of it instead
+    held = Held(graphdef, (type(module), graphdef.num_leaves, len(graphdef.nodes)))
     paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
     kinds: dict[Path, Any] = {(): type(module)}
@@ -120,18 +112,17 @@ def from_nnx(module: nnx.Module) -> Tree:
         entries.append((paths[i], role, value, i))
     # parents before children: each node's class and attribute order (nnx.merge
     # sets attributes in sorted order: to_nnx restores the definition order)
-    checks = tuple((path, kinds[path], _keys(node)) for path, node in nodes.items())
-    layout = tuple((path, keys) for path, _, keys in checks)
-    record = (held, _mutable_statics(graphdef), layout)
-    tree = build(entries, kinds, "nnx", record)
-    src = tree._info.source
-    _KNOWN.put(summary, (held, src._treedef, src.order, checks))  # pyright: ignore
-    return tree
+    layout = tuple((path, _keys(node)) for path, node in nodes.items())
+    record = NNXRecord(held, _mutable_statics(graphdef), layout)
+    return build(entries, kinds, "nnx", record)
 
 
-# recently converted structures: summary -> (graphdef, the Tree's treedef, its leaf
-# order, each node's path, class and attribute order)
-_KNOWN = Recent()
+class NNXRecord(NamedTuple):
+    """What `to_nnx` rebuilds the module from (a Tree's `Source.record`)."""
+
+    graphdef: Held  # nnx.graph.flatten's graph definition
+    mutable: tuple[int, ...]  # positions of mutable static attributes, to copy
+    layout: tuple[tuple[Path, tuple | None], ...]  # each node's attribute order
 
 
 def _keys(node: Any) -> tuple | None:
@@ -139,24 +130,7 @@ def _keys(node: Any) -> tuple | None:
     return None if attributes is None else tuple(attributes)
 
 
-def _same_nodes(module: nnx.Module, checks: tuple) -> bool:
-    """Whether `module`'s nodes have these classes and attribute orders."""
-    nodes: dict[Path, Any] = {}
-    for path, kind, keys in checks:
-        node = _child(nodes[path[:-1]], path[-1]) if path else module
-        if type(node) is not kind or _keys(node) != keys:
-            return False
-        nodes[path] = node
-    return True
-
-
 _ROLES: dict[type, str] = {}
-
-
-def _value(leaf: Any) -> Any:
-    """A Variable's array (its type is in `_ROLES` once `_role_and_value` saw it),
-    or an array attribute itself."""
-    return leaf.get_raw_value() if type(leaf) in _ROLES else leaf
 
 
 def _role_and_value(leaf: Any) -> tuple[str, Any]:
@@ -199,16 +173,16 @@ def to_nnx(tree: Tree) -> nnx.Module:
     An `nnx.Module`.
     """
     src, leaves = native_leaves(tree, "nnx")
-    held, mutable, layout = src.record  # pyright: ignore
-    graphdef = held.value
-    if mutable:  # give the new module its own copies
+    record: NNXRecord = src.record  # pyright: ignore[reportAssignmentType]
+    graphdef = record.graphdef.value
+    if record.mutable:  # give the new module its own copies
         attributes = list(graphdef.attributes)
-        for i in mutable:
+        for i in record.mutable:
             key, attr = attributes[i]
             attributes[i] = (key, Static(copy.deepcopy(attr.value)))
         graphdef = dataclasses.replace(graphdef, attributes=attributes)
     module = nnx.merge(graphdef, leaves)
-    _reorder(module, layout)
+    _reorder(module, record.layout)
     return module
 
 
@@ -237,3 +211,40 @@ def _reorder(module: nnx.Module, layout: tuple) -> None:
             ordered.update(attributes)
             attributes.clear()
             attributes.update(ordered)
+
+
+# --- the adapter record -------------------------------------------------------------
+
+
+def _forward(
+    tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
+) -> tuple[Any, Tree]:
+    module = to_nnx(tree)
+    out = loss_fn(module, *batch)
+    return out, from_nnx(
+        module
+    )  # batch statistics, RNG counters: as the pass left them
+
+
+def _infer(model: nnx.Module, inputs: tuple[Any, ...]) -> Any:
+    model = nnx.clone(model)
+    model.eval()
+    return model(*inputs)
+
+
+ADAPTER = register_adapter(
+    Adapter(
+        name="nnx",
+        display="Flax NNX",
+        recognise=lambda obj: isinstance(obj, nnx.Module),
+        to_tree=from_nnx,
+        to_native=to_nnx,
+        module_types=(nnx.Module,),
+        layout="flax",
+        forward=_forward,
+        infer=_infer,
+        rngs_hint="An NNX model carries its RNG state (nnx.Rngs) in the model, and "
+        "bridge.make_step carries it from step to step: drop `rngs`.",
+        modules=to_nnx,
+    )
+)

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
-from .._tree import Path
+from .._paths import Path
 
 
 Plain = None | bool | int | float | str | tuple

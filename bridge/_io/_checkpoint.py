@@ -17,25 +17,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._adapters._equinox import to_equinox
-from .._adapters._linen import bind, from_linen, to_linen
-from .._adapters._native import to_native, to_neutral
-from .._adapters._nnx import to_nnx
+from .._adapters._equinox import EquinoxRecord
+from .._adapters._linen import from_linen
+from .._adapters._native import like as like_form, to_native, to_neutral
+from .._adapters._registry import adapter_named
 from .._adapters._skeleton import settings, skeleton
+from .._paths import at, path_of
 from .._port._errors import PortError
 from .._port._port import port
 from .._tree import (
-    Path as TreePath,
     Tree,
     build,
     framework,
-    key_of,
     kind,
     leaf_roles,
     source_of,
@@ -52,8 +50,6 @@ from ._contents import (
 )
 from ._format import format_named, format_of, formats
 
-
-LAYOUTS = {"linen": "flax", "nnx": "flax", "equinox": "equinox"}
 
 _RESERVED_KEY = """\
 metadata keys {keys} are reserved: bridge writes {reserved} itself. Rename your keys
@@ -99,7 +95,7 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
     flat = jtu.tree_flatten_with_path(tree)[0]
     problems, collisions, names, arrays, tensors = [], [], {}, {}, []
     for (keypath, leaf), role in zip(flat, leaf_roles(tree)):
-        path = tuple(key_of(e) for e in keypath)
+        path = path_of(keypath)
         name = dotted(path)
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             problems.append(f"{jtu.keystr(keypath)} is a {type(leaf).__name__}")
@@ -134,12 +130,12 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
         (
             path,
             f"{cls.__module__}:{cls.__qualname__}",
-            settings(_at(native, path)) if native is not None else {},
+            settings(at(native, path)) if native is not None else {},
         )
         for path, node in walk(tree)
         if (cls := kind(node)) is not None
     )
-    layout = LAYOUTS.get(fw or "", "")
+    layout = adapter_named(fw).layout if fw else ""
     contents = Contents(Path(), "", fw, layout, VERSION, modules, user, tuple(tensors))
     return contents, arrays
 
@@ -294,12 +290,6 @@ def _resolve(name: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _at(obj: Any, path: TreePath) -> Any:
-    for key in path:
-        obj = obj[key] if isinstance(key, int) else getattr(obj, key)
-    return obj
-
-
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     """The Tree of a checkpoint's arrays, with their roles.
 
@@ -319,7 +309,8 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
             (s.path, s.role, arrays[s.key], position[s.path]) for s in contents.tensors
         ]
         slots = tuple(range(len(paths)))
-        return build(entries, kinds, "equinox", (model_def, (), slots, None))
+        record = EquinoxRecord(model_def, (), slots, None)
+        return build(entries, kinds, "equinox", record)
     variables: dict[str, Any] = {}
     for s in contents.tensors:
         node = variables.setdefault(s.role, {})
@@ -346,7 +337,7 @@ def _problems(contents: Contents, target: Tree) -> list[str]:
     flat = jtu.tree_flatten_with_path(target)[0]
     problems = []
     for keypath, leaf in flat:
-        name = dotted(tuple(key_of(e) for e in keypath))
+        name = dotted(path_of(keypath))
         where = jtu.keystr(keypath)
         if name not in stored:
             problems.append(f"  missing {where} (no '{name}' in the file)")
@@ -371,27 +362,9 @@ def _fill(contents: Contents, target: Tree) -> Tree:
     shardings = {}
     for keypath, leaf in jtu.tree_flatten_with_path(target)[0]:
         if isinstance(leaf, jax.Array):
-            shardings[dotted(tuple(key_of(e) for e in keypath))] = leaf.sharding
+            shardings[dotted(path_of(keypath))] = leaf.sharding
     arrays = read(contents, shardings)
-    return jtu.tree_map_with_path(
-        lambda p, _: arrays[dotted(tuple(key_of(e) for e in p))], target
-    )
-
-
-def _like(like: Any, tree: Tree) -> Any:
-    """`tree` as the same kind of object as `like`."""
-    if isinstance(like, Tree):
-        return tree
-    fw = framework(tree)
-    if fw == "nnx":
-        return to_nnx(tree)
-    if fw == "equinox":
-        return to_equinox(tree)
-    if isinstance(like, nn.Module):
-        return bind(tree)
-    if isinstance(like, tuple):
-        return like[0], to_linen(tree)
-    return to_linen(tree)
+    return jtu.tree_map_with_path(lambda p, _: arrays[dotted(path_of(p))], target)
 
 
 def load(path: str | os.PathLike, like: Any = None) -> Any:
@@ -451,7 +424,7 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
             return file_tree(contents, read(contents))
         problems = _problems(contents, target)
         if not problems:
-            return _like(like, _fill(contents, target))
+            return like_form(like, _fill(contents, target))
         if contents.framework == framework(target):
             raise ValueError(
                 _MISMATCH.format(path=contents.path, problems="\n".join(problems))

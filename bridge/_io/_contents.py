@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._tree import Path as TreePath
+from .._paths import Path as TreePath
 
 
 try:

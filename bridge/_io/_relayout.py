@@ -27,9 +27,10 @@ import numpy as np
 
 from .._adapters._equinox import from_equinox
 from .._adapters._native import to_native
+from .._paths import Path, parse
 from .._port._codec import codec_of
 from .._port._layers import Layer, find_layers
-from .._tree import Path, Tree
+from .._tree import Tree
 from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
 
 
@@ -259,7 +260,7 @@ def _to_flax(contents: Contents, arrays: dict[str, Any], layers: list[Layer]):
         canonical = layer.codecs[0].decode(layer.leaves, layer.hyper)
         for name, array in canonical.items():
             role = "batch_stats" if name in _STATISTICS else "params"
-            path = layer.path + _split(name, "/")
+            path = layer.path + parse(name, "/")
             _add(out, tensors, path, role, array)
         for relative in layer.paths.values():
             stored.pop(layer.path + relative)
@@ -363,7 +364,7 @@ def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):
                 except re.error as error:
                     problems.append(f"rename {rule!r}: bad PATH: {error}")
                 break
-        out.append(_split(name, ".") if name else ())  # "": the root
+        out.append(parse(name) if name else ())  # "": the root
     for rule, _, _ in rules:
         if rule not in used:
             layers = [dotted(p) for p in paths]
@@ -375,10 +376,6 @@ def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):
         if len(olds) > 1:
             problems.append(_RENAME_CLASH.format(sources=olds, target=dotted(new)))
     return out
-
-
-def _split(name: str, sep: str) -> Path:
-    return tuple(int(k) if k.isdigit() else k for k in name.split(sep))
 
 
 def _add(out: dict, tensors: list[Stored], path: Path, role: str, array: Any) -> None:

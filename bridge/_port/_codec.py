@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from .._adapters._registry import names
+
 
 Leaves = dict[str, Any]
 """A layer's arrays by relative path, `"/"`-joined: `"kernel"`, `"query/kernel"`,
@@ -25,7 +27,8 @@ class Codec(NamedTuple):
 
     - `kind`: the layer family, shared by the codecs of every framework (`"Dense"`).
       Layers pair only with layers of the same kind.
-    - `framework`: `"linen"`, `"nnx"` or `"equinox"`.
+    - `framework`: the name of a registered framework: `"linen"`, `"nnx"` or
+      `"equinox"`.
     - `recognise`: `recognise(cls, leaves) -> bool`. `cls` is the native class of the
       module (`None` for Linen submodules, whose classes are not recorded), `leaves`
       its arrays by relative path. NNX and Equinox codecs check the class; Linen
@@ -58,7 +61,6 @@ class Codec(NamedTuple):
     defaults: Mapping[str, float] = {}
 
 
-_FRAMEWORKS = ("linen", "nnx", "equinox")
 _REGISTRY: dict[tuple[str, str], Codec] = {}
 
 
@@ -100,10 +102,10 @@ def register_codec(codec: Codec) -> Codec:
     """
     if not isinstance(codec, Codec):
         raise TypeError(f"Expected a bridge.Codec, got {type(codec).__name__}.")
-    if codec.framework not in _FRAMEWORKS:
+    if codec.framework not in names():
         raise ValueError(
-            f"Codec {codec.kind!r}: framework must be one of {_FRAMEWORKS}, got "
-            f"{codec.framework!r}."
+            f"Codec {codec.kind!r}: framework must be one of {names()} (the "
+            f"registered adapters), got {codec.framework!r}."
         )
     _REGISTRY[(codec.kind, codec.framework)] = codec
     return codec

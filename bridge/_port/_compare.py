@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from .._adapters._native import to_native
-from .._tree import Tree
+from .._adapters._native import infer
 
-
-_NO_MODULE = """\
-Linen variables alone cannot be called: pass `(module, variables)`, a bound module, or a
-Tree made with `bridge.from_linen(variables, module)`."""
 
 _OUTPUTS_DIFFER = """\
 The two models' outputs do not have the same structure: {a} and {b}. Compare models
@@ -26,29 +17,9 @@ that compute the same function (and mind channel order: see `channel_first`)."""
 
 
 def _forward(model: Any, inputs: tuple[Any, ...], channel_first: bool) -> Any:
-    if isinstance(model, Tree):
-        model = to_native(model)
-    if isinstance(model, nnx.Module):
-        model = nnx.clone(model)
-        model.eval()
-        return model(*inputs)
-    if isinstance(model, nn.Module):
-        return model(*inputs)
-    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
-        return model[0].apply(model[1], *inputs)
-    if isinstance(model, Mapping):
-        raise TypeError(_NO_MODULE)
-    state = None
-    if isinstance(model, tuple) and len(model) == 2:
-        model, state = model
-    model = eqx.nn.inference_mode(model)
     if channel_first:
         inputs = tuple(jnp.moveaxis(x, -1, 1) if x.ndim >= 3 else x for x in inputs)
-
-    def one(*xs):
-        return model(*xs) if state is None else model(*xs, state)[0]
-
-    out = jax.vmap(one)(*inputs)
+    out = infer(model, inputs)
     if channel_first:
         out = jax.tree_util.tree_map(
             lambda y: jnp.moveaxis(y, 1, -1) if y.ndim >= 3 else y, out
@@ -74,11 +45,11 @@ def compare(
       `model(*x, state)[0]`;
     - a `bridge.Tree`: its native model, as above.
 
-    Inputs are batched and channel-last, as Flax takes them. An Equinox model that
-    says `channel_first = True` (a class attribute or field), or whose entry in
-    `channel_first` is True, gets each input of rank >= 3 with its last axis moved to
-    axis 1 (`(N, H, W, C)` -> `(N, C, H, W)`, so each example is `(C, H, W)`), and its
-    outputs of rank >= 3 moved back.
+    Inputs are batched and channel-last, as Flax takes them. A model (such as an
+    Equinox model of convolutions) that says `channel_first = True` (a class
+    attribute or field), or whose entry in `channel_first` is True, gets each input
+    of rank >= 3 with its last axis moved to axis 1 (`(N, H, W, C)` -> `(N, C, H, W)`,
+    so each example is `(C, H, W)`), and its outputs of rank >= 3 moved back.
 
     **Arguments:**
 

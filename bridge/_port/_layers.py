@@ -8,8 +8,9 @@ from typing import Any
 
 import jax
 
-from .._adapters._native import to_native
-from .._tree import Path, Tree, framework, items, kind, path_str, roles, walk
+from .._adapters._registry import Adapter, adapter_named, adapter_of_class
+from .._paths import Path, at, path_str
+from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors
 from ._codec import Codec, Leaves, codecs
 
@@ -67,30 +68,32 @@ def _subtree_leaves(node: Tree, roles: Tree) -> tuple[Leaves, dict[str, Path]]:
     return leaves, paths
 
 
-def _native_at(root: Any, path: Path) -> Any:
-    obj = root
-    for key in path:
-        if isinstance(key, int) or isinstance(obj, dict):
-            obj = obj[key]
-        else:
-            obj = getattr(obj, key)
-    return obj
-
-
-def _linen_name(cls: Any, path: Path) -> str | None:
+def _auto_name(cls: Any, path: Path) -> str | None:
     if not path or cls is not None:  # the root, or a class a checkpoint recorded
         return getattr(cls, "__name__", None)
     match = _AUTO_NAME.match(str(path[-1]))
     return match.group(1) if match else None
 
 
-def _recognise(fw: str, cls: Any, path: Path, leaves: Leaves, problems: list[str]):
-    """The codecs that recognise this node (empty: not a layer)."""
-    found = tuple(c for c in codecs(fw) if c.recognise(cls, leaves))
-    if fw != "linen":
+def _recognise(
+    adapter: Adapter, cls: Any, path: Path, leaves: Leaves, problems: list[str]
+):
+    """The codecs that recognise this node (empty: not a layer).
+
+    A module class the Tree (or a checkpoint) recorded chooses its framework's codecs:
+    an NNX class in a file read back as Flax variables is read by the NNX codecs.
+    Where every module's class is known, the first codec that recognises it decides;
+    otherwise (Linen) an auto-name (`Dense_0`) picks the codecs named for it, and
+    failing that every codec that recognises the arrays is a candidate."""
+    owner = adapter_of_class(cls)
+    if owner is not None and owner.name != adapter.name:
+        adapter = owner
+    family = codecs(adapter.name)
+    found = tuple(c for c in family if c.recognise(cls, leaves))
+    if adapter.records_classes:
         return found[:1]
-    name = _linen_name(cls, path)
-    named = [c for c in codecs(fw) if name in c.names]
+    name = _auto_name(cls, path)
+    named = [c for c in family if name in c.names]
     if not named:
         return found
     fitting = tuple(c for c in named if c in found)
@@ -106,14 +109,10 @@ def _recognise(fw: str, cls: Any, path: Path, leaves: Leaves, problems: list[str
 def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
     """Every layer of `tree`, parents before children, in the Tree's (definition)
     order. Arrays under no recognised layer are reported as unsupported."""
-    fw = framework(tree) or "linen"
+    adapter = adapter_named(framework(tree) or "linen")  # a part: as Flax variables
     all_roles = roles(tree)
     role_nodes = dict(walk(all_roles))
-    native = None
-    if fw != "linen":
-        native = to_native(tree)
-        if isinstance(native, tuple):
-            native = native[0]
+    native = None if adapter.modules is None else adapter.modules(tree)
     layers: list[Layer] = []
     taken: list[Path] = []
     for path, node in walk(tree):
@@ -123,10 +122,15 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
         if not leaves:
             continue
         cls = kind(node)
-        found = _recognise(fw, cls, path, leaves, problems)
+        found = _recognise(adapter, cls, path, leaves, problems)
         if found:
-            module = None if native is None else _native_at(native, path)
-            hyper = found[0].hyperparameters(module)
+            module = None if native is None else at(native, path)
+            # a layer of a file read without its model (an NNX class recorded in a
+            # Flax file) has no module: its codecs read their settings from one
+            expects = adapter_named(found[0].framework).records_classes
+            hyper = (
+                {} if module is None and expects else found[0].hyperparameters(module)
+            )
             layer = Layer(path, found, leaves, paths, hyper)
             _read_specs(layer, problems)
             if layer.codecs:

@@ -18,7 +18,7 @@ from ._pairing import common_kind, pair
 
 
 @dataclass(frozen=True, eq=False)
-class Step:
+class PlanRow:
     """One layer moved: `source` path -> `target` path, its `kind`, the `transform`
     applied (`", bias = 0.0"` when the source has no bias) and the canonical (Flax)
     shapes. `fill` are entries the target has and the
@@ -52,7 +52,7 @@ class Plan:
 
     **Attributes:**
 
-    - `steps`: tuple of `Step`s (`source`, `target`, `kind`, `transform`, `shapes`),
+    - `steps`: tuple of `PlanRow`s (`source`, `target`, `kind`, `transform`, `shapes`),
       in the target's definition order.
     - `missing`: target layers no source layer fills (they keep their values; only
       with `strict=False`, else an error).
@@ -60,7 +60,7 @@ class Plan:
     - `warnings`: hyperparameters that differ between paired layers.
     """
 
-    steps: tuple[Step, ...]
+    steps: tuple[PlanRow, ...]
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
@@ -99,7 +99,7 @@ def _transform(source: Codec, target: Codec) -> str:
     return f"{source.layout or 'Flax'} -> {target.layout or 'Flax'}"
 
 
-def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> Step:
+def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
     sspec, tspec = s.specs[kind], t.specs[kind]
     defaults = {**s.codec(kind).defaults, **t.codec(kind).defaults}
     names = dict(source=s.where, target=t.where, kind=kind)
@@ -144,7 +144,7 @@ def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> Step:
         want = {k: (tuple(v.shape), v.dtype) for k, v in like.items()}
         if got != want:
             problems.append(_errors.UNFIT.format(made=got, like=want, **names))
-    return Step(
+    return PlanRow(
         s.where,
         t.where,
         kind,

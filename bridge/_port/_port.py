@@ -6,18 +6,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from .._adapters._linen import to_linen
-from .._adapters._native import to_native
-from .._tree import Path, Tree, map_with_path
+from .._adapters._native import like, placeholders
+from .._paths import Path
+from .._tree import Tree, map_with_path
 from . import _errors
-from ._plan import Plan, Step, make_plan
+from ._plan import Plan, PlanRow, make_plan
 
 
 def port(
@@ -78,7 +74,7 @@ def port(
 
     ```
     """
-    abstract = _placeholders(target)
+    abstract = placeholders(target)
     plan, problems = make_plan(source, abstract, rules, strict)
     if problems:
         raise _errors.PortError(problems)
@@ -89,26 +85,7 @@ def port(
             _errors.PortWarning,
             stacklevel=2,
         )
-    return _like(target, tree)
-
-
-def _placeholders(target: Any) -> Any:
-    """An Equinox target made with `eqx.filter_eval_shape` holds `ShapeDtypeStruct`s,
-    which Equinox does not count as arrays: stand in zero-memory read-only zeros
-    (`np.broadcast_to`), so the target's structure costs no memory. (NNX targets from
-    `nnx.eval_shape` and Linen ones from `jax.eval_shape(module.init, ...)` work as
-    they are.)"""
-    model = target[0] if isinstance(target, tuple) and target else target
-    if not isinstance(model, eqx.Module):
-        return target
-    return jax.tree_util.tree_map(
-        lambda x: (
-            np.broadcast_to(np.zeros((), x.dtype), x.shape)
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else x
-        ),
-        target,
-    )
+    return like(target, tree)
 
 
 def run(plan: Plan) -> Tree:
@@ -123,7 +100,7 @@ def run(plan: Plan) -> Tree:
     return map_with_path(lambda path, leaf: new.get(path, leaf), plan._target)
 
 
-def _move(step: Step, problems: list[str]) -> dict[Path, Any]:
+def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
     s, t = step._source, step._target
     assert s is not None and t is not None
     canonical = step.source_codec.decode(s.leaves, s.hyper)
@@ -154,16 +131,3 @@ def _placed(new: Any, like: Any) -> Any:
         if not new.sharding.is_equivalent_to(sharding, new.ndim):  # pyright: ignore
             return jax.device_put(new, sharding)
     return new
-
-
-def _like(target: Any, tree: Tree) -> Any:
-    """The filled Tree in the form the target was given."""
-    if isinstance(target, Tree):
-        return tree
-    if isinstance(target, (nnx.Module, eqx.Module, nn.Module)):
-        return to_native(tree)
-    if isinstance(target, tuple) and isinstance(target[0], eqx.Module):
-        return to_native(tree)
-    if isinstance(target, tuple) and isinstance(target[0], nn.Module):
-        return target[0], to_linen(tree)
-    return to_linen(tree)

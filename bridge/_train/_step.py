@@ -5,20 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
-from flax.errors import InvalidRngError
 
-from .._adapters._equinox import from_equinox
-from .._adapters._linen import from_linen, linen_module
-from .._adapters._native import to_native
-from .._adapters._nnx import from_nnx
-from .._tree import Path, Tree, framework, key_of, leaf_roles, path_str
+from .._adapters._native import forward
+from .._paths import Path, path_of, path_str
+from .._tree import Tree, leaf_roles
 
 
 _SPEC_NOT_BOOL = """\
@@ -52,24 +47,11 @@ _AUX_FORM = """\
 With has_aux=True, loss_fn must return a pair `(loss, aux)`, but it returned a
 {kind}."""
 
-_NEEDS_RNGS = """\
-{error}
-This Linen model draws random numbers (`make_rng`, as `nn.Dropout` does when not
-deterministic) from a stream the step was not given. Give the step its streams, as to
-`module.apply`: `step(tree, opt_state, *batch, rngs={{"dropout": key}})`, with a new
-key each step (e.g. `jax.random.fold_in(key, i)`); a new key does not retrace."""
-
 _CONSUMED = """\
 {what} was consumed by a step: the step donates the trainable leaves and the
 optimizer state to XLA, which reuses their buffers for the new ones. Use the Tree and
 `opt_state` the step returned, `tree, opt_state, loss = step(tree, opt_state, ...)`, or
 make the step with `bridge.make_step(..., donate=False)` to keep its inputs valid."""
-
-_STATE_FORM = """\
-This Equinox model has an eqx.nn.State, so loss_fn is called as
-`loss_fn(model, state, *batch)` and must return `(loss, new_state)` (with has_aux=True:
-`((loss, aux), new_state)`), the new state being what the model's layers return, but it
-returned {got}."""
 
 
 def make_step(
@@ -80,7 +62,7 @@ def make_step(
     has_aux: bool = False,
     donate: bool = True,
     axis_name: Hashable | None = None,
-) -> Step:
+) -> TrainStep:
     """A compiled training step that updates only the leaves `spec` marks trainable.
 
     `loss_fn` is written in the model's own framework: inside the compiled step the
@@ -142,7 +124,7 @@ def make_step(
 
     **Returns:**
 
-    A step with
+    A `bridge.TrainStep`, with
 
     - `step.init(tree) -> opt_state`: the optimizer state, for the trainable leaves
       only;
@@ -179,7 +161,7 @@ def make_step(
 
     ```
     """
-    return Step(loss_fn, optimizer, spec, has_aux, donate, axis_name)
+    return TrainStep(loss_fn, optimizer, spec, has_aux, donate, axis_name)
 
 
 class _Layout(NamedTuple):
@@ -192,8 +174,14 @@ class _Layout(NamedTuple):
     frozen: tuple[int, ...]  # the positions of the other leaves
 
 
-class Step:
-    """A training step made by `bridge.make_step`."""
+class TrainStep:
+    """A compiled training step, made by `bridge.make_step` (see there for its
+    arguments).
+
+    Call it as `step(tree, opt_state, *batch, rngs=None) -> (tree, opt_state, loss)`
+    (`aux` appended with `has_aux=True`); `step.init(tree)` makes the optimizer state
+    and `step.lower(...)` gives the `jax.jit` lowering.
+    """
 
     def __init__(
         self,
@@ -213,7 +201,7 @@ class Step:
         flags: dict[Path, bool] = {}
         problems = []
         for keypath, flag in flat:
-            path = tuple(key_of(e) for e in keypath)
+            path = path_of(keypath)
             if isinstance(flag, (bool, np.bool_)):
                 flags[path] = bool(flag)
             else:
@@ -294,7 +282,7 @@ class Step:
     def _check(self, tree: Tree) -> _Layout:
         """The layout of `tree`'s trainable leaves; checks the structure."""
         flat = jtu.tree_flatten_with_path(tree)[0]
-        paths = [tuple(key_of(e) for e in p) for p, _ in flat]
+        paths = [path_of(p) for p, _ in flat]
         have = set(paths)
         problems = [
             f"  {path_str(p)} is in the tree but not in the spec"
@@ -428,47 +416,15 @@ def _forward(
 ) -> tuple[Any, dict[int, Any]]:
     """Run `loss_fn` on the native model; return its output and, by leaf position,
     the new values of the non-`params` leaves that the forward pass wrote."""
-    native = to_native(tree, rngs=rngs)
-    kind = framework(tree)
-    if kind == "equinox" and isinstance(native, tuple):
-        model, state = native
-        result = loss_fn(model, state, *batch)
-        if not (
-            isinstance(result, tuple)
-            and len(result) == 2
-            and isinstance(result[1], eqx.nn.State)
-            and jtu.tree_structure(result[1]) == jtu.tree_structure(state)
-        ):
-            raise TypeError(_STATE_FORM.format(got=_describe(result)))
-        out, after = result[0], from_equinox(model, result[1])
-    elif kind == "linen" and isinstance(native, nn.Module):
-        try:
-            out = loss_fn(native, *batch)
-        except InvalidRngError as error:
-            raise ValueError(_NEEDS_RNGS.format(error=error)) from error
-        after = from_linen(native.variables, linen_module(tree))
-    else:
-        out = loss_fn(native, *batch)
-        if kind == "nnx":
-            after = from_nnx(native)
-        else:
-            return out, {}
-    new = {
-        tuple(key_of(e) for e in p): leaf
-        for p, leaf in jtu.tree_flatten_with_path(after)[0]
-    }
+    out, after = forward(tree, loss_fn, batch, rngs)
+    if after is None:
+        return out, {}
+    new = {path_of(p): leaf for p, leaf in jtu.tree_flatten_with_path(after)[0]}
     flat = jtu.tree_flatten_with_path(tree)[0]
     roles = leaf_roles(tree)
     updated = {}
     for i, ((keypath, leaf), role) in enumerate(zip(flat, roles)):
-        path = tuple(key_of(e) for e in keypath)
+        path = path_of(keypath)
         if role != "params" and path in new and new[path] is not leaf:
             updated[i] = new[path]
     return out, updated
-
-
-def _describe(result: Any) -> str:
-    if isinstance(result, tuple):
-        inner = ", ".join(type(x).__name__ for x in result)
-        return f"a tuple ({inner})"
-    return f"a {type(result).__name__}"

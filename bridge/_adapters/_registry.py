@@ -1,0 +1,168 @@
+"""The adapter registry: one small frozen record per framework, in one table.
+
+Everything `bridge` knows about a framework is in its `Adapter` record: its name, how
+to recognise its models, how to turn them into a `bridge.Tree` and back, and the few
+framework-specific steps that training, porting, comparing and checkpoints need.
+`to_neutral`, `to_native`, `make_step`, `port`, `compare` and `load` look the
+adapter up here; nothing outside an adapter module asks which framework it has.
+
+Adding a framework = one module that builds an `Adapter` and calls
+`register_adapter` once, its layer codecs (`bridge.register_codec`, with the same
+`framework` name), and a row in `tests/test_adapters.py`. `tests/test_adapters.py`
+also registers a toy fourth adapter (a dict of arrays) from inside a test, with no
+other change: the proof that this is the whole recipe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+
+if TYPE_CHECKING:
+    from .._tree import Tree
+
+
+_RNGS_HINT = (
+    "Pass random keys as batch arguments, `step(tree, opt_state, x, y, key)`, and "
+    "give them to the model in loss_fn."
+)
+
+
+class Adapter(NamedTuple):
+    """How `bridge` works with the models of one framework.
+
+    **Fields:**
+
+    - `name`: the short name, as stored in a Tree's source and in a checkpoint's
+      metadata, and as `bridge.Codec.framework` (`"linen"`, `"nnx"`, `"equinox"`).
+    - `display`: the name in messages (`"Flax NNX"`).
+    - `recognise`: `recognise(obj) -> bool`: whether `obj` is a model of this
+      framework, in any form `to_tree` takes (an `nnx.Module`; an Equinox model or
+      `(model, state)`; Linen variables, `(module, variables)` or a bound module).
+    - `to_tree`: `to_tree(obj) -> Tree`, for every `obj` that `recognise` accepts.
+    - `to_native`: `to_native(tree) -> native model`, the inverse.
+    - `module_types`: the base classes of the framework's modules (`nnx.Module`): a
+      module class recorded in a Tree or a checkpoint belongs to this framework when
+      it subclasses one of them, and its layers are read by this framework's codecs.
+    - `layout`: the names and shapes this framework stores arrays in, as recorded in
+      checkpoints (`"flax"` for Linen and NNX, which agree; `"equinox"`).
+    - `like`: optional, `like(target, tree) -> object`: a filled `tree` in the form
+      the caller gave `target` in (`port`, `load(like=...)`); by default
+      `to_native(tree)`.
+    - `placeholders`: optional, `placeholders(model) -> model`: an abstract model
+      (from `eval_shape`) made acceptable to `to_tree` at no memory cost; by
+      default the model as it is.
+    - `forward`: optional, `forward(tree, loss_fn, batch, rngs) -> (out, after)` for
+      `bridge.make_step`: call `loss_fn` on the native model and return its output and
+      the Tree after the forward pass (with the state it wrote: batch statistics, RNG
+      counters), or `None` when the forward pass writes no state. By default
+      `loss_fn(to_native(tree), *batch), None`.
+    - `infer`: optional, `infer(model, inputs) -> outputs` for `bridge.compare`: run
+      the native model (any form `recognise` accepts) for inference on batched
+      inputs; by default `model(*inputs)`.
+    - `bind`: optional, `bind(tree, rngs) -> native model`: `to_native` with random
+      streams (Linen, whose modules take them when bound). Without it, `rngs` are
+      refused with `rngs_hint` as the fix.
+    - `rngs_hint`: how this framework's models take random keys instead.
+    - `modules`: optional, `modules(tree) -> native model` whose submodules, found
+      by path, the codecs read hyperparameters from; `None` when they are not
+      available (Linen submodules exist only inside `apply`).
+    - `records_classes`: whether every module of a Tree has its class (NNX,
+      Equinox): then the first codec that recognises a module decides its kind.
+      Linen records the class of the root only: its layers are recognised by
+      auto-name (`Dense_0`) or by their arrays, possibly as several candidate kinds.
+    """
+
+    name: str
+    display: str
+    recognise: Callable[[Any], bool]
+    to_tree: Callable[[Any], Tree]
+    to_native: Callable[[Tree], Any]
+    module_types: tuple[type, ...]
+    layout: str
+    like: Callable[[Any, Tree], Any] | None = None
+    placeholders: Callable[[Any], Any] | None = None
+    forward: Callable[..., tuple[Any, Tree | None]] | None = None
+    infer: Callable[[Any, tuple[Any, ...]], Any] | None = None
+    bind: Callable[[Tree, Any], Any] | None = None
+    rngs_hint: str = _RNGS_HINT
+    modules: Callable[[Tree], Any] | None = None
+    records_classes: bool = True
+
+
+_ADAPTERS: dict[str, Adapter] = {}
+_LOCK = threading.Lock()
+
+_TWICE = """\
+An adapter named {name!r} is registered already ({display}): a framework has one \
+adapter. Pick another name."""
+
+
+def register_adapter(adapter: Adapter) -> Adapter:
+    """Register a framework's `Adapter`; refuses a second adapter of the same name.
+
+    Adapters are consulted most recently registered first, so an adapter whose
+    models are also Mappings (a state dict) is tried before Linen's variables.
+
+    **Arguments:**
+
+    - `adapter`: an `Adapter`.
+
+    **Returns:**
+
+    The adapter, so registration can be an expression.
+    """
+    if not isinstance(adapter, Adapter):
+        raise TypeError(f"Expected an Adapter, got {type(adapter).__name__}.")
+    with _LOCK:
+        known = _ADAPTERS.get(adapter.name)
+        if known is not None:
+            raise ValueError(_TWICE.format(name=adapter.name, display=known.display))
+        _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+def adapters() -> list[Adapter]:
+    """Every registered adapter, most recently registered first."""
+    return list(reversed(_ADAPTERS.values()))
+
+
+def names() -> tuple[str, ...]:
+    """The registered framework names, in registration order."""
+    return tuple(_ADAPTERS)
+
+
+def adapter_named(name: str) -> Adapter:
+    """The adapter of framework `name`; `KeyError` naming the registered ones."""
+    adapter = _ADAPTERS.get(name)
+    if adapter is None:
+        raise KeyError(
+            f"No framework {name!r} is registered; the frameworks are {names()}."
+        )
+    return adapter
+
+
+def display_name(name: str) -> str:
+    """`"nnx"` -> `"Flax NNX"`; an unregistered name as it is."""
+    adapter = _ADAPTERS.get(name)
+    return name if adapter is None else adapter.display
+
+
+def adapter_for(obj: Any) -> Adapter | None:
+    """The adapter whose `recognise` accepts `obj`, or None."""
+    return next((a for a in adapters() if a.recognise(obj)), None)
+
+
+def adapter_of_class(cls: Any) -> Adapter | None:
+    """The adapter whose modules subclass one of its `module_types`, or None."""
+    if not isinstance(cls, type):
+        return None
+    return next((a for a in adapters() if issubclass(cls, a.module_types)), None)
+
+
+def _unregister(name: str) -> None:
+    """Remove an adapter (for tests that register a toy one)."""
+    with _LOCK:
+        _ADAPTERS.pop(name, None)

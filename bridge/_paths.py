@@ -1,0 +1,86 @@
+"""Neutral paths: `('layers', 0, 'kernel')`, one copy of each helper that reads,
+writes or follows them.
+
+A neutral key is a `str` (an attribute or mapping key) or an `int` (a sequence index);
+a path is a tuple of keys. `jax.tree_util` key paths, `keystr` strings and dotted
+checkpoint names (`layers.0.kernel`) all convert to and from it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.tree_util as jtu
+
+
+Key = str | int
+Path = tuple[Key, ...]
+
+
+_KEY_OF = {
+    jtu.GetAttrKey: lambda e: e.name,
+    jtu.DictKey: lambda e: e.key,
+    jtu.SequenceKey: lambda e: e.idx,
+    jtu.FlattenedIndexKey: lambda e: e.key,
+}
+
+
+def key_of(entry: Any) -> Key:
+    """The neutral key (`str` or `int`) of one `jax.tree_util` key entry."""
+    get = _KEY_OF.get(type(entry))
+    if get is None:
+        raise TypeError(f"Unknown key entry {entry!r}.")
+    return get(entry)
+
+
+def path_of(keypath: Sequence[Any]) -> Path:
+    """The neutral path of a `jax.tree_util` key path: `('layers', 0, 'kernel')`."""
+    return tuple(map(key_of, keypath))
+
+
+def path_str(path: Sequence[Key]) -> str:
+    """`('layers', 0, 'kernel')` -> `'.layers[0].kernel'`, as `jax.tree_util.keystr`."""
+    out = []
+    for key in path:
+        if isinstance(key, int):
+            out.append(f"[{key}]")
+        elif key.isidentifier():
+            out.append(f".{key}")
+        else:
+            out.append(f"[{key!r}]")
+    return "".join(out)
+
+
+def parse(name: str, sep: str = ".") -> Path:
+    """`'layers.0.kernel'` -> `('layers', 0, 'kernel')`: digits become indices."""
+    return tuple(int(k) if k.isdigit() else k for k in name.split(sep))
+
+
+def child(node: Any, key: Key) -> Any:
+    """The child of a native node at `key`: an item for an `int` key or a mapping,
+    an attribute otherwise (Equinox modules, skeletons, Linen `setup` children)."""
+    if isinstance(key, int) or isinstance(node, Mapping):
+        return node[key]
+    return getattr(node, key)
+
+
+def at(root: Any, path: Path) -> Any:
+    """The native node at `path` under `root`, following `child`."""
+    for key in path:
+        root = child(root, key)
+    return root
+
+
+_ARRAY_TYPES: dict[type, bool] = {}
+
+
+def is_array(leaf: Any) -> bool:
+    """Whether a leaf is an array (has a shape and a dtype: JAX and NumPy arrays,
+    tracers, `jax.ShapeDtypeStruct`), decided once per type."""
+    cls = type(leaf)
+    known = _ARRAY_TYPES.get(cls)
+    if known is None:
+        # a benign race: two threads may both compute the same value
+        known = _ARRAY_TYPES[cls] = hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    return known
