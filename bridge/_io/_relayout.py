@@ -7,7 +7,8 @@ a codec recognises is decoded to the canonical layout, which is Flax's (Dense ke
 
 To Equinox: each layer of a Flax checkpoint (Linen or NNX) that the codecs recognise
 is decoded to the canonical layout, the Equinox layer of the same kind and shapes is
-built abstractly (`jax.eval_shape`, no memory) to learn the names, shapes and roles
+built abstractly by the Equinox codec's `build` (under `jax.eval_shape`, no memory;
+a codec without one is reported by path) to learn the names, shapes and roles
 `bridge.from_equinox` gives it (which biases, which `State` entries), and the
 Equinox codec encodes the arrays into it. Settings the arrays do not show (strides,
 padding, epsilon, momentum) are recorded as Flax's defaults. Arrays in no layer
@@ -17,18 +18,16 @@ with a role never ported (NNX's RNG state) are left out: Equinox models hold non
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._adapters._equinox import from_equinox
-from .._adapters._native import to_native
+from .._adapters._native import to_native, to_neutral
 from .._paths import Path, parse
-from .._port._codec import codec_of
+from .._port._codec import codec_of, codecs
 from .._port._layers import Layer, find_layers
 from .._tree import Tree
 from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
@@ -40,7 +39,14 @@ _STATISTICS = ("mean", "var")  # the canonical BatchNorm entries: role batch_sta
 
 _NO_EQUINOX = (
     "unsupported: {where} ({kinds}) has no Equinox counterpart a codec knows; "
-    "register an Equinox codec for it (bridge.register_codec)"
+    "register an Equinox codec of kind {kind!r} with a `build` "
+    "(bridge.register_codec(bridge.Codec(kind={kind!r}, framework='equinox', ..., "
+    "build=...)), see docs/guides/porting.md)"
+)
+_NO_BUILD = (
+    "unsupported: {where} ({kinds}): the Equinox codec of kind {kind!r} has no "
+    "`build`, so the Equinox layer cannot be made without the model; give the codec "
+    "a `build(canonical, options)` (see bridge.Codec)"
 )
 _CANNOT_CONVERT = """\
 {path} cannot be converted to the {layout} layout: {n} problem(s), nothing was written.
@@ -50,126 +56,6 @@ _EQUINOX_ONLY = """\
 {path} is converted from the {source} layout to the {layout} layout. Leave them out."""
 _RENAME_UNUSED = "rename {rule!r}: matches no layer (layers: {layers})"
 _RENAME_CLASH = "rename: {sources} would all be called {target!r}"
-
-_BUILDS: dict[str, Callable[[dict[str, Any], str], Any]] = {}
-
-
-def _build(kind: str):
-    def register(fn):
-        _BUILDS[kind] = fn
-        return fn
-
-    return register
-
-
-@_build("Dense")
-def _dense(c, mode):
-    (n_in, n_out), dtype = c["kernel"].shape, c["kernel"].dtype
-    return eqx.nn.Linear(
-        n_in, n_out, use_bias="bias" in c, dtype=dtype, key=jax.random.key(0)
-    )
-
-
-def _conv_args(c) -> tuple[int, dict[str, Any]]:
-    """The number of spatial dimensions, and the arguments of an Equinox convolution."""
-    kernel = c["kernel"]
-    *size, n_in, n_out = kernel.shape
-    return len(size), dict(
-        in_channels=n_in,
-        out_channels=n_out,
-        kernel_size=tuple(size),
-        use_bias="bias" in c,
-        dtype=kernel.dtype,
-        key=jax.random.key(0),
-    )
-
-
-# the classes an Equinox model of 1, 2 or 3 spatial dimensions uses (bridge.save
-# records them)
-_CONVS = {1: eqx.nn.Conv1d, 2: eqx.nn.Conv2d, 3: eqx.nn.Conv3d}
-_CONV_TRANSPOSES = {
-    1: eqx.nn.ConvTranspose1d,
-    2: eqx.nn.ConvTranspose2d,
-    3: eqx.nn.ConvTranspose3d,
-}
-
-
-@_build("Conv")
-def _conv(c, mode):
-    n, args = _conv_args(c)
-    return _CONVS[n](**args, padding="SAME")
-
-
-@_build("ConvTranspose")
-def _conv_transpose(c, mode):
-    n, args = _conv_args(c)
-    return _CONV_TRANSPOSES[n](**args)
-
-
-@_build("Embed")
-def _embed(c, mode):
-    table = c["embedding"]
-    return eqx.nn.Embedding(*table.shape, dtype=table.dtype, key=jax.random.key(0))
-
-
-def _affine(c):
-    ref = c.get("scale", c.get("bias"))
-    return dict(use_weight="scale" in c, use_bias="bias" in c, dtype=ref.dtype), ref
-
-
-@_build("LayerNorm")
-def _layer_norm(c, mode):
-    args, ref = _affine(c)
-    return eqx.nn.LayerNorm(ref.shape, eps=1e-6, **args)
-
-
-@_build("RMSNorm")
-def _rms_norm(c, mode):
-    args, ref = _affine(c)
-    return eqx.nn.RMSNorm(ref.shape, eps=1e-6, **args)
-
-
-@_build("GroupNorm")
-def _group_norm(c, mode):
-    ref = c.get("scale", c.get("bias"))
-    (channels,) = ref.shape
-    groups = 32 if channels % 32 == 0 else 1  # Flax's default when it divides
-    return eqx.nn.GroupNorm(
-        groups, channels, eps=1e-6, channelwise_affine=bool(c), dtype=ref.dtype
-    )
-
-
-@_build("BatchNorm")
-def _batch_norm(c, mode):
-    mean = c["mean"]
-    return eqx.nn.make_with_state(eqx.nn.BatchNorm)(
-        mean.shape[0],
-        "batch",
-        channelwise_affine="scale" in c or "bias" in c,
-        momentum=0.99,
-        mode=mode,
-        dtype=c.get("scale", mean).dtype,
-    )
-
-
-@_build("MultiHeadAttention")
-def _attention(c, mode):
-    query, value, out = c["query/kernel"], c["value/kernel"], c["out/kernel"]
-    return eqx.nn.MultiheadAttention(
-        num_heads=query.shape[1],
-        query_size=query.shape[0],
-        key_size=c["key/kernel"].shape[0],
-        value_size=value.shape[0],
-        output_size=out.shape[-1],
-        qk_size=query.shape[2],
-        vo_size=value.shape[2],
-        use_query_bias="query/bias" in c,
-        use_key_bias="key/bias" in c,
-        use_value_bias="value/bias" in c,
-        use_output_bias="out/bias" in c,
-        dtype=query.dtype,
-        key=jax.random.key(0),
-    )
 
 
 def relayout(
@@ -297,10 +183,11 @@ def _encode_layer(layer: Layer, kind: str, mode: str) -> tuple[Contents, dict]:
     """What `bridge.save` writes for the Equinox layer of this kind and shapes (built
     abstractly), and the layer's arrays encoded into it by the Equinox codec."""
     flax, equinox = layer.codec(kind), codec_of(kind, "equinox")
-    assert equinox is not None  # _equinox_kind checked it
+    assert equinox is not None and equinox.build is not None  # _equinox_kind checked
+    build, options = equinox.build, {"batch_norm_mode": mode}
     canonical = flax.decode(layer.leaves, layer.hyper)
     specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in canonical.items()}
-    target: Tree = jax.eval_shape(lambda: _neutral(_BUILDS[kind](specs, mode)))
+    target: Tree = jax.eval_shape(lambda: to_neutral(build(specs, options)))
     described, flat = describe(target, None)
     like = {"/".join(map(str, s.path)): flat[s.key] for s in described.tensors}
     native = to_native(target)
@@ -323,20 +210,26 @@ def _raise(contents: Contents, layout: str, problems: list[str]) -> None:
         )
 
 
-def _neutral(built: Any) -> Tree:
-    return from_equinox(*built) if isinstance(built, tuple) else from_equinox(built)
-
-
 def _equinox_kind(layer: Layer, problems: list[str]) -> str:
     """The kind to build: a Linen layer named in `setup` may fit several kinds whose
     Equinox arrays are the same (`Conv` or `ConvTranspose`, `LayerNorm` or
-    `GroupNorm`); the first in `_BUILDS` order is recorded."""
-    kinds = [k for k in _BUILDS if k in layer.kinds and codec_of(k, "equinox")]
-    if not kinds:
-        kinds_text = "/".join(layer.kinds)
-        problems.append(_NO_EQUINOX.format(where=layer.where, kinds=kinds_text))
-        return ""
-    return kinds[0]
+    `GroupNorm`); the kind whose Equinox codec was registered first is recorded."""
+    order = [c.kind for c in reversed(codecs("equinox"))]
+    known = sorted((k for k in layer.kinds if k in order), key=order.index)
+    buildable = [k for k in known if _builds(k)]
+    if buildable:
+        return buildable[0]
+    names = dict(where=layer.where, kinds="/".join(layer.kinds))
+    if known:
+        problems.append(_NO_BUILD.format(kind=known[0], **names))
+    else:
+        problems.append(_NO_EQUINOX.format(kind=layer.kinds[0], **names))
+    return ""
+
+
+def _builds(kind: str) -> bool:
+    codec = codec_of(kind, "equinox")
+    return codec is not None and codec.build is not None
 
 
 def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):

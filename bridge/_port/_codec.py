@@ -48,6 +48,13 @@ class Codec(NamedTuple):
     - `defaults`: canonical entries that may be absent on one side, with the value that
       means "absent" (`{"bias": 0.0, "scale": 1.0}`): a missing entry is filled with it,
       a dropped entry must hold only it.
+    - `build`: optional, `build(canonical, options) -> native layer`: a new layer of
+      this kind whose arrays fit the canonical ones given (`jax.ShapeDtypeStruct`s by
+      canonical name; settings the arrays do not show take Flax's defaults), or
+      `(layer, state)` for a layer with an `eqx.nn.State`. It runs under
+      `jax.eval_shape`, so it costs no memory. `bridge convert --to-layout` uses it
+      to store a checkpoint in this framework's layout without the model; `options`
+      holds the command's settings (`{"batch_norm_mode": "batch"}`).
     """
 
     kind: str
@@ -59,6 +66,7 @@ class Codec(NamedTuple):
     layout: str = ""
     names: tuple[str, ...] = ()
     defaults: Mapping[str, float] = {}
+    build: Callable[[Leaves, Mapping[str, Any]], Any] | None = None
 
 
 _REGISTRY: dict[tuple[str, str], Codec] = {}

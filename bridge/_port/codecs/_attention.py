@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -76,6 +77,25 @@ def _eqx_hyper(module: Any) -> dict[str, Any]:
     return hyper
 
 
+def _eqx_build(canonical: Leaves, options) -> eqx.nn.MultiheadAttention:
+    query, value = canonical["query/kernel"], canonical["value/kernel"]
+    return eqx.nn.MultiheadAttention(
+        num_heads=query.shape[1],
+        query_size=query.shape[0],
+        key_size=canonical["key/kernel"].shape[0],
+        value_size=value.shape[0],
+        output_size=canonical["out/kernel"].shape[-1],
+        qk_size=query.shape[2],
+        vo_size=value.shape[2],
+        use_query_bias="query/bias" in canonical,
+        use_key_bias="key/bias" in canonical,
+        use_value_bias="value/bias" in canonical,
+        use_output_bias="out/bias" in canonical,
+        dtype=query.dtype,
+        key=jax.random.key(0),
+    )
+
+
 MHA_LINEN = register_codec(
     Codec(
         "MultiHeadAttention",
@@ -108,5 +128,6 @@ MHA_EQUINOX = register_codec(
         _eqx_hyper,
         layout="fused heads (H*D, in)",
         defaults=_DEFAULTS,
+        build=_eqx_build,
     )
 )

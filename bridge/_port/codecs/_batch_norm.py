@@ -93,6 +93,21 @@ def _eqx_hyper(module: Any) -> dict[str, Any]:
     }
 
 
+def _eqx_build(canonical: Leaves, options) -> tuple[eqx.nn.BatchNorm, eqx.nn.State]:
+    """An Equinox `BatchNorm` and its `State` (`options["batch_norm_mode"]`: `"batch"`,
+    the default, or `"ema"`), with Flax's momentum 0.99."""
+    mean = canonical["mean"]
+    affine = "scale" in canonical or "bias" in canonical
+    return eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        mean.shape[0],
+        "batch",
+        channelwise_affine=affine,
+        momentum=0.99,
+        mode=options.get("batch_norm_mode", "batch"),
+        dtype=canonical.get("scale", mean).dtype,
+    )
+
+
 _DEFAULTS = {"bias": 0.0, "scale": 1.0}
 
 BATCH_NORM_LINEN = register_codec(
@@ -132,5 +147,6 @@ BATCH_NORM_EQUINOX = register_codec(
         _eqx_hyper,
         layout="stats in State",
         defaults=_DEFAULTS,
+        build=_eqx_build,
     )
 )

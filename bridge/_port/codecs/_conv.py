@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -105,6 +106,41 @@ def _eqx_conv(cls, leaves: Leaves) -> bool:
     return isinstance(cls, type) and issubclass(cls, eqx.nn.Conv)
 
 
+def _eqx_args(canonical: Leaves) -> tuple[int, dict[str, Any]]:
+    """The number of spatial dimensions, and the arguments of an Equinox convolution
+    holding the canonical `kernel` (and `bias`)."""
+    kernel = canonical["kernel"]
+    *size, n_in, n_out = kernel.shape
+    return len(size), dict(
+        in_channels=n_in,
+        out_channels=n_out,
+        kernel_size=tuple(size),
+        use_bias="bias" in canonical,
+        dtype=kernel.dtype,
+        key=jax.random.key(0),
+    )
+
+
+# the classes an Equinox model of 1, 2 or 3 spatial dimensions uses (bridge.save
+# records them)
+_CONVS = {1: eqx.nn.Conv1d, 2: eqx.nn.Conv2d, 3: eqx.nn.Conv3d}
+_CONV_TRANSPOSES = {
+    1: eqx.nn.ConvTranspose1d,
+    2: eqx.nn.ConvTranspose2d,
+    3: eqx.nn.ConvTranspose3d,
+}
+
+
+def _eqx_build_conv(canonical: Leaves, options) -> eqx.nn.Conv:
+    n, args = _eqx_args(canonical)
+    return _CONVS[n](**args, padding="SAME")
+
+
+def _eqx_build_transpose(canonical: Leaves, options) -> eqx.nn.ConvTranspose:
+    n, args = _eqx_args(canonical)
+    return _CONV_TRANSPOSES[n](**args)
+
+
 CONV_LINEN = register_codec(
     Codec(
         "Conv",
@@ -136,6 +172,7 @@ CONV_EQUINOX = register_codec(
         _eqx_encode,
         _eqx_hyper,
         layout=_LAYOUT,
+        build=_eqx_build_conv,
         defaults=_DEFAULTS,
     )
 )
@@ -183,6 +220,7 @@ CONV_TRANSPOSE_EQUINOX = register_codec(
         _eqx_encode,
         _eqx_transpose_hyper,
         layout=_LAYOUT,
+        build=_eqx_build_transpose,
         defaults=_DEFAULTS,
     )
 )

@@ -8,6 +8,7 @@ Canonical: `kernel` shape `(in, out)`, `bias` shape `(out,)`. Equinox stores
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -64,6 +65,16 @@ def _eqx_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
 _DEFAULTS = {"bias": 0.0}
 _USE_BIAS = attributes(use_bias="use_bias")
 
+
+def _eqx_build(canonical: Leaves, options) -> eqx.nn.Linear:
+    kernel = canonical["kernel"]
+    n_in, n_out = kernel.shape
+    use_bias = "bias" in canonical
+    return eqx.nn.Linear(
+        n_in, n_out, use_bias=use_bias, dtype=kernel.dtype, key=jax.random.key(0)
+    )
+
+
 DENSE_LINEN = register_codec(
     Codec(
         "Dense",
@@ -95,6 +106,7 @@ DENSE_EQUINOX = register_codec(
         _eqx_encode,
         _USE_BIAS,
         layout="weight (out,in)",
+        build=_eqx_build,
         defaults=_DEFAULTS,
     )
 )

@@ -7,6 +7,7 @@ same layout.
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 from flax import nnx
 
 from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
@@ -14,6 +15,11 @@ from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
 
 def _linen(cls, leaves: Leaves) -> bool:
     return set(leaves) == {"embedding"} and leaves["embedding"].ndim == 2
+
+
+def _eqx_build(canonical: Leaves, options) -> eqx.nn.Embedding:
+    table = canonical["embedding"]
+    return eqx.nn.Embedding(*table.shape, dtype=table.dtype, key=jax.random.key(0))
 
 
 EMBED_LINEN = register_codec(
@@ -30,5 +36,6 @@ EMBED_EQUINOX = register_codec(
         lambda leaves, hyper: {"embedding": leaves["weight"]},
         lambda canonical, like, hyper: {"weight": canonical["embedding"]},
         layout="weight",
+        build=_eqx_build,
     )
 )

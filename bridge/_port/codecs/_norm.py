@@ -70,7 +70,39 @@ def _flax(kind: str, framework: str, recognise, hyper=None, names=()) -> Codec:
     )
 
 
-def _equinox(kind: str, cls: type, hyper) -> Codec:
+def _reference(canonical: Leaves) -> Any:
+    """The `scale`, else the `bias`: either shows the features and the dtype."""
+    return canonical["scale"] if "scale" in canonical else canonical["bias"]
+
+
+def _affine(canonical: Leaves) -> tuple[dict[str, Any], Any]:
+    ref = _reference(canonical)
+    flags = dict(use_weight="scale" in canonical, use_bias="bias" in canonical)
+    return dict(flags, dtype=ref.dtype), ref
+
+
+# Equinox layers for `--to-layout equinox`, with Flax's defaults for what the arrays
+# do not show (epsilon 1e-6; 32 groups when they divide the channels)
+def _build_layer_norm(canonical: Leaves, options) -> eqx.nn.LayerNorm:
+    args, ref = _affine(canonical)
+    return eqx.nn.LayerNorm(ref.shape, eps=1e-6, **args)
+
+
+def _build_rms_norm(canonical: Leaves, options) -> eqx.nn.RMSNorm:
+    args, ref = _affine(canonical)
+    return eqx.nn.RMSNorm(ref.shape, eps=1e-6, **args)
+
+
+def _build_group_norm(canonical: Leaves, options) -> eqx.nn.GroupNorm:
+    ref = _reference(canonical)
+    (channels,) = ref.shape
+    groups = 32 if channels % 32 == 0 else 1
+    return eqx.nn.GroupNorm(
+        groups, channels, eps=1e-6, channelwise_affine=bool(canonical), dtype=ref.dtype
+    )
+
+
+def _equinox(kind: str, cls: type, hyper, build) -> Codec:
     return register_codec(
         Codec(
             kind,
@@ -81,6 +113,7 @@ def _equinox(kind: str, cls: type, hyper) -> Codec:
             hyper,
             layout="weight",
             defaults=_DEFAULTS,
+            build=build,
         )
     )
 
@@ -90,13 +123,17 @@ _EQX_NORM = attributes(epsilon="eps", use_scale="use_weight", use_bias="use_bias
 
 LAYER_NORM_LINEN = _flax("LayerNorm", "linen", _linen_affine, names=("LayerNorm",))
 LAYER_NORM_NNX = _flax("LayerNorm", "nnx", of_class(nnx.LayerNorm), _NNX_NORM)
-LAYER_NORM_EQUINOX = _equinox("LayerNorm", eqx.nn.LayerNorm, _EQX_NORM)
+LAYER_NORM_EQUINOX = _equinox(
+    "LayerNorm", eqx.nn.LayerNorm, _EQX_NORM, _build_layer_norm
+)
 
 RMS_NORM_LINEN = _flax("RMSNorm", "linen", _linen_rms, names=("RMSNorm",))
 RMS_NORM_NNX = _flax(
     "RMSNorm", "nnx", of_class(nnx.RMSNorm), attributes(epsilon="epsilon")
 )
-RMS_NORM_EQUINOX = _equinox("RMSNorm", eqx.nn.RMSNorm, attributes(epsilon="eps"))
+RMS_NORM_EQUINOX = _equinox(
+    "RMSNorm", eqx.nn.RMSNorm, attributes(epsilon="eps"), _build_rms_norm
+)
 
 GROUP_NORM_LINEN = _flax("GroupNorm", "linen", _linen_affine, names=("GroupNorm",))
 GROUP_NORM_NNX = _flax(
@@ -105,4 +142,6 @@ GROUP_NORM_NNX = _flax(
     of_class(nnx.GroupNorm),
     attributes(epsilon="epsilon", groups="num_groups"),
 )
-GROUP_NORM_EQUINOX = _equinox("GroupNorm", eqx.nn.GroupNorm, _eqx_groups)
+GROUP_NORM_EQUINOX = _equinox(
+    "GroupNorm", eqx.nn.GroupNorm, _eqx_groups, _build_group_norm
+)

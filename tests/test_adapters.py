@@ -1,0 +1,482 @@
+"""What every adapter must do: the checklist for a new framework.
+
+Each registered framework has a row in `FRAMEWORKS`; every test below runs for each
+row: the round trip is exact (structure, dtypes, bits) and zero copy, the source is
+never mutated, `to_neutral`/`to_native` dispatch to it, errors name the fix, and it
+survives 8 threads converting at once. Then a toy fourth framework (a dict of arrays,
+with its own codecs) is registered from inside this file, touching no other file, and
+works with `to_neutral`, `to_native`, `trainable`, `make_step`, `port` (both ways
+with NNX), `save`/`load`: the proof that the adapter registry is the whole recipe.
+Last, a user codec pair (the porting guide's `Scale`) goes through a checkpoint file
+and through `bridge convert --to-layout equinox`.
+"""
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import bridge
+from bridge._adapters import _registry
+from bridge._cli import main
+from bridge._tree import Tree, build, framework, native_leaves
+
+from . import models
+from .helpers import (
+    DTYPES,
+    array_of,
+    leaf_objects,
+    same_objects,
+    snapshot,
+    tree_equal_bits,
+)
+
+
+# --- the checklist, one row per framework --------------------------------------------
+
+
+class _LinenHolder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x
+
+
+class _NNXHolder(nnx.Module):
+    def __init__(self, leaf):
+        self.value = nnx.Param(leaf)
+
+
+class _EqxHolder(eqx.Module):
+    value: Any
+
+
+@dataclass(frozen=True)
+class Framework:
+    """A row of the checklist: how to make a model, run it, and hold one array."""
+
+    name: str
+    make: Callable[[], Any]  # a model, in a form to_neutral takes
+    run: Callable[[Any], Any]  # its output on models.mlp_input(), for a native model
+    holding: Callable[[Any], Any]  # a model whose only array is the given one
+
+
+FRAMEWORKS = {
+    "linen": Framework(
+        "linen",
+        lambda: models.linen_mlp(),
+        lambda m: m[0].apply(m[1], models.mlp_input()),
+        lambda leaf: {"params": {"value": leaf}},
+    ),
+    "nnx": Framework(
+        "nnx",
+        models.nnx_mlp,
+        lambda m: m(models.mlp_input()),
+        _NNXHolder,
+    ),
+    "equinox": Framework(
+        "equinox",
+        models.equinox_mlp,
+        lambda m: jax.vmap(m)(models.mlp_input()),
+        _EqxHolder,
+    ),
+}
+
+
+def _native_form(name: str, native: Any, source: Any) -> Any:
+    """`to_native`'s result in the form `run` takes (Linen: `(module, variables)`)."""
+    if name == "linen":
+        return source[0], native.variables if isinstance(native, nn.Module) else native
+    return native
+
+
+def test_every_registered_framework_has_a_row():
+    assert set(_registry.names()) >= set(FRAMEWORKS)
+    for name in FRAMEWORKS:
+        adapter = _registry.adapter_named(name)
+        assert adapter.name == name and adapter.display and adapter.layout
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_round_trip_is_exact_zero_copy_and_leaves_the_source(name):
+    row = FRAMEWORKS[name]
+    source = row.make()
+    before = snapshot(source)
+    tree = bridge.to_neutral(source)
+    assert framework(tree) == name and bridge.to_neutral(tree) is tree
+    native = bridge.to_native(tree)
+    # zero copy: the Tree's leaves are the source's arrays, and so are the result's
+    arrays = [x for x in leaf_objects(source) if hasattr(x, "dtype")]
+    assert {id(x) for x in leaf_objects(tree)} == {id(x) for x in arrays}
+    again = bridge.to_neutral(native if name != "linen" else source)
+    assert same_objects(leaf_objects(again), leaf_objects(tree))
+    # the same function, bit for bit, and the source untouched
+    assert tree_equal_bits(row.run(_native_form(name, native, source)), row.run(source))
+    assert snapshot(source) == before
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ("key",))
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_every_dtype_round_trips_exactly(name, dtype):
+    leaf = jax.random.split(jax.random.key(7), 3) if dtype == "key" else array_of(dtype)
+    model = FRAMEWORKS[name].holding(leaf)
+    tree = bridge.to_neutral(model)
+    (stored,) = jax.tree_util.tree_leaves(tree)
+    assert stored is leaf and stored.dtype == leaf.dtype
+    back = bridge.to_neutral(bridge.to_native(tree))
+    (again,) = jax.tree_util.tree_leaves(back)
+    assert again is leaf and tree_equal_bits(again, leaf)
+
+
+def test_to_neutral_dispatches_on_what_it_is_given():
+    module, variables = models.linen_mlp()
+    model, state = models.equinox_cnn()
+    cases = [
+        (models.nnx_mlp(), "nnx"),
+        (model, "equinox"),
+        ((model, state), "equinox"),
+        (variables, "linen"),
+        ((module, variables), "linen"),
+        (module.bind(variables), "linen"),
+    ]
+    for obj, expected in cases:
+        tree = bridge.to_neutral(obj)
+        assert framework(tree) == expected
+        assert bridge.to_neutral(tree) is tree
+    assert isinstance(bridge.to_native(bridge.to_neutral((model, state))), tuple)
+
+
+def test_to_native_gives_each_framework_its_own_model():
+    module, variables = models.linen_mlp()
+    x = models.mlp_input()
+    bound = bridge.to_native(bridge.to_neutral((module, variables)))
+    assert isinstance(bound, nn.Module) and tree_equal_bits(
+        bound(x), module.apply(variables, x)
+    )
+    assert isinstance(bridge.to_native(bridge.to_neutral(models.nnx_mlp())), nnx.Module)
+    eqx_model = bridge.to_native(bridge.to_neutral(models.equinox_mlp()))
+    assert isinstance(eqx_model, eqx.nn.MLP)
+    assert tree_equal_bits(jax.vmap(eqx_model)(x), jax.vmap(models.equinox_mlp())(x))
+
+
+def test_an_unknown_object_is_refused():
+    with pytest.raises(TypeError, match="does not know how to convert a int"):
+        bridge.to_neutral(3)
+    with pytest.raises(TypeError, match="does not know how to convert a tuple"):
+        bridge.to_neutral((1, 2))
+
+
+def test_an_unbound_linen_module_is_refused():
+    module, _ = models.linen_mlp()
+    with pytest.raises(TypeError, match="unbound Linen module holds no weights"):
+        bridge.to_neutral(module)
+
+
+def test_a_subtree_is_refused():
+    t = bridge.from_nnx(models.nnx_mlp())
+    with pytest.raises(TypeError, match="a part of a model .a subtree."):
+        bridge.to_native(t.layers)
+    with pytest.raises(TypeError, match="Expected a bridge.Tree, got dict"):
+        bridge.to_native({})
+
+
+@pytest.mark.parametrize(
+    "source, to",
+    [
+        ("nnx", bridge.to_linen),
+        ("nnx", bridge.to_equinox),
+        ("linen", bridge.to_nnx),
+        ("equinox", bridge.to_nnx),
+        ("equinox", bridge.to_linen),
+    ],
+)
+def test_a_tree_from_another_framework_is_refused(source, to):
+    tree = bridge.to_neutral(FRAMEWORKS[source].make())
+    with pytest.raises(
+        TypeError, match=r"use bridge.to_native\(tree\), or bridge.port"
+    ):
+        to(tree)
+
+
+def test_a_second_adapter_of_a_name_is_refused():
+    linen = _registry.adapter_named("linen")
+    with pytest.raises(ValueError, match="'linen' is registered already"):
+        _registry.register_adapter(linen)
+    with pytest.raises(TypeError, match="Expected an Adapter, got dict"):
+        _registry.register_adapter({"name": "x"})  # pyright: ignore[reportArgumentType]
+
+
+def _linen_variables(i: int) -> dict:
+    """Linen variables of structure `i` (each `i` another structure)."""
+    return {"params": {f"Dense_{j}": {"kernel": jnp.ones((2, 2))} for j in range(i)}}
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_eight_threads_converting_at_once_never_fail(name):
+    # more structures than the Linen adapter remembers (32), so that threads evict
+    # each other's entries while they convert
+    if name == "linen":
+        sources = [_linen_variables(i) for i in range(1, 41)]
+    else:
+        sources = [FRAMEWORKS[name].make() for _ in range(4)]
+    want = [jax.tree_util.tree_leaves(bridge.to_neutral(s)) for s in sources]
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work(k: int) -> None:
+        try:
+            start.wait()
+            for _ in range(5):
+                for i in range(k % 3, len(sources), 3):
+                    tree = bridge.to_neutral(sources[i])
+                    assert same_objects(jax.tree_util.tree_leaves(tree), want[i])
+                    bridge.to_native(tree)
+        except BaseException as error:  # collected, raised by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+
+
+# --- a toy fourth framework, registered from this file only --------------------------
+
+
+class ToyLinear(dict):
+    """The toy framework's layer: `{"w": (out, in), "b": (out,)}`, `y = w @ x + b`."""
+
+
+class ToyMLP(dict):
+    """The toy framework's model: named layers, applied in order, relu between."""
+
+    def __call__(self, x):
+        layers = list(self.values())
+        for layer in layers[:-1]:
+            x = jax.nn.relu(_affine(x, layer))
+        return _affine(x, layers[-1])
+
+
+def _affine(x, layer):
+    y = x @ layer["w"].T
+    return y + jnp.broadcast_to(layer["b"], y.shape)
+
+
+def toy_mlp(seed: int = 0) -> ToyMLP:
+    sizes = [models.D_IN, models.D_HID, models.D_HID, models.D_OUT]
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return ToyMLP(
+        {
+            f"l{i}": ToyLinear(
+                w=jax.random.normal(key, (n_out, n_in)),
+                b=jnp.full((n_out,), 0.1 * i),
+            )
+            for i, (key, n_in, n_out) in enumerate(zip(keys, sizes, sizes[1:]))
+        }
+    )
+
+
+def toy_arrays(model: ToyMLP) -> list:
+    """The toy model's arrays in order (its classes are not pytree nodes)."""
+    return [array for layer in model.values() for array in layer.values()]
+
+
+def _toy_to_tree(model: ToyMLP) -> Tree:
+    entries, kinds = [], {(): type(model)}
+    record = []
+    for name, layer in model.items():
+        kinds[(name,)] = type(layer)
+        record.append((name, type(layer), tuple(layer)))
+        for key, array in layer.items():
+            entries.append(((name, key), "params", array, len(entries)))
+    return build(entries, kinds, "toy", tuple(record))
+
+
+def _toy_to_native(tree: Tree) -> ToyMLP:
+    src, leaves = native_leaves(tree, "toy")
+    arrays = iter(leaves)
+    return ToyMLP(
+        {name: cls({k: next(arrays) for k in keys}) for name, cls, keys in src.record}
+    )
+
+
+TOY = _registry.Adapter(
+    name="toy",
+    display="Toy",
+    recognise=lambda obj: isinstance(obj, ToyMLP),
+    to_tree=_toy_to_tree,
+    to_native=_toy_to_native,
+    module_types=(ToyMLP, ToyLinear),
+    layout="toy",
+)
+
+TOY_DENSE = bridge.Codec(
+    kind="Dense",
+    framework="toy",
+    recognise=lambda cls, leaves: cls is ToyLinear,
+    decode=lambda leaves, hyper: {"kernel": leaves["w"].T, "bias": leaves["b"]},
+    encode=lambda canonical, like, hyper: {
+        "w": canonical["kernel"].T,
+        "b": canonical["bias"],
+    },
+    layout="w (out,in)",
+)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """The toy adapter and its codec, registered for this module's tests only."""
+    _registry.register_adapter(TOY)
+    bridge.register_codec(TOY_DENSE)
+    yield TOY
+    _registry._unregister("toy")
+
+
+def test_toy_round_trip_is_exact_and_zero_copy(toy):
+    model = toy_mlp()
+    tree = bridge.to_neutral(model)
+    assert framework(tree) == "toy" and tree.l1.w.shape == (models.D_HID,) * 2
+    back = bridge.to_native(tree)
+    assert type(back) is ToyMLP and type(back["l0"]) is ToyLinear
+    assert same_objects(toy_arrays(back), toy_arrays(model))
+    x = models.mlp_input()
+    assert tree_equal_bits(back(x), model(x))
+    with pytest.raises(ValueError, match="this Tree came from a Toy model. Pass"):
+        bridge.to_native(tree, rngs=jax.random.key(0))
+
+
+def test_toy_trains_only_what_the_spec_marks(toy):
+    model, x, y = toy_mlp(), models.mlp_input(), jnp.zeros((4, models.D_OUT))
+    tree = bridge.to_neutral(model)
+    spec = bridge.trainable(tree, r"\.l2\..*")
+
+    def loss_fn(m, x, y):
+        return jnp.mean((m(x) - y) ** 2)
+
+    step = bridge.make_step(loss_fn, optax.sgd(0.1), spec)
+    assert isinstance(step, bridge.TrainStep)
+    new, _, loss = step(tree, step.init(tree), x, y)
+    # the oracle: plain JAX on the dict, gradient of the last layer only
+    last = dict(model["l2"])
+
+    def oracle(last):
+        return loss_fn(ToyMLP({**model, "l2": last}), x, y)
+
+    value, grads = jax.value_and_grad(oracle)(last)
+    assert np.allclose(loss, value, rtol=1e-6)
+    for k in ("w", "b"):
+        assert np.allclose(new.l2[k], last[k] - 0.1 * grads[k], rtol=1e-5, atol=1e-7)
+    assert new.l0.w is tree.l0.w and new.l1.b is tree.l1.b  # frozen: the same arrays
+
+
+def test_toy_ports_to_and_from_nnx(toy):
+    x = models.mlp_input()
+    source = toy_mlp(seed=3)
+    ported = bridge.port(source, models.nnx_mlp())
+    assert isinstance(ported, nnx.Module)
+    assert bridge.compare(source, ported, x) < 1e-6
+    assert np.array_equal(ported.layers[0].kernel[...], source["l0"]["w"].T)
+    back = bridge.port(ported, toy_mlp(seed=9))
+    assert type(back) is ToyMLP
+    assert tree_equal_bits(toy_arrays(back), toy_arrays(source))
+    plan = bridge.port_plan(models.nnx_mlp(), toy_mlp())
+    assert [r.transform for r in plan.steps] == ["Flax -> w (out,in)"] * 3
+
+
+def test_toy_saves_and_loads_into_itself_and_into_nnx(toy, tmp_path):
+    source = toy_mlp(seed=5)
+    path = tmp_path / "toy.safetensors"
+    bridge.save(path, source)
+    loaded = bridge.load(path, like=toy_mlp(seed=6))
+    assert type(loaded) is ToyMLP
+    assert tree_equal_bits(toy_arrays(loaded), toy_arrays(source))
+    # the file records the toy classes: its layers are read by the toy codecs
+    into_nnx = bridge.load(path, like=models.nnx_mlp())
+    assert bridge.compare(source, into_nnx, models.mlp_input()) < 1e-6
+
+
+# --- a user codec pair through a checkpoint and through `convert --to-layout` --------
+
+
+class Scale(nnx.Module):  # y = x * gain, as in docs/guides/porting.md
+    def __init__(self, n):
+        self.gain = nnx.Param(jnp.ones(n))
+
+    def __call__(self, x):
+        return x * jnp.broadcast_to(self.gain[...], x.shape)
+
+
+class EqxScale(eqx.Module):
+    weight: jax.Array
+
+    def __call__(self, x):
+        return x * self.weight
+
+
+def _scale_codecs(build: bool) -> None:
+    bridge.register_codec(
+        bridge.Codec(
+            kind="Scale",
+            framework="nnx",
+            recognise=lambda cls, leaves: cls is Scale,
+            decode=lambda leaves, hyper: {"scale": leaves["gain"]},
+            encode=lambda canonical, like, hyper: {"gain": canonical["scale"]},
+        )
+    )
+    bridge.register_codec(
+        bridge.Codec(
+            kind="Scale",
+            framework="equinox",
+            recognise=lambda cls, leaves: cls is EqxScale,
+            decode=lambda leaves, hyper: {"scale": leaves["weight"]},
+            encode=lambda canonical, like, hyper: {"weight": canonical["scale"]},
+            layout="weight",
+            build=(
+                lambda canonical, options: EqxScale(
+                    jnp.zeros(canonical["scale"].shape, canonical["scale"].dtype)
+                )
+            )
+            if build
+            else None,
+        )
+    )
+
+
+def _scale(n=3) -> Scale:
+    model = Scale(n)
+    model.gain[...] = jnp.arange(1.0, n + 1)
+    return model
+
+
+def test_a_user_codec_loads_a_file_into_another_framework(tmp_path):
+    _scale_codecs(build=False)
+    path = tmp_path / "scale.safetensors"
+    bridge.save(path, _scale())
+    loaded = bridge.load(path, like=EqxScale(jnp.zeros(3)))
+    assert isinstance(loaded, EqxScale)
+    assert np.array_equal(loaded.weight, jnp.arange(1.0, 4.0))
+
+
+def test_a_user_codec_converts_a_file_to_the_equinox_layout(tmp_path, capsys):
+    source, target = tmp_path / "scale.safetensors", tmp_path / "eqx.safetensors"
+    bridge.save(source, _scale())
+    _scale_codecs(build=False)
+    argv = ["convert", str(source), str(target), "--to-layout", "equinox"]
+    assert main(argv) == 1 and not target.exists()
+    err = capsys.readouterr().err
+    assert "the Equinox codec of kind 'Scale' has no `build`" in err
+    _scale_codecs(build=True)
+    assert main(argv) == 0
+    loaded = bridge.load(target, like=EqxScale(jnp.zeros(3)))
+    assert np.array_equal(loaded.weight, jnp.arange(1.0, 4.0))
+    assert bridge.compare(_scale(), loaded, jnp.ones((2, 3))) == 0.0
