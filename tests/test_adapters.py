@@ -363,16 +363,16 @@ def test_toy_trains_only_what_the_spec_marks(toy):
     def loss_fn(m, x, y):
         return jnp.mean((m(x) - y) ** 2)
 
-    step = bridge.make_step(loss_fn, optax.sgd(0.1), spec)
-    assert isinstance(step, bridge.TrainStep)
-    new, _, loss = step(tree, step.init(tree), x, y)
     # the oracle: plain JAX on the dict, gradient of the last layer only
-    last = dict(model["l2"])
+    last = {k: jnp.array(v) for k, v in model["l2"].items()}  # copies: the step donates
 
     def oracle(last):
         return loss_fn(ToyMLP({**model, "l2": last}), x, y)
 
     value, grads = jax.value_and_grad(oracle)(last)
+    step = bridge.make_step(loss_fn, optax.sgd(0.1), spec)
+    assert isinstance(step, bridge.TrainStep)
+    new, _, loss = step(tree, step.init(tree), x, y)
     assert np.allclose(loss, value, rtol=1e-6)
     for k in ("w", "b"):
         assert np.allclose(new.l2[k], last[k] - 0.1 * grads[k], rtol=1e-5, atol=1e-7)

@@ -22,12 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._adapters._native import to_native, to_neutral
 from .._paths import Path, parse
-from .._port._codec import codec_of, codecs
+from .._port._codec import codec_of, codecs, filled
 from .._port._layers import Layer, find_layers
 from .._tree import Tree
 from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
@@ -194,9 +193,7 @@ def _encode_layer(layer: Layer, kind: str, mode: str) -> tuple[Contents, dict]:
     hyper = equinox.hyperparameters(native[0] if isinstance(native, tuple) else native)
     decode = equinox.decode
     needed = jax.eval_shape(lambda leaves: decode(leaves, hyper), like)
-    for name, value in equinox.defaults.items():  # e.g. one of scale/bias absent
-        if name in needed and name not in canonical:
-            canonical[name] = jnp.full(needed[name].shape, value, needed[name].dtype)
+    canonical = filled(canonical, needed, equinox.defaults)  # e.g. scale/bias absent
     return described, equinox.encode(canonical, like, hyper)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 from .._adapters._registry import names
 
 
@@ -158,6 +160,18 @@ def attributes(**names: str) -> Callable[[Any], dict[str, Any]]:
         return out
 
     return read
+
+
+def filled(
+    canonical: Leaves, specs: Mapping[str, Any], defaults: Mapping[str, float]
+) -> Leaves:
+    """`canonical` with each entry of `defaults` that `specs` (shapes and dtypes by
+    canonical name) has and `canonical` lacks, filled with its neutral value."""
+    out = dict(canonical)
+    for name, value in defaults.items():
+        if name in specs and name not in out:
+            out[name] = jnp.full(specs[name].shape, value, specs[name].dtype)
+    return out
 
 
 def shape_of(x: Any) -> tuple[int, ...]:

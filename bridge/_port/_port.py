@@ -13,6 +13,7 @@ from .._adapters._native import like, placeholders
 from .._paths import Path
 from .._tree import Tree, map_with_path
 from . import _errors
+from ._codec import filled
 from ._plan import Plan, PlanRow, make_plan
 
 
@@ -116,9 +117,9 @@ def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
                 )
             )
     spec = t.specs[step.kind]
-    canonical = {k: canonical[k] for k in spec if k in canonical}
-    for entry, value in step.fill.items():
-        canonical[entry] = jnp.full(spec[entry].shape, value, spec[entry].dtype)
+    canonical = filled(
+        {k: canonical[k] for k in spec if k in canonical}, spec, step.fill
+    )
     leaves = step.target_codec.encode(canonical, t.leaves, t.hyper)
     return {t.path + t.paths[k]: _placed(v, t.leaves[k]) for k, v in leaves.items()}
 
