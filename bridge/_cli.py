@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ._demo import demo
 from ._io._checkpoint import Contents, open_checkpoint, read, write
@@ -60,8 +62,33 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
 
 
+def printable(text: object) -> Text:
+    r"""`text` (a string from a file) as rich text shown literally: no markup is
+    interpreted, and control and format characters (terminal escapes, bidi marks,
+    NUL) are shown escaped (`\x1b`).
+
+    ```python
+    >>> printable("[red]a\x1b[2Jb").plain
+    '[red]a\\x1b[2Jb'
+
+    ```
+    """
+    chars = (
+        repr(c)[1:-1] if unicodedata.category(c) in _UNPRINTABLE else c
+        for c in str(text)
+    )
+    return Text("".join(chars))
+
+
+_UNPRINTABLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
+
+
+_ROWS = 1000  # a table longer than this shows its first rows only (rich is slow)
+
+
 def inspect_table(contents: Contents) -> tuple[Table, str]:
-    """The arrays of a checkpoint as a rich table, and the line of totals."""
+    """The arrays of a checkpoint as a rich table (the first 1,000), and the line of
+    totals (of all)."""
     table = Table()
     table.add_column("path", overflow="fold")
     table.add_column("role")
@@ -75,7 +102,17 @@ def inspect_table(contents: Contents) -> tuple[Table, str]:
         elements += count
         nbytes += s.nbytes
         params += count if s.role == "params" else 0
-        table.add_row(s.key, s.role, str(shape), dtype, human(s.nbytes))
+        if table.row_count == _ROWS:
+            continue
+        table.add_row(
+            printable(s.key),
+            printable(s.role),
+            str(shape),
+            dtype,
+            human(s.nbytes),
+        )
+    if len(contents.tensors) > _ROWS:
+        table.add_row(f"... {len(contents.tensors) - _ROWS:,} more", "", "", "", "")
     totals = (
         f"{len(contents.tensors):,} arrays, {params:,} parameters "
         f"({elements:,} elements), {nbytes:,} bytes ({human(nbytes)})"
@@ -87,17 +124,20 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
     with open_checkpoint(args.path) as contents:
         pass  # the header is all inspect shows
     table, totals = inspect_table(contents)
-    fw = contents.framework or "framework unknown"
-    layout = f"{contents.layout or 'unknown'} layout"
+    fw = printable(contents.framework or "framework unknown")
+    layout = printable(f"{contents.layout or 'unknown'} layout")
     console.print(
-        f"{contents.path} ({contents.format}, {fw}, {layout})", soft_wrap=True
+        Text.assemble(
+            printable(contents.path), f" ({contents.format}, ", fw, ", ", layout, ")"
+        ),
+        soft_wrap=True,
     )
     console.print(table)
     console.print(totals, soft_wrap=True)
     if contents.version:
-        console.print(f"saved by bridge {contents.version}", soft_wrap=True)
+        console.print(Text("saved by bridge ") + printable(contents.version))
     for key, value in contents.metadata.items():
-        console.print(f"{key}: {value}", markup=False, soft_wrap=True)
+        console.print(printable(key) + ": " + printable(value), soft_wrap=True)
 
 
 def _convert(args: argparse.Namespace, console: Console) -> None:
@@ -117,6 +157,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
         f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst).name}): "
         f"{len(contents.tensors):,} arrays",
         soft_wrap=True,
+        markup=False,
     )
 
 
@@ -194,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.run(args, console)
     except (OSError, ValueError, TypeError) as error:  # PortError is a ValueError
-        message = " ".join(str(error).split())
+        message = printable(" ".join(str(error).split())).plain
         print(f"bridge {args.command}: error: {message}", file=sys.stderr)
         return 1
     return 0

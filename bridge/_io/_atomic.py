@@ -2,16 +2,25 @@
 
 Everything is written under a temporary name in the destination's own directory (so
 the final rename never crosses a filesystem), flushed to disk, then renamed over the
-destination. A failure before the rename leaves any earlier checkpoint at that path
-untouched and removes the temporary.
+destination. The temporary's name is derived from the destination alone
+(`.NAME.bridge-tmp`), the same in every process, and saves into one directory take
+turns (an exclusive `flock` on the directory, released by the kernel even when a
+process is killed). So whatever a temporary is found when a save starts was left by
+a save that died: it is removed (and an orbax directory that a dead save had moved
+aside is put back if the destination is missing). A failure before the rename
+leaves any earlier checkpoint untouched and removes the temporary; an overwritten
+checkpoint keeps its permission bits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fcntl
 import os
+import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,9 +29,56 @@ _NOT_A_CHECKPOINT = """\
 {path} exists and is not a checkpoint directory; bridge.save refuses to replace it.
 Save to a new path, or remove it yourself first."""
 
+_TMP, _OLD = "bridge-tmp", "bridge-old"
+_ORBAX_TMP = (
+    ".orbax-checkpoint-tmp"  # orbax writes `<dir>.orbax-checkpoint-tmp-*` first
+)
 
-def _temporary(path: Path, tag: str) -> Path:
-    return path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.{tag}"
+
+def temporary(path: Path, tag: str = _TMP) -> Path:
+    """The temporary name of `path`'s next version (or, `tag="bridge-old"`, of its
+    previous one while an orbax directory is swapped): the same in every process."""
+    return path.parent / f".{path.name}.{tag}"
+
+
+def _leftovers(path: Path) -> list[Path]:
+    """Temporaries of `path` that a save which died left behind (older bridge
+    versions named them `.NAME.<12 hex>.tmp` or `.old`)."""
+    pattern = re.compile(
+        rf"\.{re.escape(path.name)}\.({_TMP}|{_OLD}|[0-9a-f]{{12}}\.(tmp|old))"
+        rf"({re.escape(_ORBAX_TMP)}.*)?"
+    )
+    return [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _clean(path: Path) -> None:
+    """Put back an old orbax directory that a swap moved aside if `path` is missing
+    (the swap died between its two renames), then remove every temporary of `path`."""
+    aside = temporary(path, _OLD)
+    if aside.is_dir() and not os.path.lexists(path):
+        os.rename(aside, path)
+    for stale in _leftovers(path):
+        _remove(stale)
+
+
+@contextlib.contextmanager
+def _turn(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock of `path`'s directory, then clear what dead saves of
+    `path` left behind."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _clean(path)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _fsync(path: Path) -> None:
@@ -33,50 +89,81 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _mode(path: Path) -> int | None:
+    """The permission bits of the existing `path`, None if there is none."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return None
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success, flush it and rename it to
-    `path`. On any exception the temporary is removed and `path` is left as it was."""
-    tmp = _temporary(path, "tmp")
-    try:
-        tmp.touch(exist_ok=False)  # the mode a new file gets here (the umask applied)
-        mode = tmp.stat().st_mode
-        yield tmp
-        os.chmod(tmp, mode)  # a writer may have made its own file, private
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync(path.parent)
+    """Yield a temporary path next to `path` (an empty file, which the writer
+    overwrites); on success, flush it and rename it to `path`. On any exception the
+    temporary is removed and `path` is left as it was. An existing file's permission
+    bits are kept; a new file gets the usual ones (the umask applied)."""
+    with _turn(path):
+        tmp = temporary(path)
+        try:
+            tmp.touch(exist_ok=False)
+            mode = _mode(path)
+            mode = _mode(tmp) if mode is None else mode
+            yield tmp
+            os.chmod(tmp, 0o644 if mode is None else mode)  # the writer's may differ
+            _fsync(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync(path.parent)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux `renameat2(RENAME_EXCHANGE)`); False where
+    the system or filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd = -100
+    done = renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(a))
 
 
 @contextlib.contextmanager
 def atomic_dir(path: Path, is_checkpoint: Callable[[Path], bool]) -> Iterator[Path]:
     """Yield a temporary directory path next to `path` (not yet created); on success,
-    flush it and rename it to `path`.
+    flush it and swap it with `path` atomically (where the system cannot, the old
+    directory is moved aside first and put back if the process dies before the new
+    one is in place, at the next save).
 
-    An existing `path` is replaced only when `is_checkpoint(path)` is true; it is
-    moved aside first and deleted once the new directory is in place, so a failure at
-    any point leaves either the old or the new checkpoint whole.
+    An existing `path` is replaced only when `is_checkpoint(path)` is true.
     """
-    if path.exists() and not (path.is_dir() and is_checkpoint(path)):
+    if os.path.lexists(path) and not (path.is_dir() and is_checkpoint(path)):
         raise FileExistsError(_NOT_A_CHECKPOINT.format(path=path))
-    tmp = _temporary(path, "tmp")
-    try:
-        yield tmp
-        for sub in sorted(tmp.rglob("*"), reverse=True):
-            _fsync(sub)
-        _fsync(tmp)
-        old = _temporary(path, "old")
-        if path.exists():
-            os.rename(path, old)
+    with _turn(path):
+        tmp = temporary(path)
         try:
-            os.rename(tmp, path)
-        except BaseException:
-            if old.exists():
-                os.rename(old, path)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _fsync(path.parent)
+            yield tmp
+            mode = _mode(path)
+            if mode is not None:
+                os.chmod(tmp, mode)
+            for sub in sorted(tmp.rglob("*"), reverse=True):
+                _fsync(sub)
+            _fsync(tmp)
+            if not (path.exists() and _exchange(tmp, path)):
+                aside = temporary(path, _OLD)
+                if path.exists():
+                    os.rename(path, aside)
+                os.rename(tmp, path)
+                shutil.rmtree(aside, ignore_errors=True)
+        finally:
+            _clean(path)  # the old version, orbax's temporaries
+        _fsync(path.parent)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -281,13 +282,26 @@ def read(
 
 
 def _resolve(name: str) -> type | None:
-    """The class named `module:qualname` if its module is already imported (nothing is
-    imported or executed on load)."""
+    """The class named `module:qualname`, found only among modules already imported,
+    by their `__dict__` (nothing is imported, no attribute of a module is touched, so
+    no module `__getattr__` or property runs); None when there is no such class."""
     module, _, qualname = name.partition(":")
     obj: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) else None
+        namespace = _namespace(obj)
+        if namespace is None:
+            return None
+        obj = namespace.get(part)
+    return obj if issubclass(type(obj), type) else None
+
+
+def _namespace(obj: Any) -> Mapping[str, Any] | None:
+    """The `__dict__` of a module or a class, read without calling anything of it."""
+    if issubclass(type(obj), type):
+        return type.__dict__["__dict__"].__get__(obj)
+    if issubclass(type(obj), types.ModuleType):
+        return types.ModuleType.__dict__["__dict__"].__get__(obj)
+    return None
 
 
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:

@@ -214,8 +214,45 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _plain_paths(names: list[str]) -> dict[str, TreePath]:
+    """The paths of a file's dotted names (a file bridge did not write): a name's
+    segments become indices where every sibling is a plain number (`layers.0`,
+    `layers.1`), names otherwise (`l.0` next to `l.x` stays `'0'`)."""
+    split_names = {}
+    for name in names:
+        parts = name.split(".")
+        if not _is_path(parts):
+            raise Malformed(
+                f"tensor name {_short(name)} is not a dotted path (empty segments, or "
+                f"over {MAX_DEPTH} of them)"
+            )
+        split_names[name] = tuple(parts)
+    children: dict[tuple[str, ...], set[str]] = {}
+    for parts in split_names.values():
+        for n in range(len(parts)):
+            children.setdefault(parts[:n], set()).add(parts[n])
+    numbered = {
+        parent
+        for parent, keys in children.items()
+        if all(k.isdecimal() and k.isascii() and str(int(k)) == k for k in keys)
+    }
+    return {
+        name: tuple(int(k) if parts[:n] in numbered else k for n, k in enumerate(parts))
+        for name, parts in split_names.items()
+    }
+
+
 def _check_paths(tensors: tuple[Stored, ...]) -> None:
-    """No two arrays at one path, and no array at a path inside another's."""
+    """No two arrays at one path, no array at a path inside another's, and no node
+    whose children mix indices and names (they could not be ordered)."""
+    kinds: dict[TreePath, type] = {}
+    for s in tensors:
+        for n, key in enumerate(s.path):
+            if kinds.setdefault(s.path[:n], type(key)) is not type(key):
+                raise Malformed(
+                    f"tensor {s.key!r}: the children of {s.path[:n]} mix indices "
+                    "and names"
+                )
     seen: dict[TreePath, str] = {}
     for s in tensors:
         if s.path in seen:
@@ -264,13 +301,11 @@ def decode(
     if "bridge_version" not in meta:
         if shapes is None:
             raise Malformed("no bridge metadata")
+        paths = _plain_paths(list(shapes))
         tensors = tuple(
-            Stored(name, split(name), "params", shape, dtype)
+            Stored(name, paths[name], "params", shape, dtype)
             for name, (shape, dtype) in shapes.items()
         )
-        for s in tensors:
-            if not _is_path(list(s.path)):
-                raise Malformed(f"tensor name {_short(s.key)} is not a dotted path")
         _check_paths(tensors)
         return Contents(path, fmt, None, "", None, (), dict(meta), tensors, source)
     entries = _json(meta, "tensors")

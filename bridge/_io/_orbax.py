@@ -9,14 +9,18 @@ followed, bounded in size); the arrays by orbax, after checking that nothing in
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import stat
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._atomic import atomic_dir
 from ._contents import Contents, Malformed, decode, encode
@@ -30,9 +34,11 @@ from ._format import Format, formats, register_format
 
 
 NAME = "orbax"
+_ORBAX = threading.Lock()  # orbax's checkpointers fail when threads run them at once
 ARRAYS, METADATA = "state", "bridge"
 _METADATA_FILE = "metadata"  # orbax's JsonSave file name inside the item
 _METADATA_LIMIT = 100_000_000  # bytes
+_ORBAX_METADATA = "_METADATA"  # what orbax writes in an item that holds arrays
 
 _NOT_A_CHECKPOINT = """\
 {path} is a directory but not a checkpoint written by bridge.save (no '{arrays}' and \
@@ -49,26 +55,40 @@ def is_checkpoint(path: Path) -> bool:
 
 def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     """Write the arrays as a nested dict (by path) and the metadata, atomically as
-    directory `path`."""
+    directory `path`. Zero-size arrays are described by the metadata alone (orbax
+    refuses them), and a model without arrays writes an empty `state`."""
     import orbax.checkpoint as ocp
 
     nested: dict[str, Any] = {}
     for s in contents.tensors:
+        if math.prod(s.shape) == 0:
+            continue
         node = nested
         for key in map(str, s.path[:-1]):
             node = node.setdefault(key, {})
         node[str(s.path[-1])] = arrays[s.key]
-    with atomic_dir(path, is_checkpoint) as tmp:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            checkpointer.save(
-                tmp.absolute(),
-                ocp.args.Composite(
-                    **{
-                        ARRAYS: ocp.args.StandardSave(nested),
-                        METADATA: ocp.args.JsonSave(encode(contents)),
-                    }
-                ),
-            )
+    items = {METADATA: ocp.args.JsonSave(encode(contents))}
+    if nested:
+        items[ARRAYS] = ocp.args.StandardSave(nested)
+    with atomic_dir(path, is_checkpoint) as tmp, _ORBAX:
+        try:
+            with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+                checkpointer.save(tmp.absolute(), ocp.args.Composite(**items))
+        except ValueError as e:  # orbax reports write failures (a full disk) so
+            raise _write_error(path, e) from e
+        (tmp / ARRAYS).mkdir(exist_ok=True)
+
+
+def _write_error(path: Path, error: ValueError) -> OSError:
+    """The `OSError` for orbax's report of a failed write."""
+    text = str(error)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+        if os.strerror(code) in text:
+            return OSError(code, os.strerror(code), str(path))
+    reason = (text.strip().splitlines() or [type(error).__name__])[0]
+    return OSError(
+        errno.EIO, f"orbax could not write the checkpoint: {reason}", str(path)
+    )
 
 
 def _known() -> str:
@@ -138,13 +158,21 @@ def metadata(path: Path) -> Contents:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise unreadable(path, NAME, f"its metadata is not JSON ({reason})") from None
+    _check_tree(path)
     try:
         if not (
             isinstance(meta, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
         ):
             raise Malformed("its metadata is not a map of strings to strings")
-        return decode(path, NAME, meta, None)
+        contents = decode(path, NAME, meta, None)
+        if any(math.prod(s.shape) for s in contents.tensors) and not os.path.isfile(
+            path / ARRAYS / _ORBAX_METADATA
+        ):
+            raise Malformed(
+                f"its '{ARRAYS}' item holds no arrays (no {_ORBAX_METADATA})"
+            )
+        return contents
     except Malformed as e:
         raise unreadable(path, NAME, str(e)) from None
 
@@ -165,15 +193,16 @@ def restore(
     contents: Contents, shardings: Mapping[str, Any]
 ) -> Iterator[tuple[str, Any]]:
     """The arrays, restored by orbax with the shardings given (by name) or, when none
-    is given, with their saved shardings."""
+    is given, with their saved shardings; zero-size arrays from the metadata."""
     import orbax.checkpoint as ocp
 
-    _check_tree(contents.path)
+    _check_tree(contents.path)  # again: the directory may have changed since
+    stored = [s for s in contents.tensors if math.prod(s.shape) > 0]
     abstract: dict[str, Any] | None = None  # None: each array's saved sharding
     if shardings:
         abstract = {}
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        for s in contents.tensors:
+        for s in stored:
             sharding = shardings.get(s.key) if s.prng_impl is None else None
             node = abstract
             for key in map(str, s.path[:-1]):
@@ -181,16 +210,21 @@ def restore(
             node[str(s.path[-1])] = jax.ShapeDtypeStruct(
                 s.shape, s.dtype, sharding=sharding or default
             )
-    try:  # orbax reads the files: any failure of it is the directory's
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            restored = checkpointer.restore(
-                contents.path.absolute(),
-                ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}),
-            )[ARRAYS]
-    except (ValueError, TypeError, KeyError, OSError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise unreadable(contents.path, NAME, reason) from None
+    restored: dict[str, Any] = {}
+    if stored:
+        try:  # orbax reads the files: any failure of it is the directory's
+            with _ORBAX, ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as c:
+                restored = c.restore(
+                    contents.path.absolute(),
+                    ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(abstract)}),
+                )[ARRAYS]
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise unreadable(contents.path, NAME, reason) from None
     for s in contents.tensors:
+        if math.prod(s.shape) == 0:
+            yield s.key, np.zeros(s.shape, s.dtype)
+            continue
         node = restored
         for key in map(str, s.path):
             node = node.get(key) if isinstance(node, dict) else None

@@ -150,11 +150,12 @@ class Source(NamedTuple):
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        keys = [k for k, _ in pairs]
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise Malformed(f"the header names {twice[:5]} more than once")
-    return dict(pairs)
+    return out
 
 
 def _entries(header: Any, data_size: int) -> dict[str, Entry]:

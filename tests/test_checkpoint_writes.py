@@ -1,0 +1,232 @@
+"""Writes that never lose the old checkpoint: disk full, kill -9 mid-save, concurrent
+saves, permissions, stale temporaries, models without arrays."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import bridge
+from bridge._io import _atomic
+
+
+FORMATS = ["m.safetensors", "m.msgpack", "ckpt"]
+
+
+def params(value: float, n: int = 4) -> dict:
+    return {"params": {"Dense_0": {"kernel": np.full((n, n), value, np.float32)}}}
+
+
+def value_of(path) -> float:
+    kernel = np.asarray(bridge.load(path).Dense_0.kernel)
+    assert (kernel == kernel.flat[0]).all()  # one version, never a mix
+    return float(kernel.flat[0])
+
+
+def only(directory, name):
+    """The directory holds exactly `name`: no temporary is left."""
+    assert sorted(os.listdir(directory)) == [name]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_overwrite_keeps_the_permission_bits(tmp_path, name):
+    path = tmp_path / name
+    bridge.save(path, params(1.0))
+    os.chmod(path, 0o700 if path.is_dir() else 0o600)
+    bridge.save(path, params(2.0))
+    assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600)
+    assert value_of(path) == 2.0
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_stale_temporaries_are_cleaned_by_the_next_save(tmp_path, name):
+    path = tmp_path / name
+    bridge.save(path, params(1.0))
+    stale = [
+        _atomic.temporary(path),
+        tmp_path / f".{name}.0123456789ab.tmp",  # named by an older bridge
+        tmp_path / f".{name}.bridge-tmp.orbax-checkpoint-tmp-1234",
+    ]
+    for p in stale:
+        p.mkdir()
+        (p / "junk").write_bytes(b"x" * 100)
+    keep = tmp_path / f".{name}.mine"  # not a temporary of bridge's
+    keep.write_text("mine")
+    bridge.save(path, params(2.0))
+    assert sorted(os.listdir(tmp_path)) == sorted([name, keep.name])
+    assert value_of(path) == 2.0
+
+
+def test_an_interrupted_directory_swap_is_undone(tmp_path, monkeypatch):
+    """A save killed between moving the old directory aside and renaming the new one
+    in (where the system cannot swap atomically) leaves the old one aside: the next
+    save puts it back before anything else."""
+    path = tmp_path / "ckpt"
+    bridge.save(path, params(1.0))
+    os.rename(path, _atomic.temporary(path, "bridge-old"))
+    _atomic.temporary(path).mkdir()  # the new, unfinished
+
+    def failing(*args, **kwargs):
+        raise OSError("injected")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ocp.Checkpointer, "save", failing)
+        with pytest.raises(OSError, match="injected"):
+            bridge.save(path, params(2.0))
+    assert value_of(path) == 1.0
+    only(tmp_path, "ckpt")
+    bridge.save(path, params(2.0))
+    assert value_of(path) == 2.0
+    only(tmp_path, "ckpt")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_concurrent_saves_to_one_path_end_with_one_whole_checkpoint(tmp_path, name):
+    path = tmp_path / name
+    errors = []
+
+    def save(value):
+        try:
+            bridge.save(path, params(value))
+        except Exception as e:  # collected: the assertion below shows them
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(v,)) for v in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert value_of(path) in range(6)
+    only(tmp_path, name)
+
+
+def test_orbax_saves_to_several_paths_from_threads(tmp_path):
+    errors = []
+
+    def save(i):
+        try:
+            bridge.save(tmp_path / f"c{i}", params(i))
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [value_of(tmp_path / f"c{i}") for i in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"params": {}},
+        {"params": {"a": jnp.zeros((0, 3)), "b": jnp.ones(2)}},
+        {"params": {"a": np.zeros((2, 0), np.int8)}},
+    ],
+    ids=["no arrays", "zero-size and other", "only zero-size"],
+)
+def test_models_without_arrays_or_with_zero_size_arrays(tmp_path, name, variables):
+    path = tmp_path / name
+    bridge.save(path, variables)
+    tree = bridge.load(path)
+    back = bridge.load(path, like=variables)
+    for key, leaf in variables["params"].items():
+        assert back["params"][key].shape == leaf.shape
+        assert back["params"][key].dtype == leaf.dtype
+        assert getattr(tree, key).shape == leaf.shape
+    only(tmp_path, name)
+
+
+# --- a full disk ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (root only); skipped where it cannot be mounted."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_disk_full_keeps_the_old_checkpoint(small_disk, name, capsys):
+    path = small_disk / name
+    bridge.save(path, params(1.0))
+    big = params(2.0, n=800)  # 2.6 MB of noise (orbax compresses)
+    big["params"]["Dense_0"]["kernel"] += np.random.default_rng(0).random((800, 800))
+    with pytest.raises(OSError, match="No space left on device"):
+        bridge.save(path, big)
+    assert value_of(path) == 1.0
+    only(small_disk, name)
+    from bridge import _cli
+
+    source = small_disk.parent / "a.safetensors"
+    bridge.save(source, big)
+    assert _cli.main(["convert", str(source), str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    assert value_of(path) == 1.0
+
+
+# --- kill -9 in the middle of a save --------------------------------------------------
+
+_SAVER = """
+import sys, numpy as np, bridge
+path, value, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+print("ready", flush=True)
+kernel = np.full((n, n), value, np.float32)
+bridge.save(path, {"params": {"Dense_0": {"kernel": kernel}}})
+"""
+
+
+def _kill_mid_save(path, n):
+    """Start a process saving `n * n * 4` bytes to `path`, kill -9 it once its
+    temporary exists; returns whether it was killed mid-save."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_SAVER), str(path), "2.0", str(n)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.name.startswith(f".{path.name}.") for p in path.parent.iterdir()):
+            time.sleep(0.05)  # some bytes are written
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.stdout.close()
+    return proc.wait() == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FORMATS)
+def test_kill_9_mid_save_keeps_the_old_checkpoint(tmp_path, name):
+    path = tmp_path / name
+    bridge.save(path, params(1.0))
+    killed = _kill_mid_save(path, n=8000)  # 256 MB
+    assert killed, "the save finished before it could be killed"
+    assert value_of(path) == 1.0
+    assert len(os.listdir(tmp_path)) > 1  # the dead save's temporary is still there
+    bridge.save(path, params(3.0))  # the next save to that path cleans it
+    assert value_of(path) == 3.0
+    only(tmp_path, name)

@@ -1,0 +1,220 @@
+"""Every input of the hostile corpus (`tests/corpus`) through `load`, `load(like=)`,
+`bridge inspect` and `bridge convert`: one `bridge.CheckpointError` naming the file,
+no hang, nothing imported, nothing written; the CLI prints one line and exits 1."""
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import bridge
+from bridge import _cli
+
+from . import corpus
+
+
+CASES = corpus.cases()
+SECONDS = 60  # far above any case (they take milliseconds); a hang fails, not blocks
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Holder(nnx.Module):
+    """The model the corpus's valid header describes: `layers.0.kernel` (2, 3) and
+    `layers.0.bias` (3,), so `load(like=)` reaches the arrays."""
+
+    def __init__(self):
+        self.layers = nnx.List([nnx.Linear(2, 3, rngs=nnx.Rngs(0))])
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """Every format saved, loaded, inspected and converted once, so that what those
+    import lazily is imported before the corpus runs."""
+    directory = tmp_path_factory.mktemp("warm")
+    model = Holder()
+    for name in ["m.safetensors", "m.msgpack", "ckpt"]:
+        bridge.save(directory / name, model)
+        bridge.load(directory / name, like=model)
+        bridge.load(directory / name)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        _cli.main(["inspect", str(directory / "ckpt")])
+        _cli.main(["convert", str(directory / "ckpt"), str(directory / "c.msgpack")])
+    return model
+
+
+def listing(directory):
+    return sorted(p.relative_to(directory) for p in directory.rglob("*"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.category}: {c.name}" for c in CASES])
+def test_hostile_input_is_refused_cleanly(tmp_path, case, warm, capsys):
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    out.mkdir()
+    path = case.make(inputs)
+    before, modules = listing(inputs), set(sys.modules)
+    with deadline(SECONDS):
+        for like in (None, warm):
+            with pytest.raises(bridge.CheckpointError) as info:
+                bridge.load(path, like=like)
+            message = str(info.value)
+            assert path.name in message, message
+        for argv in (["inspect", str(path)], ["convert", str(path), str(out / "x.st")]):
+            assert _cli.main(argv) == 1
+            err = capsys.readouterr().err
+            assert err.startswith(f"bridge {argv[0]}: error: ") and err.count("\n") == 1
+            assert path.name in err
+    assert set(sys.modules) == modules  # nothing imported
+    assert listing(inputs) == before and listing(out) == []  # nothing written
+
+
+ACCEPTED = [pytest.param(c, id=c.name) for c in corpus.accepted()] + [
+    pytest.param(corpus.many(), id="100k arrays", marks=pytest.mark.slow)
+]
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_odd_but_valid_files_load_and_round_trip(tmp_path, case, capsys):
+    path = case.make(tmp_path)
+    with deadline(SECONDS):
+        tree = bridge.load(path)
+        back = bridge.load(path, like=tree)
+        assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+        assert _cli.main(["inspect", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\x00" not in shown  # escaped, never raw
+    if "markup" in case.name:
+        assert "[red]x[/red]" in shown
+
+
+def test_the_corpus_covers_every_category():
+    categories = {c.category for c in CASES}
+    assert categories == {
+        "header",
+        "entry",
+        "metadata",
+        "keys",
+        "special",
+        "msgpack",
+        "orbax",
+    }
+    assert len(CASES) >= 145
+    assert len({(c.category, c.name) for c in CASES}) == len(CASES)
+
+
+def test_memory_stays_bounded_on_lying_sizes(tmp_path):
+    """Files claiming terabytes (shapes, header lengths, msgpack maps) allocate
+    nothing near that: the peak grows by less than 100 MB over all of them."""
+    lying = [c for c in CASES if any(w in c.name for w in ("huge", "2**", "length"))]
+    assert len(lying) >= 5
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    for i, case in enumerate(lying):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        with pytest.raises(bridge.CheckpointError):
+            bridge.load(case.make(directory))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    assert grown < 100 * 1024
+
+
+def test_cli_on_a_fifo_is_one_line_without_traceback(tmp_path):
+    path = tmp_path / "m.safetensors"
+    os.mkfifo(path)
+    done = subprocess.run(
+        [sys.executable, "-m", "bridge", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"bridge inspect: error: {path} is not a readable safetensors checkpoint: "
+        "it is a FIFO (named pipe), not a regular file. The file may be truncated, "
+        "corrupted or not written by a checkpoint library; save it again from the "
+        "model."
+    ]
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_permission_denied_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "m.safetensors"
+    bridge.save(path, {"params": {"a": np.ones(2, np.float32)}})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", denied)  # root reads every file: simulate
+    with pytest.raises(PermissionError, match=r"m\.safetensors: permission denied"):
+        bridge.load(path)
+    with pytest.raises(bridge.CheckpointError, match="permission denied"):
+        bridge.load(path)
+
+
+# --- names in metadata: nothing imported, no attribute of a module touched ----------
+
+
+def test_class_names_are_matched_without_touching_modules(tmp_path, monkeypatch):
+    touched = []
+    trap = types.ModuleType("bridge_trap")
+
+    def module_getattr(name):
+        touched.append(name)
+        raise AttributeError(name)
+
+    trap.__getattr__ = module_getattr
+
+    class Real:
+        pass
+
+    trap.Real = Real
+    monkeypatch.setitem(sys.modules, "bridge_trap", trap)
+    path = tmp_path / "m.safetensors"
+    bridge.save(path, {"params": {"a": {"b": np.ones(2, np.float32)}}})
+    header = path.read_bytes()
+    length = int.from_bytes(header[:8], "little")
+    meta = json.loads(header[8 : 8 + length])
+    modules = [
+        [[], "bridge_trap:Missing", {}],
+        [["a"], "bridge_trap:Real.__class__.mro", {}],
+        [["a"], "numpy.f2py:main", {}],
+        [[], "bridge_never_imported:X", {}],
+    ]
+    meta["__metadata__"]["modules"] = json.dumps(modules)
+    path.write_bytes(corpus.safetensors_bytes(meta, header[8 + length :]))
+    modules_before = set(sys.modules)
+    tree = bridge.load(path)
+    assert touched == []
+    assert set(sys.modules) == modules_before
+    assert "numpy.f2py" not in modules_before or True  # imported or not, unchanged
+    assert tree.a.b.shape == (2,)
+
+
+def test_a_recorded_class_already_imported_is_found(tmp_path):
+    from bridge._io._checkpoint import _resolve
+
+    assert _resolve("flax.nnx:Linear") is nnx.Linear
+    assert _resolve("os:system") is None  # a function, not a class
+    assert _resolve("bridge_not_a_module:X") is None
+    assert "bridge_not_a_module" not in sys.modules
