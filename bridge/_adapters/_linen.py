@@ -269,6 +269,8 @@ class _Walk:
                     children.append(node)
                     keys.append(key)
                     roles.append(None)
+                else:  # but it stays in the variables: to_linen rebuilds them whole
+                    self.plain = False
         return tuple(keys), roles, children
 
     def collision(self, path: Path, found: list, inner: list) -> None:

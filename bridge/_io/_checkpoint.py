@@ -116,6 +116,11 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
         raise TypeError(_NOT_AN_ARRAY.format(problems=", ".join(problems)))
     if collisions:
         raise ValueError(_KEY_COLLISION.format(problems="; ".join(collisions)))
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"`metadata` must be a dict of strings to strings, got a "
+            f"{type(metadata).__name__}."
+        )
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
     if bad:
@@ -224,8 +229,20 @@ def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> 
 
     ```
     """
+    path = _path(path)
     contents, arrays = describe(to_neutral(obj), metadata)
-    write(Path(path), contents, arrays)
+    write(path, contents, arrays)
+
+
+def _path(path: Any) -> Path:
+    """`path` as a Path, or `TypeError`/`ValueError` naming the argument."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"`path` must be a str or os.PathLike, got {type(path).__name__}."
+        )
+    if os.fspath(path) in ("", "."):
+        raise ValueError(f"`path` must name a file or directory, got {path!r}.")
+    return Path(path)
 
 
 # --- reading ------------------------------------------------------------------------
@@ -432,6 +449,7 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
 
     ```
     """
+    path = _path(path)
     target = None if like is None else to_neutral(like)
     with open_checkpoint(path) as contents:
         if target is None:

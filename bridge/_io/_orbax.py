@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from ._atomic import atomic_dir
-from ._contents import Contents, Malformed, decode, encode
+from ._contents import DTYPE_NAMES, Contents, Malformed, decode, encode
 from ._errors import CheckpointError, unreadable
 from ._files import missing, open_regular, read_at, size
 from ._format import Format, formats, register_format
@@ -241,5 +241,6 @@ FORMAT = register_format(
         save,
         metadata,
         restore,
+        DTYPE_NAMES - {"float8_e4m3", "uint2", "uint4"},  # tensorstore has not these
     )
 )
