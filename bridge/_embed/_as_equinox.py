@@ -1,0 +1,142 @@
+"""`as_equinox`: an NNX module or a Linen module as an `eqx.Module`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+
+from .._tree import Tree
+from ._inner import Inner, inner_of, run
+
+
+_NO_STATE = """\
+The wrapped model has state ({roles}), so the wrapper follows the Equinox State
+convention: call it as `y, state = wrapper(*args, state)`, the state made with
+`model, state = eqx.nn.make_with_state(...)` or `state = eqx.nn.State(model)` for the
+model that holds the wrapper; the last positional argument was a {got}."""
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def as_equinox(model: Any):
+    """A Flax NNX module or a Flax Linen module as an `eqx.Module`.
+
+    The wrapper is a pytree whose array leaves are the wrapped model's arrays:
+    `wrapper.params` is the model's `bridge.Tree` with its `params` leaves
+    (`wrapper.params.layers[0].kernel`; the other leaves are None), so
+    `eqx.partition`, `eqx.filter_grad`, `eqx.tree_at`, `eqx.filter_jit` and
+    `jax.vmap` work on it as on any Equinox model.
+
+    State (NNX `BatchStat` and RNG state, Linen `batch_stats` and other collections)
+    follows the Equinox `State` convention: it is the initial value of the wrapper's
+    `eqx.nn.StateIndex` (`wrapper.state_index`), so `eqx.nn.make_with_state` or
+    `eqx.nn.State(model)` of the model that holds the wrapper collects it, and the
+    wrapper is called `y, state = wrapper(*args, state)`. A model without state is
+    called `y = wrapper(*args)`.
+
+    - Mode: `eqx.nn.inference_mode(model)` sets the wrapper's `inference` field, and
+      an NNX model is then called in `.eval()` mode (`inference=False`: `.train()`;
+      None, the default, leaves the module as it is). A Linen module takes its mode
+      as a call argument (`wrapper(x, state, train=False)`): keyword arguments are
+      passed to the wrapped model.
+    - Randomness: `wrapper(..., key=key)`. For a Linen module, `key` is the
+      `rngs` of `module.apply` (one key, which every `make_rng` stream falls back
+      to, or a dict `{stream: key}`). For an NNX module, every RNG stream of the
+      module is reseeded from `key` for the call (`nnx.reseed`), and its stream state
+      in `State` is left unchanged; without `key`, the module's own streams advance
+      and their new counts come back in the state.
+
+    **Arguments:**
+
+    - `model`: a Flax NNX module, a Linen `(module, variables)` or bound module
+      (`module.bind(variables)`), or a `bridge.Tree` of one. It is not modified; the
+      wrapper holds its current arrays (shared, not copied).
+
+    **Returns:**
+
+    An `eqx.Module` (an `EquinoxWrapper`).
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, equinox as eqx, bridge
+    >>> from flax import nnx
+    >>> linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> layer = bridge.as_equinox(linear)
+    >>> layer.params.kernel.shape
+    (2, 3)
+    >>> bool((layer(jnp.ones(2)) == linear(jnp.ones(2))).all())
+    True
+    >>> grads = eqx.filter_grad(lambda m, x: m(x).sum())(layer, jnp.ones(2))
+    >>> grads.params.kernel.shape
+    (2, 3)
+
+    ```
+    """
+    inner, leaves = inner_of(model, "as_equinox", "equinox")
+    is_param = [r == "params" for r in inner.roles]
+    params = inner.tree([x if p else None for x, p in zip(leaves, is_param)])
+    index = None
+    if inner.stateful:
+        state = inner.tree([None if p else x for x, p in zip(leaves, is_param)])
+        index = eqx.nn.StateIndex(state)
+    return EquinoxWrapper(params, index, None, inner)
+
+
+class EquinoxWrapper(eqx.Module):
+    """A model of another framework inside Equinox: made by `bridge.as_equinox`."""
+
+    params: Tree
+    state_index: eqx.nn.StateIndex | None
+    inference: bool | None
+    inner: Inner = eqx.field(static=True)
+
+    def __call__(self, *args: Any, key: Any = None, **kwargs: Any) -> Any:
+        """`y = wrapper(*args)`, or `y, state = wrapper(*args, state)` when the
+        wrapped model has state; `key` as described in `bridge.as_equinox`."""
+        inner = self.inner
+        state = None
+        if self.state_index is not None:
+            got = args[-1] if args else None
+            if not isinstance(got, eqx.nn.State):
+                roles = sorted({r for r in inner.roles if r != "params"})
+                raise TypeError(
+                    _NO_STATE.format(roles=", ".join(roles), got=type(got).__name__)
+                )
+            *args, state = args
+            held = state.get(self.state_index)
+            leaves = _merge(self.params, held)
+        else:
+            leaves = jtu.tree_leaves(self.params)
+        linen_rngs = nnx_key = None
+        if key is not None and inner.framework == "linen":
+            linen_rngs = key
+        elif key is not None:
+            nnx_key = key
+        out, changed = run(
+            inner,
+            leaves,
+            tuple(args),
+            kwargs,
+            linen_rngs=linen_rngs,
+            streams=None if nnx_key is None else (lambda _: nnx_key),
+            inference=self.inference,
+        )
+        if state is None:
+            return out
+        if changed:
+            for i, value in changed.items():
+                leaves[i] = value
+            is_param = [r == "params" for r in inner.roles]
+            held = inner.tree([None if p else x for x, p in zip(leaves, is_param)])
+            state = state.set(self.state_index, held)
+        return out, state
+
+
+def _merge(params: Tree, held: Tree) -> list[Any]:
+    """The leaves of the whole Tree, in Tree order, from its two halves."""
+    return jtu.tree_leaves(eqx.combine(params, held, is_leaf=_is_none))
