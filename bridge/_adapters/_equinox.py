@@ -251,12 +251,14 @@ def _forward(
     if not isinstance(native, tuple):
         return loss_fn(native, *batch), None
     model, state = native
+    # before the call: a layer's `state.set` makes the given State unusable
+    structure = jtu.tree_structure(state)
     result = loss_fn(model, state, *batch)
     if not (
         isinstance(result, tuple)
         and len(result) == 2
         and isinstance(result[1], eqx.nn.State)
-        and jtu.tree_structure(result[1]) == jtu.tree_structure(state)
+        and jtu.tree_structure(result[1]) == structure
     ):
         raise TypeError(_STATE_FORM.format(got=_describe(result)))
     return result[0], from_equinox(model, result[1])

@@ -121,7 +121,7 @@ class LinenWrapper(nn.Module):
             for i, rest in members:
                 leaves[i] = _get(value, rest)
         key = None
-        if inner.framework == "equinox" and self.has_rng(self.stream):
+        if inner.framework == "equinox" and inner.takes_key and self._has_rng():
             key = self.make_rng(self.stream)
         streams = None
         if inner.framework == "nnx":
@@ -138,6 +138,10 @@ class LinenWrapper(nn.Module):
         if changed and not self.is_initializing():
             self._write(inner, groups, variables, leaves, changed)
         return out
+
+    def _has_rng(self) -> bool:
+        # Linen's make_rng falls back to the "params" stream, as init has it
+        return self.has_rng(self.stream) or self.has_rng("params")
 
     def _stream_key(self, tag: str) -> Any:
         return self.make_rng(tag) if self.has_rng(tag) else None
