@@ -236,7 +236,7 @@ class Idiom:
         loss, grads = eqx.filter_value_and_grad(self._eqx_loss, has_aux=True)(
             self.model, self.state, x, y, kw
         )
-        return loss[0], flat(grads, drop="params")
+        return loss[0], flat(grads, drop=("model",))
 
     def _eqx_loss(self, model, state, x, y, kw):
         if state is None:
@@ -290,7 +290,7 @@ class Idiom:
             if mstate is not None
             else (bridge.from_equinox(model))
         )
-        return flat(tree, drop=("params", "state_index"))
+        return flat(tree, drop=("model",))
 
 
 def bridge_state(model):
@@ -350,7 +350,7 @@ def train_with_make_step(idiom, x, y, keys):
         kw, rngs = idiom.call_kwargs(key)
         kw = {k: v for k, v in kw.items() if k not in static}
         tree, opt_state, _ = step(tree, opt_state, x, y, kw, rngs=rngs)
-    out = flat(tree, drop=("params", "state_index") if fw == "equinox" else ())
+    out = flat(tree, drop=("model",) if fw == "equinox" else ())
     if fw == "nnx":
         out = {p: v for p, v in out.items() if p[0] != "rngs"}
     return out

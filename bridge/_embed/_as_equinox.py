@@ -26,17 +26,17 @@ def as_equinox(model: Any):
     """A Flax NNX module or a Flax Linen module as an `eqx.Module`.
 
     The wrapper is a pytree whose array leaves are the wrapped model's arrays:
-    `wrapper.params` is the model's `bridge.Tree` with its `params` leaves
-    (`wrapper.params.layers[0].kernel`; the other leaves are None), so
-    `eqx.partition`, `eqx.filter_grad`, `eqx.tree_at`, `eqx.filter_jit` and
+    `wrapper.model` is the model's `bridge.Tree` (`wrapper.model.layers[0].kernel`),
+    so `eqx.partition`, `eqx.filter_grad`, `eqx.tree_at`, `eqx.filter_jit` and
     `jax.vmap` work on it as on any Equinox model.
 
     State (NNX `BatchStat` and RNG state, Linen `batch_stats` and other collections)
-    follows the Equinox `State` convention: it is the initial value of the wrapper's
-    `eqx.nn.StateIndex` (`wrapper.state_index`), so `eqx.nn.make_with_state` or
-    `eqx.nn.State(model)` of the model that holds the wrapper collects it, and the
-    wrapper is called `y, state = wrapper(*args, state)`. A model without state is
-    called `y = wrapper(*args)`.
+    follows the Equinox `State` convention: each such leaf of `wrapper.model` is an
+    `eqx.nn.StateIndex` whose initial value is the model's current value, so
+    `eqx.nn.make_with_state` or `eqx.nn.State(model)` of the model that holds the
+    wrapper collects it, `bridge.from_equinox(model, state)` places it at its path
+    (`.model.bn.mean`), and the wrapper is called `y, state = wrapper(*args,
+    state)`. A model without state is called `y = wrapper(*args)`.
 
     - Mode: `eqx.nn.inference_mode(model)` sets the wrapper's `inference` field, and
       an NNX model is then called in `.eval()` mode (`inference=False`: `.train()`;
@@ -67,31 +67,32 @@ def as_equinox(model: Any):
     >>> from flax import nnx
     >>> linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     >>> layer = bridge.as_equinox(linear)
-    >>> layer.params.kernel.shape
+    >>> layer.model.kernel.shape
     (2, 3)
     >>> bool((layer(jnp.ones(2)) == linear(jnp.ones(2))).all())
     True
     >>> grads = eqx.filter_grad(lambda m, x: m(x).sum())(layer, jnp.ones(2))
-    >>> grads.params.kernel.shape
+    >>> grads.model.kernel.shape
     (2, 3)
 
     ```
     """
     inner, leaves = inner_of(model, "as_equinox", "equinox")
-    is_param = [r == "params" for r in inner.roles]
-    params = inner.tree([x if p else None for x, p in zip(leaves, is_param)])
-    index = None
-    if inner.stateful:
-        state = inner.tree([None if p else x for x, p in zip(leaves, is_param)])
-        index = eqx.nn.StateIndex(state)
-    return EquinoxWrapper(params, index, None, inner)
+    held = [
+        x if r == "params" else eqx.nn.StateIndex(x)
+        for x, r in zip(leaves, inner.roles)
+    ]
+    return EquinoxWrapper(inner.tree(held), None, inner)
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, eqx.nn.StateIndex)
 
 
 class EquinoxWrapper(eqx.Module):
     """A model of another framework inside Equinox: made by `bridge.as_equinox`."""
 
-    params: Tree
-    state_index: eqx.nn.StateIndex | None
+    model: Tree
     inference: bool | None
     inner: Inner = eqx.field(static=True)
 
@@ -99,8 +100,9 @@ class EquinoxWrapper(eqx.Module):
         """`y = wrapper(*args)`, or `y, state = wrapper(*args, state)` when the
         wrapped model has state; `key` as described in `bridge.as_equinox`."""
         inner = self.inner
+        held = jtu.tree_leaves(self.model, is_leaf=_is_index)
         state = None
-        if self.state_index is not None:
+        if inner.stateful:
             got = args[-1] if args else None
             if not isinstance(got, eqx.nn.State):
                 roles = sorted({r for r in inner.roles if r != "params"})
@@ -108,10 +110,9 @@ class EquinoxWrapper(eqx.Module):
                     _NO_STATE.format(roles=", ".join(roles), got=type(got).__name__)
                 )
             *args, state = args
-            held = state.get(self.state_index)
-            leaves = _merge(self.params, held)
+            leaves = [state.get(x) if _is_index(x) else x for x in held]
         else:
-            leaves = jtu.tree_leaves(self.params)
+            leaves = held
         linen_rngs = nnx_key = None
         if key is not None and inner.framework == "linen":
             linen_rngs = key
@@ -128,15 +129,6 @@ class EquinoxWrapper(eqx.Module):
         )
         if state is None:
             return out
-        if changed:
-            for i, value in changed.items():
-                leaves[i] = value
-            is_param = [r == "params" for r in inner.roles]
-            held = inner.tree([None if p else x for x, p in zip(leaves, is_param)])
-            state = state.set(self.state_index, held)
+        for i, value in changed.items():
+            state = state.set(held[i], value)
         return out, state
-
-
-def _merge(params: Tree, held: Tree) -> list[Any]:
-    """The leaves of the whole Tree, in Tree order, from its two halves."""
-    return jtu.tree_leaves(eqx.combine(params, held, is_leaf=_is_none))

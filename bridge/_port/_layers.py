@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from .._adapters._registry import Adapter, adapter_named, adapter_of_class
+from .._embed._inside import embedded
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors
@@ -117,6 +118,16 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
     taken: list[Path] = []
     for path, node in walk(tree):
         if any(path[: len(p)] == p for p in taken):
+            continue
+        inside = (
+            None if native is None else embedded(at(native, path), node, path)
+        )
+        if inside is not None:  # a model of another framework in a wrapper
+            prefix, inner = inside
+            for layer in find_layers(inner, problems):
+                layer.path = prefix + layer.path
+                layers.append(layer)
+            taken.append(path)
             continue
         leaves, paths = _subtree_leaves(node, role_nodes[path])
         if not leaves:
