@@ -109,7 +109,7 @@ class EquinoxWrapper(eqx.Module):
                 raise TypeError(
                     _NO_STATE.format(roles=", ".join(roles), got=type(got).__name__)
                 )
-            *args, state = args
+            args, state = args[:-1], got
             leaves = [state.get(x) if _is_index(x) else x for x in held]
         else:
             leaves = held
@@ -121,7 +121,7 @@ class EquinoxWrapper(eqx.Module):
         out, changed = run(
             inner,
             leaves,
-            tuple(args),
+            args,
             kwargs,
             linen_rngs=linen_rngs,
             streams=None if nnx_key is None else (lambda _: nnx_key),

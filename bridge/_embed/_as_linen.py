@@ -11,8 +11,8 @@ from ._inner import Inner, inner_of, run
 
 
 _NOT_MUTABLE = """\
-The wrapped model wrote to collection(s) {collections} ({paths}), which this call did
-not make mutable. Make them mutable, as for any Linen module:
+The wrapped model at {where} wrote to collection(s) {collections} ({paths}), which
+this call did not make mutable. Make them mutable, as for any Linen module:
     y, updates = model.apply(variables, x, mutable={collections})
 or run the wrapped model in a mode that does not write them (the wrapper's
 `inference=True`: NNX `.eval()`, Equinox `eqx.nn.inference_mode`). An NNX module's
@@ -152,7 +152,13 @@ class LinenWrapper(nn.Module):
             paths = ", ".join(
                 path_str(inner.paths[i]) for i in changed if inner.roles[i] in refused
             )
-            raise ValueError(_NOT_MUTABLE.format(collections=refused, paths=paths))
+            raise ValueError(
+                _NOT_MUTABLE.format(
+                    where="/".join(self.scope.path) or "(root)",  # pyright: ignore
+                    collections=refused,
+                    paths=paths,
+                )
+            )
         for i, value in changed.items():
             leaves[i] = value
         touched = {(inner.roles[i], inner.paths[i][0]) for i in changed}

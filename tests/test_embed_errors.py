@@ -1,0 +1,67 @@
+"""The wrappers' errors: each names the problem and the fix."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import bridge
+
+from .embed_models import inputs, native
+
+
+@pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_linen, bridge.as_equinox])
+def test_not_a_model(wrap):
+    with pytest.raises(
+        TypeError, match=r"wraps a model of another framework, but got a int"
+    ):
+        wrap(3)
+    with pytest.raises(TypeError, match=r"got a tuple of str, int"):
+        wrap(("a", 1))
+
+
+@pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_equinox])
+def test_linen_module_without_variables(wrap):
+    with pytest.raises(
+        TypeError, match=r"(?s)without variables.*module\.init\(jax\.random\.key\(0\)"
+    ):
+        wrap(nn.Dense(3))
+    module, variables = native("linen", "mlp")
+    with pytest.raises(TypeError, match=r"variables without their module"):
+        wrap(variables)
+
+
+def test_same_framework():
+    with pytest.raises(TypeError, match=r"already a model of that framework"):
+        bridge.as_nnx(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"Flax Linen model, which is already"):
+        bridge.as_linen(native("linen", "mlp"))
+    with pytest.raises(TypeError, match=r"Equinox model, which is already"):
+        bridge.as_equinox(native("equinox", "mlp"))
+
+
+def test_missing_mutable_collection_or_state():
+    x, _ = inputs("cnn")
+    layer = bridge.as_linen(native("nnx", "cnn"))
+    variables = layer.init(jax.random.key(0), x)
+    with pytest.raises(
+        ValueError, match=r"(?s)\['batch_stats'\].*mutable=\['batch_stats'\]"
+    ):
+        layer.apply(variables, x)
+    wrapper = bridge.as_equinox(native("nnx", "cnn"))
+    with pytest.raises(
+        TypeError, match=r"(?s)has state \(batch_stats\).*wrapper\(\*args, state\)"
+    ):
+        wrapper(x)
+
+
+def test_name_collision_in_nnx_wrapper():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x * self.param("rngs", nn.initializers.ones, (1,))
+
+    variables = Model().init(jax.random.key(0), jnp.ones(1))
+    with pytest.raises(ValueError, match=r"top-level entry named 'rngs'"):
+        bridge.as_nnx((Model(), variables))
