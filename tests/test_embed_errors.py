@@ -1,4 +1,6 @@
-"""The wrappers' errors: each names the problem and the fix."""
+"""The wrappers' errors: each names the problem and the fix; the guide runs."""
+
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -9,6 +11,7 @@ from flax import nnx
 import bridge
 
 from .embed_models import inputs, native
+from .helpers import run_markdown
 
 
 @pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_linen, bridge.as_equinox])
@@ -65,3 +68,9 @@ def test_name_collision_in_nnx_wrapper():
     variables = Model().init(jax.random.key(0), jnp.ones(1))
     with pytest.raises(ValueError, match=r"top-level entry named 'rngs'"):
         bridge.as_nnx((Model(), variables))
+
+
+@pytest.mark.slow
+def test_mixing_guide_runs():
+    code = run_markdown(Path(__file__).parent.parent / "docs/guides/mixing.md")
+    assert code.count("bridge.as_") >= 6
