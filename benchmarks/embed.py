@@ -5,15 +5,15 @@ Two models, each in two forms, trained with adam on an MLP of DEPTH layers x WID
 (batch BATCH) followed by a head:
 
 - NNX outer: `Outer(enc=bridge.as_nnx(Equinox MLP))` vs the same model all in NNX
-  (`nnx.Linear` layers, the same arrays transposed);
+  (`nnx.Linear` layers of the same shapes);
 - Equinox outer: `Outer(enc=bridge.as_equinox(NNX MLP))` vs the same model all in
-  Equinox (`eqx.nn.MLP`, the same arrays transposed);
+  Equinox (`eqx.nn.MLP` of the same shapes);
 
 each trained two ways: with `bridge.make_step`, and in the outer framework's own idiom
 (`nnx.jit` + `nnx.Optimizer`; `eqx.filter_jit` + `eqx.filter_value_and_grad`). Every
-variant blocks after every step on its loss. Rounds are interleaved (each round times
-every variant in turn); prints the median time per step and the ratio
-wrapped / native for each pairing (target <= 1.05).
+variant blocks after every step on its loss. Each pairing is timed on its own, its
+wrapped and native steps alternating (neighbouring steps see the same machine load);
+prints the median time per step and the ratio wrapped / native (target <= 1.05).
 
     python benchmarks/embed.py [--quick]
 """
@@ -160,7 +160,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args()
-    rounds, per_round = (10, 5) if args.quick else (200, 5)
+    rounds, per_round = (10, 5) if args.quick else (400, 5)
 
     x = jax.random.normal(jax.random.key(4), (BATCH, WIDTH))
     y = jax.random.normal(jax.random.key(5), (BATCH, WIDTH))
@@ -179,12 +179,15 @@ def main():
     for run in variants.values():  # compile, warm up
         for _ in range(3):
             run()
+    # each pairing on its own, wrapped and native alternating step by step (the
+    # machine's load drifts: neighbouring steps see the same load)
     times = {key: [] for key in variants}
-    for _ in range(rounds):
-        for key, run in variants.items():
-            for _ in range(per_round):
+    for name in pairs:
+        pair = [(name, "wrapped"), (name, "native")]
+        for i in range(rounds * per_round):
+            for key in pair if i % 2 else pair[::-1]:
                 start = time.perf_counter()
-                run()
+                variants[key]()
                 times[key].append(time.perf_counter() - start)
 
     median = {key: statistics.median(t) for key, t in times.items()}

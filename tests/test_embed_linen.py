@@ -101,3 +101,22 @@ def test_parity_with_flax_to_linen():
     assert jax.tree.structure(theirs_vars) == jax.tree.structure(our_vars)
     assert jnp.array_equal(theirs.apply(our_vars, x), ours.apply(our_vars, x))
     assert jnp.array_equal(ours.apply(our_vars, x), module(x))
+
+
+def test_port_an_nnx_module_inside_linen():
+    # inside Linen, an NNX module's layers have Linen's layout: found by their arrays
+    nnx_mlp = NNXMLP(nnx.Rngs(0))
+    x, _ = inputs("mlp")
+    model = Outer(bridge.as_linen(nnx_mlp))
+    variables = model.init(jax.random.key(1), x)
+
+    class AllLinen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(2)(jax.nn.relu(nn.Dense(5)(x)))
+            return nn.Dense(3)(h)
+
+    target = AllLinen()
+    source = bridge.from_linen(variables, model)
+    _, ported = bridge.port(source, (target, target.init(jax.random.key(2), x)))
+    assert jnp.allclose(target.apply(ported, x), model.apply(variables, x), atol=1e-6)

@@ -119,3 +119,29 @@ def test_parity_with_flax_to_nnx():
         assert jnp.array_equal(a, ours(x, train=True, rngs=make()))
     assert not jnp.array_equal(a, ours(x, train=True, rngs=jax.random.key(5)))
     assert tree_equal_bits(nnx.state(theirs, nnx.Param), nnx.state(ours, nnx.Param))
+
+
+class AllNNX(nnx.Module):
+    """`Outer` written in NNX only."""
+
+    def __init__(self, rngs):
+        self.enc = nnx.Sequential(
+            nnx.Linear(3, 5, rngs=rngs), jax.nn.relu, nnx.Linear(5, 2, rngs=rngs)
+        )
+        self.head = nnx.Linear(2, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.enc(x))
+
+
+def test_port_through_the_wrapper():
+    model = _outer()
+    x, _ = inputs("mlp")
+    plan = bridge.port_plan(model, AllNNX(nnx.Rngs(3)))
+    assert ".enc.mlp.layers[0]" in str(plan)
+    ported = bridge.port(model, AllNNX(nnx.Rngs(3)))
+    assert jnp.allclose(ported(x), model(x), atol=1e-6)
+    back = bridge.port(
+        ported, Outer(bridge.as_nnx(native("equinox", "mlp", seed=4)), nnx.Rngs(5))
+    )
+    assert jnp.allclose(back(x), model(x), atol=1e-6)
