@@ -16,7 +16,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import bridge
-from bridge._tree import path_of
+from bridge._paths import path_of
 
 from .models import D_IN, D_OUT, NNXCNN, EquinoxCNN, LinenCNN, cnn_input, mlp_input
 

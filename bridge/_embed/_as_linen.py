@@ -6,7 +6,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from .._tree import Key, Path, path_str
+from .._paths import Key, Path, path_str
 from ._inner import Inner, inner_of, run
 
 

@@ -8,7 +8,8 @@ import jax
 from flax import nnx
 from flax.nnx import variablelib
 
-from .._tree import Path, Tree, items, path_str
+from .._paths import Path, path_str
+from .._tree import Tree, items
 from ._inner import Inner, inner_of, run
 
 

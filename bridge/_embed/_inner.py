@@ -24,7 +24,8 @@ from .._adapters._equinox import from_equinox
 from .._adapters._linen import from_linen, linen_module
 from .._adapters._native import to_native, to_neutral
 from .._adapters._nnx import from_nnx
-from .._tree import Path, Tree, framework, leaf_roles, path_of
+from .._paths import Path, path_of
+from .._tree import Tree, framework, leaf_roles
 
 
 _NAMES = {"linen": "Flax Linen", "nnx": "Flax NNX", "equinox": "Equinox"}

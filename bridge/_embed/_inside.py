@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._tree import Path, Tree
+from .._paths import Path
+from .._tree import Tree
 from ._as_equinox import EquinoxWrapper
 from ._as_nnx import NNXWrapper
 

@@ -119,9 +119,7 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
     for path, node in walk(tree):
         if any(path[: len(p)] == p for p in taken):
             continue
-        inside = (
-            None if native is None else embedded(at(native, path), node, path)
-        )
+        inside = None if native is None else embedded(at(native, path), node, path)
         if inside is not None:  # a model of another framework in a wrapper
             prefix, inner = inside
             for layer in find_layers(inner, problems):
