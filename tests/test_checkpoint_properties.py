@@ -59,8 +59,9 @@ def modules(depth: int):
 def linen_variables(draw):
     params = draw(st.dictionaries(names, modules(3), max_size=4))
     variables = {"params": params}
-    if draw(st.booleans()):
-        variables["batch_stats"] = draw(st.dictionaries(names, arrays(), max_size=2))
+    if draw(st.booleans()):  # names of its own: a name is one collection's (a rule)
+        stats = draw(st.dictionaries(names, arrays(), max_size=2))
+        variables["batch_stats"] = {f"stat_{k}": v for k, v in stats.items()}
     return variables
 
 

@@ -401,10 +401,11 @@ def _fill(contents: Contents, target: Tree) -> Tree:
 def load(path: str | os.PathLike, like: Any = None) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
-    Arrays are read one at a time (safetensors through its memory map), so memory
-    stays near one copy of the model. Nothing in the file is executed: safetensors,
-    msgpack and orbax's formats hold data only, and module classes recorded in the
-    metadata are looked up only among modules already imported.
+    Arrays are read one at a time, from the file handle the header was read from, so
+    memory stays near one copy of the model and a file replaced meanwhile is never
+    mixed with its successor. Nothing in the file is executed or imported: the formats
+    hold data only, and module classes recorded in the metadata are matched only
+    against classes already imported (see the checkpoints guide, "Security").
 
     **Arguments:**
 
@@ -430,8 +431,11 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
 
     **Raises:**
 
-    `FileNotFoundError` for a missing path; `ValueError` naming the file for a
-    directory that is not a checkpoint or a truncated or corrupted file; `ValueError`
+    `bridge.CheckpointError` (a `ValueError`) naming the file and what is wrong for
+    anything that is not a readable checkpoint (a truncated, corrupted or hostile
+    file, a special file, a directory that is not a checkpoint; also a
+    `FileNotFoundError` for a missing path); `TypeError`/`ValueError` naming the
+    argument for a `path` that is not a path; `ValueError`
     listing every missing, unexpected, shape and dtype problem when a file of
     `like`'s own framework does not fit it; `bridge.PortError` listing every problem
     when a file of another framework cannot be ported into it.
