@@ -7,11 +7,20 @@ when it is installed, by virtualenv otherwise).
 
 from __future__ import annotations
 
+import datetime
+import json
 import re
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
 import nox
+
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import matrix_table  # noqa: E402
 
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -24,10 +33,10 @@ PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [
-    "jax==0.8.1",
-    "jaxlib==0.8.1",
-    "flax==0.12.1",
-    "equinox==0.13.1",
+    "jax==0.6.0",
+    "jaxlib==0.6.0",
+    "flax==0.10.7",
+    "equinox==0.11.12",
     "optax==0.2.5",
     "numpy==2.0.0",
     "safetensors==0.4.3",
@@ -35,30 +44,38 @@ FLOOR = [
     "rich==13.0.0",
 ]
 
-# `tests_matrix`: the newest release of each minor line. Each flax line is paired with
-# a jax it runs on (flax 0.11 imports `jax._src.core.mutable_array`, which jax 0.10 no
-# longer has: it gets the jax 0.7 of its time; flax 0.12.1, the floor, gets the jax
-# 0.8.1 it needs; flax 0.12.8 requires jax >= 0.10); the installer picks the rest.
-FLAX = {"0.11.2": "jax<0.8", "0.12.1": "jaxlib==0.8.1", "0.12.8": "jax>=0.10"}
-EQUINOX = ["0.12.2", "0.13.8"]
-# Combinations that cannot work, with the reason (they are skipped, never dropped).
-_NO_LIST = (
-    "flax 0.11 has no nnx.List (new in 0.12), which NNX models with layer lists need"
+# `tests_matrix`: the newest release of each flax line, each with a jax it runs on
+# (pinned, so the table says what ran), against the newest release of each equinox
+# line, with the newest optax; and the newest flax once more with the optax floor
+# (`tests_floor` runs it with the oldest of everything). The installer picks the rest
+# (orbax, numpy, chex, ...). flax's metadata asks for less than it needs: 0.11
+# imports `jax._src.core.mutable_array`, gone in jax 0.8.
+FLAX = {
+    "0.10.7": ["jax==0.6.0", "jaxlib==0.6.0"],  # flax 0.10.7 needs jax >= 0.6.0
+    "0.11.2": ["jax==0.7.2", "jaxlib==0.7.2"],  # equinox 0.13 refuses 0.7.0, 0.7.1
+    "0.12.1": ["jax==0.8.1", "jaxlib==0.8.1"],  # flax 0.12.1 needs jax >= 0.8.1
+    "0.12.8": ["jax==0.10.2", "jaxlib==0.10.2"],  # flax 0.12.8 needs jax >= 0.10.0
+}
+EQUINOX = ["0.11.12", "0.12.2", "0.13.8"]
+OPTAX = ["0.2.8", "0.2.5"]  # newest, floor
+CELLS = [(f, e, OPTAX[0]) for f in FLAX for e in EQUINOX]
+CELLS += [("0.12.8", EQUINOX[-1], OPTAX[1])]
+# Cells that install but cannot import (no package metadata says so, so the resolver
+# cannot see it), with the reason: they are skipped, never dropped. A test that needs
+# a newer API is skipped by its `requires(...)` mark instead (tests/helpers.py).
+_XLA_EXTENSION = (
+    "equinox 0.11.12 imports `jaxlib.xla_extension`, which jaxlib 0.6.2 and newer "
+    "do not have (ModuleNotFoundError on `import equinox`; jax 0.6.0 has it)"
 )
 BROKEN = {
-    ("0.11.2", "0.12.2"): _NO_LIST,
-    ("0.11.2", "0.13.8"): _NO_LIST,
-    ("0.12.1", "0.12.2"): (
-        "equinox 0.12's BatchNorm has no `mode` argument (batch/ema, new in 0.13), "
-        "which the BatchNorm codec and State tests need (run: 51 failed, 342 passed); "
-        "it also imports jax.interpreters.batching.NotMapped, deprecated in jax 0.8"
-    ),
+    ("0.11.2", "0.11.12"): _XLA_EXTENSION,
+    ("0.12.1", "0.11.12"): _XLA_EXTENSION,
+    ("0.12.8", "0.11.12"): _XLA_EXTENSION,
     ("0.12.8", "0.12.2"): (
-        "flax 0.12.8 needs jax >= 0.10, which removed "
-        "jax.interpreters.batching.NotMapped, used by equinox 0.12.2 at import"
+        "equinox 0.12.2 uses `jax.interpreters.batching.NotMapped`, which jax 0.10 "
+        "removed (AttributeError on `import equinox`); flax 0.12.8 needs jax >= 0.10"
     ),
 }
-
 
 RUFF = "ruff==0.17.6"
 # mkdocs-material prints a banner about its future on every build
@@ -98,25 +115,77 @@ def tests_slow(session: nox.Session) -> None:
 def tests_floor(session: nox.Session) -> None:
     """The fast suite on the oldest versions pyproject.toml claims."""
     session.install("-e", ".[test]", *FLOOR)
-    session.run(*PYTEST, "-m", "not slow", *session.posargs)
+    _run_and_record(session, "floor")
 
 
 @nox.session
-@nox.parametrize("flax", list(FLAX))
-@nox.parametrize("equinox", EQUINOX)
-def tests_matrix(session: nox.Session, flax: str, equinox: str) -> None:
-    """The fast suite on each flax x equinox pair; the README table records results."""
+@nox.parametrize(("flax", "equinox", "optax"), CELLS)
+def tests_matrix(session: nox.Session, flax: str, equinox: str, optax: str) -> None:
+    """The fast suite on each flax x equinox x optax cell; the README table records
+    the results (`python scripts/matrix_table.py` rewrites it from docs/matrix.json)."""
+    key = matrix_table.cell_key(flax, equinox, optax)
+    cell = {"flax": flax, "equinox": equinox, "optax": optax}
     reason = BROKEN.get((flax, equinox))
     if reason:
+        if not session.posargs:
+            matrix_table.record(key, {**cell, "declared_skip": reason})
         session.skip(reason)
     # Outside pyproject's bounds on purpose: the matrix is how the bounds are found.
-    others = _requirements(without=("flax", "equinox"))
-    session.install(*others, f"flax=={flax}", f"equinox=={equinox}", FLAX[flax])
+    others = _requirements(without=("flax", "equinox", "optax", "jax", "jaxlib"))
+    pins = [f"flax=={flax}", f"equinox=={equinox}", f"optax=={optax}", *FLAX[flax]]
+    session.install(*others, *pins)
     session.install("--no-deps", "-e", ".")
+    _run_and_record(session, key, cell)
+
+
+def _run_and_record(session: nox.Session, key: str, cell: dict | None = None) -> None:
+    """Run the fast suite; without posargs, record the result in docs/matrix.json and
+    rewrite the version tables from it."""
+    junit = Path(session.create_tmp()) / "junit.xml"
+    start = time.monotonic()
+    # 1: tests failed, 2: a module failed to import; both are recorded as failures
+    ok = [0, 1, 2]
     session.run(
-        "python", "-c", "import jax, optax; print(jax.__version__, optax.__version__)"
+        *PYTEST,
+        "-m",
+        "not slow",
+        f"--junitxml={junit}",
+        *session.posargs,
+        success_codes=ok,
     )
-    session.run(*PYTEST, "-m", "not slow", *session.posargs)
+    counts = matrix_table.junit_counts(junit)
+    if not session.posargs:
+        versions = session.run(
+            "python", "-c", _VERSIONS, *matrix_table.PACKAGES, silent=True
+        )
+        result = {
+            **(cell or {}),
+            "versions": json.loads(versions),
+            **counts,
+            "seconds": round(time.monotonic() - start),
+            "date": datetime.date.today().isoformat(),
+            "commit": _commit(),
+        }
+        matrix_table.record(key, result)
+        matrix_table.main([])
+    if counts["failed"]:
+        session.error(f"{counts['failed']} tests failed: {counts['failed_tests']}")
+
+
+_VERSIONS = (
+    "import importlib.metadata as m, json, sys; "
+    "print(json.dumps({p: m.version(p) for p in sys.argv[1:]}))"
+)
+
+
+def _commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    return out.stdout.strip() or "unknown"
 
 
 @nox.session

@@ -1,12 +1,102 @@
-"""Shared test helpers: tiny models in every framework and exact comparisons."""
+"""Shared test helpers: exact comparisons, and `requires` for newer framework APIs.
 
+**A test that needs a newer API than the oldest flax/equinox in the version matrix**
+(`nox -s tests_matrix`) is marked with the feature it needs, so it is skipped where the
+feature is missing, with the feature in the reason, and every other test still runs:
+
+    from .helpers import requires
+
+    @requires("NNX")                       # one test
+    def test_round_trip(): ...
+
+    pytestmark = requires("NNX")           # every test of a module
+
+    NNX_ONLY = pytest.param("nnx", marks=requires("NNX"))     # one parameter
+    @pytest.mark.parametrize("framework", ["linen", NNX_ONLY, "equinox"])
+
+    skip_unless("NNX")                     # inside a test, fixture or model factory
+
+The features are in `FEATURES` (add one there when a test needs a newer API: the
+package, the first release that has it, and a check of the API itself, never of the
+version number; `tests/test_versions.py` checks the two agree). `tests/models.py`'s
+`nnx_*` factories and `equinox_cnn` already call `skip_unless`, so a test built on them
+needs no mark; doctests that use NNX are marked by `tests/conftest.py`. A skip reads
+`needs <feature> (<package> >= <version>)`: `scripts/matrix_table.py` counts these
+skips per feature in the version tables.
+"""
+
+import dataclasses
+import importlib.metadata
+import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
+
+
+# --- features of newer framework releases --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    package: str
+    version: str
+    """The first release of `package` that has the feature."""
+    present: Callable[[], bool]
+    """Whether the installed `package` has it, checked on the API itself."""
+
+
+FEATURES = {
+    # bridge's NNX adapter: Variable.get_raw_value (0.12.1), nnx.List and nnx.Pytree
+    # (0.12.0). Linen and Equinox models work with older flax.
+    "NNX": Feature("flax", "0.12.1", lambda: hasattr(nnx.Variable, "get_raw_value")),
+    # BatchNorm(mode="batch" | "ema") and its batch_state_index / ema_state_index
+    "eqx.nn.BatchNorm(mode=...)": Feature(
+        "equinox",
+        "0.13.0",
+        lambda: "mode" in inspect.signature(eqx.nn.BatchNorm).parameters,
+    ),
+}
+
+
+def missing(*features: str) -> str | None:
+    """The skip reason for the `features` the installed packages lack, or None."""
+    lacking = [
+        f"{name} ({FEATURES[name].package} >= {FEATURES[name].version})"
+        for name in features
+        if not FEATURES[name].present()
+    ]
+    return "needs " + " and ".join(lacking) if lacking else None
+
+
+def requires(*features: str) -> pytest.MarkDecorator:
+    """A mark that skips the test unless every one of `features` (keys of `FEATURES`)
+    is present: `@requires("NNX")`."""
+    reason = missing(*features)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def skip_unless(*features: str) -> None:
+    """Skip the running test (or fixture, or model factory) unless every one of
+    `features` is present."""
+    reason = missing(*features)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def installed(package: str) -> tuple[int, ...]:
+    """The installed version of `package`, as numbers: `(0, 12, 8)`."""
+    version = importlib.metadata.version(package)
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+# --- comparisons ---------------------------------------------------------------------
 
 
 def tree_equal_bits(a, b) -> bool:

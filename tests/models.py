@@ -3,6 +3,8 @@
 Each `make_*` returns the native model (Linen: `(module, variables)`; Equinox:
 `model` or `(model, state)`) and an input batch. Shapes are tiny on purpose.
 Flax models take channel-last batches; Equinox models take one example (vmap them).
+A factory whose model needs a newer framework API than the installed one skips the
+test that calls it (`helpers.skip_unless`), naming the feature.
 """
 
 import equinox as eqx
@@ -10,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from .helpers import skip_unless
 
 
 D_IN, D_HID, D_OUT = 3, 5, 2
@@ -61,6 +65,7 @@ def linen_mlp(seed=0):
 
 
 def nnx_mlp(seed=0):
+    skip_unless("NNX")
     return NNXMLP(nnx.Rngs(seed))
 
 
@@ -117,10 +122,12 @@ def linen_cnn(seed=0):
 
 
 def nnx_cnn(seed=0):
+    skip_unless("NNX")
     return NNXCNN(nnx.Rngs(seed))
 
 
 def equinox_cnn(seed=0, mode="batch"):
+    skip_unless("eqx.nn.BatchNorm(mode=...)")
     return eqx.nn.make_with_state(EquinoxCNN)(jax.random.key(seed), mode=mode)
 
 
@@ -189,6 +196,7 @@ def linen_block(seed=0):
 
 
 def nnx_block(seed=0):
+    skip_unless("NNX")
     return NNXBlock(nnx.Rngs(seed))
 
 

@@ -20,6 +20,7 @@ from bridge._io import _checkpoint, _safetensors
 from bridge._tree import kind
 
 from . import models
+from .helpers import requires
 
 
 FORMATS = ["model.safetensors", "model_dir"]
@@ -113,6 +114,7 @@ def test_round_trip_equinox_state_outputs(tmp_path, name):
     np.testing.assert_array_equal(back_infer(x, back_state)[0], infer(x, state)[0])
 
 
+@requires("NNX")
 @pytest.mark.parametrize("name", FORMATS)
 def test_every_dtype_and_prng_keys(tmp_path, name):
     model = Mixed(0)
@@ -251,6 +253,7 @@ def sharded_model():
     return model, mesh
 
 
+@requires("NNX")
 def test_orbax_keeps_sharding(tmp_path):
     model, mesh = sharded_model()
     bridge.save(tmp_path / "ckpt", model)
@@ -259,6 +262,7 @@ def test_orbax_keeps_sharding(tmp_path):
     np.testing.assert_array_equal(tree.kernel, model.kernel[...])
 
 
+@requires("NNX")
 @pytest.mark.parametrize("name", FORMATS)
 def test_load_takes_the_sharding_of_like(tmp_path, name):
     model, mesh = sharded_model()
@@ -438,6 +442,7 @@ def test_like_mismatch_lists_every_problem(tmp_path, name):
     assert r".layers[1].bias: shape (5,) in the file, (5,)" not in message
 
 
+@requires("NNX")
 def test_like_dtype_mismatch(tmp_path):
     bridge.save(tmp_path / "m.safetensors", nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     like = nnx.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -447,6 +452,7 @@ def test_like_dtype_mismatch(tmp_path):
         bridge.load(tmp_path / "m.safetensors", like=like)
 
 
+@requires("NNX")
 def test_loaded_arrays_do_not_alias_the_file(tmp_path):
     path = tmp_path / "m.safetensors"
     model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
@@ -472,6 +478,7 @@ def test_dotted_names_that_collide(tmp_path):
         bridge.save(tmp_path / "m.safetensors", variables)
 
 
+@requires("NNX")
 @pytest.mark.parametrize("field, value", [("dtype", "float99"), ("prng_impl", "nope")])
 def test_metadata_naming_unknown_types(tmp_path, field, value):
     path = tmp_path / "m.safetensors"

@@ -16,6 +16,7 @@ import bridge
 from bridge._cli import main
 
 from . import models
+from .helpers import requires
 
 
 def run(*args, script=False):
@@ -40,6 +41,7 @@ def cnn_file(tmp_path):
     return path
 
 
+@requires("NNX")
 def test_inspect_subprocess(tmp_path):
     path = tmp_path / "wide.safetensors"
     model = nnx.Linear(40, 30, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -88,6 +90,7 @@ class WithKeys(nnx.Module):
         self.lin = nnx.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
 
+@requires("NNX")
 def test_convert_every_pair_of_formats_with_prng_keys(tmp_path):
     bridge.save(tmp_path / "a.safetensors", WithKeys(0))
     chain = ["a.safetensors", "b", "c.safetensors", "d.msgpack", "e"]

@@ -11,7 +11,7 @@ import pytest
 
 import bridge
 
-from .helpers import run_markdown
+from .helpers import requires, run_markdown
 
 
 ROOT = Path(__file__).parent.parent
@@ -76,6 +76,7 @@ def test_every_page_is_in_the_nav():
     assert not missing, f"pages missing from the nav of mkdocs.yml: {missing}"
 
 
+@requires("NNX")
 @pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
 def test_page_code_runs(page, capsys):
     code = run_markdown(ROOT / page)

@@ -10,6 +10,7 @@ from .helpers import (
     DTYPES,
     array_of,
     leaf_objects,
+    requires,
     same_objects,
     snapshot,
     tree_equal_bits,
@@ -125,6 +126,7 @@ def test_other_state_entries_have_the_state_role():
     assert back_state.get(back.index) is t.index
 
 
+@requires("eqx.nn.BatchNorm(mode=...)")
 def test_undeleted_initial_state_with_a_state():
     """`state = eqx.nn.State(model)` without `delete_init_state`: the State's
     entries are the leaves, the model's initial values are kept as they are."""
@@ -140,6 +142,7 @@ def test_undeleted_initial_state_with_a_state():
     assert tree_equal_bits(_forward(back, back_state, x), _forward(model, state, x))
 
 
+@requires("eqx.nn.BatchNorm(mode=...)")
 def test_undeleted_initial_state_without_a_state():
     model = models.EquinoxCNN(jax.random.key(0))
     t = bridge.from_equinox(model)

@@ -6,6 +6,7 @@ from flax import nnx
 import bridge
 
 from . import models
+from .helpers import requires
 
 
 def true_paths(spec):
@@ -61,6 +62,7 @@ def test_equinox_state_is_never_trainable():
     ]
 
 
+@requires("NNX")
 def test_tied_weight_appears_once():
     class Tied(nnx.Module):
         def __init__(self, rngs):

@@ -12,10 +12,15 @@ from .helpers import (
     DTYPES,
     array_of,
     leaf_objects,
+    requires,
     same_objects,
     snapshot,
     tree_equal_bits,
 )
+
+
+# bridge's NNX adapter needs flax >= 0.12.1
+pytestmark = requires("NNX")
 
 
 class Dropped(nnx.Module):

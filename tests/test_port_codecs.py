@@ -12,6 +12,8 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
 
 FRAMEWORKS = ("linen", "nnx", "equinox")
 KEY = jax.random.key
@@ -238,15 +240,19 @@ def _build(case, framework, seed):
 
 # Linen <-> NNX share the layout (identity codecs on both sides): slow tier; the
 # six-direction model tests cover that pair in the default run.
+def _marks(case: str, a: str, b: str, builders) -> list:
+    marks = []
+    if {a, b} == {"linen", "nnx"} and "equinox" in builders:
+        marks.append(pytest.mark.slow)
+    if "nnx" in (a, b):
+        marks.append(requires("NNX"))
+    if case.startswith("batch_norm") and "equinox" in (a, b):
+        marks.append(requires("eqx.nn.BatchNorm(mode=...)"))
+    return marks
+
+
 PARAMS = [
-    pytest.param(
-        case,
-        a,
-        b,
-        marks=[pytest.mark.slow]
-        if {a, b} == {"linen", "nnx"} and "equinox" in builders
-        else [],
-    )
+    pytest.param(case, a, b, marks=_marks(case, a, b, builders))
     for case, (_, _, builders) in CASES.items()
     for a, b in itertools.permutations(builders, 2)
 ]
@@ -266,6 +272,7 @@ def test_codec(case, source_fw, target_fw):
     assert bridge.compare(source, ported, x, channel_first=flags) < 1e-5
 
 
+@requires("eqx.nn.BatchNorm(mode=...)")
 def test_equinox_batch_mode_counter_makes_ported_stats_exact():
     """Flax statistics go into State with a counter where 1 - momentum**counter == 1."""
     source = _build("batch_norm", "linen", seed=1)
@@ -275,6 +282,7 @@ def test_equinox_batch_mode_counter_makes_ported_stats_exact():
     assert jnp.array_equal(mean, source[1]["batch_stats"]["mean"])
 
 
+@requires("NNX")
 def test_containers_and_dropout():
     """nn.Sequential, nnx.Sequential and eqx.nn.Sequential, with Dropout (no weights,
     NNX's RNG state is not ported)."""

@@ -9,6 +9,7 @@ from flax import nnx
 import bridge
 
 from . import models
+from .helpers import requires
 
 
 KEY = jax.random.key
@@ -54,6 +55,7 @@ def test_dtype_mismatch():
         bridge.port(source, target)
 
 
+@requires("NNX")
 def test_ambiguous_pairing_suggests_a_rule():
     source = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
     target = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=KEY(0))])
@@ -90,6 +92,7 @@ def test_rule_across_kinds():
         bridge.port(source, target, rules={r"\.Dense_0": ".bn"})
 
 
+@requires("NNX")
 def test_non_zero_equinox_rms_bias_cannot_go_to_flax():
     source = eqx.tree_at(lambda m: m.bias, eqx.nn.RMSNorm(4), jnp.ones(4))
     with pytest.raises(bridge.PortError, match=r"value: .*`bias` is not 0.0"):
@@ -103,6 +106,7 @@ def test_non_zero_equinox_rms_bias_cannot_go_to_flax():
     assert zero.scale[...].shape == (4,)
 
 
+@requires("NNX")
 def test_dropping_a_non_zero_bias():
     source = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     source.bias[...] = jnp.ones(3)
@@ -127,6 +131,7 @@ def test_linen_layer_named_like_another_kind():
         bridge.port(variables, variables)
 
 
+@requires("NNX")
 def test_every_problem_at_once():
     source = eqx.nn.Sequential([eqx.nn.Linear(2, 3, key=KEY(0)), eqx.nn.PReLU()])
     target = nnx.Sequential(
@@ -140,6 +145,7 @@ def test_every_problem_at_once():
     assert kinds == ["missing", "shape", "shape", "unsupported"]
 
 
+@requires("NNX")
 def test_hyperparameter_mismatch_warns_and_is_in_the_plan():
     source = eqx.nn.LayerNorm(4)  # eps 1e-5
     target = nnx.LayerNorm(4, rngs=nnx.Rngs(0))  # epsilon 1e-6
@@ -158,6 +164,7 @@ def test_compare_errors():
         bridge.compare((module, variables), other, models.mlp_input())
 
 
+@requires("NNX")
 def test_attention_entries_without_a_place():
     """NNX attention with `normalize_qk` has LayerNorms Equinox's has not."""
     source = nnx.MultiHeadAttention(
@@ -187,6 +194,7 @@ class EqxGain(eqx.Module):
     weight: jax.Array
 
 
+@requires("NNX")
 def test_a_codec_that_makes_the_wrong_shape():
     bridge.register_codec(
         bridge.Codec(

@@ -11,6 +11,7 @@ import pytest
 import bridge
 
 from . import models
+from .helpers import requires
 
 
 FRAMEWORKS = ("linen", "nnx", "equinox")
@@ -126,6 +127,7 @@ def test_training_continues_in_equinox_as_in_flax(mode):
     )
 
 
+@requires("NNX")
 def test_ported_arrays_take_the_target_sharding():
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec

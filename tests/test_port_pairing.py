@@ -10,6 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
+from .helpers import requires
 
 
 KEY = jax.random.key
@@ -33,6 +34,7 @@ class TwelveLinear(nnx.Module):
         return x
 
 
+@requires("NNX")
 def test_linen_definition_order_not_sorted_order():
     """JAX sorts `Dense_10` before `Dense_2`; pairing follows definition order."""
     x = jnp.ones((2, 4))
@@ -54,6 +56,7 @@ class SortedLater(nnx.Module):
         return self.alpha(self.zeta(x))
 
 
+@requires("NNX")
 def test_nnx_definition_order_not_sorted_keys():
     source = SortedLater(nnx.Rngs(0))
     target = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=KEY(i)) for i in range(2)])

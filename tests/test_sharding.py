@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import bridge
 
 from . import models
+from .helpers import requires
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def test_nnx(mesh):
     assert back.dense.kernel[...].sharding == NamedSharding(mesh, P(None, "model"))
 
 
+@requires("NNX")
 def test_nnx_partitioning_annotations_survive(mesh):
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
     with jax.set_mesh(mesh):

@@ -10,7 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
-from .helpers import fresh, run_markdown, tree_equal_bits
+from .helpers import fresh, requires, run_markdown, tree_equal_bits
 
 
 STEPS = 3
@@ -156,6 +156,7 @@ def test_adamw_chain_and_schedule_match_the_equinox_recipe():
     assert_frozen_and_trained(tree, after, oracle, (".layers[1].", ".layers[2]."))
 
 
+@requires("NNX")
 def test_frozen_gradients_are_not_computed():
     class Deep(nnx.Module):
         def __init__(self, rngs):

@@ -10,7 +10,7 @@ from flax import nnx
 import bridge
 
 from . import models
-from .helpers import fresh, tree_equal_bits
+from .helpers import fresh, requires, tree_equal_bits
 from .test_step import STEPS, assert_frozen_and_trained, by_path, mse
 
 
@@ -63,6 +63,7 @@ class DropoutMLP(nnx.Module):
         return self.head(self.drop(jax.nn.relu(self.hidden(x))))
 
 
+@requires("NNX")
 def test_nnx_dropout_draws_a_new_mask_each_step_like_nnx_jit():
     model, x = DropoutMLP(nnx.Rngs(0, dropout=1)), models.mlp_input()
     y = jnp.ones((4, models.D_OUT))
@@ -77,6 +78,7 @@ def test_nnx_dropout_draws_a_new_mask_each_step_like_nnx_jit():
     assert tree_equal_bits(by_path(after), by_path(bridge.from_nnx(model)))
 
 
+@requires("NNX")
 def test_nnx_tied_weights_stay_tied():
     class Tied(nnx.Module):
         def __init__(self, rngs):

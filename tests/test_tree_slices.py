@@ -22,14 +22,17 @@ def negate(node):
     return jax.tree_util.tree_map(jnp.negative, node)
 
 
-def trees():
-    return [
-        bridge.from_nnx(models.nnx_mlp()),
-        bridge.from_equinox(models.equinox_mlp()),
-    ]
+TREES = {
+    "nnx": lambda: bridge.from_nnx(models.nnx_mlp()),
+    "equinox": lambda: bridge.from_equinox(models.equinox_mlp()),
+}
 
 
-@pytest.mark.parametrize("tree", trees(), ids=["nnx", "equinox"])
+@pytest.fixture(params=list(TREES))
+def tree(request):
+    return TREES[request.param]()
+
+
 def test_a_slice_is_a_tuple_of_the_stored_children(tree):
     layers = tree.layers
     assert type(layers[1:]) is tuple and len(layers[1:]) == 2
@@ -39,7 +42,6 @@ def test_a_slice_is_a_tuple_of_the_stored_children(tree):
     assert tree["layers"][:1][0] is layers[0]
 
 
-@pytest.mark.parametrize("tree", trees(), ids=["nnx", "equinox"])
 def test_trainable_with_a_slice(tree):
     by_slice = bridge.trainable(tree, lambda t: t.layers[-2:])
     by_index = bridge.trainable(tree, lambda t: (t.layers[1], t.layers[2]))
@@ -47,7 +49,6 @@ def test_trainable_with_a_slice(tree):
     assert jax.tree_util.tree_leaves(by_slice) == [False] * 2 + [True] * 4
 
 
-@pytest.mark.parametrize("tree", trees(), ids=["nnx", "equinox"])
 def test_tree_at_with_a_slice(tree):
     spec = jax.tree_util.tree_map(lambda _: False, tree)
     spec = eqx.tree_at(

@@ -7,13 +7,28 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from flax import nnx
+from flax import __version__ as flax_version, nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
 from .._paths import Key, Path
 from .._tree import Held, Tree, build, native_leaves
 from ._registry import Adapter, register_adapter
+
+
+FLAX_FOR_NNX = "0.12.1"
+"""The oldest flax whose NNX bridge supports; Linen models work with older flax."""
+
+_OLD_FLAX = """\
+bridge's NNX adapter needs flax >= {needed} (Variable.get_raw_value, nnx.List,
+nnx.Pytree); the installed flax is {installed}. Upgrade flax (pip install
+"flax>={needed}"); Linen and Equinox models work with this flax."""
+
+
+def check_flax() -> None:
+    """Raise `ImportError` if the installed flax is older than NNX support needs."""
+    if not hasattr(nnx.Variable, "get_raw_value"):
+        raise ImportError(_OLD_FLAX.format(needed=FLAX_FOR_NNX, installed=flax_version))
 
 
 def role_of(variable_type: type) -> str:
@@ -81,6 +96,7 @@ def from_nnx(module: nnx.Module) -> Tree:
             "For Linen variables use bridge.from_linen, for Equinox models "
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )
+    check_flax()
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
     leaves = flat.leaves
     # a graph definition is slow to hash: hash a summary of it instead
@@ -173,6 +189,7 @@ def to_nnx(tree: Tree) -> nnx.Module:
     An `nnx.Module`.
     """
     src, leaves = native_leaves(tree, "nnx")
+    check_flax()
     record: NNXRecord = src.record  # pyright: ignore[reportAssignmentType]
     graphdef = record.graphdef.value
     if record.mutable:  # give the new module its own copies

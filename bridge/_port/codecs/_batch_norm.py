@@ -17,6 +17,7 @@ places them where their `StateIndex` sits, so the codec reads and writes:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import equinox as eqx
@@ -43,11 +44,24 @@ in an eqx.nn.State: pass the model together with its state, `(model, state)`, as
 `model, state = eqx.nn.make_with_state(Model)(...)`."""
 
 
+_OLD_EQUINOX = """\
+Porting an Equinox BatchNorm needs equinox >= 0.13.0 (BatchNorm(mode=...), with its
+batch_state_index / ema_state_index statistics); the installed equinox is {installed}.
+Upgrade equinox (pip install "equinox>=0.13.0"); every other layer ports with it."""
+
+
+def check_equinox() -> None:
+    """Raise `ImportError` if the installed equinox's BatchNorm has no `mode`."""
+    if "mode" not in inspect.signature(eqx.nn.BatchNorm).parameters:
+        raise ImportError(_OLD_EQUINOX.format(installed=eqx.__version__))
+
+
 def _linen(cls, leaves: Leaves) -> bool:
     return {"mean", "var"} <= set(leaves) <= {"scale", "bias", "mean", "var"}
 
 
 def _eqx_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    check_equinox()
     out = (
         {"scale": leaves["weight"], "bias": leaves["bias"]}
         if "weight" in leaves
@@ -67,6 +81,7 @@ def _eqx_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
 
 
 def _eqx_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    check_equinox()
     out = {}
     if "weight" in like:
         out["weight"], out["bias"] = canonical["scale"], canonical["bias"]
@@ -96,6 +111,7 @@ def _eqx_hyper(module: Any) -> dict[str, Any]:
 def _eqx_build(canonical: Leaves, options) -> tuple[eqx.nn.BatchNorm, eqx.nn.State]:
     """An Equinox `BatchNorm` and its `State` (`options["batch_norm_mode"]`: `"batch"`,
     the default, or `"ema"`), with Flax's momentum 0.99."""
+    check_equinox()
     mean = canonical["mean"]
     affine = "scale" in canonical or "bias" in canonical
     return eqx.nn.make_with_state(eqx.nn.BatchNorm)(

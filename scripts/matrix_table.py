@@ -1,0 +1,224 @@
+"""The version tables of README.md and docs/versions.md, written from docs/matrix.json.
+
+`nox -s tests_matrix` and `nox -s tests_floor` record each cell's result in
+`docs/matrix.json` (the versions installed, the counts of passed, skipped and failed
+tests, each skip's reason); this script writes the tables from that file, so they say
+what the last run found and nothing else:
+
+    python scripts/matrix_table.py          # rewrite README.md's, docs/versions.md's
+    python scripts/matrix_table.py --check  # exit 1 if they differ from matrix.json
+
+The tables sit between `<!-- matrix: begin -->` and `<!-- matrix: end -->` lines
+(`<!-- floor: ... -->` for the floor's line); the text around them is written by hand.
+Standard library only: the noxfile imports it from the host's Python.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "matrix.json"
+PAGES = (ROOT / "README.md", ROOT / "docs" / "versions.md")
+# The packages whose installed versions a cell records (and the tables show).
+PACKAGES = ("jax", "jaxlib", "flax", "equinox", "optax", "numpy", "orbax-checkpoint")
+# `requires(...)` in tests/helpers.py skips with "needs <feature> (<package> >= <v>)".
+FEATURE_SKIP = re.compile(r"^needs (?P<feature>.+) \((?P<needs>[^()]+)\)$")
+
+
+# --- recording a cell (called by the noxfile) ----------------------------------------
+
+
+def cell_key(flax: str, equinox: str, optax: str) -> str:
+    return f"flax {flax}, equinox {equinox}, optax {optax}"
+
+
+def junit_counts(path: Path) -> dict:
+    """Passed, failed (errors included) and skipped test counts of a pytest
+    `--junitxml` report, with each skip reason's count and the failed tests' ids."""
+    passed, skipped, failed = 0, Counter(), []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcomes = {child.tag: child for child in case}
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if "failure" in outcomes or "error" in outcomes:
+            failed.append(name)
+        elif "skipped" in outcomes:
+            skipped[outcomes["skipped"].get("message", "").strip()] += 1
+        else:
+            passed += 1
+    return {
+        "passed": passed,
+        "skipped": dict(sorted(skipped.items())),
+        "failed": len(failed),
+        "failed_tests": sorted(failed),
+    }
+
+
+def record(key: str, result: dict, path: Path = RESULTS) -> None:
+    """Store one cell's `result` under `key` in the results file (other cells kept)."""
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[key] = result
+    path.write_text(json.dumps(dict(sorted(results.items())), indent=1) + "\n")
+
+
+# --- the tables ----------------------------------------------------------------------
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.]", version))
+
+
+def _skips(skipped: dict, *, short: bool) -> str:
+    parts = []
+    for reason, count in skipped.items():
+        match = FEATURE_SKIP.match(reason)
+        if short and match:
+            reason = f"`{match['feature']}`"
+        elif match:
+            reason = f"`{match['feature']}` ({match['needs']})"
+        parts.append(f"{count} {reason}")
+    return "; ".join(parts)
+
+
+def cell_text(cell: dict, *, short: bool) -> str:
+    """One cell of a table: `passes`, what was skipped and why, or what failed."""
+    if "declared_skip" in cell:
+        return f"cannot run: {cell['declared_skip']}"
+    skipped = sum(cell["skipped"].values())
+    if cell["failed"]:
+        text = f"**fails**: {cell['failed']} failed, {cell['passed']} passed"
+        if not short:
+            text += " (" + ", ".join(f"`{t}`" for t in cell["failed_tests"][:5])
+            text += ", ...)" if cell["failed"] > 5 else ")"
+    else:
+        text = f"**passes**: {cell['passed']} passed"
+    if skipped:
+        text += f", {skipped} skipped by feature: " + _skips(
+            cell["skipped"], short=short
+        )
+    return text
+
+
+def _cells(results: dict) -> list[dict]:
+    return [cell for key, cell in results.items() if key != "floor"]
+
+
+def matrix_table(results: dict, *, short: bool) -> str:
+    """Markdown: a row per flax release (with the jax it ran on), a column per
+    equinox and optax pair."""
+    cells = _cells(results)
+    rows = sorted({c["flax"] for c in cells}, key=_version_key)
+    # newest optax first, then each optax's equinox releases, oldest first
+    columns = sorted(
+        {(c["equinox"], c["optax"]) for c in cells}, key=lambda eo: _version_key(eo[0])
+    )
+    columns.sort(key=lambda eo: _version_key(eo[1]), reverse=True)
+    by_place = {(c["flax"], c["equinox"], c["optax"]): c for c in cells}
+    head = ["flax \\ equinox, optax"] + [f"{e}, optax {o}" for e, o in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for flax in rows:
+        ran = [c for c in cells if c["flax"] == flax and "versions" in c]
+        jax = sorted({c["versions"]["jax"] for c in ran}, key=_version_key)
+        label = f"{flax} (jax {', '.join(jax)})" if jax else flax
+        texts = [
+            cell_text(by_place[(flax, e, o)], short=short)
+            if (flax, e, o) in by_place
+            else "not in the matrix"
+            for e, o in columns
+        ]
+        lines.append("| " + " | ".join([label, *texts]) + " |")
+    return "\n".join(lines)
+
+
+def _versions(cell: dict) -> str:
+    return ", ".join(
+        f"{p} {cell['versions'][p]}" for p in PACKAGES if p in cell["versions"]
+    )
+
+
+def floor_text(results: dict) -> str:
+    floor = results.get("floor")
+    if floor is None:
+        return "`tests_floor` has not been recorded yet."
+    return f"`tests_floor` ({_versions(floor)}): {cell_text(floor, short=False)}."
+
+
+def run_text(results: dict) -> str:
+    """When, at which commit, how long: the line under the detailed table."""
+    cells = _cells(results)
+    commits = sorted({c["commit"] for c in cells if "commit" in c})
+    dates = sorted({c["date"] for c in cells if "date" in c})
+    seconds = sum(c.get("seconds", 0) for c in cells)
+    ran = sum("versions" in c for c in cells)
+    return (
+        f"Last run: {', '.join(dates)} at commit {', '.join(commits)}; "
+        f"{ran} cells ran one after the other in {seconds / 60:.0f} min "
+        "(installs included, 2 shared cores)."
+    )
+
+
+def details(results: dict) -> str:
+    """Markdown: every cell's installed versions."""
+    lines = ["| cell | installed |", "| --- | --- |"]
+    for key, cell in results.items():
+        if "versions" in cell:
+            lines.append(f"| {key} | {_versions(cell)} |")
+    return "\n".join(lines)
+
+
+def blocks(page: Path, results: dict) -> dict[str, str]:
+    """The generated blocks of `page`, by marker name."""
+    detailed = page.name != "README.md"
+    out = {"matrix": matrix_table(results, short=not detailed)}
+    out["floor"] = floor_text(results)
+    if detailed:
+        out["matrix"] += "\n\n" + run_text(results) + "\n\n" + details(results)
+    return out
+
+
+def rewrite(text: str, generated: dict[str, str]) -> str:
+    """`text` with each `<!-- name: begin -->` ... `<!-- name: end -->` block's body
+    replaced by `generated[name]`; an error if a marker is missing."""
+    for name, body in generated.items():
+        pattern = re.compile(
+            rf"(<!-- {name}: begin -->\n).*?(\n<!-- {name}: end -->)", re.S
+        )
+        if not pattern.search(text):
+            raise ValueError(
+                f"no `<!-- {name}: begin -->` ... `<!-- {name}: end -->` block to "
+                "write the table into: add the two lines where it belongs"
+            )
+        text = pattern.sub(lambda m: m[1] + body + m[2], text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    results = json.loads(RESULTS.read_text())
+    stale = []
+    for page in PAGES:
+        old = page.read_text()
+        new = rewrite(old, blocks(page, results))
+        if new == old:
+            continue
+        if "--check" in argv:
+            stale.append(str(page.relative_to(ROOT)))
+        else:
+            page.write_text(new)
+    if stale:
+        print(
+            f"{', '.join(stale)}: the version tables differ from docs/matrix.json; "
+            "run `python scripts/matrix_table.py`",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
