@@ -114,8 +114,9 @@ def tests_slow(session: nox.Session) -> None:
 @nox.session
 def tests_floor(session: nox.Session) -> None:
     """The fast suite on the oldest versions pyproject.toml claims."""
+    start = time.monotonic()
     session.install("-e", ".[test]", *FLOOR)
-    _run_and_record(session, "floor")
+    _run_and_record(session, "floor", {}, start)
 
 
 @nox.session
@@ -123,6 +124,7 @@ def tests_floor(session: nox.Session) -> None:
 def tests_matrix(session: nox.Session, flax: str, equinox: str, optax: str) -> None:
     """The fast suite on each flax x equinox x optax cell; the README table records
     the results (`python scripts/matrix_table.py` rewrites it from docs/matrix.json)."""
+    start = time.monotonic()
     key = matrix_table.cell_key(flax, equinox, optax)
     cell = {"flax": flax, "equinox": equinox, "optax": optax}
     reason = BROKEN.get((flax, equinox))
@@ -135,14 +137,14 @@ def tests_matrix(session: nox.Session, flax: str, equinox: str, optax: str) -> N
     pins = [f"flax=={flax}", f"equinox=={equinox}", f"optax=={optax}", *FLAX[flax]]
     session.install(*others, *pins)
     session.install("--no-deps", "-e", ".")
-    _run_and_record(session, key, cell)
+    _run_and_record(session, key, cell, start)
 
 
-def _run_and_record(session: nox.Session, key: str, cell: dict | None = None) -> None:
-    """Run the fast suite; without posargs, record the result in docs/matrix.json and
-    rewrite the version tables from it."""
+def _run_and_record(session: nox.Session, key: str, cell: dict, start: float) -> None:
+    """Run the fast suite; without posargs, record the result in docs/matrix.json
+    (`seconds` counted from `start`, the install included) and rewrite the version
+    tables from it."""
     junit = Path(session.create_tmp()) / "junit.xml"
-    start = time.monotonic()
     # 1: tests failed, 2: a module failed to import; both are recorded as failures
     ok = [0, 1, 2]
     session.run(
@@ -159,7 +161,7 @@ def _run_and_record(session: nox.Session, key: str, cell: dict | None = None) ->
             "python", "-c", _VERSIONS, *matrix_table.PACKAGES, silent=True
         )
         result = {
-            **(cell or {}),
+            **cell,
             "versions": json.loads(versions),
             **counts,
             "seconds": round(time.monotonic() - start),
@@ -179,13 +181,15 @@ _VERSIONS = (
 
 
 def _commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    """HEAD's short hash, `+changes` if files other than the results differ from it."""
+    git = lambda *args: subprocess.run(  # noqa: E731
+        ["git", *args], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    results = [":!docs/matrix.json", ":!README.md", ":!docs/versions.md"]
+    changed = git("status", "--porcelain", "--", ".", *results)
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+        "+changes" if changed else ""
     )
-    return out.stdout.strip() or "unknown"
 
 
 @nox.session

@@ -77,31 +77,28 @@ def _version_key(version: str) -> tuple:
 def _skips(skipped: dict, *, short: bool) -> str:
     parts = []
     for reason, count in skipped.items():
+        reason = reason.removeprefix("Skipped: ")
         match = FEATURE_SKIP.match(reason)
-        if short and match:
+        if match:
             reason = f"`{match['feature']}`"
-        elif match:
-            reason = f"`{match['feature']}` ({match['needs']})"
+            reason += "" if short else f" ({match['needs']})"
         parts.append(f"{count} {reason}")
-    return "; ".join(parts)
+    return ", ".join(parts)
 
 
 def cell_text(cell: dict, *, short: bool) -> str:
-    """One cell of a table: `passes`, what was skipped and why, or what failed."""
+    """One cell of a table: passes or fails, and the skips by feature."""
     if "declared_skip" in cell:
         return f"cannot run: {cell['declared_skip']}"
-    skipped = sum(cell["skipped"].values())
     if cell["failed"]:
         text = f"**fails**: {cell['failed']} failed, {cell['passed']} passed"
         if not short:
-            text += " (" + ", ".join(f"`{t}`" for t in cell["failed_tests"][:5])
-            text += ", ...)" if cell["failed"] > 5 else ")"
+            shown = ", ".join(f"`{t}`" for t in cell["failed_tests"][:5])
+            text += f" ({shown}{', ...' if cell['failed'] > 5 else ''})"
     else:
         text = f"**passes**: {cell['passed']} passed"
-    if skipped:
-        text += f", {skipped} skipped by feature: " + _skips(
-            cell["skipped"], short=short
-        )
+    if cell["skipped"]:
+        text += "; skipped by feature: " + _skips(cell["skipped"], short=short)
     return text
 
 
@@ -111,16 +108,17 @@ def _cells(results: dict) -> list[dict]:
 
 def matrix_table(results: dict, *, short: bool) -> str:
     """Markdown: a row per flax release (with the jax it ran on), a column per
-    equinox and optax pair."""
+    equinox release (and optax, where it is not the newest one of the matrix)."""
     cells = _cells(results)
     rows = sorted({c["flax"] for c in cells}, key=_version_key)
-    # newest optax first, then each optax's equinox releases, oldest first
-    columns = sorted(
-        {(c["equinox"], c["optax"]) for c in cells}, key=lambda eo: _version_key(eo[0])
-    )
-    columns.sort(key=lambda eo: _version_key(eo[1]), reverse=True)
+    newest_optax = max((c["optax"] for c in cells), key=_version_key)
+    # the newest optax first, each optax's equinox releases oldest first
+    columns = sorted({(c["equinox"], c["optax"]) for c in cells}, key=_version_key_eo)
+    columns.sort(key=lambda eo: eo[1] != newest_optax)
     by_place = {(c["flax"], c["equinox"], c["optax"]): c for c in cells}
-    head = ["flax \\ equinox, optax"] + [f"{e}, optax {o}" for e, o in columns]
+    head = ["flax \\ equinox"] + [
+        e if o == newest_optax else f"{e}, optax {o}" for e, o in columns
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for flax in rows:
         ran = [c for c in cells if c["flax"] == flax and "versions" in c]
@@ -133,7 +131,12 @@ def matrix_table(results: dict, *, short: bool) -> str:
             for e, o in columns
         ]
         lines.append("| " + " | ".join([label, *texts]) + " |")
+    lines += ["", f"optax {newest_optax} in every column that names no other optax."]
     return "\n".join(lines)
+
+
+def _version_key_eo(eo: tuple[str, str]) -> tuple:
+    return _version_key(eo[0]), _version_key(eo[1])
 
 
 def _versions(cell: dict) -> str:
@@ -154,12 +157,12 @@ def run_text(results: dict) -> str:
     cells = _cells(results)
     commits = sorted({c["commit"] for c in cells if "commit" in c})
     dates = sorted({c["date"] for c in cells if "date" in c})
-    seconds = sum(c.get("seconds", 0) for c in cells)
+    minutes = sum(c.get("seconds", 0) for c in cells) / 60
     ran = sum("versions" in c for c in cells)
     return (
-        f"Last run: {', '.join(dates)} at commit {', '.join(commits)}; "
-        f"{ran} cells ran one after the other in {seconds / 60:.0f} min "
-        "(installs included, 2 shared cores)."
+        f"Last run: {', '.join(dates)}, at commit {', '.join(commits)}: {ran} cells "
+        f"ran, {len(cells) - ran} declared, in {minutes:.0f} min one after the other "
+        "(installs included, on 2 shared CPU cores)."
     )
 
 
@@ -187,14 +190,14 @@ def rewrite(text: str, generated: dict[str, str]) -> str:
     replaced by `generated[name]`; an error if a marker is missing."""
     for name, body in generated.items():
         pattern = re.compile(
-            rf"(<!-- {name}: begin -->\n).*?(\n<!-- {name}: end -->)", re.S
+            rf"(<!-- {name}: begin -->\n).*?(<!-- {name}: end -->)", re.S
         )
         if not pattern.search(text):
             raise ValueError(
                 f"no `<!-- {name}: begin -->` ... `<!-- {name}: end -->` block to "
                 "write the table into: add the two lines where it belongs"
             )
-        text = pattern.sub(lambda m: m[1] + body + m[2], text)
+        text = pattern.sub(lambda m: m[1] + body + "\n" + m[2], text)
     return text
 
 
