@@ -23,6 +23,9 @@ version number; `tests/test_versions.py` checks the two agree). `tests/models.py
 needs no mark; doctests that use NNX are marked by `tests/conftest.py`. A skip reads
 `needs <feature> (<package> >= <version>)`: `scripts/matrix_table.py` counts these
 skips per feature in the version tables.
+
+To see a new test in the oldest cell (extra arguments: nothing is recorded), run
+`nox -s "tests_matrix(flax='0.10.7', equinox='0.11.12', optax='0.2.8')" -- tests/x.py`.
 """
 
 import dataclasses
