@@ -135,6 +135,7 @@ def test_plan_table():
     assert "weight OIHW" in lines[2]
 
 
+@requires("NNX")
 def test_compare_equals_native_outputs():
     """compare runs each framework as it runs itself; channel_first moves axes."""
     x = models.cnn_input()
