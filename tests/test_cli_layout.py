@@ -116,6 +116,7 @@ def test_flax_to_equinox_loads_directly(framework, architecture, tmp_path, monke
     assert bridge.compare(source, loaded, inputs()) <= 1e-5
 
 
+@requires("eqx.nn.BatchNorm(mode=...)")
 def test_subprocess_nnx_cnn_from_orbax_batch_norm_ema(tmp_path, monkeypatch):
     source, saved = _source("nnx", "cnn")
     bridge.save(tmp_path / "src", saved)  # an orbax directory
