@@ -33,10 +33,10 @@ PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [
-    "jax==0.6.0",
-    "jaxlib==0.6.0",
+    "jax==0.6.2",
+    "jaxlib==0.6.2",
     "flax==0.10.7",
-    "equinox==0.11.12",
+    "equinox==0.12.2",
     "optax==0.2.5",
     "numpy==2.0.0",
     "safetensors==0.4.3",
@@ -64,8 +64,8 @@ CELLS += [("0.12.8", EQUINOX[-1], OPTAX[1])]
 # cannot see it), with the reason: they are skipped, never dropped. A test that needs
 # a newer API is skipped by its `requires(...)` mark instead (tests/helpers.py).
 _XLA_EXTENSION = (
-    "equinox 0.11.12 imports `jaxlib.xla_extension`, which jaxlib 0.6.2 and newer "
-    "do not have (ModuleNotFoundError on `import equinox`; jax 0.6.0 has it)"
+    "equinox 0.11.12 imports `jaxlib.xla_extension`, which jaxlib 0.6.1 and newer "
+    "do not have (ModuleNotFoundError on `import equinox`; jaxlib 0.6.0 has it)"
 )
 BROKEN = {
     ("0.11.2", "0.11.12"): _XLA_EXTENSION,

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
 from flax import nnx
 
 
@@ -64,6 +65,11 @@ FEATURES = {
         "equinox",
         "0.13.0",
         lambda: "mode" in inspect.signature(eqx.nn.BatchNorm).parameters,
+    ),
+    # the reference writer used as an oracle, and the C64, F4, F8_E8M0 and FNUZ codes
+    # in safetensors' own reader (bridge reads and writes them with any safetensors)
+    "safetensors.TensorSpec": Feature(
+        "safetensors", "0.8.0", lambda: hasattr(safetensors, "TensorSpec")
     ),
 }
 

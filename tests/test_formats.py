@@ -17,6 +17,8 @@ from bridge import _cli
 from bridge._io import _format, _safetensors
 from bridge._io._contents import Contents, encode
 
+from .helpers import requires
+
 
 FORMATS = ["m.safetensors", "m.msgpack", "ckpt"]
 
@@ -38,7 +40,15 @@ def same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("code", sorted(_safetensors.DTYPES))
+# codes safetensors' own reader knows from 0.8.0 (bridge stores them with any)
+_NEWER = {"C64", "F4", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"}
+CODES = [
+    pytest.param(c, marks=requires("safetensors.TensorSpec")) if c in _NEWER else c
+    for c in sorted(_safetensors.DTYPES)
+]
+
+
+@pytest.mark.parametrize("code", CODES)
 def test_every_safetensors_dtype_round_trips_bits(tmp_path, code):
     dtype = _safetensors.DTYPES[code]
     variables = {"params": {"x": bits(dtype)}}
@@ -55,6 +65,7 @@ def test_every_safetensors_dtype_round_trips_bits(tmp_path, code):
             assert same_bits(f.get_tensor("x"), variables["params"]["x"])
 
 
+@requires("safetensors.TensorSpec")
 @pytest.mark.parametrize("code", sorted(_safetensors.DTYPES))
 def test_files_written_by_safetensors_are_read_exactly(tmp_path, code):
     """safetensors' own writer as the oracle: its file, every dtype, read by bridge."""
