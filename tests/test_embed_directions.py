@@ -15,14 +15,19 @@ from .embed_models import (
     train_with_make_step,
     wrap,
 )
+from .helpers import requires
 
 
-CASES = [(i, o, k) for i, o in DIRECTIONS for k in KINDS]
-IDS = [f"{i}-in-{o}-{k}" for i, o, k in CASES]
+def _case(inner, outer, kind, *, slow=False):
+    """NNX on either side needs bridge's NNX adapter."""
+    marks = [requires("NNX")] if "nnx" in (inner, outer) else []
+    return pytest.param(inner, outer, kind, marks=marks + [pytest.mark.slow] * slow)
+
+
+CASES = [_case(i, o, k) for i, o in DIRECTIONS for k in KINDS]
+IDS = [f"{i}-in-{o}-{k}" for i, o in DIRECTIONS for k in KINDS]
 # the MLP of each direction in the default suite, the others with the slow tests
-SLOW_CASES = [
-    pytest.param(*c, marks=() if c[2] == "mlp" else pytest.mark.slow) for c in CASES
-]
+SLOW_CASES = [_case(i, o, k, slow=k != "mlp") for i, o in DIRECTIONS for k in KINDS]
 
 
 def _same(a: dict, b: dict, exact: bool = True):

@@ -11,7 +11,7 @@ from flax import nnx
 import bridge
 
 from .embed_models import NNXMLP, inputs, native
-from .helpers import tree_equal_bits
+from .helpers import requires, tree_equal_bits
 
 
 class Outer(eqx.Module):
@@ -35,6 +35,7 @@ def _outer():
     )
 
 
+@requires("NNX")
 def test_state_convention_filter_jit_and_inference_mode():
     nnx_cnn = native("nnx", "cnn")
     model, state = eqx.nn.make_with_state(Outer)(
@@ -53,6 +54,7 @@ def test_state_convention_filter_jit_and_inference_mode():
     assert tree_equal_bits(jax.tree.leaves(after), jax.tree.leaves(state))
 
 
+@requires("NNX")
 def test_filter_grad_partition_tree_at_vmap():
     mlp = NNXMLP(nnx.Rngs(0))
     layer = bridge.as_equinox(mlp)
@@ -70,6 +72,7 @@ def test_filter_grad_partition_tree_at_vmap():
     assert jnp.array_equal(zero(x), mlp(x))
 
 
+@requires("NNX")
 def test_trainable_freezes_the_wrapped_part_with_make_step():
     model, state = _outer()
     tree = bridge.from_equinox(model, state)
@@ -88,6 +91,7 @@ def test_trainable_freezes_the_wrapped_part_with_make_step():
     assert not jnp.array_equal(new.enc.model.bn.mean, before.enc.model.bn.mean)
 
 
+@requires("NNX")
 def test_port_through_wrappers():
     # an Equinox model holding a wrapped NNX MLP <-> the same model all in Equinox
     class Native(eqx.Module):

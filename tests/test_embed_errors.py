@@ -11,7 +11,7 @@ from flax import nnx
 import bridge
 
 from .embed_models import inputs, native
-from .helpers import run_markdown
+from .helpers import requires, run_markdown
 
 
 @pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_linen, bridge.as_equinox])
@@ -35,6 +35,7 @@ def test_linen_module_without_variables(wrap):
         wrap(variables)
 
 
+@requires("NNX")
 def test_same_framework():
     with pytest.raises(TypeError, match=r"already a model of that framework"):
         bridge.as_nnx(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
@@ -44,6 +45,7 @@ def test_same_framework():
         bridge.as_equinox(native("equinox", "mlp"))
 
 
+@requires("NNX")
 def test_missing_mutable_collection_or_state():
     x, _ = inputs("cnn")
     layer = bridge.as_linen(native("nnx", "cnn"))
@@ -59,6 +61,7 @@ def test_missing_mutable_collection_or_state():
         wrapper(x)
 
 
+@requires("NNX")
 def test_name_collision_in_nnx_wrapper():
     class Model(nn.Module):
         @nn.compact
@@ -70,6 +73,7 @@ def test_name_collision_in_nnx_wrapper():
         bridge.as_nnx((Model(), variables))
 
 
+@requires("NNX")
 @pytest.mark.slow
 def test_mixing_guide_runs():
     code = run_markdown(Path(__file__).parent.parent / "docs/guides/mixing.md")

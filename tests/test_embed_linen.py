@@ -10,7 +10,7 @@ from flax import nnx
 import bridge
 
 from .embed_models import NNXMLP, inputs, native
-from .helpers import tree_equal_bits
+from .helpers import requires, tree_equal_bits
 
 
 class Outer(nn.Module):
@@ -23,6 +23,7 @@ class Outer(nn.Module):
         return nn.Dense(3)(self.enc(x))
 
 
+@requires("NNX")
 def test_init_keeps_the_wrapped_weights_and_from_linen_sees_them():
     nnx_cnn = native("nnx", "cnn")
     model = Outer(bridge.as_linen(nnx_cnn))
@@ -37,6 +38,7 @@ def test_init_keeps_the_wrapped_weights_and_from_linen_sees_them():
     assert not any(jax.tree.leaves(spec.enc))
 
 
+@requires("NNX")
 def test_apply_mutable_writes_batch_stats_and_refuses_without():
     nnx_cnn = native("nnx", "cnn")
     model = Outer(bridge.as_linen(nnx_cnn))
@@ -56,6 +58,7 @@ def test_apply_mutable_writes_batch_stats_and_refuses_without():
     assert frozen.apply(variables, x).shape == y.shape  # eval mode: nothing written
 
 
+@requires("NNX")
 def test_rngs_reach_the_wrapped_model():
     # an Equinox model's key= from make_rng("dropout"); an NNX model's streams reseeded
     for fw in ("equinox", "nnx"):
@@ -89,6 +92,7 @@ def test_nn_jit_and_nn_remat():
         assert grads["params"]["mlp"]["layers"][0]["weight"].shape == (5, 3)
 
 
+@requires("NNX")
 def test_parity_with_flax_to_linen():
     # nnx.bridge.ToLinen builds the module from its class; with the same variables
     # both give the same outputs
@@ -103,6 +107,7 @@ def test_parity_with_flax_to_linen():
     assert jnp.array_equal(ours.apply(our_vars, x), module(x))
 
 
+@requires("NNX")
 def test_port_an_nnx_module_inside_linen():
     # inside Linen, an NNX module's layers have Linen's layout: found by their arrays
     nnx_mlp = NNXMLP(nnx.Rngs(0))

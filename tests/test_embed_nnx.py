@@ -11,8 +11,12 @@ from flax import nnx
 import bridge
 
 from .embed_models import EquinoxBatchCNN, inputs, native
-from .helpers import tree_equal_bits
+from .helpers import requires, tree_equal_bits
 from .models import EquinoxCNN
+
+
+# NNX wrappers need bridge's NNX adapter (flax >= 0.12.1)
+pytestmark = requires("NNX")
 
 
 class Outer(nnx.Module):
