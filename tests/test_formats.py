@@ -21,6 +21,16 @@ from .helpers import requires
 
 
 FORMATS = ["m.safetensors", "m.msgpack", "ckpt"]
+# safetensors releases before TensorSpec (the floor, 0.4.3) know fewer dtype codes
+RECENT = hasattr(safetensors, "TensorSpec")
+CLASSIC = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"} | {
+    "F16",
+    "BF16",
+    "F32",
+    "F64",
+    "F8_E4M3",
+    "F8_E5M2",
+}
 
 
 def bits(dtype: str, n: int = 8) -> np.ndarray:
@@ -57,6 +67,8 @@ def test_every_safetensors_dtype_round_trips_bits(tmp_path, code):
     assert same_bits(bridge.load(path).x, variables["params"]["x"])
     back = bridge.load(path, like=variables)
     assert same_bits(back["params"]["x"], variables["params"]["x"])
+    if not (RECENT or code in CLASSIC):
+        return  # the installed safetensors cannot read this code: no oracle here
     # safetensors' own reader agrees on the code and shape it finds in the file
     with safetensors.safe_open(path, framework="numpy") as f:
         piece = f.get_slice("x")
@@ -69,6 +81,8 @@ def test_every_safetensors_dtype_round_trips_bits(tmp_path, code):
 @pytest.mark.parametrize("code", sorted(_safetensors.DTYPES))
 def test_files_written_by_safetensors_are_read_exactly(tmp_path, code):
     """safetensors' own writer as the oracle: its file, every dtype, read by bridge."""
+    if not RECENT:
+        pytest.skip("this safetensors has no TensorSpec writer")
     dtype = _safetensors.DTYPES[code]
     array = bits(dtype)
     stored = _safetensors._to_bytes(array)  # F4: packed two per byte
