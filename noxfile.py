@@ -104,6 +104,25 @@ def tests(session: nox.Session) -> None:
     session.run(*PYTEST, "-m", "not slow", *session.posargs)
 
 
+TORCH = "torch==2.13.0"
+TORCH_TESTS = [
+    "tests/test_torch_adapter.py",
+    "tests/test_torch_layers.py",
+    "tests/test_torch_hf.py",
+]
+
+
+@nox.session(venv_backend="virtualenv")
+def tests_torch(session: nox.Session) -> None:
+    """The PyTorch-layout tests against real torch modules and transformers models.
+
+    torch is installed with pip, not uv: pip takes the CPU wheel the machine
+    provides (its find-links), where uv would download a multi-GB CUDA build."""
+    session.run("python", "-m", "pip", "install", "--quiet", TORCH)
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
+    session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)
+
+
 @nox.session
 def tests_slow(session: nox.Session) -> None:
     """The tests marked `slow`, on the newest releases."""

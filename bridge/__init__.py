@@ -1,9 +1,11 @@
-"""Flax (Linen and NNX) and Equinox models, interoperable."""
+"""Flax (Linen and NNX) and Equinox models, and PyTorch-layout state dicts,
+interoperable."""
 
 from ._adapters._equinox import from_equinox as from_equinox, to_equinox as to_equinox
 from ._adapters._linen import from_linen as from_linen, to_linen as to_linen
 from ._adapters._native import to_native as to_native, to_neutral as to_neutral
 from ._adapters._nnx import from_nnx as from_nnx, to_nnx as to_nnx
+from ._adapters._torch import from_torch as from_torch, to_torch as to_torch
 from ._embed._as_equinox import as_equinox as as_equinox
 from ._embed._as_linen import as_linen as as_linen
 from ._embed._as_nnx import as_nnx as as_nnx

@@ -20,17 +20,23 @@ from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, relayout
 
 
 _DESCRIPTION = """\
-Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models, and run the
-demo. The checkpoint formats, chosen by each path: {formats}."""
+Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models and PyTorch-
+layout checkpoints (Hugging Face's included), and run the demo. The checkpoint formats,
+chosen by each path: {formats}. A directory holding a model.safetensors.index.json is
+a sharded checkpoint. Pickle files (*.bin, *.pt) are refused, never unpickled."""
 
 _CONVERT_HELP = """\
 Convert a checkpoint between the formats ({formats}), keeping each array's role; the
 format follows each path. The destination is written atomically. With --to-layout, the
 arrays are also converted to another framework's names and shapes through the port
-codecs, without the model: Equinox -> Flax (Linen/NNX), or Flax -> Equinox (Dense kernel
-(in,out) -> Linear weight (out,in), HWIO -> OIHW convolutions, fused attention
-heads, BatchNorm statistics as eqx.nn.State entries). A layer no codec recognises is
-an error naming it; nothing is written then."""
+codecs, without the model: Equinox or PyTorch -> Flax (Linen/NNX), Flax or PyTorch ->
+Equinox (Dense kernel (in,out) -> Linear weight (out,in), HWIO -> OIHW convolutions,
+fused attention heads, BatchNorm statistics as eqx.nn.State entries), or any ->
+PyTorch (nn.Linear weight (out,in), OIHW, running_mean/running_var, fused
+in_proj_weight; layers named by their dotted paths). A PyTorch-layout file records
+no classes: a lone 2-D weight is an Embedding when its name says so (emb..., wte,
+wpe, shared), else a Linear. A layer no codec recognises is an error naming it;
+nothing is written then."""
 
 
 def _formats() -> str:
@@ -188,9 +194,11 @@ def parser() -> argparse.ArgumentParser:
         "--to-layout",
         choices=LAYOUTS,
         help="store the arrays in this framework's layout (through the port "
-        "codecs): 'flax' converts an Equinox checkpoint to Flax names and shapes, "
-        "'equinox' a Linen or NNX checkpoint to the names and shapes "
-        "bridge.save gives the Equinox model of the same layers",
+        "codecs): 'flax' converts an Equinox or PyTorch-layout checkpoint to Flax "
+        "names and shapes, 'equinox' a Linen, NNX or PyTorch-layout checkpoint to "
+        "the names and shapes bridge.save gives the Equinox model of the same "
+        "layers, 'torch' any checkpoint to the names and shapes of PyTorch's "
+        "state_dict",
     )
     p.add_argument(
         "--rename",

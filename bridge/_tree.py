@@ -512,7 +512,8 @@ def kind(node: Tree) -> Any:
 
 
 def framework(tree: Tree) -> str | None:
-    """`"linen"`, `"nnx"` or `"equinox"` for a whole-model Tree, else None."""
+    """`"linen"`, `"nnx"`, `"equinox"` or `"torch"` for a whole-model Tree, else
+    None."""
     src = tree._info.source
     return None if src is None else src.framework
 

@@ -7,7 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from .._tree import Tree, source_of
-from . import _equinox, _linen, _nnx  # noqa: F401  (they register the built-in adapters)
+from . import (  # noqa: F401  (they register the built-in adapters)
+    _equinox,
+    _linen,
+    _nnx,
+    _torch,
+)
 from ._registry import Adapter, adapter_for, adapter_named, adapters
 
 
@@ -22,7 +27,9 @@ def to_neutral(obj: Any) -> Tree:
         - an Equinox model, or a tuple `(model, state)` with an `eqx.nn.State`
           (as `bridge.from_equinox`);
         - a Linen variables dict (as `bridge.from_linen`), a tuple
-          `(module, variables)`, or a bound Linen module (`module.bind(variables)`).
+          `(module, variables)`, or a bound Linen module (`module.bind(variables)`);
+        - a PyTorch-layout state dict (a flat mapping of dotted names to arrays) or
+          a `torch.nn.Module` (as `bridge.from_torch`).
 
     **Returns:**
 
@@ -79,6 +86,8 @@ def to_native(tree: Tree, *, rngs: Any = None) -> Any:
 
     - from NNX: a new `nnx.Module` (as `bridge.to_nnx`);
     - from Equinox: the model, or `(model, state)` (as `bridge.to_equinox`);
+    - from a PyTorch-layout state dict or module: the state dict, numpy arrays (as
+      `bridge.to_torch`);
     - from Linen with a module: the module bound to the variables (and `rngs`),
       callable as `native(x)`; collections other than `params` are mutable, and
       `native.variables` reads them after a forward pass. Without a module: the

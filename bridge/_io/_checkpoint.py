@@ -28,6 +28,7 @@ from .._adapters._linen import from_linen
 from .._adapters._native import like as like_form, to_native, to_neutral
 from .._adapters._registry import adapter_named
 from .._adapters._skeleton import settings, skeleton
+from .._adapters._torch import from_torch
 from .._paths import at, path_of
 from .._port._errors import PortError
 from .._port._port import port
@@ -40,7 +41,12 @@ from .._tree import (
     source_of,
     walk,
 )
-from . import _msgpack, _orbax, _safetensors  # noqa: F401  (they register formats)
+from . import (  # noqa: F401  (they register formats)
+    _msgpack,
+    _orbax,
+    _safetensors,
+    _sharded,
+)
 from ._contents import (
     RESERVED,
     VERSION as VERSION,
@@ -49,7 +55,19 @@ from ._contents import (
     dotted as dotted,
     encode as encode,
 )
+from ._errors import CheckpointError
 from ._format import format_named, format_of, formats
+from ._torch_layout import torch_state
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_PICKLE = """\
+{path} is a pickle file (PyTorch's torch.save format): loading it can run any code, so
+bridge never unpickles. Convert it to safetensors once, with torch's weights-only
+loader (which refuses code):
+    python -c "import torch, safetensors.torch as st; \\
+st.save_file(torch.load('{path}', weights_only=True), '{stem}.safetensors')"
+or pass the state dict to bridge.from_torch(torch.load(path, weights_only=True))."""
 
 
 _RESERVED_KEY = """\
@@ -185,7 +203,15 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     fmt.save(path, contents, arrays)
 
 
-def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> None:
+def save(
+    path: str | os.PathLike,
+    obj: Any,
+    *,
+    metadata: dict | None = None,
+    layout: str | None = None,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> None:
     """Save a model of any framework as a checkpoint, atomically.
 
     The format follows the path: `*.safetensors` writes one safetensors file, keyed
@@ -211,6 +237,19 @@ def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> 
     - `obj`: a `bridge.Tree` or a native model (anything `bridge.to_neutral` takes).
     - `metadata`: optional `dict[str, str]` stored with the arrays (safetensors,
       orbax); `bridge inspect` shows it.
+    - `layout`: `"torch"` writes a plain PyTorch-layout safetensors file (no bridge
+      metadata, `{"format": "pt"}` as PyTorch's writers add), as
+      `safetensors.torch.save_file(module.state_dict(), path)` would: `nn.Linear`
+      weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var` (and
+      `num_batches_tracked` 0), fused `in_proj_weight`. Layers are named by their
+      dotted paths, or by `rules` read backwards. Default: the model's own layout.
+    - `rules`: with `layout="torch"`, the rules that imported the PyTorch model
+      (`{PyTorch layer regex: this model's layer path}`, as given to `bridge.port`):
+      each is read backwards to name the layers as the PyTorch model does. A rule is
+      reversible when its regex is literal text and capturing groups, each used in
+      the replacement.
+    - `prefix`: with `layout="torch"`, put before every name (`"bert."`), as
+      Hugging Face's `base_model_prefix`.
 
     **Returns:**
 
@@ -230,6 +269,9 @@ def save(path: str | os.PathLike, obj: Any, *, metadata: dict | None = None) -> 
     ```
     """
     path = _path(path)
+    if layout is not None or rules is not None or prefix:
+        _save_layout(path, to_neutral(obj), metadata, layout, rules, prefix)
+        return
     contents, arrays = describe(to_neutral(obj), metadata)
     write(path, contents, arrays)
 
@@ -243,6 +285,39 @@ def _path(path: Any) -> Path:
     if os.fspath(path) in ("", "."):
         raise ValueError(f"`path` must name a file or directory, got {path!r}.")
     return Path(path)
+
+
+_LAYOUT_OPTIONS = """\
+`layout` must be "torch" (or None for the model's own layout), got {layout!r}; `rules`
+and `prefix` apply only with layout="torch"."""
+
+
+def _save_layout(
+    path: Path,
+    tree: Tree,
+    metadata: Mapping[str, str] | None,
+    layout: str | None,
+    rules: Mapping[str, str] | None,
+    prefix: str,
+) -> None:
+    if layout != "torch":
+        raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
+    if format_of(path) is not _safetensors.FORMAT:
+        raise ValueError(
+            f"{path}: a PyTorch-layout checkpoint is a safetensors file; name it "
+            "*.safetensors."
+        )
+    user = dict(metadata or {})
+    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
+    if bad:
+        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    state = torch_state(tree, rules, prefix)
+    tensors = tuple(
+        Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))
+        for k, v in state.items()
+    )
+    contents = Contents(path, "safetensors", None, "", None, (), user, tensors)
+    _safetensors.save_plain(path, contents, state, {**user, "format": "pt"})
 
 
 # --- reading ------------------------------------------------------------------------
@@ -265,7 +340,14 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     `PermissionError` for one this user may not read).
     """
     path = Path(path)
-    if path.is_dir():
+    if path.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(_PICKLE.format(path=path, stem=path.with_suffix("")))
+    if path.is_dir():  # a Hugging Face save_pretrained directory, or orbax
+        index = _sharded.index_of(path)
+        if index is not None:
+            return _sharded.FORMAT.metadata(index)
+        if (path / "model.safetensors").is_file():
+            return _safetensors.FORMAT.metadata(path / "model.safetensors")
         fmt = next(f for f in formats() if not f.suffixes)
     else:
         fmt = format_of(path)
@@ -296,6 +378,10 @@ def read(
             array = jax.device_put(array, sharding)
         out[name] = array
     return out
+
+
+def _natural(path: tuple) -> tuple:
+    return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
 
 
 def _resolve(name: str) -> type | None:
@@ -330,6 +416,9 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     Linen-style variables (`{role: {module: {name: array}}}`, Flax's layout), so
     `bridge.to_native` gives that dict.
     """
+    if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
+        ordered = sorted(contents.tensors, key=lambda s: _natural(s.path))
+        return from_torch({s.key: arrays[s.key] for s in ordered})
     kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
     if contents.framework == "equinox":
         paths = [s.path for s in contents.tensors]
@@ -361,9 +450,16 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     return build(entries, kinds, "linen", src.record)
 
 
-def _problems(contents: Contents, target: Tree) -> list[str]:
+def _cast(array: Any, dtype: Any) -> Any:
+    """`array` as `dtype` if both are floating point, else as it is."""
+    if dtype is None or not jnp.issubdtype(array.dtype, jnp.floating):
+        return array
+    return array.astype(dtype)
+
+
+def _problems(contents: Contents, target: Tree, dtype: Any = None) -> list[str]:
     """Every missing, unexpected, shape and dtype problem of filling `target` from the
-    file."""
+    file (with `dtype`, floating-point arrays are cast: their dtypes may differ)."""
     stored = {s.key: s for s in contents.tensors}
     flat = jtu.tree_flatten_with_path(target)[0]
     problems = []
@@ -373,14 +469,18 @@ def _problems(contents: Contents, target: Tree) -> list[str]:
         if name not in stored:
             problems.append(f"  missing {where} (no '{name}' in the file)")
             continue
-        shape, dtype = stored.pop(name).logical
+        shape, saved = stored.pop(name).logical
         if shape != tuple(np.shape(leaf)):
             problems.append(
                 f"  {where}: shape {shape} in the file, {np.shape(leaf)} in `like`"
             )
-        if dtype != str(leaf.dtype):
+        cast = dtype is not None and all(
+            jnp.issubdtype(d, jnp.floating) for d in (saved, leaf.dtype)
+        )
+        if saved != str(leaf.dtype) and not cast:
             problems.append(
-                f"  {where}: dtype {dtype} in the file, {leaf.dtype} in `like`"
+                f"  {where}: dtype {saved} in the file, {leaf.dtype} in `like` "
+                "(pass dtype= to cast floating-point arrays)"
             )
     problems += [
         f"  unexpected '{name}' in the file (not in `like`)" for name in stored
@@ -388,17 +488,20 @@ def _problems(contents: Contents, target: Tree) -> list[str]:
     return problems
 
 
-def _fill(contents: Contents, target: Tree) -> Tree:
-    """`target` with every leaf read from the checkpoint, with `target`'s shardings."""
+def _fill(contents: Contents, target: Tree, dtype: Any = None) -> Tree:
+    """`target` with every leaf read from the checkpoint, with `target`'s shardings
+    (and cast to `dtype`)."""
     shardings = {}
     for keypath, leaf in jtu.tree_flatten_with_path(target)[0]:
         if isinstance(leaf, jax.Array):
             shardings[dotted(path_of(keypath))] = leaf.sharding
     arrays = read(contents, shardings)
-    return jtu.tree_map_with_path(lambda p, _: arrays[dotted(path_of(p))], target)
+    return jtu.tree_map_with_path(
+        lambda p, _: _cast(arrays[dotted(path_of(p))], dtype), target
+    )
 
 
-def load(path: str | os.PathLike, like: Any = None) -> Any:
+def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
     Arrays are read one at a time, from the file handle the header was read from, so
@@ -457,17 +560,25 @@ def load(path: str | os.PathLike, like: Any = None) -> Any:
     target = None if like is None else to_neutral(like)
     with open_checkpoint(path) as contents:
         if target is None:
-            return file_tree(contents, read(contents))
-        problems = _problems(contents, target)
+            arrays = {k: _cast(v, dtype) for k, v in read(contents).items()}
+            return file_tree(contents, arrays)
+        problems = _problems(contents, target, dtype)
         if not problems:
-            return like_form(like, _fill(contents, target))
+            return like_form(like, _fill(contents, target, dtype))
         if contents.framework == framework(target):
             raise ValueError(
                 _MISMATCH.format(path=contents.path, problems="\n".join(problems))
             )
-        source = file_tree(contents, read(contents))
+        try:
+            if contents.layout == "torch":  # read while porting, shard by shard
+                source = file_tree(contents, _sharded.lazy(contents))
+                return port(source, like, dtype=dtype)
+            source = file_tree(contents, read(contents))
+        except PortError as error:
+            error.add_note(_PORTING.format(path=contents.path))
+            raise
     try:
-        return port(source, like)
+        return port(source, like, dtype=dtype)
     except PortError as error:
         error.add_note(_PORTING.format(path=contents.path))
         raise

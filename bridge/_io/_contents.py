@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._adapters._torch import ROLE_OF
 from .._paths import Path as TreePath
 
 
@@ -68,7 +69,7 @@ class Contents:
     path: Path
     format: str  # a registered format's name: "safetensors", "orbax", "msgpack"
     framework: str | None  # None: not written by bridge, or converted
-    layout: str  # "flax", "equinox" or "" (unknown)
+    layout: str  # "flax", "equinox", "torch" or "" (unknown)
     version: str | None
     modules: tuple[tuple[TreePath, str, dict[str, Any]], ...]  # class, settings
     metadata: dict[str, str]  # the user's own
@@ -284,6 +285,27 @@ def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
     return tuple(entry[0]), entry[1], entry[2]
 
 
+TORCH_NAMES = frozenset(
+    {"weight", "running_mean", "running_var", "in_proj_weight", "num_batches_tracked"}
+)
+"""Last names that make a file without bridge metadata a PyTorch-layout one."""
+
+
+def is_torch_layout(
+    meta: Mapping[str, str], shapes: Mapping[str, tuple[tuple[int, ...], str]]
+) -> bool:
+    """A file without bridge metadata is in PyTorch layout when its metadata says
+    `{"format": "pt"}` (as torch's and Hugging Face's writers add) or one of its
+    arrays has a PyTorch-only last name (`weight`, `running_mean`, ...)."""
+    return meta.get("format") == "pt" or any(
+        name.rsplit(".", 1)[-1] in TORCH_NAMES for name in shapes
+    )
+
+
+def _role(name: str) -> str:
+    return ROLE_OF.get(name.rsplit(".", 1)[-1], "params")
+
+
 def decode(
     path: Path,
     fmt: str,
@@ -302,12 +324,14 @@ def decode(
         if shapes is None:
             raise Malformed("no bridge metadata")
         paths = _plain_paths(list(shapes))
+        torch = is_torch_layout(meta, shapes)
         tensors = tuple(
-            Stored(name, paths[name], "params", shape, dtype)
+            Stored(name, paths[name], _role(name) if torch else "params", shape, dtype)
             for name, (shape, dtype) in shapes.items()
         )
         _check_paths(tensors)
-        return Contents(path, fmt, None, "", None, (), dict(meta), tensors, source)
+        fw, layout = ("torch", "torch") if torch else (None, "")
+        return Contents(path, fmt, fw, layout, None, (), dict(meta), tensors, source)
     entries = _json(meta, "tensors")
     if not isinstance(entries, dict):
         raise Malformed(f"its 'tensors' metadata is a {type(entries).__name__}")

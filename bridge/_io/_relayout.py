@@ -17,6 +17,7 @@ with a role never ported (NNX's RNG state) are left out: Equinox models hold non
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -25,14 +26,17 @@ import jax
 import numpy as np
 
 from .._adapters._native import to_native, to_neutral
+from .._adapters._torch import ROLE_OF
 from .._paths import Path, parse
 from .._port._codec import codec_of, codecs, filled
-from .._port._layers import Layer, find_layers
+from .._port._layers import NOT_PORTED, Layer, find_layers
+from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree
 from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
+from ._torch_layout import torch_state
 
 
-LAYOUTS = ("flax", "equinox")
+LAYOUTS = ("flax", "equinox", "torch")
 BATCH_NORM_MODES = ("batch", "ema")
 _STATISTICS = ("mean", "var")  # the canonical BatchNorm entries: role batch_stats
 
@@ -128,8 +132,14 @@ def relayout(
     if contents.layout == layout:
         return contents, arrays
     tree = file_tree(contents, arrays)
+    if layout == "torch":
+        return _to_torch(contents, tree)
     problems: list[str] = []
     layers = find_layers(tree, problems)
+    if contents.layout == "torch":  # no classes: names decide between candidates
+        for layer in layers:
+            kinds = kinds_by_name(dotted(layer.path), layer.kinds)
+            layer.codecs = tuple(c for c in layer.codecs if c.kind in kinds)
     if layout == "equinox":
         mode = batch_norm_mode or "batch"
         return _to_equinox(contents, layers, problems, rename, mode)
@@ -150,9 +160,28 @@ def _to_flax(contents: Contents, arrays: dict[str, Any], layers: list[Layer]):
         for relative in layer.paths.values():
             stored.pop(layer.path + relative)
     for s in stored.values():  # what no layer holds (RNG state): as it is
+        if s.role in NOT_PORTED:  # PyTorch's num_batches_tracked
+            continue
         tensors.append(s)
         out[s.key] = arrays[s.key]
     return _contents(contents, None, "flax", (), tensors), out
+
+
+def _to_torch(contents: Contents, tree: Tree) -> tuple[Contents, dict[str, Any]]:
+    arrays = torch_state(tree)
+    tensors = [
+        Stored(
+            name,
+            parse(name, "."),
+            ROLE_OF.get(name.rsplit(".", 1)[-1], "params"),
+            tuple(a.shape),
+            str(a.dtype),
+        )
+        for name, a in arrays.items()
+    ]
+    converted = _contents(contents, "torch", "torch", (), tensors)
+    metadata = {**converted.metadata, "format": "pt"}
+    return dataclasses.replace(converted, metadata=metadata), arrays
 
 
 def _to_equinox(

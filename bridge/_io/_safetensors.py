@@ -103,11 +103,19 @@ def _from_bytes(data: np.ndarray, code: str, shape: tuple[int, ...]) -> np.ndarr
 def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     """Write `arrays` in `contents`' order with its metadata, atomically. The header
     lists the arrays in that order (safetensors' readers take any order)."""
+    save_plain(path, contents, arrays, encode(contents))
+
+
+def save_plain(
+    path: Path, contents: Contents, arrays: Mapping[str, Any], meta: dict[str, str]
+) -> None:
+    """`save` with `meta` as the file's whole metadata (no bridge keys: a file as
+    another library writes it)."""
     host = {s.key: np.asarray(arrays[s.key]) for s in contents.tensors}
     odd = [k for k, v in host.items() if _CODES[str(v.dtype)] == "F4" and v.size % 2]
     if odd:
         raise ValueError(_ODD_F4.format(names=", ".join(odd)) + ".")
-    header: dict[str, Any] = {"__metadata__": encode(contents)}
+    header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, array in host.items():
         code = _CODES[str(array.dtype)]
@@ -253,15 +261,20 @@ def restore(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Each array, one at a time, read from the file the header came from into fresh
     host memory (the caller moves it into a JAX array)."""
-    source: Source = contents.source
     for s in contents.tensors:
-        entry = source.entries[s.key]
-        data = np.empty(entry.end - entry.begin, np.uint8)
-        try:
-            read_at(source.fd, source.start + entry.begin, data.size, memoryview(data))
-        except EOFError as e:
-            raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
-        yield s.key, _from_bytes(data, entry.code, entry.shape)
+        yield s.key, read_one(contents, s.key)
+
+
+def read_one(contents: Contents, name: str) -> np.ndarray:
+    """One array, read from the file the header came from into fresh host memory."""
+    source: Source = contents.source
+    entry = source.entries[name]
+    data = np.empty(entry.end - entry.begin, np.uint8)
+    try:
+        read_at(source.fd, source.start + entry.begin, data.size, memoryview(data))
+    except EOFError as e:
+        raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
+    return _from_bytes(data, entry.code, entry.shape)
 
 
 FORMAT = register_format(

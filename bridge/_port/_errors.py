@@ -47,9 +47,12 @@ SHAPE = (
 )
 DTYPE = (
     "dtype: {source} -> {target} ({kind}): `{entry}` is {actual} in the source, the "
-    "target expects {expected}. Cast one model first, e.g. "
-    "jax.tree_util.tree_map(lambda x: x.astype(jnp.{expected}), tree)."
+    "target expects {expected}. Pass dtype=jnp.{expected} to cast on the way (or "
+    "strict=False to cast to the target's dtypes with a PortWarning), or cast one "
+    "model first, e.g. jax.tree_util.tree_map(lambda x: x.astype(jnp.{expected}), "
+    "tree)."
 )
+CAST = "dtypes differ, cast to the target's (pass dtype= to choose):\n    {casts}"
 AMBIGUOUS = (
     "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "
     "and order leave a choice. Say which with rules={{r'{source_re}': '{target}'}}."

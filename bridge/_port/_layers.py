@@ -16,7 +16,7 @@ from . import _errors
 from ._codec import Codec, Leaves, codecs
 
 
-NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses"})
+NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
 """Roles whose leaves are the running state of one model, never ported."""
 
 _AUTO_NAME = re.compile(r"^(.+)_\d+$")
@@ -141,7 +141,7 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
                 {} if module is None and expects else found[0].hyperparameters(module)
             )
             layer = Layer(path, found, leaves, paths, hyper)
-            _read_specs(layer, problems)
+            read_specs(layer, problems)
             if layer.codecs:
                 layers.append(layer)
             taken.append(path)
@@ -163,7 +163,7 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
     return layers
 
 
-def _read_specs(layer: Layer, problems: list[str]) -> None:
+def read_specs(layer: Layer, problems: list[str]) -> None:
     """The canonical shapes and dtypes of the layer, for each candidate kind."""
     structs = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()

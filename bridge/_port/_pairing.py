@@ -91,6 +91,10 @@ def pair(
             )
     rest_s = [s for s in sources if id(s) not in ruled_sources]
     rest_t = [t for t in targets if id(t) not in ruled_targets]
+    named = _by_name(rest_s, rest_t)
+    pairs += named
+    rest_s = [s for s in rest_s if all(s is not a for a, _ in named)]
+    rest_t = [t for t in rest_t if all(t is not b for _, b in named)]
     grouped = _by_signature(rest_s, rest_t)
     pairs += grouped
     rest_s = [s for s in rest_s if all(s is not a for a, _ in grouped)]
@@ -107,6 +111,37 @@ def pair(
         [s for s in sources if id(s) not in paired_s | ambiguous],
         [t for t in targets if id(t) not in paired_t | ambiguous],
     )
+
+
+def normalised(where: str) -> str:
+    """A layer path in one spelling for every framework: `.layer[0].query`,
+    `layer.0.query` and `.layer_0.query` all read `layer.0.query`."""
+    text = re.sub(r"\[(\d+)\]", r".\1", where)
+    text = re.sub(r"\['([^']*)'\]", r".\1", text)
+    text = re.sub(r"_(\d+)(?=\.|$)", r".\1", text)
+    return text.lstrip(".")
+
+
+def _by_name(sources: list[Layer], targets: list[Layer]) -> list[tuple[Layer, Layer]]:
+    """Pairs of layers of a common kind and shapes whose paths are the same once
+    normalised (each name unique on its side): names decide before order."""
+    by_name: dict[str, list[Layer]] = {}
+    for t in targets:
+        by_name.setdefault(normalised(t.where), []).append(t)
+    seen: dict[str, int] = {}
+    for s in sources:
+        key = normalised(s.where)
+        seen[key] = seen.get(key, 0) + 1
+    out = []
+    for s in sources:
+        key = normalised(s.where)
+        found = by_name.get(key, [])
+        if seen[key] != 1 or len(found) != 1:
+            continue
+        kind = common_kind(s, found[0])
+        if kind is not None and _same_shapes(s, found[0], kind):
+            out.append((s, found[0]))
+    return out
 
 
 def _signature(layer: Layer) -> tuple | None:

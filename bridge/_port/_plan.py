@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._adapters._native import to_neutral
+from .._adapters._torch import ties_of
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
-from ._layers import Layer, find_layers
+from ._layers import Layer, find_layers, read_specs
 from ._pairing import common_kind, pair
 
 
@@ -32,6 +34,7 @@ class PlanRow:
     shapes: str
     fill: dict[str, float] = field(default_factory=dict, repr=False)
     drop: dict[str, float] = field(default_factory=dict, repr=False)
+    cast: dict[str, Any] = field(default_factory=dict, repr=False)
     _source: Layer | None = field(default=None, repr=False)
     _target: Layer | None = field(default=None, repr=False)
 
@@ -58,12 +61,16 @@ class Plan:
       with `strict=False`, else an error).
     - `unexpected`: source layers that go nowhere (only with `strict=False`).
     - `warnings`: hyperparameters that differ between paired layers.
+    - `tied`: names that share one array in a PyTorch-layout source or target
+      (`"lm_head.weight = wte.weight"`): kept once in the Tree, written under both
+      names by `bridge.to_torch`.
     """
 
     steps: tuple[PlanRow, ...]
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
     _source: Tree | None = field(default=None, repr=False)
     _target: Tree | None = field(default=None, repr=False)
 
@@ -83,6 +90,7 @@ class Plan:
             ("missing (kept as they are)", self.missing),
             ("unexpected (left out)", self.unexpected),
             ("warnings", self.warnings),
+            ("tied (stored once)", self.tied),
         ):
             if entries:
                 lines.append(f"{title}:")
@@ -99,7 +107,19 @@ def _transform(source: Codec, target: Codec) -> str:
     return f"{source.layout or 'Flax'} -> {target.layout or 'Flax'}"
 
 
-def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
+def _floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check(
+    s: Layer,
+    t: Layer,
+    kind: str,
+    problems: list[str],
+    dtype: Any,
+    strict: bool,
+    casts: list[str],
+) -> PlanRow:
     sspec, tspec = s.specs[kind], t.specs[kind]
     defaults = {**s.codec(kind).defaults, **t.codec(kind).defaults}
     names = dict(source=s.where, target=t.where, kind=kind)
@@ -115,8 +135,15 @@ def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
         else:
             problems.append(_errors.ENTRY_EXTRA.format(entry=entry, **names))
     fitting = True
+    cast = {}  # entries to cast: to `dtype`, or (strict=False) to the target's
     for entry in sspec.keys() & tspec.keys():
         a, b = sspec[entry], tspec[entry]
+        want = dtype if dtype is not None and _floating(b.dtype) else b.dtype
+        if a.dtype != want and (dtype is not None or not strict):
+            cast[entry] = want
+            if dtype is None:
+                casts.append(f"{s.where} -> {t.where}: {entry} {a.dtype} -> {want}")
+            continue
         if a.shape != b.shape:
             fitting = False
             problems.append(
@@ -124,7 +151,7 @@ def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
                     entry=entry, actual=tuple(a.shape), expected=tuple(b.shape), **names
                 )
             )
-        elif a.dtype != b.dtype:
+        elif a.dtype != want:
             fitting = False
             problems.append(
                 _errors.DTYPE.format(
@@ -135,8 +162,14 @@ def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
     transform = _transform(s.codec(kind), tcodec)
     transform += "".join(f", {k} = {v}" for k, v in sorted(fill.items()))
     if fitting:
-        like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.leaves.items()}
-        canonical = {k: v for k, v in tspec.items()}
+        like = {
+            k: jax.ShapeDtypeStruct(v.shape, _retyped(v.dtype, dtype))
+            for k, v in t.leaves.items()
+        }
+        canonical = {
+            k: jax.ShapeDtypeStruct(v.shape, _retyped(v.dtype, dtype))
+            for k, v in tspec.items()
+        }
         made = jax.eval_shape(
             lambda c, like: tcodec.encode(c, like, t.hyper), canonical, like
         )
@@ -152,13 +185,38 @@ def _check(s: Layer, t: Layer, kind: str, problems: list[str]) -> PlanRow:
         t.shapes(kind),
         fill,
         drop,
+        cast,
         s,
         t,
     )
 
 
+def _retyped(dtype: Any, wanted: Any) -> Any:
+    return wanted if wanted is not None and _floating(dtype) else dtype
+
+
+ADOPTED = ("heads",)
+"""Settings a layout needs that a state dict or a file does not record (PyTorch's
+fused attention weights do not show the number of heads): a layer without one takes
+its paired layer's, before any array moves."""
+
+
+def _adopt(pairs: list[tuple[Layer, Layer]], problems: list[str]) -> None:
+    for s, t in pairs:
+        for a, b in ((s, t), (t, s)):
+            taken = {k: b.hyper[k] for k in ADOPTED if k in b.hyper}
+            taken = {k: v for k, v in taken.items() if k not in a.hyper}
+            if taken:
+                a.hyper.update(taken)
+                read_specs(a, problems)
+
+
 def make_plan(
-    source: Any, target: Any, rules: Mapping[str, str] | None, strict: bool
+    source: Any,
+    target: Any,
+    rules: Mapping[str, str] | None,
+    strict: bool,
+    dtype: Any = None,
 ) -> tuple[Plan, list[str]]:
     """The plan and every problem found (empty: `port` may run it)."""
     source, target = to_neutral(source), to_neutral(target)
@@ -166,12 +224,14 @@ def make_plan(
     sources = find_layers(source, problems)
     targets = find_layers(target, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems)
-    steps, warnings = [], []
+    _adopt(pairs, problems)
+    steps, warnings, casts = [], [], []
+    dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t in pairs:
         kind = common_kind(s, t)
         if kind is None:  # a rule across kinds, already reported
             continue
-        step = _check(s, t, kind, problems)
+        step = _check(s, t, kind, problems, dtype, strict, casts)
         steps.append(step)
         for name in sorted(s.hyper.keys() & t.hyper.keys()):
             a, b = s.hyper[name], t.hyper[name]
@@ -181,6 +241,8 @@ def make_plan(
                         source=s.where, target=t.where, kind=kind, name=name, a=a, b=b
                     )
                 )
+    if casts:
+        warnings.append(_errors.CAST.format(casts="\n    ".join(casts)))
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
@@ -203,6 +265,7 @@ def make_plan(
         tuple(t.where for t in lone_targets),
         tuple(s.where for s in lone_sources),
         tuple(warnings),
+        tuple(f"{a} = {b}" for t in (source, target) for a, b in ties_of(t)),
         source,
         target,
     )

@@ -8,8 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._adapters._native import like, placeholders
+from .._lazy import materialise
 from .._paths import Path
 from .._tree import Tree, map_with_path
 from . import _errors
@@ -23,6 +25,7 @@ def port(
     *,
     rules: Mapping[str, str] | None = None,
     strict: bool = True,
+    dtype: Any = None,
 ) -> Any:
     """Fill `target`'s structure with `source`'s weights, whatever their frameworks.
 
@@ -48,14 +51,22 @@ def port(
       matches the regex goes to the target layer at the path the replacement gives
       (`re.Match.expand`, so `\\1` works): `{r"\\.Dense_(\\d+)": r".layers[\\1]"}`.
     - `strict`: with `False`, missing and unexpected layers are listed in the plan
-      instead of raising; shape and dtype mismatches, ambiguities and unsupported
-      layers always raise.
+      instead of raising, and arrays whose dtype differs from the target's are cast
+      to it with a `PortWarning` listing them (with `True`, the default, a dtype
+      change without `dtype=` is an error). Shape mismatches, ambiguities and
+      unsupported layers always raise.
+    - `dtype`: the dtype every ported floating-point array is cast to (bfloat16,
+      float16, float32, ...), whatever the source's and the target's: the filled
+      model holds it. Default: the target's dtypes, unchanged.
 
     **Returns:**
 
     The filled target, of the target's kind: a `bridge.Tree` for a Tree, a new
     `nnx.Module`, a new Equinox model (or `(model, state)`), new Linen variables (or
-    `(module, variables)`, or a bound module).
+    `(module, variables)`, or a bound module); for a PyTorch-layout target, a state
+    dict (`bridge.to_torch`): `torch.Tensor`s for a `torch.nn.Module` or a state
+    dict of tensors, ready for `module.load_state_dict(sd, strict=True)`, else
+    numpy arrays.
 
     **Raises:**
 
@@ -76,13 +87,13 @@ def port(
     ```
     """
     abstract = placeholders(target)
-    plan, problems = make_plan(source, abstract, rules, strict)
+    plan, problems = make_plan(source, abstract, rules, strict, dtype)
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
     if plan.warnings:
         warnings.warn(
-            "Hyperparameters differ:\n  " + "\n  ".join(plan.warnings),
+            "Port warnings:\n  " + "\n  ".join(plan.warnings),
             _errors.PortWarning,
             stacklevel=2,
         )
@@ -93,7 +104,7 @@ def run(plan: Plan) -> Tree:
     """Execute a plan: the target Tree with every paired layer's arrays replaced."""
     problems: list[str] = []
     new: dict[Path, Any] = {}
-    for step in plan.steps:
+    for step in sorted(plan.steps, key=_reading_order):
         new.update(_move(step, problems))
     if problems:
         raise _errors.PortError(problems)
@@ -101,10 +112,21 @@ def run(plan: Plan) -> Tree:
     return map_with_path(lambda path, leaf: new.get(path, leaf), plan._target)
 
 
+def _reading_order(step: PlanRow) -> int:
+    """Steps reading a lazily read file go shard by shard (see `bridge._lazy`)."""
+    assert step._source is not None
+    return min(
+        (getattr(v, "order", 0) for v in step._source.leaves.values()), default=0
+    )
+
+
 def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
     s, t = step._source, step._target
     assert s is not None and t is not None
-    canonical = step.source_codec.decode(s.leaves, s.hyper)
+    leaves = {k: materialise(v) for k, v in s.leaves.items()}
+    canonical = step.source_codec.decode(leaves, s.hyper)
+    for entry, dtype in step.cast.items():
+        canonical[entry] = jnp.asarray(canonical[entry]).astype(dtype)
     for entry, value in step.drop.items():
         if not bool(jnp.all(canonical[entry] == value)):
             problems.append(
@@ -126,7 +148,10 @@ def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
 
 def _placed(new: Any, like: Any) -> Any:
     """`new` with the sharding of the target's array it replaces (a no-op when they
-    already agree, or when the target's array is abstract)."""
+    already agree, or when the target's array is abstract). A numpy array (from a
+    PyTorch-layout state dict or a file) becomes a JAX array: the model owns it."""
+    if isinstance(new, np.ndarray):
+        new = jnp.asarray(new)
     sharding = getattr(like, "sharding", None)
     if isinstance(like, jax.Array) and isinstance(new, jax.Array):
         if not new.sharding.is_equivalent_to(sharding, new.ndim):  # pyright: ignore

@@ -7,4 +7,5 @@ from . import (
     _dense as _dense,
     _embed as _embed,
     _norm as _norm,
+    _torch as _torch,
 )

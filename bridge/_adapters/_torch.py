@@ -1,0 +1,537 @@
+"""Adapter: PyTorch-layout state dicts (and `torch.nn.Module`s) <-> `bridge.Tree`.
+
+A state dict is a flat mapping of dotted names (`encoder.layer.0.attention.self.query.
+weight`) to arrays: numpy arrays, or `torch.Tensor`s when torch is installed. The Tree
+splits the names at the dots (`t.encoder.layer[0].attention.self.query.weight`), keeps
+the arrays (torch tensors become numpy views of the same memory, bfloat16 and float8
+through `ml_dtypes`), and records what `to_torch` needs to give the same state dict
+back: the names in order, a stripped prefix, fused weights that were split, and tied
+names that share one array. torch itself is optional: it is imported only when a
+tensor or a module is given, or tensors are asked for.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .._paths import Path
+from .._tree import Held, Tree, build, native_leaves, source_of
+from ._registry import Adapter, register_adapter
+
+
+ROLE_OF = {
+    "running_mean": "batch_stats",
+    "running_var": "batch_stats",
+    "num_batches_tracked": "counters",
+}
+"""A state dict entry's role, by its last name; every other entry is `"params"`.
+`counters` (BatchNorm's `num_batches_tracked`) belong to one model and are never
+ported."""
+
+
+class Split(NamedTuple):
+    """A fused weight split into parts: `module` (dotted) held `weight` (and `bias`)
+    for `parts` (sibling names); `conv1d` when the weight was stored `(in, out)`
+    (Hugging Face's `Conv1D`) rather than `(out, in)` (`nn.Linear`). The parts are
+    stored in `nn.Linear` layout."""
+
+    module: str
+    parts: tuple[str, ...]
+    conv1d: bool
+    entries: tuple[str, ...]
+
+
+class TorchRecord(NamedTuple):
+    """What `to_torch` needs: the Tree's names in native order, the tied names
+    (`(name, same as)`), `prefix` and the names (without it) that had it, the
+    splits, and the module (or None) whose classes and settings the codecs read."""
+
+    names: tuple[str, ...]
+    ties: tuple[tuple[str, str], ...]
+    prefix: str
+    stripped: frozenset[str]
+    splits: tuple[Split, ...]
+    module: Held
+
+
+_NOT_A_STATE_DICT = """\
+bridge.from_torch expects a state dict (a mapping of dotted names to numpy arrays or
+torch.Tensors, as `module.state_dict()` gives) or a torch.nn.Module; got {what}."""
+
+_NOT_ARRAYS = """\
+bridge.from_torch: a state dict maps names to arrays, but {problems}. Pass
+`module.state_dict()`, or a flat mapping of arrays."""
+
+_LEAF_AND_NODE = """\
+bridge.from_torch: {name!r} is both an array and a prefix of {other!r}; a state dict
+from PyTorch never has this. Rename one of them."""
+
+_SPLIT_UNUSED = """\
+bridge.from_torch: split pattern {pattern!r} fully matches no module holding a 2-D
+`weight` (modules with one: {modules})."""
+
+_SPLIT_SHAPE = """\
+bridge.from_torch: cannot split {module!r} into {n} parts {parts}: {reason}."""
+
+_NO_TORCH = """\
+torch is not installed: to_torch(tree, tensors=True) gives torch.Tensors only with
+torch (`pip install bridge[torch]`). Without it, to_torch gives numpy arrays."""
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_module(obj: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def is_state_dict(obj: Any) -> bool:
+    """A non-empty flat mapping of string names to arrays (not Linen variables,
+    whose values are mappings)."""
+    if not isinstance(obj, Mapping) or not obj:
+        return False
+    return all(
+        isinstance(k, str) and hasattr(v, "shape") and hasattr(v, "dtype")
+        for k, v in obj.items()
+    )
+
+
+_NUMPY_VIEW = {
+    "bfloat16": ("int16", ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+}
+
+
+def tensor_to_numpy(tensor: Any) -> np.ndarray:
+    """A CPU `torch.Tensor` as a numpy array sharing its memory (dtypes numpy lacks,
+    like bfloat16, through a same-width integer view and `ml_dtypes`)."""
+    torch = _torch()
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    name = str(t.dtype).removeprefix("torch.")
+    if name in _NUMPY_VIEW:
+        carrier, dtype = _NUMPY_VIEW[name]
+        return t.view(getattr(torch, carrier)).numpy().view(dtype)
+    return t.numpy()
+
+
+def numpy_to_tensor(array: Any) -> Any:
+    """An array as a `torch.Tensor`, sharing memory where the source allows it
+    (DLPack for JAX arrays, `torch.from_numpy` for writable numpy arrays)."""
+    torch = _torch()
+    if torch is None:
+        raise ImportError(_NO_TORCH)
+    name = str(array.dtype)
+    if name in _NUMPY_VIEW:
+        carrier, _ = _NUMPY_VIEW[name]
+        host = np.asarray(array).view(carrier)
+        return numpy_to_tensor(host).view(getattr(torch, name))
+    if not isinstance(array, np.ndarray):
+        try:
+            return torch.from_dlpack(array)
+        except (TypeError, RuntimeError, BufferError):
+            array = np.asarray(array)
+    if not array.flags.writeable:  # torch tensors are writable: copy once
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _split_name(name: str) -> Path:
+    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        ia, ib = a.__array_interface__, b.__array_interface__
+        return (ia["data"][0], ia["shape"], ia["strides"]) == (
+            ib["data"][0],
+            ib["shape"],
+            ib["strides"],
+        ) and a.dtype == b.dtype
+    return False
+
+
+def _tensor_key(t: Any) -> tuple:
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+def from_torch(
+    obj: Any,
+    *,
+    prefix: str = "",
+    split: Mapping[str, Sequence[str]] | None = None,
+) -> Tree:
+    """Convert a PyTorch-layout state dict (or a `torch.nn.Module`) to a `bridge.Tree`.
+
+    The dotted names become paths (`encoder.layer.0.query.weight` ->
+    `t.encoder.layer[0].query.weight`); numbers are sequence indices. Arrays are not
+    copied: numpy arrays are kept, `torch.Tensor`s become numpy views of their memory
+    (bfloat16 included, through `ml_dtypes`). Roles: `running_mean`/`running_var` are
+    `"batch_stats"`, `num_batches_tracked` `"counters"` (never ported), all else
+    `"params"`. With a module, each node records the module's class, so the port
+    codecs recognise layers by class (`nn.Linear`, Hugging Face's `Conv1D`, ...)
+    and read their settings (heads, epsilon, strides); with a state dict they go by
+    names and shapes.
+
+    Tied weights (one tensor under two names, as `lm_head.weight` and
+    `transformer.wte.weight`) are kept once, under the first name; `bridge.port_plan`
+    lists them and `bridge.to_torch` writes both names again.
+
+    **Arguments:**
+
+    - `obj`: a state dict, `Mapping[str, array]` (numpy arrays, `torch.Tensor`s or
+      JAX arrays), or a `torch.nn.Module` (its `state_dict()`).
+    - `prefix`: stripped from the names that start with it, as Hugging Face's
+      `base_model_prefix` (`"bert."`, `"model."`, `"transformer."`); `to_torch`
+      adds it back to those names.
+    - `split`: fused weights to split, `{regex: part names}`: a module whose dotted
+      name fully matches the regex and holds a 2-D `weight` (and `bias`) is replaced
+      by equal parts along its output axis, siblings named `part names`:
+      `{r".*\\.c_attn": ("query", "key", "value")}` turns GPT-2's `c_attn`
+      (`Conv1D`, weight `(in, 3*E)`) into three `nn.Linear`-layout layers
+      (`query.weight` `(E, in)`, views, no copy); `to_torch` fuses them back.
+
+    **Returns:**
+
+    A `bridge.Tree` of framework `"torch"`.
+
+    **Example:**
+
+    ```python
+    >>> import numpy as np, bridge
+    >>> sd = {"fc.weight": np.ones((3, 2), "f4"), "fc.bias": np.zeros(3, "f4")}
+    >>> t = bridge.from_torch(sd)
+    >>> t.fc.weight.shape
+    (3, 2)
+    >>> sorted(bridge.to_torch(t))
+    ['fc.bias', 'fc.weight']
+
+    ```
+    """
+    module = None
+    kinds: dict[Path, Any] = {}
+    if is_module(obj):
+        module = obj
+        for name, sub in obj.named_modules():
+            kinds[_split_name(name) if name else ()] = type(sub)
+        state = obj.state_dict(keep_vars=True)
+    elif isinstance(obj, Mapping):
+        state = obj
+    else:
+        raise TypeError(_NOT_A_STATE_DICT.format(what=type(obj).__name__))
+    bad = [
+        f"{k!r} is a {type(v).__name__}"
+        for k, v in state.items()
+        if not (isinstance(k, str) and hasattr(v, "shape") and hasattr(v, "dtype"))
+    ]
+    if bad:
+        raise TypeError(_NOT_ARRAYS.format(problems=", ".join(bad)))
+    arrays, ties = _arrays(state)
+    stripped = frozenset(
+        _strip(n, prefix) for n in [*arrays, *(a for a, _ in ties)] if _has(n, prefix)
+    )
+    if stripped:
+        arrays = {_strip(n, prefix): a for n, a in arrays.items()}
+        ties = [(_strip(a, prefix), _strip(b, prefix)) for a, b in ties]
+        kinds = _strip_kinds(kinds, prefix)
+    splits: list[Split] = []
+    if split:
+        arrays, splits = _split(arrays, split, kinds)
+    names = tuple(arrays)
+    _check_nodes(names)
+    entries = [
+        (_split_name(n), ROLE_OF.get(n.rsplit(".", 1)[-1], "params"), arrays[n], i)
+        for i, n in enumerate(names)
+    ]
+    record = TorchRecord(
+        names, tuple(ties), prefix, stripped, tuple(splits), Held(module)
+    )
+    return build(entries, kinds, "torch", record)
+
+
+def _has(name: str, prefix: str) -> bool:
+    return bool(prefix) and name.startswith(prefix)
+
+
+def _strip(name: str, prefix: str) -> str:
+    return name[len(prefix) :] if _has(name, prefix) else name
+
+
+def _strip_kinds(kinds: dict[Path, Any], prefix: str) -> dict[Path, Any]:
+    head = _split_name(prefix.rstrip("."))
+    out = {}
+    for path, cls in kinds.items():
+        if path[: len(head)] == head:
+            out[path[len(head) :]] = cls
+        elif path not in out:
+            out[path] = cls
+    return out
+
+
+def _arrays(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Numpy (or JAX) arrays by name, tied names left out, and the ties."""
+    torch = _torch()
+    arrays: dict[str, Any] = {}
+    ties: list[tuple[str, str]] = []
+    seen: dict[Any, str] = {}
+    kept: list[tuple[str, Any]] = []
+    for name, value in state.items():
+        if torch is not None and isinstance(value, torch.Tensor):
+            key = _tensor_key(value)
+            if key in seen:
+                ties.append((name, seen[key]))
+                continue
+            seen[key] = name
+            arrays[name] = tensor_to_numpy(value)
+            continue
+        first = next((n for n, a in kept if _same_memory(a, value)), None)
+        if first is not None:
+            ties.append((name, first))
+            continue
+        kept.append((name, value))
+        arrays[name] = value
+    return arrays, ties
+
+
+def _check_nodes(names: Sequence[str]) -> None:
+    taken = set(names)
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            head = ".".join(parts[:i])
+            if head in taken:
+                raise ValueError(_LEAF_AND_NODE.format(name=head, other=name))
+
+
+def _is_conv1d(cls: Any) -> bool:
+    return any(
+        c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
+        for c in getattr(cls, "__mro__", ())
+    )
+
+
+def _split(
+    arrays: dict[str, Any], split: Mapping[str, Sequence[str]], kinds: dict[Path, Any]
+) -> tuple[dict[str, Any], list[Split]]:
+    modules = [n[: -len(".weight")] for n in arrays if n.endswith(".weight")]
+    modules = [m for m in modules if np.ndim(arrays[m + ".weight"]) == 2]
+    out = dict(arrays)
+    splits = []
+    for pattern, parts in split.items():
+        parts = tuple(parts)
+        matched = [m for m in modules if re.fullmatch(pattern, m)]
+        if not matched:
+            raise ValueError(_SPLIT_UNUSED.format(pattern=pattern, modules=modules))
+        for module in matched:
+            weight, bias = arrays[module + ".weight"], arrays.get(module + ".bias")
+            cls = kinds.get(_split_name(module))
+            if cls is not None:
+                conv1d = _is_conv1d(cls)
+            elif bias is not None and weight.shape[0] != weight.shape[1]:
+                conv1d = bias.shape[0] == weight.shape[1]
+            else:
+                conv1d = module.rsplit(".", 1)[-1] in CONV1D_NAMES
+            axis = 1 if conv1d else 0
+            size = weight.shape[axis]
+            if size % len(parts):
+                raise ValueError(
+                    _SPLIT_SHAPE.format(
+                        module=module,
+                        n=len(parts),
+                        parts=parts,
+                        reason=f"its output size {size} is not a multiple",
+                    )
+                )
+            step = size // len(parts)
+            head = module.rsplit(".", 1)[0] + "." if "." in module else ""
+            entries = ("weight", "bias") if bias is not None else ("weight",)
+            at = list(out).index(module + ".weight")
+            items = list(out.items())
+            items = [
+                (k, v) for k, v in items if k not in {f"{module}.{e}" for e in entries}
+            ]
+            new = []
+            for i, part in enumerate(parts):
+                piece = slice(i * step, (i + 1) * step)
+                w = weight[:, piece].T if conv1d else weight[piece]
+                new.append((f"{head}{part}.weight", w))
+                if bias is not None:
+                    new.append((f"{head}{part}.bias", bias[piece]))
+            items[at:at] = new
+            out = dict(items)
+            splits.append(
+                Split(module, tuple(f"{head}{p}" for p in parts), conv1d, entries)
+            )
+            kinds.pop(_split_name(module), None)
+    return out, splits
+
+
+CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+"""The names Hugging Face's GPT-2 family gives its `Conv1D` layers (weight `(in,
+out)`): a state dict or a file records no classes, so a square weight under one of
+these names is read as `Conv1D`."""
+
+
+def to_torch(tree: Tree, *, tensors: bool = False, prefix: str | None = None) -> dict:
+    """A `bridge.Tree` of framework `"torch"` as a state dict, ready for
+    `module.load_state_dict(state_dict, strict=True)`.
+
+    Names are the dotted paths, with what `bridge.from_torch` recorded undone: the
+    stripped prefix added back, split weights fused again (a copy), tied names
+    written again (the same array under both names).
+
+    **Arguments:**
+
+    - `tree`: a whole-model Tree from `bridge.from_torch` (or a port into one).
+    - `tensors`: `False` (default) gives numpy arrays (views of the Tree's arrays
+      where possible); `True` gives `torch.Tensor`s (needs torch), sharing memory
+      with the arrays where the source allows it (numpy, DLPack).
+    - `prefix`: add this prefix to every name (default: the prefix `from_torch`
+      stripped, on the names it stripped it from).
+
+    **Returns:**
+
+    A `dict[str, array]` in the original order.
+
+    **Example:**
+
+    ```python
+    >>> import numpy as np, bridge
+    >>> sd = {"bert.pooler.dense.weight": np.ones((2, 2), np.float32)}
+    >>> t = bridge.from_torch(sd, prefix="bert.")
+    >>> list(t.pooler.dense), list(bridge.to_torch(t))
+    (['weight'], ['bert.pooler.dense.weight'])
+
+    ```
+    """
+    src, leaves = native_leaves(tree, "torch")
+    record: TorchRecord = src.record  # pyright: ignore[reportAssignmentType]
+    out: dict[str, Any] = {}
+    for name, leaf in zip(record.names, leaves):
+        out[name] = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
+    for s in record.splits:
+        out = _fuse(out, s)
+    for name, same in record.ties:
+        out[name] = out[same]
+    if prefix is None:
+        out = {
+            (record.prefix + n if n in record.stripped else n): a
+            for n, a in out.items()
+        }
+    else:
+        out = {prefix + n: a for n, a in out.items()}
+    if tensors:
+        out = {n: numpy_to_tensor(a) for n, a in out.items()}
+    return out
+
+
+def _fuse(arrays: dict[str, Any], s: Split) -> dict[str, Any]:
+    items = list(arrays.items())
+    names = {f"{p}.{e}" for p in s.parts for e in s.entries}
+    at = next(i for i, (k, _) in enumerate(items) if k in names)
+    fused = []
+    for entry in s.entries:
+        pieces = [np.asarray(arrays[f"{p}.{entry}"]) for p in s.parts]
+        if entry == "weight":
+            value = (
+                np.concatenate([p.T for p in pieces], axis=1)
+                if s.conv1d
+                else np.concatenate(pieces, axis=0)
+            )
+        else:
+            value = np.concatenate(pieces, axis=0)
+        fused.append((f"{s.module}.{entry}", value))
+    rest = [(k, v) for k, v in items if k not in names]
+    rest[at:at] = fused
+    return dict(rest)
+
+
+def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
+    """The tied names `(name, same as)` `from_torch` found (empty for other Trees)."""
+    src = tree._info.source
+    if src is None or src.framework != "torch":
+        return ()
+    return src.record.ties  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class TorchNode(Mapping):
+    """A node of a PyTorch-layout Tree as the codecs' `hyperparameters` see it: the
+    `torch.nn.Module` at this path (None for a state dict, a file, or a split part),
+    its class, and the dotted name. Children by key (`node["layer"][0]`)."""
+
+    def __init__(self, root: Any, prefix: str, split: frozenset[str], name: str):
+        self.root, self.prefix, self.split, self.name = root, prefix, split, name
+        self.module = None
+        if root is not None and name not in split:
+            for full in (prefix + name, name):
+                try:
+                    self.module = root.get_submodule(full.rstrip("."))
+                    break
+                except AttributeError:
+                    continue
+        self.cls = None if self.module is None else type(self.module)
+
+    def __getitem__(self, key: Any) -> TorchNode:
+        name = f"{self.name}.{key}" if self.name else str(key)
+        return TorchNode(self.root, self.prefix, self.split, name)
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def modules(tree: Tree) -> TorchNode:
+    """The root `TorchNode` of a PyTorch-layout Tree."""
+    record: TorchRecord = source_of(tree, "torch").record  # pyright: ignore
+    split = frozenset(p for s in record.splits for p in s.parts)
+    return TorchNode(record.module.value, record.prefix, split, "")
+
+
+def wants_tensors(obj: Any) -> bool:
+    """A `torch.nn.Module`, or a state dict holding `torch.Tensor`s: what was given
+    as a target is given back as `torch.Tensor`s."""
+    torch = _torch()
+    if torch is None:
+        return False
+    if isinstance(obj, torch.nn.Module):
+        return True
+    return isinstance(obj, Mapping) and any(
+        isinstance(v, torch.Tensor) for v in obj.values()
+    )
+
+
+ADAPTER = register_adapter(
+    Adapter(
+        name="torch",
+        display="PyTorch-layout",
+        recognise=lambda obj: is_module(obj) or is_state_dict(obj),
+        to_tree=from_torch,
+        to_native=to_torch,
+        module_types=(),  # torch is optional: its classes are read by name
+        layout="torch",
+        like=lambda target, tree: to_torch(tree, tensors=wants_tensors(target)),
+        rngs_hint="A state dict has no random streams: drop `rngs`.",
+        modules=modules,
+        records_classes=False,
+    )
+)
