@@ -107,6 +107,7 @@ def tests(session: nox.Session) -> None:
 TORCH = "torch==2.13.0"
 TORCH_TESTS = [
     "tests/test_torch_adapter.py",
+    "tests/test_torch_files.py",
     "tests/test_torch_layers.py",
     "tests/test_torch_hf.py",
 ]
@@ -120,7 +121,7 @@ def tests_torch(session: nox.Session) -> None:
     provides (its find-links), where uv would download a multi-GB CUDA build."""
     session.run("python", "-m", "pip", "install", "--quiet", TORCH)
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
-    session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)
+    session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)  # slow ones too
 
 
 @nox.session

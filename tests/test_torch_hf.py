@@ -20,6 +20,8 @@ import bridge
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+# minutes of compilation: `nox -s tests_torch` runs them, the fast suite does not
+pytestmark = pytest.mark.slow
 
 H, HEADS, INTER, VOCAB, POS, TYPES, LAYERS = 32, 2, 64, 50, 16, 2, 2
 EPS = 1e-12
@@ -376,3 +378,110 @@ def test_bert_dtype_policy(tmp_path):
         np.asarray(model.pooler.dense.kernel[...]).T.view("u2"),
         hf.pooler.dense.weight.detach().view(torch.int16).numpy().view("u2"),
     )
+
+
+# --- ResNet: convolutions without bias and BatchNorm statistics ----------------------
+
+
+def _resnet():
+    config = transformers.ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        layer_type="basic",
+        hidden_act="relu",
+        downsample_in_first_stage=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.ResNetModel(config).eval()
+    with torch.no_grad():  # statistics and affine parameters far from their init
+        for name, b in model.named_buffers():
+            if name.endswith("running_mean"):
+                b.copy_(torch.randn_like(b))
+            elif name.endswith("running_var"):
+                b.copy_(torch.rand_like(b) + 0.5)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+PIXELS = np.random.default_rng(1).normal(size=(2, 3, 16, 16)).astype("f4")
+
+
+def _resnet_torch_out(model):
+    with torch.no_grad():
+        out = model(torch.from_numpy(PIXELS))
+    return out.last_hidden_state.numpy(), out.pooler_output.numpy()
+
+
+def _conv_layer(rngs, cin, cout, k, stride):
+    return _node(
+        convolution=nnx.Conv(
+            cin, cout, (k, k), strides=stride, padding=k // 2, use_bias=False, rngs=rngs
+        ),
+        normalization=nnx.BatchNorm(
+            cout, use_running_average=True, epsilon=1e-5, momentum=0.9, rngs=rngs
+        ),
+    )
+
+
+def _nnx_resnet(rngs):
+    def basic(cin, cout, stride):
+        parts = {}
+        if cin != cout or stride != 1:
+            parts["shortcut"] = _conv_layer(rngs, cin, cout, 1, stride)
+        parts["layer"] = nnx.List(
+            [
+                _conv_layer(rngs, cin, cout, 3, stride),
+                _conv_layer(rngs, cout, cout, 3, 1),
+            ]
+        )
+        return _node(**parts)
+
+    return _node(
+        embedder=_node(embedder=_conv_layer(rngs, 3, 8, 7, 2)),
+        encoder=_node(
+            stages=nnx.List(
+                [
+                    _node(layers=nnx.List([basic(8, 8, 1)])),
+                    _node(layers=nnx.List([basic(8, 16, 2)])),
+                ]
+            )
+        ),
+    )
+
+
+def _nnx_resnet_run(m):
+    def conv_layer(c, x, act=True):
+        x = c.normalization(c.convolution(x))
+        return jax.nn.relu(x) if act else x
+
+    x = conv_layer(m.embedder.embedder, jnp.moveaxis(PIXELS, 1, -1))
+    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    for stage in m.encoder.stages:
+        for block in stage.layers:
+            skip = (
+                conv_layer(block.shortcut, x, False) if "shortcut" in vars(block) else x
+            )
+            h = conv_layer(block.layer[1], conv_layer(block.layer[0], x), False)
+            x = jax.nn.relu(h + skip)
+    pooled = jnp.mean(x, axis=(1, 2), keepdims=True)
+    return jnp.moveaxis(x, -1, 1), jnp.moveaxis(pooled, -1, 1)
+
+
+def test_resnet_nnx_sharded_and_back(tmp_path):
+    hf = _resnet()
+    expected = _resnet_torch_out(hf)
+    _close(_nnx_resnet_run(bridge.port(hf, _nnx_resnet(nnx.Rngs(0)))), expected)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
+    model = bridge.load(tmp_path / "sharded", like=_nnx_resnet(nnx.Rngs(0)))
+    _close(_nnx_resnet_run(model), expected)
+    fresh = transformers.ResNetModel(hf.config).eval()
+    fresh.load_state_dict(bridge.port(model, fresh), strict=True)
+    _close(_resnet_torch_out(fresh), expected)
+    out = tmp_path / "export"
+    out.mkdir()
+    hf.config.save_pretrained(out)
+    bridge.save(out / "model.safetensors", model, layout="torch")
+    _close(_resnet_torch_out(transformers.ResNetModel.from_pretrained(out)), expected)

@@ -15,6 +15,8 @@ import bridge
 
 
 torch = pytest.importorskip("torch")
+# minutes of compilation: `nox -s tests_torch` runs them, the fast suite does not
+pytestmark = pytest.mark.slow
 
 KEY = jax.random.key
 
