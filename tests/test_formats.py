@@ -208,9 +208,9 @@ def test_registry_refuses_clashes(registry):
 
 
 def test_longest_suffix_wins(registry):
-    toy = _toy_format()._replace(name="index", suffixes=(".safetensors.index.json",))
+    toy = _toy_format()._replace(name="index", suffixes=(".index.safetensors",))
     _format.register_format(toy)
-    assert _format.format_of(_format.Path("a.safetensors.index.json")).name == "index"
+    assert _format.format_of(_format.Path("a.index.safetensors")).name == "index"
     assert _format.format_of(_format.Path("a.safetensors")).name == "safetensors"
     assert {"safetensors", "msgpack", "orbax"} <= {f.name for f in _format.formats()}
 
