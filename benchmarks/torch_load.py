@@ -90,7 +90,10 @@ def anonymous() -> int:
 
 def child(side: int, size_mb: int, folder: Path) -> None:
     n = width(size_mb)
-    run = (lambda: bridge_load(folder, n)) if side == 0 else (lambda: floor_load(folder))
+    if side == 0:
+        run = lambda: bridge_load(folder, n)  # noqa: E731
+    else:
+        run = lambda: floor_load(folder)  # noqa: E731
     jax.numpy.zeros(1).block_until_ready()  # the JAX backend, up before measuring
     before = peak = anonymous()
     done = threading.Event()

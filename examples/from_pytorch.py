@@ -61,7 +61,10 @@ def reference(state: dict, ids: np.ndarray) -> np.ndarray:
     layer = "encoder.layer.0."
     h = x @ state[layer + "intermediate.dense.weight"].T
     h = np.maximum(h + state[layer + "intermediate.dense.bias"], 0)
-    return h @ state[layer + "output.dense.weight"].T + state[layer + "output.dense.bias"]
+    out_weight, out_bias = (
+        state[layer + f"output.dense.{e}"] for e in ("weight", "bias")
+    )
+    return h @ out_weight.T + out_bias
 
 
 class Node(nnx.Module):

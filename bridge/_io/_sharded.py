@@ -1,8 +1,8 @@
 """The sharded Hugging Face format: `model.safetensors.index.json` maps each array's
 name to the shard file holding it (`model-00001-of-00003.safetensors`, ...), all in
 one directory. Opening reads every shard's header (no array); arrays are read shard
-after shard, each shard's file closed once its arrays are read. bridge reads this
-format; it writes one safetensors file (`bridge.save(..., layout="torch")`).
+after shard, each shard's file closed once its arrays are read. Saving to a
+`*.safetensors.index.json` path writes one shard and its index.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from .._lazy import LazyArray
 from . import _safetensors
+from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode
 from ._errors import CheckpointError, unreadable
 from ._format import Format, register_format
@@ -28,9 +29,6 @@ _SEVERAL = "{path} holds several index files ({names}): point at the one to load
 _BAD_INDEX = "its 'weight_map' does not map array names to shard file names"
 _OUTSIDE = "shard {name!r} is not a file name in the index's directory"
 _NOT_IN_SHARD = "the index maps {names} to {shard}, which does not hold them"
-_NO_WRITE = """\
-bridge reads sharded Hugging Face checkpoints but writes one file: save to
-model.safetensors (bridge.save(path, model, layout="torch"))."""
 
 
 def index_of(path: Path) -> Path | None:
@@ -97,7 +95,6 @@ def metadata(path: Path) -> Contents:
             if not meta:
                 meta = dict(contents.metadata)
             shapes.update({n: (held[n].shape, held[n].dtype) for n in names})
-        meta.pop("bridge_version", None)  # the index has no bridge metadata
         return decode(path, NAME, meta, shapes, Source(tuple(opened), set()))
     except Malformed as e:
         Source(tuple(opened), set()).close()
@@ -160,15 +157,26 @@ def lazy(contents: Contents) -> dict[str, LazyArray]:
 
 
 def _save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
-    raise ValueError(_NO_WRITE)
+    """One shard (`NAME-00001-of-00001.safetensors`, with bridge's metadata) and the
+    index naming it, each written atomically, the shard first."""
+    stem = path.name[: -len(INDEX_SUFFIX)]
+    shard = f"{stem}-00001-of-00001.safetensors"
+    _safetensors.save(path.parent / shard, contents, arrays)
+    total = sum(s.nbytes for s in contents.tensors)
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {s.key: shard for s in contents.tensors},
+    }
+    with atomic_file(path) as tmp, open(tmp, "w") as f:
+        json.dump(index, f)
 
 
 FORMAT = register_format(
     Format(
         NAME,
         (INDEX_SUFFIX,),
-        "*" + INDEX_SUFFIX + ": a sharded Hugging Face checkpoint (read only), read "
-        "shard by shard",
+        "*" + INDEX_SUFFIX + ": a sharded Hugging Face checkpoint, read shard by "
+        "shard (written as one shard)",
         _save,
         metadata,
         restore,
