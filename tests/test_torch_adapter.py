@@ -11,6 +11,11 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
+
+pytestmark = requires("NNX")  # the targets are NNX models
+
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")

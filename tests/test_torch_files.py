@@ -12,6 +12,11 @@ from flax import nnx
 import bridge
 from bridge._cli import main
 
+from .helpers import requires
+
+
+pytestmark = requires("NNX")  # the targets are NNX models
+
 
 R = np.random.default_rng(0)
 

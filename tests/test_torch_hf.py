@@ -17,11 +17,13 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 # minutes of compilation: `nox -s tests_torch` runs them, the fast suite does not
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires("NNX")]
 
 H, HEADS, INTER, VOCAB, POS, TYPES, LAYERS = 32, 2, 64, 50, 16, 2, 2
 EPS = 1e-12

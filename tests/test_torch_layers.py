@@ -13,10 +13,12 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
 
 torch = pytest.importorskip("torch")
 # minutes of compilation: `nox -s tests_torch` runs them, the fast suite does not
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, requires("NNX")]
 
 KEY = jax.random.key
 
