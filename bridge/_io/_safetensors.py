@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -265,11 +266,19 @@ def restore(
         yield s.key, read_one(contents, s.key)
 
 
-def read_one(contents: Contents, name: str) -> np.ndarray:
-    """One array, read from the file the header came from into fresh host memory."""
+def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarray:
+    """One array, read from the file the header came from into fresh host memory.
+
+    With `own_pages`, the memory is an anonymous memory map of its own, returned to
+    the system when the array goes (malloc's heap may keep freed large blocks: a
+    port reading layer after layer would grow by them)."""
     source: Source = contents.source
     entry = source.entries[name]
-    data = np.empty(entry.end - entry.begin, np.uint8)
+    size = entry.end - entry.begin
+    if own_pages and size:
+        data = np.frombuffer(mmap.mmap(-1, size), np.uint8)
+    else:
+        data = np.empty(size, np.uint8)
     try:
         read_at(source.fd, source.start + entry.begin, data.size, memoryview(data))
     except EOFError as e:

@@ -127,7 +127,7 @@ class _Pending:
         self.close = close
 
     def read(self, name: str) -> np.ndarray:
-        array = _safetensors.read_one(self.contents, name)
+        array = _safetensors.read_one(self.contents, name, own_pages=True)
         self.pending.discard(name)
         if not self.pending and self.close is not None:
             self.close()
