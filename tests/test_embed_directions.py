@@ -26,7 +26,8 @@ def _case(inner, outer, kind, *, slow=False):
 
 CASES = [_case(i, o, k) for i, o in DIRECTIONS for k in KINDS]
 IDS = [f"{i}-in-{o}-{k}" for i, o in DIRECTIONS for k in KINDS]
-# the MLP of each direction in the default suite, the others with the slow tests
+# the MLP of each direction in the default suite, the CNN and the attention block
+# with the slow tests (`nox -s tests_slow`)
 SLOW_CASES = [_case(i, o, k, slow=k != "mlp") for i, o in DIRECTIONS for k in KINDS]
 
 
@@ -47,7 +48,7 @@ def _pair(inner, outer, kind):
     return base, wrapped
 
 
-@pytest.mark.parametrize("inner,outer,kind", CASES, ids=IDS)
+@pytest.mark.parametrize("inner,outer,kind", SLOW_CASES, ids=IDS)
 def test_gradients_equal_native(inner, outer, kind):
     base, wrapped = _pair(inner, outer, kind)
     x, y = inputs(kind)

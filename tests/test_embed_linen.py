@@ -125,3 +125,21 @@ def test_port_an_nnx_module_inside_linen():
     source = bridge.from_linen(variables, model)
     _, ported = bridge.port(source, (target, target.init(jax.random.key(2), x)))
     assert jnp.allclose(target.apply(ported, x), model.apply(variables, x), atol=1e-6)
+
+
+def test_port_refuses_an_equinox_model_inside_linen():
+    # inside Linen, an Equinox model's layers have no class and Equinox layouts:
+    # refused, naming them (never a guess)
+    mlp = native("equinox", "mlp")
+    x, _ = inputs("mlp")
+    model = Outer(bridge.as_linen(mlp))
+    variables = model.init(jax.random.key(1), x)
+
+    class AllLinen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.Dense(2)(nn.Dense(5)(x)))
+
+    target = AllLinen()
+    with pytest.raises(bridge.PortError, match=r"unsupported: \.enc\.mlp\.layers\[0\]"):
+        bridge.port((model, variables), (target, target.init(jax.random.key(2), x)))
