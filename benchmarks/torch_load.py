@@ -13,6 +13,10 @@ Peak memory is measured in a fresh subprocess per side: the peak anonymous resid
 memory above the process's just before the operation; the goal for bridge is at most
 model + largest shard + 10%.
 
+Measured (2 shared cores, 05:54 UTC 2026-12-01, 1 round): 1 GiB in 4 shards of
+256 MiB: bridge.load 7.40 s vs load_file 1.78 s (ratio 4.16: the transposes and the
+per-layer plan); peak 1,096 MiB = 1.07x the model (budget 1,408 MiB).
+
     python benchmarks/torch_load.py            # ~1 GiB, 2 rounds
     python benchmarks/torch_load.py --quick    # ~64 MiB (a smoke run)
 """
