@@ -185,6 +185,10 @@ def train(run, model, opt, tx, start, n):
     return model, opt
 
 
+def copied(model):
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, model)
+
+
 def resume(a, b, optimizer):
     """`(A for K + N steps, A for K then B for N)`, as Trees."""
     tx = OPTIMIZERS[optimizer]()
@@ -192,7 +196,9 @@ def resume(a, b, optimizer):
     model = ra.model(0)
     opt = ra.init(model, tx)
     model, opt = train(ra, model, opt, tx, 0, K)
-    target = bridge.port(model, rb.model(1))
+    # B starts from copies: the port shares arrays whose layout is the same, and
+    # make_step consumes (donates) what it is given
+    target = copied(bridge.port(model, rb.model(1)))
     like = rb.init(target, tx)
     ported = bridge.port_opt_state(opt, model, target, like=like, step=K)
     model_b, _ = train(rb, target, ported, tx, K, N)
@@ -325,7 +331,7 @@ def test_linen_train_state_to_make_step_and_back():
 
     for i in range(K):
         ts = native_step(ts, *batch(i))
-    tree = bridge.from_linen({"params": ts.params}, module)
+    tree = copied(bridge.from_linen({"params": ts.params}, module))
     opt = bridge.port_opt_state(ts, ts, tree, like=_make_step(tree, tx).init(tree))
     tree, opt = train(RUNS["make_step"], tree, opt, tx, K, N)
     fresh = train_state.TrainState.create(
