@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ._demo import demo
+from ._io import _training
 from ._io._checkpoint import Contents, open_checkpoint, read, write
 from ._io._format import format_of, formats
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, relayout
@@ -140,6 +141,8 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
     )
     console.print(table)
     console.print(totals, soft_wrap=True)
+    for line in _training.summary(contents, human):
+        console.print(line, markup=False, soft_wrap=True)
     if contents.version:
         console.print(Text("saved by bridge ") + printable(contents.version))
     for key, value in contents.metadata.items():

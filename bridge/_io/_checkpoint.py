@@ -46,6 +46,7 @@ from . import (  # noqa: F401  (they register formats)
     _orbax,
     _safetensors,
     _sharded,
+    _training,
 )
 from ._contents import (
     RESERVED,
@@ -88,6 +89,11 @@ Two paths give the same dotted name in the file: {problems}. Rename one of them.
 _DTYPES_NOT_STORED = """\
 The {format} format cannot store {problems}. Convert these arrays (e.g. with
 jax.tree.map and .astype), or save to a format that stores them: {others}."""
+
+_TRAINING_NO_METADATA = """\
+{path}: a {format} checkpoint holds arrays only, with no metadata to record the
+optimizer state's structure. Save a training checkpoint as *.safetensors or as an
+orbax directory."""
 
 _PORTING = """\
 (while porting {path} into `like`: the file came from another framework, so its
@@ -172,6 +178,8 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     """Write `arrays` (by dotted name; typed PRNG keys as their key data) with
     `contents`' metadata, atomically, in the format `path` names."""
     fmt = format_of(path)
+    if contents.training and fmt.name == "msgpack":
+        raise ValueError(_TRAINING_NO_METADATA.format(path=path, format=fmt.name))
     if not path.parent.is_dir():
         raise FileNotFoundError(
             f"{path.parent}: no such directory to save {path.name} in."
@@ -211,8 +219,12 @@ def save(
     layout: str | None = None,
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
+    opt_state: Any = None,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Save a model of any framework as a checkpoint, atomically.
+    """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
+    `step` or `extra`, the whole training state.
 
     The format follows the path: `*.safetensors` writes one safetensors file, keyed
     by the dotted neutral paths (`layers.0.kernel`), with the role, shape and dtype
@@ -225,6 +237,13 @@ def save(
 
     Typed PRNG keys (NNX's `RngKey`) are stored as their key data, with the impl name
     in the metadata (safetensors, orbax), and come back as typed keys.
+
+    A training checkpoint (safetensors or orbax) adds the optimizer state's arrays
+    under the prefix `opt_state.` (`opt_state.0.mu.layers.0.kernel`: Adam's first
+    moment of that parameter), `extra` arrays under `extra.`, and records the
+    state's structure and the step as JSON in the metadata (no pickle). It loads into
+    a model and optimizer of any framework: `bridge.load(path, like=model,
+    opt_state_like=...)`.
 
     The checkpoint is written under a temporary name in the same directory, flushed
     to disk, then renamed to `path`: a failure leaves any earlier checkpoint at
@@ -250,6 +269,13 @@ def save(
       the replacement.
     - `prefix`: with `layout="torch"`, put before every name (`"bert."`), as
       Hugging Face's `base_model_prefix`.
+    - `opt_state`: optional, the optimizer state made for `obj`'s parameters: an
+      optax state (`tx.init(params)`, `step.init(tree)`), an `nnx.Optimizer` or a
+      Linen `TrainState` (their step is saved too). See "Resuming training in
+      another framework" in the checkpoints guide.
+    - `step`: optional, the step count (an int).
+    - `extra`: optional `{name: array}` saved with it (a PRNG key, a data loader's
+      position).
 
     **Returns:**
 
@@ -269,10 +295,19 @@ def save(
     ```
     """
     path = _path(path)
+    training = opt_state is not None or step is not None or extra is not None
     if layout is not None or rules is not None or prefix:
+        if training:
+            raise ValueError(
+                "A PyTorch-layout file holds the model's arrays only: save the "
+                "training state (`opt_state`, `step`, `extra`) in bridge's layout."
+            )
         _save_layout(path, to_neutral(obj), metadata, layout, rules, prefix)
         return
-    contents, arrays = describe(to_neutral(obj), metadata)
+    tree = to_neutral(obj)
+    contents, arrays = describe(tree, metadata)
+    if training:
+        contents, arrays = _training.add(contents, arrays, tree, opt_state, step, extra)
     write(path, contents, arrays)
 
 
@@ -501,7 +536,13 @@ def _fill(contents: Contents, target: Tree, dtype: Any = None) -> Tree:
     )
 
 
-def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any:
+def load(
+    path: str | os.PathLike,
+    like: Any = None,
+    *,
+    dtype: Any = None,
+    opt_state_like: Any = None,
+) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
     Arrays are read one at a time, from the file handle the header was read from, so
@@ -519,6 +560,11 @@ def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any
       they are read straight into it; when it was saved from another framework, its
       arrays go through `bridge.port` (layers paired by kind, shape and order,
       layouts converted).
+    - `opt_state_like`: optional, with `like`: the optimizer state to fill, as the
+      target's optimizer makes it (`tx.init(params)`, `step.init(tree)`, an
+      `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
+      is put into its form by `bridge.port_opt_state`, whatever framework it was
+      saved from.
 
     **Returns:**
 
@@ -530,7 +576,10 @@ def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any
     the arrays and each module's recorded settings (enough for `bridge.port`, not
     callable). With `like`: the same kind of object as `like` (a Tree, an NNX
     module, an Equinox model or `(model, state)`, Linen variables, `(module,
-    variables)` or a bound module), filled from the file.
+    variables)` or a bound module), filled from the file. With `opt_state_like`: a
+    named tuple `(model, opt_state, step, extra)`: the model as above, the optimizer
+    state of `opt_state_like`'s kind, the saved step (or None), and the `extra`
+    arrays by name.
 
     **Raises:**
 
@@ -541,7 +590,8 @@ def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any
     argument for a `path` that is not a path; `ValueError`
     listing every missing, unexpected, shape and dtype problem when a file of
     `like`'s own framework does not fit it; `bridge.PortError` listing every problem
-    when a file of another framework cannot be ported into it.
+    when a file of another framework cannot be ported into it; `ValueError` when
+    `opt_state_like` is given for a file saved without an optimizer state.
 
     **Example:**
 
@@ -558,27 +608,42 @@ def load(path: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> Any
     """
     path = _path(path)
     target = None if like is None else to_neutral(like)
-    with open_checkpoint(path) as contents:
+    if target is None and opt_state_like is not None:
+        raise TypeError("`opt_state_like` needs `like`, the model to load into.")
+    model = saved = None
+    with open_checkpoint(path) as everything:
+        contents, training = _training.split(everything)
         if target is None:
             arrays = {k: _cast(v, dtype) for k, v in read(contents).items()}
             return file_tree(contents, arrays)
         problems = _problems(contents, target, dtype)
         if not problems:
-            return like_form(like, _fill(contents, target, dtype))
-        if contents.framework == framework(target):
+            # orbax restores into `like`'s shardings only when every array is named
+            whole = everything if everything.format == "orbax" else contents
+            source = _fill(whole, target, dtype)
+            model = like_form(like, source)
+        elif contents.framework == framework(target):
             raise ValueError(
                 _MISMATCH.format(path=contents.path, problems="\n".join(problems))
             )
+        else:
+            try:
+                if contents.layout == "torch":  # read while porting, shard by shard
+                    source = file_tree(contents, _sharded.lazy(contents))
+                    model = port(source, like, dtype=dtype)
+                else:
+                    source = file_tree(contents, read(contents))
+            except PortError as error:
+                error.add_note(_PORTING.format(path=contents.path))
+                raise
+        if opt_state_like is not None:
+            saved = _training.read_state(everything, training)
+    if model is None:
         try:
-            if contents.layout == "torch":  # read while porting, shard by shard
-                source = file_tree(contents, _sharded.lazy(contents))
-                return port(source, like, dtype=dtype)
-            source = file_tree(contents, read(contents))
+            model = port(source, like, dtype=dtype)
         except PortError as error:
             error.add_note(_PORTING.format(path=contents.path))
             raise
-    try:
-        return port(source, like, dtype=dtype)
-    except PortError as error:
-        error.add_note(_PORTING.format(path=contents.path))
-        raise
+    if saved is None:
+        return model
+    return _training.restore(saved, source, model, opt_state_like)

@@ -29,7 +29,7 @@ try:
     VERSION = importlib.metadata.version("bridge")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     VERSION = "unknown"
-RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules")
+RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Contents:
     metadata: dict[str, str]  # the user's own
     tensors: tuple[Stored, ...]
     source: Any = dataclasses.field(default=None, compare=False, repr=False)
+    training: str = ""  # JSON: a training checkpoint's optimizer state, step, extras
 
     def close(self) -> None:
         """Close what the format opened (nothing is read after this)."""
@@ -123,6 +124,7 @@ def encode(contents: Contents) -> dict[str, str]:
         "layout": contents.layout,
         "tensors": json.dumps(tensors),
         "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
+        **({"training": contents.training} if contents.training else {}),
     }
 
 
@@ -357,6 +359,9 @@ def decode(
     )
     if not all(isinstance(v, str) for v in (fw, version, layout)):
         raise Malformed("its framework, layout or bridge_version is not a string")
+    training = meta.get("training", "")
+    if not isinstance(training, str):
+        raise Malformed("its 'training' metadata is not a string")
     return Contents(
         path,
         fmt,
@@ -367,4 +372,5 @@ def decode(
         user,
         tensors,
         source,
+        training,
     )

@@ -65,12 +65,12 @@ The optimizer states differ in structure: {problems}
 `step.init(tree)` or an `nnx.Optimizer(model, tx, wrt=...)`."""
 
 _UNEXPECTED = """\
-The source's optimizer state has entries that the target does not train: {paths}
+The source's optimizer state has entries that the target does not train:{paths}
 The target's optimizer (`like`) has no entry for these parameters (a different spec,
 `wrt` or `multi_transform` labels). Pass strict=False to leave them out."""
 
 _MISSING = """\
-Optimizer state entries start fresh (no entry in the source's state): {paths}
+Optimizer state entries start fresh (no entry in the source's state):{paths}
 These parameters are trained by the target's optimizer but were not by the source's;
 their entries keep the values of `like` (a fresh `init`)."""
 
@@ -156,7 +156,7 @@ def port_opt_state(
 
     ```
     """
-    src_state, src_step = _unwrap(opt_state)
+    src_state, src_step = unwrap(opt_state)
     if like is None:
         if not isinstance(target, train_state.TrainState):
             raise TypeError(
@@ -165,7 +165,7 @@ def port_opt_state(
                 "the structure and the trainable parameters."
             )
         like = target
-    like_state, _ = _unwrap(like)
+    like_state, _ = unwrap(like)
     if step is None:
         step = src_step
     if step is None and isinstance(like, (nnx.Optimizer, train_state.TrainState)):
@@ -177,7 +177,7 @@ def port_opt_state(
     porter = _Porter(src_tree, tgt_tree, rules, strict)
     new = [
         porter.part(src_parts[where], part)
-        if isinstance(part, _Params)
+        if isinstance(part, Params)
         else _copy(src_parts[where], part)
         for where, part in tgt_parts.items()
     ]
@@ -189,7 +189,7 @@ def port_opt_state(
 # --- the containers -------------------------------------------------------------------
 
 
-def _unwrap(obj: Any) -> tuple[Any, Any]:
+def unwrap(obj: Any) -> tuple[Any, Any]:
     """`(optax state with array leaves, step or None)` of a state or its container."""
     if isinstance(obj, nnx.Optimizer):
         return nnx.as_pure(obj.opt_state), obj.step[...]
@@ -228,7 +228,7 @@ def _is_masked(x: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Params:
+class Params:
     """A per-parameter part: `treedef` over its leaves (MaskedNode as leaves),
     `paths[i]` the Tree path of leaf `i`, `leaves[i]` the array or a MaskedNode."""
 
@@ -261,8 +261,15 @@ class _Index:
         return self.names.get(path_of(keypath))
 
 
+def parts_of(state: Any, tree: Tree) -> dict[str, Any]:
+    """The parts of an optimizer state made for `tree`'s parameters, by their path in
+    the state (`'[0].mu'`): a `Params` for each per-parameter part, the leaf itself
+    for the others. Raises as `port_opt_state` does."""
+    return _parts(state, _Index(tree), "opt_state")[0]
+
+
 def _parts(state: Any, index: _Index, name: str) -> tuple[dict[str, Any], Any]:
-    """`({path in the state: part}, treedef)`: the per-parameter parts (`_Params`)
+    """`({path in the state: part}, treedef)`: the per-parameter parts (`Params`)
     and the other leaves (scalars), in flattening order. Raises for leaves that name
     no parameter and for per-parameter arrays of other shapes than their parameter."""
     mismatch: list[str] = []
@@ -290,7 +297,7 @@ def _parts(state: Any, index: _Index, name: str) -> tuple[dict[str, Any], Any]:
     flat, treedef = jtu.tree_flatten_with_path(state, is_leaf=is_part)
     parts: dict[str, Any] = {}
     for keypath, node in flat:
-        where = jtu.keystr(keypath)
+        where = path_str(path_of(keypath))
         parent = _parent(state, keypath)
         if not is_part(node):
             if np.ndim(node) != 0:
@@ -312,7 +319,7 @@ def _parts(state: Any, index: _Index, name: str) -> tuple[dict[str, Any], Any]:
                     f"{name}{where} (in {cls}) holds {np.shape(leaf)} for "
                     f"{path_str(path)}, whose parameter is {index.shapes[path]}"
                 )
-        parts[where] = _Params(
+        parts[where] = Params(
             where,
             cls,
             jtu.tree_structure(node, is_leaf=_is_masked),
@@ -353,15 +360,15 @@ def _check_structure(source: dict[str, Any], like: dict[str, Any]) -> None:
             problems.append(f"like{where} has no counterpart in opt_state")
             continue
         other = source[where]
-        if isinstance(part, _Params) != isinstance(other, _Params):
+        if isinstance(part, Params) != isinstance(other, Params):
             kinds = [
-                "per-parameter arrays" if isinstance(x, _Params) else "a scalar"
+                "per-parameter arrays" if isinstance(x, Params) else "a scalar"
                 for x in (other, part)
             ]
             problems.append(
                 f"{where} holds {kinds[0]} in opt_state, {kinds[1]} in like"
             )
-        elif not isinstance(part, _Params) and np.shape(part) != np.shape(other):
+        elif not isinstance(part, Params) and np.shape(part) != np.shape(other):
             problems.append(
                 f"{where} has shape {np.shape(other)} in opt_state, "
                 f"{np.shape(part)} in like"
@@ -399,7 +406,7 @@ class _Porter:
         self.missing: dict[str, None] = {}
         self.unexpected: dict[str, None] = {}
 
-    def part(self, source: _Params, like: _Params) -> Any:
+    def part(self, source: Params, like: Params) -> Any:
         have, want = source.arrays(), like.arrays()
         marks, lost = self._marks(tuple(have), tuple(want))
         self.unexpected.update(

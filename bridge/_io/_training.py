@@ -1,0 +1,309 @@
+"""Training checkpoints: the optimizer state, the step and extra arrays saved next to
+the model, and restored into a model and optimizer of any framework.
+
+The optimizer's arrays are stored as ordinary tensors of role `opt_state` under the
+prefix `opt_state.` (`opt_state.0.mu.layers.0.kernel`), extra arrays as role `extra`
+under `extra.`. The state's structure is recorded as JSON in the metadata key
+`training`, never pickled: tuples, lists, dicts, `None`, named tuples by class name
+and fields, and each per-parameter part as the list of its leaves' model paths (with
+`null` for an `optax.MaskedNode`). On load a named tuple becomes its class only when
+that class belongs to an `optax` module already imported; otherwise it is a dict of
+its fields, which matches the same paths. A per-parameter part comes back as a dict
+keyed by model path (the form of `bridge.make_step`), and `bridge.port_opt_state`
+puts it into the form of the optimizer state given as `opt_state_like`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
+from .._tree import Path, Tree, path_str
+from . import _checkpoint
+from ._contents import Stored, dotted
+
+
+KEY = "training"
+OPT, EXTRA = "opt_state", "extra"
+
+_UNSUPPORTED_NODE = """\
+Cannot record the optimizer state: opt_state{where} is a {cls}, which bridge does not
+store. A training checkpoint stores optax states: tuples, named tuples, dicts, None
+and arrays, with one tree of arrays per parameter (Adam's moments)."""
+
+_NO_OPT_STATE = """\
+{path} holds no optimizer state, but `opt_state_like` was given. It was saved with
+bridge.save(path, model) (without `opt_state=`): load the model alone, and start the
+optimizer fresh with its `init`."""
+
+_MALFORMED = """\
+{path}: its 'training' metadata does not describe an optimizer state ({reason}). The
+file may be damaged; load the model alone (without `opt_state_like`)."""
+
+_TAKEN = """\
+The model has a top-level entry named {name!r}, which a training checkpoint uses for
+its own arrays. Save the model alone, or rename that entry."""
+
+
+class TrainingState(NamedTuple):
+    """What `bridge.load(path, like=model, opt_state_like=...)` returns."""
+
+    model: Any
+    opt_state: Any
+    step: int | None
+    extra: dict[str, Any]
+
+
+def add(
+    contents: Any,
+    arrays: dict[str, Any],
+    tree: Tree,
+    opt_state: Any,
+    step: Any,
+    extra: Mapping[str, Any] | None,
+) -> tuple[Any, dict[str, Any]]:
+    """`contents` and `arrays` with the training state added."""
+    for s in contents.tensors:
+        if s.path[:1] in ((OPT,), (EXTRA,)):
+            raise ValueError(_TAKEN.format(name=s.path[0]))
+    arrays = dict(arrays)
+    stored = []
+
+    def put(path: Path, role: str, value: Any) -> str:
+        name = dotted(path)
+        impl = None
+        if _checkpoint._is_key(value):
+            impl = str(jax.random.key_impl(value))
+            value = jax.random.key_data(value)
+        value = value if hasattr(value, "dtype") else jnp.asarray(value)
+        arrays[name] = value
+        stored.append(
+            Stored(name, path, role, tuple(value.shape), str(value.dtype), impl)
+        )
+        return name
+
+    record: dict[str, Any] = {"step": None if step is None else int(step)}
+    if opt_state is not None:
+        state, own_step = unwrap(opt_state)
+        if step is None and own_step is not None:
+            record["step"] = int(own_step)
+        parts = parts_of(state, tree)
+        record[OPT] = _record(state, (), parts, put)
+    record[EXTRA] = [put((EXTRA, k), EXTRA, v) for k, v in (extra or {}).items()]
+    training = json.dumps(record)
+    tensors = contents.tensors + tuple(stored)
+    return dataclasses.replace(contents, tensors=tensors, training=training), arrays
+
+
+def _record(node: Any, where: Path, parts: Mapping[str, Any], put: Any) -> Any:
+    """The JSON record of one node of an optimizer state (arrays stored by `put`)."""
+    part = parts.get(path_str(where))
+    if isinstance(part, Params):
+        return {
+            "t": "params",
+            "leaves": [
+                [list(p), None if _masked(x) else put((OPT, *where, *p), OPT, x)]
+                for p, x in zip(part.paths, part.leaves)
+            ],
+        }
+    if node is None:
+        return {"t": "none"}
+    if _masked(node):
+        return {"t": "masked"}
+    fields = getattr(node, "_fields", None)
+    if isinstance(node, tuple) and fields is not None:
+        cls = type(node)
+        return {
+            "t": "namedtuple",
+            "cls": f"{cls.__module__}:{cls.__qualname__}",
+            "fields": list(fields),
+            "c": [_record(x, (*where, f), parts, put) for f, x in zip(fields, node)],
+        }
+    if isinstance(node, (tuple, list)):
+        return {
+            "t": type(node).__name__,
+            "c": [_record(x, (*where, i), parts, put) for i, x in enumerate(node)],
+        }
+    if isinstance(node, Mapping) and all(isinstance(k, (str, int)) for k in node):
+        keys = list(node)
+        return {
+            "t": "dict",
+            "k": keys,
+            "c": [_record(node[k], (*where, k), parts, put) for k in keys],
+        }
+    if hasattr(node, "dtype") or isinstance(node, (int, float)):
+        return {"t": "array", "name": put((OPT, *where), OPT, node)}
+    raise TypeError(
+        _UNSUPPORTED_NODE.format(where=path_str(where), cls=type(node).__name__)
+    )
+
+
+def _masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+# --- loading --------------------------------------------------------------------------
+
+
+def split(contents: Any) -> tuple[Any, Any]:
+    """`(the model's contents, the training tensors' contents)`."""
+    model = tuple(s for s in contents.tensors if s.role not in (OPT, EXTRA))
+    rest = tuple(s for s in contents.tensors if s.role in (OPT, EXTRA))
+    return (
+        dataclasses.replace(contents, tensors=model),
+        dataclasses.replace(contents, tensors=rest),
+    )
+
+
+def read_state(contents: Any, training: Any) -> tuple[Any, int | None, dict]:
+    """`(opt_state, step, extra)` as stored: the optimizer state rebuilt from its
+    record, each per-parameter part a dict keyed by the file's model paths.
+
+    Raises `ValueError` naming the file when it holds no optimizer state or its
+    record is malformed."""
+    record = _json(contents.training, contents.path)
+    if OPT not in record:
+        raise ValueError(_NO_OPT_STATE.format(path=contents.path))
+    arrays = _checkpoint.read(training)
+    try:
+        state = _build(record[OPT], arrays)
+        step = record.get("step")
+        if step is not None and not isinstance(step, int):
+            raise TypeError(f"step {step!r} is not an int")
+        names = record.get(EXTRA, [])
+        extra = {n.partition(".")[2]: arrays[n] for n in names}
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        IndexError,
+        AttributeError,
+        RecursionError,
+    ) as e:
+        raise ValueError(_MALFORMED.format(path=contents.path, reason=e)) from None
+    return state, step, extra
+
+
+def restore(
+    saved: tuple[Any, int | None, dict], source: Tree, target: Any, like: Any
+) -> TrainingState:
+    """The loaded training state: the stored optimizer state, made for the
+    parameters of `source` (the file's model), ported into the form of `like` for
+    `target` (the loaded model)."""
+    state, step, extra = saved
+    ported = port_opt_state(state, source, target, like=like, step=step)
+    return TrainingState(target, ported, step, extra)
+
+
+def _json(text: str, path: Any) -> dict:
+    try:
+        record = json.loads(text or "{}")
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(
+            _MALFORMED.format(path=path, reason=type(e).__name__)
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(_MALFORMED.format(path=path, reason="not a JSON object"))
+    return record
+
+
+def _build(rec: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
+    kind = rec["t"]
+    if kind == "none":
+        return None
+    if kind == "masked":
+        return optax.MaskedNode()
+    if kind == "array":
+        return arrays[rec["name"]]
+    if kind == "params":
+        return {
+            path_str(tuple(p)): optax.MaskedNode() if name is None else arrays[name]
+            for p, name in rec["leaves"]
+        }
+    children = [_build(c, arrays) for c in rec["c"]]
+    if kind == "namedtuple":
+        cls = _optax_class(rec["cls"], rec["fields"])
+        return cls(*children) if cls else dict(zip(rec["fields"], children))
+    if kind == "tuple":
+        return tuple(children)
+    if kind == "list":
+        return children
+    if kind == "dict":
+        return dict(zip(rec["k"], children))
+    raise ValueError(f"unknown node {kind!r} in the recorded optimizer state")
+
+
+def _optax_class(name: str, fields: list[str]) -> type | None:
+    """The named tuple class `module:qualname` if it belongs to an optax module that
+    is already imported and has these fields (nothing is imported or run)."""
+    module, _, qualname = name.partition(":")
+    if module != "optax" and not module.startswith("optax."):
+        return None
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if isinstance(obj, type) and issubclass(obj, tuple):
+        if tuple(getattr(obj, "_fields", ())) == tuple(fields):
+            return obj
+    return None
+
+
+# --- inspect --------------------------------------------------------------------------
+
+
+def summary(contents: Any, human: Callable[[int], str]) -> list[str]:
+    """Lines describing a checkpoint's training state: the step, each part of the
+    optimizer state with its arrays and size (`human` writes sizes), the extras."""
+    if not contents.training:
+        return []
+    try:
+        record = _json(contents.training, contents.path)
+        return _summary(record, {s.key: s.nbytes for s in contents.tensors}, human)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return [f"training state: unreadable ({e})"]
+
+
+def _summary(
+    record: dict, sizes: Mapping[str, int], human: Callable[[int], str]
+) -> list[str]:
+    lines = []
+    if record.get("step") is not None:
+        lines.append(f"step: {record['step']}")
+    if OPT in record:
+        parts = list(_parts(record[OPT], "", "", sizes))
+        total = sum(n for _, _, n in parts)
+        lines.append(f"optimizer state: {len(parts)} parts, {human(total)}")
+        lines += [
+            f"  {where or '(root)'}: {what}, {human(n)}" for where, what, n in parts
+        ]
+    if record.get(EXTRA):
+        total = sum(sizes[n] for n in record[EXTRA])
+        names = ", ".join(n.partition(".")[2] for n in record[EXTRA])
+        lines.append(f"extra: {names}, {human(total)}")
+    return lines
+
+
+def _parts(rec: Mapping[str, Any], where: str, owner: str, sizes: Mapping[str, int]):
+    """`(path, what, bytes)` of each part of a recorded optimizer state."""
+    kind = rec["t"]
+    of = f" of {owner}" if owner else ""
+    if kind == "params":
+        names = [n for _, n in rec["leaves"] if n is not None]
+        masked = len(rec["leaves"]) - len(names)
+        note = f" ({masked} masked)" if masked else ""
+        yield where, f"{len(names)} arrays{note}{of}", sum(sizes[n] for n in names)
+    elif kind == "array":
+        yield where, f"scalar{of}", sizes[rec["name"]]
+    elif kind in ("namedtuple", "tuple", "list", "dict"):
+        keys = rec.get("fields") or rec.get("k") or range(len(rec["c"]))
+        cls = rec["cls"].rpartition(":")[2] if kind == "namedtuple" else ""
+        for key, child in zip(keys, rec["c"]):
+            yield from _parts(child, where + path_str((key,)), cls, sizes)
