@@ -29,6 +29,7 @@ from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
 from .._tree import Path, Tree, path_str
 from . import _checkpoint
 from ._contents import Stored, dotted
+from ._errors import CheckpointError
 
 
 KEY = "training"
@@ -188,7 +189,7 @@ def read_state(contents: Any, training: Any) -> tuple[Any, int | None, dict]:
         AttributeError,
         RecursionError,
     ) as e:
-        raise ValueError(_MALFORMED.format(path=contents.path, reason=e)) from None
+        raise CheckpointError(_MALFORMED.format(path=contents.path, reason=e)) from None
     return state, step, extra
 
 
@@ -211,7 +212,7 @@ def _json(text: str, path: Any) -> dict:
             _MALFORMED.format(path=path, reason=type(e).__name__)
         ) from None
     if not isinstance(record, dict):
-        raise ValueError(_MALFORMED.format(path=path, reason="not a JSON object"))
+        raise CheckpointError(_MALFORMED.format(path=path, reason="not a JSON object"))
     return record
 
 
