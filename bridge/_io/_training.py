@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -208,7 +207,7 @@ def _json(text: str, path: Any) -> dict:
     try:
         record = json.loads(text or "{}")
     except (json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(
+        raise CheckpointError(
             _MALFORMED.format(path=path, reason=type(e).__name__)
         ) from None
     if not isinstance(record, dict):
@@ -244,16 +243,15 @@ def _build(rec: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
 
 def _optax_class(name: str, fields: list[str]) -> type | None:
     """The named tuple class `module:qualname` if it belongs to an optax module that
-    is already imported and has these fields (nothing is imported or run)."""
-    module, _, qualname = name.partition(":")
+    is already imported and has these fields (found as `bridge.load` finds module
+    classes: nothing is imported, no module attribute hook runs)."""
+    module = name.partition(":")[0]
     if module != "optax" and not module.startswith("optax."):
         return None
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    if isinstance(obj, type) and issubclass(obj, tuple):
-        if tuple(getattr(obj, "_fields", ())) == tuple(fields):
-            return obj
+    cls = _checkpoint._resolve(name)
+    if cls is not None and issubclass(cls, tuple):
+        if tuple(cls.__dict__.get("_fields", ())) == tuple(fields):
+            return cls
     return None
 
 
