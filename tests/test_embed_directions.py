@@ -19,8 +19,11 @@ from .helpers import requires
 
 
 def _case(inner, outer, kind, *, slow=False):
-    """NNX on either side needs bridge's NNX adapter."""
+    """NNX on either side needs bridge's NNX adapter; the Equinox CNN has a
+    BatchNorm(mode=...)."""
     marks = [requires("NNX")] if "nnx" in (inner, outer) else []
+    if kind == "cnn" and "equinox" in (inner, outer):
+        marks.append(requires("eqx.nn.BatchNorm(mode=...)"))
     return pytest.param(inner, outer, kind, marks=marks + [pytest.mark.slow] * slow)
 
 
