@@ -11,15 +11,23 @@ its own. Runs alternate (numpy, port, numpy, port, ...); the figures are medians
   source (1x) and the ported copy (1x) are both resident (goal <= 2.2).
 
 The Equinox target is abstract (`eqx.filter_eval_shape`), so it costs no memory.
+With `--stacked`, the source is one `nn.scan` stack (`blocks.Dense_0.kernel` of shape
+`(layers, n, n)`) and the target a list of per-layer Equinox Linears: each layer is a
+slice of the stack, so the peak is the source, the ported copy and about one layer.
 
     python benchmarks/port.py            # ~1 GB, 4 layers
+    python benchmarks/port.py --stacked --layers 8
     python benchmarks/port.py --quick    # 16 MB smoke run (fixed costs dominate)
     python benchmarks/port.py --size-mb 512 --layers 2 --repeats 5
 
 Measured on a 2-core machine shared with other jobs (1 GiB, 4 layers): port 3.3-4.8 s
 vs numpy 10.8-14.1 s for the transpose-copy, throughput ratio 2.9-3.2; peak RSS 2.08x
-the model. XLA's tiled transpose beats numpy's strided copy; under load a full run
-takes 1-3 minutes (each subprocess imports JAX and builds 1 GiB).
+the model. `--stacked --layers 8` (1 GiB, one run, load average above 20): port 39.3 s
+vs numpy 82.7 s, ratio 2.10; peak RSS 2.29x the model (+1.26x during the port: the
+ported copy and about two layers of slices; numpy +0.99x). At 256 MiB: ratio 0.70,
+peak 2.71x (fixed costs weigh more). XLA's tiled transpose beats numpy's strided
+copy; under load a full run takes 1-3 minutes (each subprocess imports JAX and
+builds 1 GiB).
 """
 
 import argparse
@@ -38,7 +46,7 @@ def _rss(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _worker(kind: str, size_mb: float, layers: int) -> dict:
+def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -51,7 +59,13 @@ def _worker(kind: str, size_mb: float, layers: int) -> dict:
 
     n = int((size_mb * 2**20 / 4 / layers) ** 0.5)
     params = {}
-    for i in range(layers):
+    if stacked:  # nn.scan's layout: one array per name, the layer axis first
+        flat = np.arange(layers * n * n, dtype=np.float32).reshape(layers, n, n)
+        kernel = jnp.asarray(flat)
+        del flat
+        bias = jnp.zeros((layers, n), jnp.float32)
+        params = {"blocks": {"Dense_0": {"kernel": kernel, "bias": bias}}}
+    for i in range(0 if stacked else layers):
         kernel = jnp.asarray(np.arange(n * n, dtype=np.float32).reshape(n, n) + i)
         params[f"Dense_{i}"] = {"kernel": kernel, "bias": jnp.zeros(n, jnp.float32)}
     variables = {"params": params}
@@ -76,13 +90,23 @@ def _worker(kind: str, size_mb: float, layers: int) -> dict:
     before = _rss("VmRSS")
     start = time.perf_counter()
     if kind == "numpy":
-        out = [np.ascontiguousarray(np.asarray(a).T) for a in arrays]
+        if stacked:  # each layer's kernel transposed, as the port does
+            out = [
+                np.ascontiguousarray(np.asarray(a)[i].T)
+                for a in arrays
+                for i in range(layers)
+            ]
+        else:
+            out = [np.ascontiguousarray(np.asarray(a).T) for a in arrays]
     else:
         out = jax.block_until_ready(bridge.port(variables, target))
-        check = out.layers[0].weight
-        assert check.shape == (n, n) and bool(
-            check[0, 1] == params["Dense_0"]["kernel"][1, 0]
+        check = out.layers[1].weight
+        first = (
+            params["blocks"]["Dense_0"]["kernel"][1]
+            if stacked
+            else params["Dense_1"]["kernel"]
         )
+        assert check.shape == (n, n) and bool(check[0, 1] == first[1, 0])
     seconds = time.perf_counter() - start
     peak = _rss("VmHWM")
     del out
@@ -104,6 +128,7 @@ def _run(kind: str, args) -> dict:
         str(args.size_mb),
         "--layers",
         str(args.layers),
+        *(["--stacked"] if args.stacked else []),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -115,10 +140,13 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="16 MB, 1 repeat")
+    parser.add_argument(
+        "--stacked", action="store_true", help="an nn.scan stack -> per-layer Equinox"
+    )
     parser.add_argument("--worker", choices=["numpy", "port"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.size_mb, args.layers)))
+        print(json.dumps(_worker(args.worker, args.size_mb, args.layers, args.stacked)))
         return
     if args.quick:
         args.size_mb, args.repeats = 16, 1
@@ -131,8 +159,10 @@ def main():
         for k, v in runs.items()
     }
     size = med["port"]["bytes"] / 2**20
+    source = "one nn.scan stack of" if args.stacked else ""
     print(
-        f"model: {args.layers} Dense layers, {size:.0f} MiB float32, Linen -> Equinox"
+        f"model: {source} {args.layers} Dense layers, {size:.0f} MiB float32, "
+        "Linen -> Equinox"
     )
     for kind, m in med.items():
         rate = m["bytes"] / m["seconds"] / 2**30

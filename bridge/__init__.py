@@ -11,7 +11,11 @@ from ._embed._as_linen import as_linen as as_linen
 from ._embed._as_nnx import as_nnx as as_nnx
 from ._io._checkpoint import load as load, save as save
 from ._io._errors import CheckpointError as CheckpointError
-from ._port._codec import Codec as Codec, register_codec as register_codec
+from ._port._codec import (
+    Codec as Codec,
+    register_codec as register_codec,
+    unregister_codec as unregister_codec,
+)
 from ._port._compare import compare as compare
 from ._port._errors import PortError as PortError, PortWarning as PortWarning
 from ._port._plan import Plan as Plan, port_plan as port_plan

@@ -66,11 +66,31 @@ def test_ambiguous_pairing_suggests_a_rule():
     assert jnp.array_equal(ported.layers[0].weight, source[1].kernel[...].T)
 
 
-def test_unsupported_layer_kind():
-    source = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=KEY(0)), eqx.nn.PReLU()])
-    target = eqx.nn.Sequential([eqx.nn.Linear(2, 2, key=KEY(1)), eqx.nn.PReLU()])
-    with pytest.raises(bridge.PortError, match=r"unsupported: \.layers\[1\] \(PReLU\)"):
-        bridge.port(source, target)
+class _WithPReLU(eqx.Module):
+    linear: eqx.nn.Linear
+    act: eqx.nn.PReLU
+
+    def __init__(self, slope, key):
+        self.linear = eqx.nn.Linear(2, 2, key=key)
+        self.act = eqx.nn.PReLU(slope)
+
+    def __call__(self, x):
+        return self.act(self.linear(x))
+
+
+def test_a_module_no_codec_knows_ports_its_arrays_as_they_are():
+    """PReLU has no codec: its one array is a loose array (kind Array), paired by
+    name; the relayout of a checkpoint (no target to pair with) refuses it."""
+    source, target = _WithPReLU(0.3, KEY(0)), _WithPReLU(0.25, KEY(1))
+    plan = bridge.port_plan(source, target)
+    assert [(s.target, s.kind, s.by) for s in plan.steps] == [
+        (".linear", "Dense", "path"),
+        (".act.negative_slope", "Array", "path"),
+    ]
+    ported = bridge.port(source, target)
+    x = jnp.array([[1.0, -2.0], [-3.0, 4.0]])
+    assert bridge.compare(source, ported, x) == 0.0
+    assert bridge.compare(target, ported, x) > 0.1
 
 
 def test_rules_that_do_not_apply():
@@ -142,7 +162,7 @@ def test_every_problem_at_once():
     ) as info:
         bridge.port(source, target)
     kinds = sorted(p.split(":")[0] for p in info.value.problems)
-    assert kinds == ["missing", "shape", "shape", "unsupported"]
+    assert kinds == ["missing", "shape", "shape", "unexpected"]
 
 
 @requires("NNX")

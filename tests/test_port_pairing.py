@@ -123,9 +123,11 @@ def test_plan_table():
     text = str(bridge.port_plan(source, (target, state)))
     lines = text.splitlines()
     assert lines[0].split() == [
+        "~",
         "source",
         "target",
         "kind",
+        "by",
         "transform",
         "shapes",
         "(Flax",

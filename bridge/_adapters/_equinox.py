@@ -271,16 +271,18 @@ def _describe(result: Any) -> str:
     return f"a {type(result).__name__}"
 
 
-def _infer(model: Any, inputs: tuple[Any, ...]) -> Any:
+def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """`eqx.nn.inference_mode(model)` vmapped over the batch (with a state:
-    `model(*x, state)[0]`)."""
+    `model(*x, state, **kwargs)[0]`)."""
     state = None
     if isinstance(model, tuple):
         model, state = model
     model = eqx.nn.inference_mode(model)
 
     def one(*xs):
-        return model(*xs) if state is None else model(*xs, state)[0]
+        if state is None:
+            return model(*xs, **kwargs)
+        return model(*xs, state, **kwargs)[0]
 
     return jax.vmap(one)(*inputs)
 

@@ -429,11 +429,11 @@ def _forward(
     return out, from_linen(native.variables, linen_module(tree))
 
 
-def _infer(model: Any, inputs: tuple[Any, ...]) -> Any:
+def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(model, nn.Module):
-        return model(*inputs)
+        return model(*inputs, **kwargs)
     if isinstance(model, tuple):
-        return model[0].apply(model[1], *inputs)
+        return model[0].apply(model[1], *inputs, **kwargs)
     raise TypeError(_NO_MODULE)
 
 

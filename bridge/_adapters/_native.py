@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._tree import Tree, source_of
@@ -155,12 +155,17 @@ def forward(
     return adapter.forward(tree, loss_fn, batch, rngs)
 
 
-def infer(model: Any, inputs: tuple[Any, ...]) -> Any:
-    """A model of any framework (or a Tree) run for inference on batched inputs, as
-    its framework runs it (`bridge.compare`)."""
+def infer(
+    model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+) -> Any:
+    """A model of any framework (or a Tree) run for inference on batched inputs (and
+    keyword arguments), as its framework runs it (`bridge.compare`)."""
     if isinstance(model, Tree):
         adapter = adapter_of_tree(model)
         model = adapter.to_native(model)
     else:
         adapter = adapter_of(model)
-    return model(*inputs) if adapter.infer is None else adapter.infer(model, inputs)
+    kwargs = dict(kwargs or {})
+    if adapter.infer is None:
+        return model(*inputs, **kwargs)
+    return adapter.infer(model, inputs, kwargs)

@@ -243,10 +243,10 @@ def _forward(
     )  # batch statistics, RNG counters: as the pass left them
 
 
-def _infer(model: nnx.Module, inputs: tuple[Any, ...]) -> Any:
+def _infer(model: nnx.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     model = nnx.clone(model)
     model.eval()
-    return model(*inputs)
+    return model(*inputs, **kwargs)
 
 
 ADAPTER = register_adapter(

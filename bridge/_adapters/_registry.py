@@ -59,9 +59,10 @@ class Adapter(NamedTuple):
       the Tree after the forward pass (with the state it wrote: batch statistics, RNG
       counters), or `None` when the forward pass writes no state. By default
       `loss_fn(to_native(tree), *batch), None`.
-    - `infer`: optional, `infer(model, inputs) -> outputs` for `bridge.compare`: run
-      the native model (any form `recognise` accepts) for inference on batched
-      inputs; by default `model(*inputs)`.
+    - `infer`: optional, `infer(model, inputs, kwargs) -> outputs` for
+      `bridge.compare`: run the native model (any form `recognise` accepts) for
+      inference on batched inputs and keyword arguments; by default
+      `model(*inputs, **kwargs)`.
     - `bind`: optional, `bind(tree, rngs) -> native model`: `to_native` with random
       streams (Linen, whose modules take them when bound). Without it, `rngs` are
       refused with `rngs_hint` as the fix.
@@ -85,7 +86,7 @@ class Adapter(NamedTuple):
     like: Callable[[Any, Tree], Any] | None = None
     placeholders: Callable[[Any], Any] | None = None
     forward: Callable[..., tuple[Any, Tree | None]] | None = None
-    infer: Callable[[Any, tuple[Any, ...]], Any] | None = None
+    infer: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
     bind: Callable[[Tree, Any], Any] | None = None
     rngs_hint: str = _RNGS_HINT
     modules: Callable[[Tree], Any] | None = None

@@ -26,13 +26,22 @@ import jax
 import numpy as np
 
 from .._adapters._native import to_native, to_neutral
+from .._adapters._registry import adapter_named, names
 from .._adapters._torch import ROLE_OF
 from .._paths import Path, parse
 from .._port._codec import codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree
-from ._checkpoint import VERSION, Contents, Stored, describe, dotted, file_tree
+from ._checkpoint import (
+    VERSION,
+    Contents,
+    Stored,
+    _resolve,
+    describe,
+    dotted,
+    file_tree,
+)
 from ._torch_layout import torch_state
 
 
@@ -57,6 +66,12 @@ _CANNOT_CONVERT = """\
 _EQUINOX_ONLY = """\
 {options} only apply when converting a Flax checkpoint to the Equinox layout, and
 {path} is converted from the {source} layout to the {layout} layout. Leave them out."""
+_UNKNOWN_CLASS = (
+    "unsupported: {where} is a {cls} in the file, a class no {framework} codec "
+    "knows (it may compute something else than the layer its arrays look like); "
+    "import the module that defines it and register a codec for it "
+    "(bridge.register_codec, bridge.Codec.same_layout)"
+)
 _RENAME_UNUSED = "rename {rule!r}: matches no layer (layers: {layers})"
 _RENAME_CLASH = "rename: {sources} would all be called {target!r}"
 
@@ -135,7 +150,8 @@ def relayout(
     if layout == "torch":
         return _to_torch(contents, tree)
     problems: list[str] = []
-    layers = find_layers(tree, problems)
+    layers = find_layers(tree, problems, loose=False)
+    _unknown_classes(contents, layers, problems)
     if contents.layout == "torch":  # no classes: names decide between candidates
         for layer in layers:
             kinds = kinds_by_name(dotted(layer.path), layer.kinds)
@@ -145,6 +161,27 @@ def relayout(
         return _to_equinox(contents, layers, problems, rename, mode)
     _raise(contents, "Flax", problems)
     return _to_flax(contents, arrays, layers)
+
+
+def _unknown_classes(
+    contents: Contents, layers: list[Layer], problems: list[str]
+) -> None:
+    """A layer the file records the class of is converted only when a codec of the
+    file's framework knows that class: arrays alone do not tell a Gemma
+    `x * (1 + scale)` norm from Flax's RMSNorm."""
+    recorded = {tuple(path): cls for path, cls, _ in contents.modules}
+    fw = contents.framework
+    if fw not in names() or not adapter_named(fw).records_classes:
+        return
+    for layer in layers:
+        name = recorded.get(layer.path)
+        if name is None:
+            continue
+        cls = _resolve(name)
+        if cls is None or not any(c.recognise(cls, layer.leaves) for c in codecs(fw)):
+            problems.append(
+                _UNKNOWN_CLASS.format(where=layer.where, cls=name, framework=fw)
+            )
 
 
 def _to_flax(contents: Contents, arrays: dict[str, Any], layers: list[Layer]):

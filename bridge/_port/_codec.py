@@ -9,12 +9,12 @@ Equinox differs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from .._adapters._registry import names
+from .._adapters._registry import adapter_of_class, names
 
 
 Leaves = dict[str, Any]
@@ -70,24 +70,67 @@ class Codec(NamedTuple):
     defaults: Mapping[str, float] = {}
     build: Callable[[Leaves, Mapping[str, Any]], Any] | None = None
 
+    @staticmethod
+    def same_layout(kind: str, classes: Sequence[type]) -> tuple[Codec, ...]:
+        """Codecs for a layer whose arrays keep their names and layout in every
+        framework: one per class, for NNX and Equinox classes.
+
+        The layer claims its own arrays (those not in a sublayer: its sublayers are
+        recognised on their own), and pairs only with layers of the same `kind`.
+        Linen variables record no classes: a Linen module's arrays no codec claims
+        are ported as they are already (kind `"Array"`, paired by name).
+
+        **Arguments:**
+
+        - `kind`: the layer family, e.g. `"GemmaRMSNorm"`.
+        - `classes`: the `nnx.Module` and `eqx.Module` classes of the layer.
+
+        **Returns:**
+
+        A tuple of `bridge.Codec`s, to give to `bridge.register_codec`.
+
+        **Example:**
+
+        ```python
+        >>> import jax.numpy as jnp, equinox as eqx, bridge
+        >>> from flax import nnx
+        >>> class Norm(nnx.Module):  # x * (1 + scale): not Flax's RMSNorm
+        ...     def __init__(self, n):
+        ...         self.scale = nnx.Param(jnp.zeros(n))
+        >>> class EqxNorm(eqx.Module):
+        ...     scale: jnp.ndarray
+        >>> codecs = bridge.Codec.same_layout("Norm", [Norm, EqxNorm])
+        >>> _ = bridge.register_codec(*codecs)
+        >>> bridge.port(Norm(3), EqxNorm(jnp.ones(3))).scale
+        Array([0., 0., 0.], dtype=float32)
+        >>> _ = bridge.unregister_codec("Norm")
+
+        ```
+        """
+        out = []
+        for cls in classes:
+            fw = _framework_of(cls)
+            out.append(Codec(kind, fw, _own_arrays_of(cls), same, same_as_like))
+        return tuple(out)
+
 
 _REGISTRY: dict[tuple[str, str], Codec] = {}
 
 
-def register_codec(codec: Codec) -> Codec:
+def register_codec(*codecs: Codec) -> Codec | tuple[Codec, ...]:
     """Teach `bridge.port` a layer kind in one framework.
 
     Register one `bridge.Codec` per framework the kind exists in; layers pair with
     layers of the same `kind`. A codec registered again for the same `(kind,
-    framework)` replaces the previous one.
+    framework)` replaces the previous one; `bridge.unregister_codec` removes it.
 
     **Arguments:**
 
-    - `codec`: a `bridge.Codec`.
+    - `*codecs`: one or more `bridge.Codec`s (e.g. `*bridge.Codec.same_layout(...)`).
 
     **Returns:**
 
-    The codec, so registration can be an expression.
+    The codec (the codecs, for several), so registration can be an expression.
 
     **Example:**
 
@@ -110,15 +153,45 @@ def register_codec(codec: Codec) -> Codec:
 
     ```
     """
-    if not isinstance(codec, Codec):
-        raise TypeError(f"Expected a bridge.Codec, got {type(codec).__name__}.")
-    if codec.framework not in names():
-        raise ValueError(
-            f"Codec {codec.kind!r}: framework must be one of {names()} (the "
-            f"registered adapters), got {codec.framework!r}."
+    for codec in codecs:
+        if not isinstance(codec, Codec):
+            raise TypeError(f"Expected a bridge.Codec, got {type(codec).__name__}.")
+        if codec.framework not in names():
+            raise ValueError(
+                f"Codec {codec.kind!r}: framework must be one of {names()} (the "
+                f"registered adapters), got {codec.framework!r}."
+            )
+    for codec in codecs:
+        _REGISTRY.pop((codec.kind, codec.framework), None)  # newest last
+        _REGISTRY[(codec.kind, codec.framework)] = codec
+    return codecs[0] if len(codecs) == 1 else codecs
+
+
+def unregister_codec(kind: str, framework: str | None = None) -> tuple[Codec, ...]:
+    """Remove the codecs of a layer kind (in one framework, or in all).
+
+    **Arguments:**
+
+    - `kind`: the kind the codecs were registered with (`"Dense"`, `"Scale"`).
+    - `framework`: `"linen"`, `"nnx"` or `"equinox"`; all three when None.
+
+    **Returns:**
+
+    The removed codecs.
+
+    **Raises:**
+
+    `KeyError` when no codec of that kind (and framework) is registered.
+    """
+    keys = [k for k in _REGISTRY if k[0] == kind and framework in (None, k[1])]
+    if not keys:
+        registered = sorted({k for k, _ in _REGISTRY})
+        raise KeyError(
+            f"No codec of kind {kind!r}"
+            + (f" for {framework!r}" if framework else "")
+            + f" is registered. Registered kinds: {registered}."
         )
-    _REGISTRY[(codec.kind, codec.framework)] = codec
-    return codec
+    return tuple(_REGISTRY.pop(k) for k in keys)
 
 
 def codecs(framework: str) -> list[Codec]:
@@ -172,6 +245,30 @@ def filled(
         if name in specs and name not in out:
             out[name] = jnp.full(specs[name].shape, value, specs[name].dtype)
     return out
+
+
+_NOT_A_LAYER_CLASS = (
+    "Codec.same_layout: {cls!r} is not an nnx.Module or eqx.Module class. Linen "
+    "variables record no classes: a Linen module's arrays that no codec claims are "
+    "ported as they are already (kind 'Array', paired by name)."
+)
+
+
+def _framework_of(cls: Any) -> str:
+    """The framework of a module class whose models record their classes."""
+    adapter = adapter_of_class(cls) if isinstance(cls, type) else None
+    if adapter is None or not adapter.records_classes:
+        raise TypeError(_NOT_A_LAYER_CLASS.format(cls=cls))
+    return adapter.name
+
+
+def _own_arrays_of(cls: type) -> Callable[[Any, Leaves], bool]:
+    """`recognise`: a module of class `cls`, claiming only its own arrays (asked
+    with all the arrays under a module that has sublayers, it declines; asked with
+    the module's own arrays next, it accepts)."""
+    return lambda c, leaves: (
+        isinstance(c, type) and issubclass(c, cls) and all("/" not in k for k in leaves)
+    )
 
 
 def shape_of(x: Any) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -16,10 +17,12 @@ The two models' outputs do not have the same structure: {a} and {b}. Compare mod
 that compute the same function (and mind channel order: see `channel_first`)."""
 
 
-def _forward(model: Any, inputs: tuple[Any, ...], channel_first: bool) -> Any:
+def _forward(
+    model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], channel_first: bool
+) -> Any:
     if channel_first:
         inputs = tuple(jnp.moveaxis(x, -1, 1) if x.ndim >= 3 else x for x in inputs)
-    out = infer(model, inputs)
+    out = infer(model, inputs, kwargs)
     if channel_first:
         out = jax.tree_util.tree_map(
             lambda y: jnp.moveaxis(y, 1, -1) if y.ndim >= 3 else y, out
@@ -28,16 +31,20 @@ def _forward(model: Any, inputs: tuple[Any, ...], channel_first: bool) -> Any:
 
 
 def compare(
-    a: Any, b: Any, *inputs: Any, channel_first: tuple[bool, bool] | None = None
+    a: Any,
+    b: Any,
+    *inputs: Any,
+    channel_first: tuple[bool, bool] | None = None,
+    per_side: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
+    **call_kwargs: Any,
 ) -> float:
     """The largest absolute difference between two models' outputs on the same inputs,
     whatever their frameworks: the check to run after `bridge.port`.
 
     Each model runs as its framework runs it for inference:
 
-    - Linen `(module, variables)` or a bound module: `module.apply(variables, *inputs)`
-      (pass the module's own flags, e.g. a `train=False` default, through its
-      definition);
+    - Linen `(module, variables)` or a bound module: `module.apply(variables, *inputs,
+      **kwargs)` (pass its flags as keyword arguments: `train=False`);
     - NNX: a clone of the module in `.eval()` mode (BatchNorm uses its running
       statistics, Dropout is off), called on the batch;
     - Equinox `model` or `(model, state)`: `eqx.nn.inference_mode(model)`, vmapped over
@@ -57,6 +64,9 @@ def compare(
     - `*inputs`: the batched inputs, passed to both.
     - `channel_first`: optional `(for a, for b)`, overriding the models' own
       `channel_first` attribute.
+    - `per_side`: optional `(keyword arguments for a, for b)`, for models whose
+      call signatures differ (`({"train": False}, {})`).
+    - `**call_kwargs`: keyword arguments passed to both (`train=False`).
 
     **Returns:**
 
@@ -74,13 +84,27 @@ def compare(
 
     ```
     """
+    leaves_a, leaves_b = outputs(a, b, inputs, channel_first, per_side, call_kwargs)
+    return largest_difference(leaves_a, leaves_b)
+
+
+def outputs(
+    a: Any,
+    b: Any,
+    inputs: tuple[Any, ...],
+    channel_first: tuple[bool, bool] | None,
+    per_side: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
+    call_kwargs: Mapping[str, Any],
+) -> tuple[list[Any], list[Any]]:
+    """Both models' output arrays on `inputs`, checked to have the same shapes."""
     if channel_first is None:
         channel_first = (
             bool(getattr(_model_of(a), "channel_first", False)),
             bool(getattr(_model_of(b), "channel_first", False)),
         )
-    out_a = _forward(a, inputs, channel_first[0])
-    out_b = _forward(b, inputs, channel_first[1])
+    sides = per_side or ({}, {})
+    out_a = _forward(a, inputs, {**call_kwargs, **sides[0]}, channel_first[0])
+    out_b = _forward(b, inputs, {**call_kwargs, **sides[1]}, channel_first[1])
     leaves_a, leaves_b = (
         jax.tree_util.tree_leaves(out_a),
         jax.tree_util.tree_leaves(out_b),
@@ -89,6 +113,10 @@ def compare(
     shapes_b = [tuple(jnp.shape(x)) for x in leaves_b]
     if shapes_a != shapes_b:
         raise ValueError(_OUTPUTS_DIFFER.format(a=shapes_a, b=shapes_b))
+    return leaves_a, leaves_b
+
+
+def largest_difference(leaves_a: list[Any], leaves_b: list[Any]) -> float:
     return max(
         (
             float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
@@ -97,6 +125,27 @@ def compare(
         ),
         default=0.0,
     )
+
+
+_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def tolerance(leaves: list[Any]) -> tuple[float, str]:
+    """The difference allowed between two models' outputs `leaves` (one side's),
+    for their least precise floating dtype, relative to their largest magnitude
+    (at least 1): `(tolerance, dtype name)`."""
+    names = [str(jnp.result_type(x)) for x in leaves]
+    floats = [n for n in names if n in _TOLERANCE] or ["float32"]
+    dtype = max(floats, key=lambda n: _TOLERANCE[n])
+    scale = max(
+        (
+            float(np.max(np.abs(np.asarray(x, np.float64))))
+            for x in leaves
+            if np.size(x)
+        ),
+        default=1.0,
+    )
+    return _TOLERANCE[dtype] * max(1.0, scale), dtype
 
 
 def _model_of(obj: Any) -> Any:

@@ -57,6 +57,13 @@ AMBIGUOUS = (
     "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "
     "and order leave a choice. Say which with rules={{r'{source_re}': '{target}'}}."
 )
+AMBIGUOUS_ORDER = (
+    "ambiguous: source layers {sources} could pair with target layers {targets} "
+    "({kind}: {shapes}): their names differ, and the {side}'s order is not known to "
+    "be the order the layers were created in (keys come back sorted after an optax "
+    "update, nnx.jit or eval_shape). Say which with rules, e.g. rules={{{example}}} "
+    "(check each pair), or give a model whose order is the creation order."
+)
 UNSUPPORTED = (
     "unsupported: {where} ({cls}) holds {names} but no codec recognises it. Register "
     "one with bridge.register_codec(bridge.Codec(...)) (see docs/guides/porting.md)."
@@ -92,6 +99,12 @@ ENTRY_DROPPED = (
 ENTRY_EXTRA = (
     "shape: {source} -> {target} ({kind}): the source has `{entry}` and the target has "
     "no place for it."
+)
+CHECK = (
+    "check: the ported model's outputs differ from the source's by {diff:.3g} (largest "
+    "absolute difference; allowed {tolerance:.3g} for {dtype}). Layers were paired "
+    "wrongly or a layer computes something else: see bridge.port_plan(source, "
+    "target) and compare the rows marked ~."
 )
 HYPER = (
     "{source} -> {target} ({kind}): {name} is {a!r} in the source and {b!r} in the "

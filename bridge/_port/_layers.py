@@ -1,4 +1,5 @@
-"""Finding the layers of a Tree: each node a codec recognises, in definition order."""
+"""Finding the layers of a Tree: each node a codec recognises, and each array held
+directly by a module that no codec claims (a one-array layer of kind `"Array"`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import jax
 
 from .._adapters._registry import Adapter, adapter_named, adapter_of_class
 from .._embed._inside import embedded
+from .._lazy import materialise
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors
-from ._codec import Codec, Leaves, codecs
+from ._codec import Codec, Leaves, codecs, same, same_as_like
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -21,6 +23,20 @@ NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
 
 _AUTO_NAME = re.compile(r"^(.+)_\d+$")
 _FIRST = {"kernel": 0, "embedding": 0, "scale": 1, "bias": 2, "mean": 3, "var": 4}
+
+ARRAY = "Array"
+"""The kind of a loose array: held directly by a module, next to its sublayers
+(ViT's `pos_embedding`, `cls`), or by a module no codec claims. Its layout is the
+same in every framework: one entry, `array`."""
+_LOOSE: dict[str, Codec] = {}
+
+
+def _loose(framework: str) -> Codec:
+    if framework not in _LOOSE:
+        _LOOSE[framework] = Codec(
+            ARRAY, framework, lambda cls, leaves: False, same, same_as_like
+        )
+    return _LOOSE[framework]
 
 
 @dataclass(eq=False)
@@ -34,6 +50,19 @@ class Layer:
     paths: dict[str, Path]
     hyper: dict[str, Any]
     specs: dict[str, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
+    stack: tuple[Path, int] | None = None
+    """For one layer of a stack (`nn.scan`): the stack's path and length. Its `path`
+    is then `stack path + (index,) + path in a layer`, its `leaves` the shapes of one
+    layer, `arrays` the stacked arrays and `real` the path without the index."""
+    index: int | None = None
+    arrays: Leaves | None = None
+    real: Path = ()
+
+    def own_leaves(self) -> Leaves:
+        """The layer's arrays (the `index`-th slice of a stack's)."""
+        if self.index is None or self.arrays is None:
+            return self.leaves
+        return {k: materialise(v)[self.index] for k, v in self.arrays.items()}
 
     @property
     def where(self) -> str:
@@ -107,15 +136,36 @@ def _recognise(
     return fitting
 
 
-def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
-    """Every layer of `tree`, parents before children, in the Tree's (definition)
-    order. Arrays under no recognised layer are reported as unsupported."""
+def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Layer]:
+    """Every layer of `tree`, parents before children, in Tree order.
+
+    A node is a layer when a codec recognises all the arrays under it (its subtree
+    is then consumed), or only its own arrays (those not in a sublayer: its
+    sublayers are walked on). Arrays a module holds directly that no codec claims
+    are one-array layers of kind `"Array"` with `loose`, else reported as
+    unsupported; so are the arrays of a stack of Linen layers (`nn.scan`)."""
     adapter = adapter_named(framework(tree) or "linen")  # a part: as Flax variables
     all_roles = roles(tree)
     role_nodes = dict(walk(all_roles))
     native = None if adapter.modules is None else adapter.modules(tree)
     layers: list[Layer] = []
     taken: list[Path] = []
+
+    def add(path: Path, found, leaves: Leaves, paths: dict[str, Path]) -> Layer:
+        module = None if native is None else at(native, path)
+        # a layer of a file read without its model (an NNX class recorded in a
+        # Flax file) has no module: its codecs read their settings from one
+        expects = adapter_named(found[0].framework).records_classes
+        hyper = {} if module is None and expects else found[0].hyperparameters(module)
+        layer = Layer(path, found, leaves, paths, hyper)
+        read_specs(layer, problems)
+        if layer.codecs:
+            layers.append(layer)
+        return layer
+
+    def add_loose(path: Path, leaf: Any) -> Layer:
+        return add(path, (_loose(adapter.name),), {"array": leaf}, {"array": ()})
+
     for path, node in walk(tree):
         if any(path[: len(p)] == p for p in taken):
             continue
@@ -131,36 +181,109 @@ def find_layers(tree: Tree, problems: list[str]) -> list[Layer]:
         if not leaves:
             continue
         cls = kind(node)
-        found = _recognise(adapter, cls, path, leaves, problems)
-        if found:
-            module = None if native is None else at(native, path)
-            # a layer of a file read without its model (an NNX class recorded in a
-            # Flax file) has no module: its codecs read their settings from one
-            expects = adapter_named(found[0].framework).records_classes
-            hyper = (
-                {} if module is None and expects else found[0].hyperparameters(module)
-            )
-            layer = Layer(path, found, leaves, paths, hyper)
-            read_specs(layer, problems)
-            if layer.codecs:
-                layers.append(layer)
+        length = _stacked(adapter, path, node, role_nodes[path], leaves)
+        if length and loose:
+            layers += _stack_layers(adapter, path, node, role_nodes, length, problems)
             taken.append(path)
             continue
-        direct = [
-            str(k)
+        found = _recognise(adapter, cls, path, leaves, problems)
+        if found:
+            add(path, found, leaves, paths)
+            taken.append(path)
+            continue
+        direct = {
+            str(k): (k, child)
             for (k, child), (_, role) in zip(items(node), items(role_nodes[path]))
             if not isinstance(child, Tree) and role not in NOT_PORTED
-        ]
-        if direct:
-            problems.append(
-                _errors.UNSUPPORTED.format(
-                    where=path_str(path) or "(root)",
-                    cls=getattr(cls, "__name__", "Linen module"),
-                    names=direct,
-                )
+        }
+        if not direct:
+            continue
+        own = {name: child for name, (_, child) in direct.items()}
+        if len(own) < len(leaves):  # a module next to its sublayers: its own arrays
+            found = _recognise(adapter, cls, path, own, [])
+            if found:
+                add(path, found, own, {name: (k,) for name, (k, _) in direct.items()})
+                continue
+        if loose:
+            for k, child in direct.values():
+                add_loose(path + (k,), child)
+            continue
+        problems.append(
+            _errors.UNSUPPORTED.format(
+                where=path_str(path) or "(root)",
+                cls=getattr(cls, "__name__", "Linen module"),
+                names=list(direct),
             )
-            taken.append(path)
+        )
+        taken.append(path)
     return layers
+
+
+def _stack_layers(
+    adapter: Adapter,
+    path: Path,
+    node: Tree,
+    role_nodes: dict[Path, Tree],
+    length: int,
+    problems: list[str],
+) -> list[Layer]:
+    """The layers of a stack, one per index: `.blocks[3].Dense_0` is the fourth
+    slice of `.blocks.Dense_0`'s arrays."""
+    out: list[Layer] = []
+    taken: list[Path] = []
+    for sub_path, sub in walk(node, path):
+        if any(sub_path[: len(p)] == p for p in taken):
+            continue
+        arrays, paths = _subtree_leaves(sub, role_nodes[sub_path])
+        one = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in arrays.items()}
+        found = _recognise(adapter, kind(sub), sub_path, one, []) if one else ()
+        if not found:
+            continue
+        taken.append(sub_path)
+        rel = sub_path[len(path) :]
+        for i in range(length):
+            layer = Layer(
+                path + (i,) + rel, found, one, paths, {}, stack=(path, length)
+            )
+            layer.index, layer.arrays, layer.real = i, arrays, sub_path
+            read_specs(layer, problems)
+            if layer.codecs:
+                out.append(layer)
+    return out
+
+
+def _stacked(
+    adapter: Adapter, path: Path, node: Tree, roles: Tree, leaves: Leaves
+) -> int:
+    """The layer count of a stack of layers (`nn.scan` with the layer axis first:
+    every array has it as its leading axis), or 0. A stack is what the codecs
+    recognise entirely once that axis is dropped, and not with it. (Where classes
+    are recorded, codecs recognise a layer whatever its shapes: not detected.)"""
+    if not path or adapter.records_classes:
+        return 0
+    lengths = {x.shape[0] if x.ndim >= 2 else None for x in leaves.values()}
+    if len(lengths) != 1 or None in lengths:
+        return 0
+    if _covered(adapter, node, roles, path, lambda x: x):
+        return 0
+    sliced = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+    return lengths.pop() if _covered(adapter, node, roles, path, sliced) else 0
+
+
+def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> bool:
+    """Whether every array under `node` (seen through `view`) is in a layer some
+    codec recognises."""
+    leaves, _ = _subtree_leaves(node, roles)
+    leaves = {k: view(v) for k, v in leaves.items()}
+    if not leaves or _recognise(adapter, kind(node), path, leaves, []):
+        return True
+    for (key, child), (_, role) in zip(items(node), items(roles)):
+        if not isinstance(child, Tree):
+            if role not in NOT_PORTED:
+                return False
+        elif not _covered(adapter, child, role, path + (key,), view):
+            return False
+    return True
 
 
 def read_specs(layer: Layer, problems: list[str]) -> None:

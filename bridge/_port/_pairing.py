@@ -1,23 +1,46 @@
-"""Pairing source layers with target layers: rules first, then kind, shape and
-definition order; a choice that kind, shapes and order leave open is an error."""
+"""Pairing source layers with target layers, never trusting an order that may be lost.
+
+Precedence: explicit `rules`; identical paths; names equal after normalisation
+(`layers_3` = `layers[3]` = `layers.3`, case and separators ignored); then kind and
+shapes, using order only where it is known to be the creation order (`Order`). A
+choice that is not unique is an `ambiguous` problem, never a guess.
+"""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
+from typing import NamedTuple
 
+import equinox as eqx
+from flax import nnx
+
+from .._tree import Key, Path, Tree, items, kind, walk
 from . import _errors
 from ._layers import Layer
 
 
-_PAIR = 1000  # a pair outweighs any number of shape agreements
+_EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
+_WORDS = re.compile(r"[A-Za-z]+|\d+")
+_NUMBERED = re.compile(r"^(.*?)[_.\-]?(\d+)$")
+
+
+class Pair(NamedTuple):
+    """A source layer, the target layer it fills, and what paired them: `"rule"`,
+    `"path"`, `"name"`, `"shape"` (the only layer of its kind and shapes), `"order"`
+    (kind, shapes and creation order), `"kind"` (the only layer of its kind)."""
+
+    source: Layer
+    target: Layer
+    by: str
 
 
 def common_kind(a: Layer, b: Layer) -> str | None:
     """The kind two layers share (a Linen layer may have several candidates)."""
-    for kind in a.kinds:
-        if kind in b.kinds:
-            return kind
+    for k in a.kinds:
+        if k in b.kinds:
+            return k
     return None
 
 
@@ -26,11 +49,265 @@ def _same_shapes(a: Layer, b: Layer, kind: str) -> bool:
     return all(sa[k].shape == sb[k].shape for k in sa.keys() & sb.keys())
 
 
-def _weight(a: Layer, b: Layer) -> int:
-    kind = common_kind(a, b)
-    if kind is None:
-        return 0
-    return _PAIR + int(_same_shapes(a, b, kind))
+def _fits(a: Layer, b: Layer) -> bool:
+    k = common_kind(a, b)
+    return k is not None and _same_shapes(a, b, k)
+
+
+def normalised(path: Path) -> tuple:
+    """A path's words, lower case, numbers as ints: `.layers_3.Attn` and
+    `.layers[3].attn` and `layers.3.attn` all give `("layers", 3, "attn")`."""
+    words = _WORDS.findall("/".join(str(k) for k in path))
+    return tuple(int(w) if w.isdigit() else w.lower() for w in words)
+
+
+def _number(key: Key) -> tuple[tuple, int] | None:
+    if isinstance(key, int):
+        return (), key
+    match = _NUMBERED.match(key)
+    if match is None:
+        return None
+    return normalised((match.group(1),)), int(match.group(2))
+
+
+def _counted(path: Path | tuple) -> bool:
+    """Whether a path (or its normalised words) holds a number (an index, `Dense_3`,
+    `layers_2`): a count of positions more than a name."""
+    return any(isinstance(w, int) for w in normalised(tuple(map(str, path))))
+
+
+class Order:
+    """What one Tree's order says about the creation order of its layers.
+
+    A node's child order is the creation order when its keys are indices, when it is
+    an Equinox module (fields in class order), or an NNX module whose attributes are
+    not sorted (NNX sorts them when order is lost: `nnx.jit`, `eval_shape`,
+    `nnx.merge`). A dict's order is never trusted (Linen's come back sorted from
+    optax, or in any order from user code). Otherwise only numbered names of one
+    prefix (`Dense_2` < `Dense_10`, natural order) say which came first."""
+
+    def __init__(self, tree: Tree, stacks: set[Path] | frozenset = frozenset()):
+        self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
+        self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
+        for path, node in walk(tree):
+            keys = [k for k, _ in items(node)]
+            self._nodes[path] = ({k: i for i, k in enumerate(keys)}, _known(node, keys))
+
+    def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
+        real = tuple(
+            k
+            for j, k in enumerate(prefix)
+            if not (isinstance(k, int) and prefix[:j] in self._stacks)
+        )
+        return self._nodes[real]
+
+    def compare(self, a: Path, b: Path) -> int | None:
+        """-1, 0 or 1 when the creation order of `a` and `b` is known, else None."""
+        n = 0
+        while n < len(a) and n < len(b) and a[n] == b[n]:
+            n += 1
+        if n == len(a) or n == len(b):  # a module before its own sublayers
+            return (len(a) > len(b)) - (len(a) < len(b))
+        if a[:n] in self._stacks:  # two layers of one stack: by index
+            return (a[n] > b[n]) - (a[n] < b[n])
+        positions, known = self._node(a[:n])
+        if known:
+            return (positions[a[n]] > positions[b[n]]) - (
+                positions[a[n]] < positions[b[n]]
+            )
+        na, nb = _number(a[n]), _number(b[n])
+        if na is None or nb is None or na[0] != nb[0]:
+            return None
+        return (na[1] > nb[1]) - (na[1] < nb[1])
+
+    def sorted(self, layers: list[Layer]) -> list[Layer] | None:
+        """`layers` in creation order, or None when that order is not known."""
+        for i, a in enumerate(layers):
+            for b in layers[i + 1 :]:
+                if self.compare(a.path, b.path) is None:
+                    return None
+        return sorted(
+            layers, key=functools.cmp_to_key(lambda a, b: self.compare(a.path, b.path))
+        )
+
+
+def _known(node: Tree, keys: list[Key]) -> bool:
+    cls = kind(node)
+    if len(keys) <= 1 or all(isinstance(k, int) for k in keys):
+        return True
+    if isinstance(cls, type) and issubclass(cls, eqx.Module):
+        return True
+    if isinstance(cls, type) and issubclass(cls, nnx.Pytree):
+        names = [str(k) for k in keys]
+        return names != sorted(names)
+    return False  # a dict (Linen's): any order may come back, creation or not
+
+
+class _Pairing:
+    def __init__(self, sources, targets, source_order, target_order, problems):
+        self.sources, self.targets = sources, targets
+        self.orders = (source_order, target_order)
+        self.problems = problems
+        self.pairs: list[Pair] = []
+        self.ambiguous: set[int] = set()
+        self.paired: set[int] = set()
+
+    def add(self, s: Layer, t: Layer, by: str) -> None:
+        self.pairs.append(Pair(s, t, by))
+        self.paired.update((id(s), id(t)))
+
+    def rest(self, side: int) -> list[Layer]:
+        layers = self.targets if side else self.sources
+        return [x for x in layers if id(x) not in self.paired | self.ambiguous]
+
+    def rules(self, rules: Mapping[str, str]) -> None:
+        by_where = {t.where: t for t in self.targets}
+        ruled: dict[int, list[Layer]] = {}
+        for pattern, replacement in rules.items():
+            used = False
+            for s in self.sources:
+                match = re.fullmatch(pattern, s.where)
+                if match is None or id(s) in self.paired:
+                    continue
+                used = True
+                where = match.expand(replacement)
+                t = by_where.get(where)
+                if t is None:
+                    self.problems.append(
+                        _errors.RULE_TARGET.format(
+                            pattern=pattern,
+                            source=s.where,
+                            target=where,
+                            layers=[t.where for t in self.targets],
+                        )
+                    )
+                    continue
+                if common_kind(s, t) is None:
+                    self.problems.append(
+                        _errors.KIND.format(
+                            source=s.where,
+                            source_kind="/".join(s.kinds),
+                            target=t.where,
+                            target_kind="/".join(t.kinds),
+                        )
+                    )
+                ruled.setdefault(id(t), []).append(s)
+                self.add(s, t, "rule")
+            if not used:
+                self.problems.append(
+                    _errors.RULE_UNUSED.format(
+                        pattern=pattern, layers=[s.where for s in self.sources]
+                    )
+                )
+        for t in self.targets:
+            if len(ruled.get(id(t), ())) > 1:
+                self.problems.append(
+                    _errors.RULE_TWICE.format(
+                        target=t.where, sources=[s.where for s in ruled[id(t)]]
+                    )
+                )
+
+    def names(self) -> list[tuple[Layer, Layer]]:
+        """Identical paths, then names equal after normalisation (each name once on
+        each side). A match whose shapes differ binds only between names without
+        numbers: an index (`layers[1]`) or a Linen auto-name (`Dense_0`) counts
+        positions, and a model with one layer more or fewer shifts them; those
+        matches are kept for the end (`fallback`)."""
+        fallback = []
+        for how, name in (("path", tuple), ("name", normalised)):
+            found: list[dict] = [{}, {}]
+            for side in (0, 1):
+                for x in self.rest(side):
+                    found[side].setdefault(name(x.path), []).append(x)
+            for key, (s, *more) in found[0].items():
+                ts = found[1].get(key, [])
+                if more or len(ts) != 1 or common_kind(s, ts[0]) is None:
+                    continue
+                t = ts[0]
+                if _fits(s, t) or not (_counted(s.path) or _counted(t.path)):
+                    self.add(s, t, how)
+                else:
+                    fallback.append((s, t))
+        return fallback
+
+    def shapes(self) -> None:
+        """Groups of one kind and shapes: one on each side pair; several pair in
+        creation order when both sides know it, else they are ambiguous."""
+        groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
+        for side in (0, 1):
+            for x in self.rest(side):
+                groups.setdefault(_signature(x), ([], []))[side].append(x)
+        for a, b in groups.values():
+            if not all(common_kind(x, y) for x in a for y in b):
+                continue
+            if len(a) > 1 and len(b) > 1:
+                a, b = self._last_names(a, b)
+            if len(a) != len(b) or not a:
+                continue
+            if len(a) == 1:
+                self.add(a[0], b[0], "shape")
+                continue
+            oa, ob = self.orders[0].sorted(a), self.orders[1].sorted(b)
+            if oa is None or ob is None:
+                self._unordered(a, b, 0 if oa is None else 1)
+                continue
+            for s, t in zip(oa, ob):
+                self.add(s, t, "order")
+
+    def _last_names(self, a: list[Layer], b: list[Layer]):
+        """Within a group of one kind and shapes, pair the layers whose last names
+        match, each once (`.ResNetBlock_1.norm_proj` and `.blocks[1].norm_proj`);
+        return the others. Numbered names are left to order: `Conv_1` counts from
+        0, `conv1` often from 1."""
+        last = [{}, {}]
+        for side, layers in ((0, a), (1, b)):
+            for x in layers:
+                last[side].setdefault(normalised(x.path[-1:]), []).append(x)
+        for name, found in last[0].items():
+            other = last[1].get(name, [])
+            if name and not _counted(name) and len(found) == 1 and len(other) == 1:
+                self.add(found[0], other[0], "name")
+        return (
+            [x for x in a if id(x) not in self.paired],
+            [x for x in b if id(x) not in self.paired],
+        )
+
+    def _unordered(self, a: list[Layer], b: list[Layer], side: int) -> None:
+        a = sorted(a, key=lambda x: normalised(x.path))
+        b = sorted(b, key=lambda x: normalised(x.path))
+        self.ambiguous.update(map(id, a + b))
+        example = ", ".join(
+            f"r'{re.escape(s.where)}': '{t.where}'" for s, t in zip(a, b)
+        )
+        self.problems.append(
+            _errors.AMBIGUOUS_ORDER.format(
+                kind="/".join(a[0].kinds),
+                shapes=a[0].shapes(),
+                sources=[s.where for s in a],
+                targets=[t.where for t in b],
+                side=("source", "target")[side],
+                example=example,
+            )
+        )
+
+    def remainder(self) -> None:
+        """What names and equal-shape groups left: an alignment in creation order
+        (most equal-shape pairs, then most pairs) when both sides know it, else
+        only layers that are each other's single candidate of their kind."""
+        rest_s, rest_t = self.rest(0), self.rest(1)
+        if not any(common_kind(s, t) for s in rest_s for t in rest_t):
+            return
+        oa, ob = self.orders[0].sorted(rest_s), self.orders[1].sorted(rest_t)
+        if oa is not None and ob is not None:
+            for s, t in _align(oa, ob, self.problems, self.ambiguous):
+                self.add(s, t, "order")
+            return
+        for s in rest_s:
+            candidates = [t for t in rest_t if common_kind(s, t)]
+            if len(candidates) == 1:
+                t = candidates[0]
+                if [x for x in rest_s if common_kind(x, t)] == [s]:
+                    self.add(s, t, "kind")
 
 
 def pair(
@@ -38,136 +315,35 @@ def pair(
     targets: list[Layer],
     rules: Mapping[str, str] | None,
     problems: list[str],
-) -> tuple[list[tuple[Layer, Layer]], list[Layer], list[Layer]]:
+    orders: tuple[Order, Order],
+) -> tuple[list[Pair], list[Layer], list[Layer]]:
     """`(pairs, unpaired sources, unpaired targets)`, pairs in target order; layers
     left unpaired by an ambiguity are reported as such, not as unpaired."""
-    pairs: list[tuple[Layer, Layer]] = []
-    by_where = {t.where: t for t in targets}
-    ruled_sources: set[int] = set()
-    ruled_targets: dict[int, list[Layer]] = {}
-    for pattern, replacement in (rules or {}).items():
-        used = False
-        for s in sources:
-            match = re.fullmatch(pattern, s.where)
-            if match is None or id(s) in ruled_sources:
-                continue
-            used = True
-            where = match.expand(replacement)
-            t = by_where.get(where)
-            if t is None:
-                problems.append(
-                    _errors.RULE_TARGET.format(
-                        pattern=pattern,
-                        source=s.where,
-                        target=where,
-                        layers=[t.where for t in targets],
-                    )
-                )
-                continue
-            if common_kind(s, t) is None:
-                problems.append(
-                    _errors.KIND.format(
-                        source=s.where,
-                        source_kind="/".join(s.kinds),
-                        target=t.where,
-                        target_kind="/".join(t.kinds),
-                    )
-                )
-            ruled_sources.add(id(s))
-            ruled_targets.setdefault(id(t), []).append(s)
-            pairs.append((s, t))
-        if not used:
-            problems.append(
-                _errors.RULE_UNUSED.format(
-                    pattern=pattern, layers=[s.where for s in sources]
-                )
-            )
-    for t in targets:
-        if len(ruled_targets.get(id(t), ())) > 1:
-            problems.append(
-                _errors.RULE_TWICE.format(
-                    target=t.where, sources=[s.where for s in ruled_targets[id(t)]]
-                )
-            )
-    rest_s = [s for s in sources if id(s) not in ruled_sources]
-    rest_t = [t for t in targets if id(t) not in ruled_targets]
-    named = _by_name(rest_s, rest_t)
-    pairs += named
-    rest_s = [s for s in rest_s if all(s is not a for a, _ in named)]
-    rest_t = [t for t in rest_t if all(t is not b for _, b in named)]
-    grouped = _by_signature(rest_s, rest_t)
-    pairs += grouped
-    rest_s = [s for s in rest_s if all(s is not a for a, _ in grouped)]
-    rest_t = [t for t in rest_t if all(t is not b for _, b in grouped)]
-    ambiguous: set[int] = set()
-    aligned = _align(rest_s, rest_t, problems, ambiguous)
-    pairs += [(s, t) for s, t in aligned if common_kind(s, t) is not None]
-    paired_s = {id(s) for s, _ in pairs}
-    paired_t = {id(t) for _, t in pairs}
-    order = {id(t): i for i, t in enumerate(targets)}
-    pairs.sort(key=lambda st: order[id(st[1])])
-    return (
-        pairs,
-        [s for s in sources if id(s) not in paired_s | ambiguous],
-        [t for t in targets if id(t) not in paired_t | ambiguous],
-    )
+    p = _Pairing(sources, targets, orders[0], orders[1], problems)
+    p.rules(rules or {})
+    fallback = p.names()
+    p.shapes()
+    for s, t in fallback:
+        if id(s) not in p.paired and id(t) not in p.paired:
+            p.add(s, t, "name")
+    p.remainder()
+    position = {id(t): i for i, t in enumerate(targets)}
+    pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
+    return pairs, p.rest(0), p.rest(1)
 
 
-def normalised(where: str) -> str:
-    """A layer path in one spelling for every framework: `.layer[0].query`,
-    `layer.0.query` and `.layer_0.query` all read `layer.0.query`."""
-    text = re.sub(r"\[(\d+)\]", r".\1", where)
-    text = re.sub(r"\['([^']*)'\]", r".\1", text)
-    text = re.sub(r"_(\d+)(?=\.|$)", r".\1", text)
-    return text.lstrip(".")
-
-
-def _by_name(sources: list[Layer], targets: list[Layer]) -> list[tuple[Layer, Layer]]:
-    """Pairs of layers of a common kind and shapes whose paths are the same once
-    normalised (each name unique on its side): names decide before order."""
-    by_name: dict[str, list[Layer]] = {}
-    for t in targets:
-        by_name.setdefault(normalised(t.where), []).append(t)
-    seen: dict[str, int] = {}
-    for s in sources:
-        key = normalised(s.where)
-        seen[key] = seen.get(key, 0) + 1
-    out = []
-    for s in sources:
-        key = normalised(s.where)
-        found = by_name.get(key, [])
-        if seen[key] != 1 or len(found) != 1:
-            continue
-        kind = common_kind(s, found[0])
-        if kind is not None and _same_shapes(s, found[0], kind):
-            out.append((s, found[0]))
-    return out
-
-
-def _signature(layer: Layer) -> tuple | None:
-    if len(layer.kinds) != 1:
-        return None
+def _signature(layer: Layer) -> tuple:
+    """The canonical entries and shapes (a group pairs only where every source and
+    target in it share a kind: a Linen layer may have several candidates)."""
     spec = layer.specs[layer.kinds[0]]
-    return (layer.kinds[0], tuple(sorted((k, v.shape) for k, v in spec.items())))
+    return tuple(sorted((k, v.shape) for k, v in spec.items()))
 
 
-def _by_signature(
-    sources: list[Layer], targets: list[Layer]
-) -> list[tuple[Layer, Layer]]:
-    """Pairs of layers whose kind and shapes appear as often in the source as in the
-    target, in definition order within each such group: shapes pair layers even
-    when the two models define them in another order."""
-    groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
-    for side, layers in ((0, sources), (1, targets)):
-        for layer in layers:
-            sig = _signature(layer)
-            if sig is not None:
-                groups.setdefault(sig, ([], []))[side].append(layer)
-    out = []
-    for a, b in groups.values():
-        if len(a) == len(b):
-            out += list(zip(a, b))
-    return out
+def _weight(a: Layer, b: Layer) -> int:
+    k = common_kind(a, b)
+    if k is None:
+        return 0
+    return _EQUAL if _same_shapes(a, b, k) else _UNEQUAL
 
 
 def _align(
@@ -176,8 +352,9 @@ def _align(
     problems: list[str],
     ambiguous: set[int],
 ) -> list[tuple[Layer, Layer]]:
-    """The order-preserving pairing with the most pairs, then the most pairs of equal
-    shapes. When two pairings tie, the layers they pair differently are ambiguous.
+    """The order-preserving pairing with the most pairs of equal shapes, then the
+    most pairs. When two pairings tie, the layers they pair differently are
+    ambiguous.
 
     Dynamic programming over `(i, j, phase)`: between two pairs, unpaired sources
     come before unpaired targets (`phase` 1 once a target was skipped), so every
@@ -190,20 +367,23 @@ def _align(
     count = [[[0, 0] for _ in range(m + 1)] for _ in range(n + 1)]
     best[n][m] = [0, 0]
     count[n][m] = [1, 1]
+
+    def moves(i: int, j: int, phase: int) -> list[tuple[int, tuple[int, int, int]]]:
+        out = []
+        if i < n and j < m and weights[i][j]:
+            out.append((weights[i][j] + best[i + 1][j + 1][0], (i + 1, j + 1, 0)))
+        if i < n and phase == 0:
+            out.append((best[i + 1][j][0], (i + 1, j, 0)))
+        if j < m:
+            out.append((best[i][j + 1][1], (i, j + 1, 1)))
+        return out
+
     for i in range(n, -1, -1):
         for j in range(m, -1, -1):
             if i == n and j == m:
                 continue
             for phase in (0, 1):
-                options = []
-                if i < n and j < m and weights[i][j]:
-                    options.append(
-                        (weights[i][j] + best[i + 1][j + 1][0], (i + 1, j + 1, 0))
-                    )
-                if i < n and phase == 0:
-                    options.append((best[i + 1][j][0], (i + 1, j, 0)))
-                if j < m:
-                    options.append((best[i][j + 1][1], (i, j + 1, 1)))
+                options = moves(i, j, phase)
                 if not options:
                     continue
                 top = max(v for v, _ in options)
@@ -215,15 +395,8 @@ def _align(
     def trace(prefer_pair: bool) -> list[tuple[int, int]]:
         out, i, j, phase = [], 0, 0, 0
         while (i, j) != (n, m):
-            moves = []
-            if i < n and j < m and weights[i][j]:
-                moves.append((weights[i][j] + best[i + 1][j + 1][0], (i + 1, j + 1, 0)))
-            if i < n and phase == 0:
-                moves.append((best[i + 1][j][0], (i + 1, j, 0)))
-            if j < m:
-                moves.append((best[i][j + 1][1], (i, j + 1, 1)))
             top = best[i][j][phase]
-            ok = [mv for v, mv in moves if v == top and v > worst]
+            ok = [mv for v, mv in moves(i, j, phase) if v == top and v > worst]
             a, b, p = ok[0] if prefer_pair else ok[-1]
             if (a, b) == (i + 1, j + 1):
                 out.append((i, j))

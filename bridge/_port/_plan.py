@@ -10,28 +10,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import to_neutral
+from .._adapters._native import placeholders, to_neutral
 from .._adapters._torch import ties_of
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
 from ._layers import Layer, find_layers, read_specs
-from ._pairing import common_kind, pair
+from ._pairing import Order, common_kind, normalised, pair
 
 
 @dataclass(frozen=True, eq=False)
 class PlanRow:
     """One layer moved: `source` path -> `target` path, its `kind`, the `transform`
     applied (`", bias = 0.0"` when the source has no bias) and the canonical (Flax)
-    shapes. `fill` are entries the target has and the
-    source lacks (given their neutral value), `drop` entries the source has and the
-    target lacks (which must hold their neutral value)."""
+    shapes. `by` says what paired them (`"rule"`, `"path"`, `"name"`, `"shape"`,
+    `"order"`, `"kind"`); `renamed` is True when their names differ (even after
+    normalisation: `layers_3` and `layers[3]` are the same name). `fill` are entries
+    the target has and the source lacks (given their neutral value), `drop` entries
+    the source has and the target lacks (which must hold their neutral value)."""
 
     source: str
     target: str
     kind: str
     transform: str
     shapes: str
+    by: str = "rule"
+    renamed: bool = False
     fill: dict[str, float] = field(default_factory=dict, repr=False)
     drop: dict[str, float] = field(default_factory=dict, repr=False)
     cast: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -64,6 +68,9 @@ class Plan:
     - `tied`: names that share one array in a PyTorch-layout source or target
       (`"lm_head.weight = wte.weight"`): kept once in the Tree, written under both
       names by `bridge.to_torch`.
+    - `problems`: what `bridge.port` would raise for (shapes, dtypes, ambiguous
+      pairings, unsupported layers, rules that do not apply; with `strict`, missing
+      and unexpected layers too). Empty when the port can run.
     """
 
     steps: tuple[PlanRow, ...]
@@ -71,14 +78,27 @@ class Plan:
     unexpected: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     tied: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
     _source: Tree | None = field(default=None, repr=False)
     _target: Tree | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
-        head = ("source", "target", "kind", "transform", "shapes (Flax layout)")
-        rows = [head] + [
-            (s.source, s.target, s.kind, s.transform, s.shapes) for s in self.steps
-        ]
+        head = ("~", "source", "target", "kind", "by", "transform")
+        head += ("shapes (Flax layout)",)
+        rows = [head] + _runs(
+            [
+                (
+                    "~" if s.renamed else "",
+                    s.source,
+                    s.target,
+                    s.kind,
+                    s.by,
+                    s.transform,
+                    s.shapes,
+                )
+                for s in self.steps
+            ]
+        )
         widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
         lines = [
             "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1]
@@ -86,11 +106,14 @@ class Plan:
         ]
         lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
         lines = [line.rstrip() for line in lines]
+        if any(s.renamed for s in self.steps):
+            lines.append("~: the names differ; check that these layers correspond.")
         for title, entries in (
             ("missing (kept as they are)", self.missing),
             ("unexpected (left out)", self.unexpected),
             ("warnings", self.warnings),
             ("tied (stored once)", self.tied),
+            ("problems (bridge.port raises)", self.problems),
         ):
             if entries:
                 lines.append(f"{title}:")
@@ -99,6 +122,56 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({len(self.steps)} steps)\n{self}"
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _runs(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Rows that differ only by the first number of their source path and of their
+    target path, both counting up by one from row to row (the layers of a stack or
+    a list), as one row, where the first of them was: `.blocks[0..11].Dense_0 ->
+    .layers[0..11].dense`."""
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(_pattern(row), []).append(i)
+    out: list[tuple[str, ...]] = []
+    for i, row in enumerate(rows):
+        members = groups.get(_pattern(row), [i])
+        numbers = [(_first(rows[j][1]), _first(rows[j][2])) for j in members]
+        counts = len(members) > 1 and all(
+            a is not None and b is not None for a, b in numbers
+        )
+        if (
+            counts
+            and all(
+                (a2, b2) == (a1 + 1, b1 + 1)  # pyright: ignore[reportOptionalOperand]
+                for (a1, b1), (a2, b2) in zip(numbers, numbers[1:])
+            )
+        ):
+            if i == members[0]:
+                last = rows[members[-1]]
+                out.append((row[0], _span(row[1], last[1]), _span(row[2], last[2])))
+                out[-1] += row[3:]
+            continue
+        out.append(row)
+    return out
+
+
+def _pattern(row: tuple[str, ...]) -> tuple:
+    return (row[0], _NUMBER.sub("#", row[1], 1), _NUMBER.sub("#", row[2], 1)) + row[3:]
+
+
+def _first(path: str) -> int | None:
+    match = _NUMBER.search(path)
+    return None if match is None else int(match.group())
+
+
+def _span(first: str, last: str) -> str:
+    """`.blocks[0].x` and `.blocks[11].x` as `.blocks[0..11].x`."""
+    end = _NUMBER.search(last)
+    assert end is not None
+    return _NUMBER.sub(lambda m: f"{m.group()}..{end.group()}", first, 1)
 
 
 def _transform(source: Codec, target: Codec) -> str:
@@ -115,6 +188,7 @@ def _check(
     s: Layer,
     t: Layer,
     kind: str,
+    by: str,
     problems: list[str],
     dtype: Any,
     strict: bool,
@@ -183,6 +257,8 @@ def _check(
         kind,
         transform,
         t.shapes(kind),
+        by,
+        normalised(s.path) != normalised(t.path),
         fill,
         drop,
         cast,
@@ -223,15 +299,19 @@ def make_plan(
     problems: list[str] = []
     sources = find_layers(source, problems)
     targets = find_layers(target, problems)
-    pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems)
-    _adopt(pairs, problems)
+    orders = (
+        Order(source, {x.stack[0] for x in sources if x.stack}),
+        Order(target, {x.stack[0] for x in targets if x.stack}),
+    )
+    pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems, orders)
+    _adopt([(p.source, p.target) for p in pairs], problems)
     steps, warnings, casts = [], [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
-    for s, t in pairs:
+    for s, t, by in pairs:
         kind = common_kind(s, t)
         if kind is None:  # a rule across kinds, already reported
             continue
-        step = _check(s, t, kind, problems, dtype, strict, casts)
+        step = _check(s, t, kind, by, problems, dtype, strict, casts)
         steps.append(step)
         for name in sorted(s.hyper.keys() & t.hyper.keys()):
             a, b = s.hyper[name], t.hyper[name]
@@ -266,6 +346,7 @@ def make_plan(
         tuple(s.where for s in lone_sources),
         tuple(warnings),
         tuple(f"{a} = {b}" for t in (source, target) for a, b in ties_of(t)),
+        tuple(problems),
         source,
         target,
     )
@@ -284,16 +365,13 @@ def port_plan(
 
     **Returns:**
 
-    A `Plan`; `print(plan)` shows one row per layer: source path, target path, layer
-    kind, the transform applied (`copy`, `Flax -> weight (out, in)`, `Flax -> stats
-    in State`, ...), and the shapes in Flax's layout; then the missing and unexpected
-    layers and the hyperparameter warnings.
-
-    **Raises:**
-
-    `PortError` for shape and dtype mismatches, ambiguous pairings, unsupported layer
-    kinds and rules that do not apply; missing and unexpected layers are listed in
-    the plan instead.
+    A `Plan`; `print(plan)` shows one row per layer: `~` when the two names differ,
+    source path, target path, layer kind, what paired them (`path`, `name`, `rule`,
+    `shape`, `order`, `kind`: see the porting guide), the transform applied (`copy`,
+    `Flax -> weight (out, in)`, `Flax -> stats in State`, ...), and the shapes in
+    Flax's layout; then the missing and unexpected layers, the hyperparameter
+    warnings, and the problems `bridge.port` would raise for. `port_plan` itself
+    never raises for them: it is the place to look at them.
 
     **Example:**
 
@@ -303,13 +381,11 @@ def port_plan(
     >>> variables = dense.init(jax.random.key(0), jnp.ones((1, 2)))
     >>> linear = eqx.nn.Linear(2, 3, key=jax.random.key(1))
     >>> print(bridge.port_plan((dense, variables), linear))
-    source  target  kind   transform                shapes (Flax layout)
-    ------  ------  -----  -----------------------  --------------------
-    (root)  (root)  Dense  Flax -> weight (out,in)  kernel (2, 3), bias (3,)
+    ~  source  target  kind   by    transform                shapes (Flax layout)
+    -  ------  ------  -----  ----  -----------------------  --------------------
+       (root)  (root)  Dense  path  Flax -> weight (out,in)  kernel (2, 3), bias (3,)
 
     ```
     """
-    plan, problems = make_plan(source, target, rules, strict=False)
-    if problems:
-        raise _errors.PortError(problems)
+    plan, _ = make_plan(source, placeholders(target), rules, strict=False)
     return plan

@@ -16,6 +16,7 @@ from .._paths import Path
 from .._tree import Tree, map_with_path
 from . import _errors
 from ._codec import filled
+from ._compare import largest_difference, outputs, tolerance
 from ._plan import Plan, PlanRow, make_plan
 
 
@@ -26,11 +27,20 @@ def port(
     rules: Mapping[str, str] | None = None,
     strict: bool = True,
     dtype: Any = None,
+    check: Any = None,
+    check_kwargs: Mapping[str, Any]
+    | tuple[Mapping[str, Any], Mapping[str, Any]]
+    | None = None,
 ) -> Any:
     """Fill `target`'s structure with `source`'s weights, whatever their frameworks.
 
-    Layers are recognised by kind through the registered codecs (`bridge.Codec`),
-    paired by kind, shape and definition order (or by `rules`), and converted between
+    Layers are recognised by kind through the registered codecs (`bridge.Codec`);
+    arrays a module holds next to its sublayers are one-array layers (kind
+    `"Array"`, same layout everywhere). Layers are paired by `rules`, then by
+    identical paths, then by names equal after normalisation (`layers_3` =
+    `layers[3]`), then by kind and shapes, in creation order only where the order
+    is known to be it (see the porting guide); a choice left open is an error, never
+    a guess. They are converted between
     layouts: Dense kernel `(in, out)` <-> Equinox weight `(out, in)`, conv HWIO <->
     OIHW, attention heads split <-> fused, BatchNorm statistics <-> `eqx.nn.State`.
     Every problem is collected first and raised once, as a `PortError`: nothing is
@@ -58,6 +68,13 @@ def port(
     - `dtype`: the dtype every ported floating-point array is cast to (bfloat16,
       float16, float32, ...), whatever the source's and the target's: the filled
       model holds it. Default: the target's dtypes, unchanged.
+    - `check`: optional inputs (a tuple of call arguments, batched, as
+      `bridge.compare` takes them): after porting, run the source and the result on
+      them and raise `PortError` when their outputs differ by more than the
+      tolerance of their dtype (`1e-4` for float32, `5e-2` for bfloat16, relative to
+      the largest output magnitude when above 1).
+    - `check_kwargs`: keyword arguments for both calls of `check` (`{"train":
+      False}`), or a pair `(source's, target's)` for models whose calls differ.
 
     **Returns:**
 
@@ -97,33 +114,72 @@ def port(
             _errors.PortWarning,
             stacklevel=2,
         )
-    return like(target, tree)
+    ported = like(target, tree)
+    if check is not None:
+        _check(source, ported, check, check_kwargs)
+    return ported
+
+
+def _check(source: Any, ported: Any, inputs: Any, kwargs: Any) -> None:
+    """Raise when the ported model computes something else than the source."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    per_side = kwargs if isinstance(kwargs, tuple) else None
+    both = {} if per_side is not None else dict(kwargs or {})
+    a, b = outputs(source, ported, inputs, None, per_side, both)
+    diff = largest_difference(a, b)
+    allowed, dtype = tolerance(a)
+    if not diff <= allowed:
+        raise _errors.PortError(
+            [_errors.CHECK.format(diff=diff, tolerance=allowed, dtype=dtype)]
+        )
 
 
 def run(plan: Plan) -> Tree:
     """Execute a plan: the target Tree with every paired layer's arrays replaced."""
     problems: list[str] = []
     new: dict[Path, Any] = {}
+    slices: dict[Path, dict[int, Any]] = {}  # the layers of a target stack
     for step in sorted(plan.steps, key=_reading_order):
-        new.update(_move(step, problems))
+        for path, index, value in _move(step, problems):
+            if index is None:
+                new[path] = value
+            else:
+                slices.setdefault(path, {})[index] = value
     if problems:
         raise _errors.PortError(problems)
     assert plan._target is not None
-    return map_with_path(lambda path, leaf: new.get(path, leaf), plan._target)
+
+    def replace(path: Path, leaf: Any) -> Any:
+        if path in slices:
+            parts = slices[path]
+            return jnp.stack([_slice(parts, i, leaf) for i in range(leaf.shape[0])])
+        return new.get(path, leaf)
+
+    return map_with_path(replace, plan._target)
 
 
 def _reading_order(step: PlanRow) -> int:
     """Steps reading a lazily read file go shard by shard (see `bridge._lazy`)."""
     assert step._source is not None
-    return min(
-        (getattr(v, "order", 0) for v in step._source.leaves.values()), default=0
-    )
+    leaves = step._source.arrays or step._source.leaves
+    return min((getattr(v, "order", 0) for v in leaves.values()), default=0)
 
 
-def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
+def _slice(parts: dict[int, Any], i: int, leaf: Any) -> Any:
+    """The `i`-th layer of a target stack: ported, or the target's own."""
+    if i in parts:
+        return parts[i]
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.zeros(leaf.shape[1:], leaf.dtype)
+    return leaf[i]
+
+
+def _move(step: PlanRow, problems: list[str]) -> list[tuple[Path, int | None, Any]]:
+    """The target arrays of one row: `(path, index in a stack or None, array)`."""
     s, t = step._source, step._target
     assert s is not None and t is not None
-    leaves = {k: materialise(v) for k, v in s.leaves.items()}
+    leaves = {k: materialise(v) for k, v in s.own_leaves().items()}
     canonical = step.source_codec.decode(leaves, s.hyper)
     for entry, dtype in step.cast.items():
         canonical[entry] = jnp.asarray(canonical[entry]).astype(dtype)
@@ -143,7 +199,11 @@ def _move(step: PlanRow, problems: list[str]) -> dict[Path, Any]:
         {k: canonical[k] for k in spec if k in canonical}, spec, step.fill
     )
     leaves = step.target_codec.encode(canonical, t.leaves, t.hyper)
-    return {t.path + t.paths[k]: _placed(v, t.leaves[k]) for k, v in leaves.items()}
+    if t.index is not None:
+        return [(t.real + t.paths[k], t.index, v) for k, v in leaves.items()]
+    return [
+        (t.path + t.paths[k], None, _placed(v, t.leaves[k])) for k, v in leaves.items()
+    ]
 
 
 def _placed(new: Any, like: Any) -> Any:
