@@ -13,6 +13,7 @@ import numpy as np
 from .._paths import Path, child, is_array, key_of, path_of
 from .._tree import Held, Tree, build, native_leaves
 from ._registry import Adapter, register_adapter
+from ._skeleton import settings, skeleton
 
 
 _FOREIGN_STATE = """\
@@ -287,6 +288,20 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return jax.vmap(one)(*inputs)
 
 
+def _from_file(
+    tensors: list[tuple[Path, str, Any]],
+    modules: dict[Path, tuple[str, dict[str, Any]]],
+    kinds: dict[Path, Any],
+) -> Tree:
+    """The Tree of an Equinox checkpoint read without the model: its native model is
+    a skeleton holding the arrays and each module's recorded settings."""
+    paths = [path for path, _, _ in tensors]
+    model_def, position = skeleton(paths, modules)
+    entries = [(path, role, array, position[path]) for path, role, array in tensors]
+    record = EquinoxRecord(model_def, (), tuple(range(len(paths))), None)
+    return build(entries, kinds, "equinox", record)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="equinox",
@@ -303,5 +318,7 @@ ADAPTER = register_adapter(
         "argument, `step(tree, opt_state, x, y, key)`, and give it to the model in "
         "loss_fn.",
         modules=_model,
+        settings=settings,
+        from_file=_from_file,
     )
 )

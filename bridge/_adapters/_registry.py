@@ -74,6 +74,16 @@ class Adapter(NamedTuple):
       Equinox): then the first codec that recognises a module decides its kind.
       Linen records the class of the root only: its layers are recognised by
       auto-name (`Dense_0`) or by their arrays, possibly as several candidate kinds.
+    - `settings`: optional, `settings(module) -> dict`: a native module's plain
+      settings (`in_features`, `eps`, ...), recorded in checkpoints with its class, so
+      that a layer can be ported from the file without the model (Equinox, whose
+      codecs read settings from the module). Requires `modules`.
+    - `from_file`: optional, `from_file(tensors, modules, kinds) -> Tree`: a Tree of
+      this framework made from a checkpoint without the model, from its arrays
+      `[(path, role, array), ...]`, its recorded modules `{path: (class name,
+      settings)}` and the classes already imported `{path: class}` (Equinox: a
+      skeleton model, `_skeleton.py`). Without it, a file of this framework is read
+      as Flax variables, `{role: {module: {name: array}}}`.
     """
 
     name: str
@@ -91,6 +101,8 @@ class Adapter(NamedTuple):
     rngs_hint: str = _RNGS_HINT
     modules: Callable[[Tree], Any] | None = None
     records_classes: bool = True
+    settings: Callable[[Any], dict[str, Any]] | None = None
+    from_file: Callable[..., Tree] | None = None
 
 
 _ADAPTERS: dict[str, Adapter] = {}
@@ -143,6 +155,11 @@ def adapter_named(name: str) -> Adapter:
             f"No framework {name!r} is registered; the frameworks are {names()}."
         )
     return adapter
+
+
+def registered(name: str | None) -> Adapter | None:
+    """The adapter of framework `name`, or None (not registered, or no name)."""
+    return None if name is None else _ADAPTERS.get(name)
 
 
 def display_name(name: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._adapters._equinox import EquinoxRecord
 from .._adapters._linen import from_linen
-from .._adapters._native import like as like_form, to_native, to_neutral
-from .._adapters._registry import adapter_named
-from .._adapters._skeleton import settings, skeleton
+from .._adapters._native import like as like_form, to_neutral
+from .._adapters._registry import Adapter, registered
 from .._adapters._torch import from_torch
-from .._paths import at, path_of
+from .._paths import Path as TreePath, at, path_of
 from .._port._errors import PortError
 from .._port._port import port
 from .._tree import (
@@ -153,21 +151,24 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
     if taken:
         raise ValueError(_RESERVED_KEY.format(keys=taken, reserved=RESERVED))
     fw = framework(tree)
-    native = to_native(tree) if fw == "equinox" else None
-    if isinstance(native, tuple):
-        native = native[0]
+    adapter = registered(fw)
+    settings = _settings(tree, adapter)
     modules = tuple(
-        (
-            path,
-            f"{cls.__module__}:{cls.__qualname__}",
-            settings(at(native, path)) if native is not None else {},
-        )
+        (path, f"{cls.__module__}:{cls.__qualname__}", settings(path))
         for path, node in walk(tree)
         if (cls := kind(node)) is not None
     )
-    layout = adapter_named(fw).layout if fw else ""
+    layout = "" if adapter is None else adapter.layout
     contents = Contents(Path(), "", fw, layout, VERSION, modules, user, tuple(tensors))
     return contents, arrays
+
+
+def _settings(tree: Tree, adapter: Adapter | None) -> Callable[[TreePath], dict]:
+    """Each module's plain settings by path, where its adapter records them."""
+    if adapter is None or adapter.settings is None or adapter.modules is None:
+        return lambda path: {}
+    native, settings = adapter.modules(tree), adapter.settings
+    return lambda path: settings(at(native, path))
 
 
 def _both_str(key: Any, value: Any) -> bool:
@@ -445,27 +446,22 @@ def _namespace(obj: Any) -> Mapping[str, Any] | None:
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     """The Tree of a checkpoint's arrays, with their roles.
 
-    From an Equinox file: a Tree of kind `equinox` whose native model is a
-    skeleton (`bridge._adapters._skeleton`), with each module's class as its kind
-    where that class is already imported. From any other file: the Tree of
-    Linen-style variables (`{role: {module: {name: array}}}`, Flax's layout), so
-    `bridge.to_native` gives that dict.
+    From a file of a framework whose adapter reads files itself (`from_file`:
+    Equinox, whose native model is then a skeleton, `bridge._adapters._skeleton`):
+    that framework's Tree. Each module's class is its kind where that class is
+    already imported. From any other file: the Tree of Linen-style variables
+    (`{role: {module: {name: array}}}`, Flax's layout), so `bridge.to_native` gives
+    that dict.
     """
     if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
         ordered = sorted(contents.tensors, key=lambda s: _natural(s.path))
         return from_torch({s.key: arrays[s.key] for s in ordered})
     kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
-    if contents.framework == "equinox":
-        paths = [s.path for s in contents.tensors]
-        model_def, position = skeleton(
-            paths, {p: (c, f) for p, c, f in contents.modules}
-        )
-        entries = [
-            (s.path, s.role, arrays[s.key], position[s.path]) for s in contents.tensors
-        ]
-        slots = tuple(range(len(paths)))
-        record = EquinoxRecord(model_def, (), slots, None)
-        return build(entries, kinds, "equinox", record)
+    adapter = registered(contents.framework)
+    if adapter is not None and adapter.from_file is not None:
+        tensors = [(s.path, s.role, arrays[s.key]) for s in contents.tensors]
+        modules = {p: (c, f) for p, c, f in contents.modules}
+        return adapter.from_file(tensors, modules, kinds)
     variables: dict[str, Any] = {}
     for s in contents.tensors:
         node = variables.setdefault(s.role, {})
