@@ -8,7 +8,7 @@ a pytree in flax 0.12, and `nnx.split` + `nnx.merge` (the NNX idiom) is shown to
 The Linen adapter remembers the last few structures it converted, so converting the
 variables again (the usual case: the same model after some training steps) skips most
 Python work; "1st time" is a structure never seen before. (The NNX adapter kept such a
-cache too; it saved under 2% of a conversion, whose cost is NNX's own graph walk,
+cache too; it saved under 3% of a conversion, whose cost is NNX's own graph walk,
 so it was removed.) Runs are interleaved (ABAB...),
 medians and ratios are printed; the goal is a ratio under 3x. Conversion must grow
 linearly with the leaves: 1k and 10k are both shown.
