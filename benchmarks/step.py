@@ -84,7 +84,9 @@ def floor_variant(model, x, y):
 
 
 def bridge_variant(model, x, y):
-    tree = bridge.from_nnx(model)
+    # the step donates the trained leaves: a copy, so the other variants keep the
+    # model's own arrays
+    tree = jax.tree_util.tree_map(jnp.array, bridge.from_nnx(model))
     spec = bridge.trainable(tree, lambda t: [t.layers[i] for i in range(TOP, DEPTH)])
     step = bridge.make_step(nnx_loss, optax.adam(LR), spec)
     state = [tree, step.init(tree)]
