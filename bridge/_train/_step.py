@@ -241,7 +241,7 @@ class TrainStep:
         layout = self._layout(treedef, tree)
         trained = [leaves[i] for i in layout.trained]
         frozen = [leaves[i] for i in layout.frozen]
-        if self._donate and getattr(trained[0], "is_deleted", bool)():
+        if self._donate and _deleted(trained[0]):
             raise RuntimeError(_CONSUMED.format(what="This Tree"))
         try:
             new, updated, *rest = self._jit(
@@ -387,15 +387,19 @@ def _flatten(tree: Tree) -> tuple[Any, list]:
         return treedef, leaves
 
 
+def _deleted(leaf: Any) -> bool:
+    """Whether `leaf` is an array whose buffer was donated (never for a tracer)."""
+    return isinstance(leaf, jax.Array) and (
+        not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
+    )
+
+
 def _raise_if_consumed(trained: list, opt_state: Any, error: Exception) -> None:
     """Raise a `bridge` error when `error` comes from passing consumed buffers."""
 
-    def consumed(leaves):
-        return any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
-
-    if consumed(trained):
+    if any(map(_deleted, trained)):
         raise RuntimeError(_CONSUMED.format(what="This Tree")) from error
-    if consumed(jtu.tree_leaves(opt_state)):
+    if any(map(_deleted, jtu.tree_leaves(opt_state))):
         raise RuntimeError(_CONSUMED.format(what="This `opt_state`")) from error
 
 
