@@ -165,9 +165,10 @@ class Tree:
     ```
     """
 
-    # `_flat`, when set (by `bridge.make_step` on the Trees it returns): this Tree's
-    # `(treedef, leaves)`, so the next step need not flatten it again; a Tree is
-    # immutable, so it never goes stale
+    # `_flat`, set on the Trees `bridge.make_step` returns: the leaves as the step
+    # holds them, an object with `.treedef` and `.leaves()`. Such a Tree is made
+    # without children (`Tree._lazy`), and builds them on first use (`__getattr__`):
+    # a training loop that only passes it to the next step never does
     __slots__ = ("_info", "_children", "_flat")
     _info: _Info
     _children: tuple[Any, ...]
@@ -185,6 +186,14 @@ class Tree:
         object.__setattr__(self, "_children", tuple(children))
         return self
 
+    @classmethod
+    def _lazy(cls, info: _Info, flat: Any) -> Tree:
+        """A Tree with root `info` whose children are built from `flat` when read."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "_info", info)
+        object.__setattr__(self, "_flat", flat)
+        return self
+
     def __setattr__(self, name, value):
         raise AttributeError(
             f"A Tree is immutable: use eqx.tree_at(lambda t: t.{name}, tree, "
@@ -197,6 +206,11 @@ class Tree:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "_children":  # a lazy Tree (`Tree._lazy`), read for the first time
+            flat = object.__getattribute__(self, "_flat")
+            children = jtu.tree_unflatten(flat.treedef, flat.leaves())._children
+            object.__setattr__(self, "_children", children)
+            return children
         keys = self._info.keys
         if keys is not None and name in keys:
             return self._children[keys.index(name)]

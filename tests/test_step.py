@@ -315,3 +315,20 @@ def test_freezing_guide_runs():
     """Every code block of docs/guides/freezing.md, in order, as one script."""
     code = run_markdown(Path(__file__).parent.parent / "docs/guides/freezing.md")
     assert "bridge.make_step" in code
+
+
+def test_a_returned_tree_reads_and_steps_like_any_other():
+    """The step's output Tree holds its leaves as the step split them (no flatten
+    next call); read, flattened or given to another step, it is a plain Tree."""
+    tree = bridge.from_nnx(models.nnx_mlp())
+    head = bridge.make_step(mse, optax.sgd(0.1), bridge.trainable(tree, r"\[2\]"))
+    first = bridge.make_step(mse, optax.sgd(0.1), bridge.trainable(tree, r"\[0\]"))
+    x = models.mlp_input()
+    after, _, _ = head(fresh(tree), head.init(tree), x, TARGET)
+    rebuilt = fresh(after)  # a copy, built the usual way
+    again, _, _ = first(after, first.init(after), x, TARGET)
+    oracle, _, _ = first(rebuilt, first.init(rebuilt), x, TARGET)
+    assert tree_equal_bits(again, oracle)
+    assert jax.tree_util.tree_structure(again) == jax.tree_util.tree_structure(tree)
+    assert by_path(again).keys() == by_path(tree).keys()
+    assert isinstance(bridge.to_nnx(again), nnx.Module)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -165,13 +166,40 @@ def make_step(
 
 
 class _Layout(NamedTuple):
-    """Where the trainable leaves of a Tree of one structure are."""
+    """Where the trainable leaves of a Tree of one structure are, and its step."""
 
+    treedef: Any
     names: tuple[
         str, ...
     ]  # the keystr paths of the trainable leaves, the opt_state keys
     trained: tuple[int, ...]  # their positions among the Tree's leaves
     frozen: tuple[int, ...]  # the positions of the other leaves
+    jit: Any  # the compiled step, `jit(trained, frozen, opt_state, rngs, *batch)`
+
+
+class _Flat:
+    """A Tree's leaves as a step holds them: the trainable ones and the others.
+
+    A step's output Tree carries it (`Tree._lazy`), so the next call neither flattens
+    the Tree nor builds its nodes: the Python work per call does not grow with the
+    number of leaves (only with the number of state leaves the forward pass writes)."""
+
+    __slots__ = ("layout", "trained", "frozen")
+
+    def __init__(self, layout: _Layout, trained: list, frozen: list):
+        self.layout, self.trained, self.frozen = layout, trained, frozen
+
+    @property
+    def treedef(self) -> Any:
+        return self.layout.treedef
+
+    def leaves(self) -> list:
+        leaves: list[Any] = [None] * (len(self.trained) + len(self.frozen))
+        for i, leaf in zip(self.layout.trained, self.trained):
+            leaves[i] = leaf
+        for i, leaf in zip(self.layout.frozen, self.frozen):
+            leaves[i] = leaf
+        return leaves
 
 
 class TrainStep:
@@ -217,17 +245,12 @@ class TrainStep:
         self._donate = donate
         self._axis_name = axis_name
         self._layouts: dict[Any, _Layout] = {}
-        # args: treedef (static), trained, frozen, opt_state, rngs, *batch
-        donated = (1, 3) if donate else ()
-        self._jit = jax.jit(self._run, static_argnums=0, donate_argnums=donated)
+        self._owned: set[int] = set()  # the ids of the layouts above
 
     def init(self, tree: Tree) -> optax.OptState:
         """The optimizer state for the trainable leaves of `tree`."""
-        treedef, leaves = _flatten(tree)
-        layout = self._layout(treedef, tree)
-        return self._optimizer.init(
-            {n: leaves[i] for n, i in zip(layout.names, layout.trained)}
-        )
+        flat = self._flat(tree)
+        return self._optimizer.init(dict(zip(flat.layout.names, flat.trained)))
 
     def __call__(
         self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
@@ -237,49 +260,62 @@ class TrainStep:
         `rngs` (Flax Linen only): the random streams of this step, as for
         `module.apply(..., rngs=...)`; a traced argument, so a new key each step
         does not retrace."""
-        treedef, leaves = _flatten(tree)
-        layout = self._layout(treedef, tree)
-        trained = [leaves[i] for i in layout.trained]
-        frozen = [leaves[i] for i in layout.frozen]
+        flat = self._flat(tree)
+        layout, trained = flat.layout, flat.trained
         if self._donate and _deleted(trained[0]):
             raise RuntimeError(_CONSUMED.format(what="This Tree"))
         try:
-            new, updated, *rest = self._jit(
-                treedef, trained, frozen, opt_state, rngs, *batch
+            new, updated, *rest = layout.jit(
+                trained, flat.frozen, opt_state, rngs, *batch
             )
         except (RuntimeError, ValueError) as error:
             if self._donate and "deleted" in str(error):
                 _raise_if_consumed(trained, opt_state, error)
             raise
-        leaves = list(leaves)
-        for i, leaf in zip(layout.trained, new):
-            leaves[i] = leaf
-        for i, leaf in updated.items():
-            leaves[i] = leaf
-        # the input treedef: the new Tree shares its static data, so the next call
-        # finds the compiled step by identity
-        out = jtu.tree_unflatten(treedef, leaves)
-        object.__setattr__(out, "_flat", (treedef, leaves))
-        return (out, *rest)
+        frozen = flat.frozen
+        if updated:  # state the forward pass wrote (batch statistics, RNG counters)
+            frozen = list(frozen)
+            for k, leaf in updated.items():
+                frozen[k] = leaf
+        # the same treedef: the new Tree shares the static data of the input
+        return (Tree._lazy(tree._info, _Flat(layout, new, frozen)), *rest)
 
     def lower(
         self, tree: Tree, opt_state: optax.OptState, *batch: Any, rngs: Any = None
     ) -> Any:
         """`jax.jit(...).lower` of the step, e.g. for `.compile().cost_analysis()`."""
-        treedef, leaves = _flatten(tree)
-        layout = self._layout(treedef, tree)
-        trained = [leaves[i] for i in layout.trained]
-        frozen = [leaves[i] for i in layout.frozen]
-        return self._jit.lower(treedef, trained, frozen, opt_state, rngs, *batch)
+        flat = self._flat(tree)
+        return flat.layout.jit.lower(flat.trained, flat.frozen, opt_state, rngs, *batch)
 
-    def _layout(self, treedef: Any, tree: Tree) -> _Layout:
-        """Where the trainable leaves are; checks the structure once per treedef."""
+    def _flat(self, tree: Tree) -> _Flat:
+        """`tree`'s leaves, split by the layout of its structure."""
+        if not isinstance(tree, Tree):
+            raise TypeError(
+                f"A step takes the model's bridge.Tree, got {type(tree).__name__}: "
+                "convert the model once, before the loop, with bridge.to_neutral."
+            )
+        try:
+            flat = object.__getattribute__(tree, "_flat")
+        except AttributeError:
+            flat = None
+        else:  # returned by a step: by this one, or by another
+            if id(flat.layout) in self._owned:  # (hashing a treedef is O(nodes))
+                return flat
+        if flat is None:
+            leaves, treedef = jtu.tree_flatten(tree)
+        else:
+            treedef, leaves = flat.treedef, flat.leaves()
         layout = self._layouts.get(treedef)
         if layout is None:
-            layout = self._layouts[treedef] = self._check(tree)
-        return layout
+            layout = self._layouts[treedef] = self._layout(treedef, tree)
+            self._owned.add(id(layout))
+        return _Flat(
+            layout,
+            [leaves[i] for i in layout.trained],
+            [leaves[i] for i in layout.frozen],
+        )
 
-    def _check(self, tree: Tree) -> _Layout:
+    def _layout(self, treedef: Any, tree: Tree) -> _Layout:
         """The layout of `tree`'s trainable leaves; checks the structure."""
         flat = jtu.tree_flatten_with_path(tree)[0]
         paths = [path_of(p) for p, _ in flat]
@@ -305,11 +341,12 @@ class TrainStep:
         if problems:
             raise ValueError(_SPEC_MISMATCH.format(problems="\n".join(problems)))
         chosen = set(trained)
-        return _Layout(
-            names=tuple(path_str(paths[i]) for i in trained),
-            trained=tuple(trained),
-            frozen=tuple(i for i in range(len(paths)) if i not in chosen),
-        )
+        names = tuple(path_str(paths[i]) for i in trained)
+        frozen = tuple(i for i in range(len(paths)) if i not in chosen)
+        run = functools.partial(self._run, treedef, names, tuple(trained), frozen)
+        # donated: the trainable leaves and the optimizer state
+        jit = jax.jit(run, donate_argnums=(0, 2) if self._donate else ())
+        return _Layout(treedef, names, tuple(trained), frozen, jit)
 
     def _check_opt_state(self, opt_state: Any, params: dict[str, Any]) -> None:
         like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}
@@ -338,22 +375,24 @@ class TrainStep:
     def _run(
         self,
         treedef: Any,
+        names: tuple[str, ...],
+        trained_at: tuple[int, ...],
+        frozen_at: tuple[int, ...],
         trained: list,
         frozen: list,
         opt_state: Any,
         rngs: Any,
         *batch: Any,
     ) -> tuple:
-        layout = self._layouts[treedef]
         leaves: list[Any] = [None] * (len(trained) + len(frozen))
-        for i, leaf in zip(layout.frozen, frozen):
+        for i, leaf in zip(frozen_at, frozen):
             leaves[i] = leaf
-        params = dict(zip(layout.names, trained))
+        params = dict(zip(names, trained))
         self._check_opt_state(opt_state, params)
 
         def loss_of(params):
             full = list(leaves)
-            for name, i in zip(layout.names, layout.trained):
+            for name, i in zip(names, trained_at):
                 full[i] = params[name]
             model = jtu.tree_unflatten(treedef, full)
             out, updated = _forward(model, self._loss_fn, batch, rngs)
@@ -367,24 +406,13 @@ class TrainStep:
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
         new: Any = optax.apply_updates(params, updates)
         # only the leaves that changed leave the compiled step (each output is a new
-        # buffer): `__call__` puts them into the Tree, by position
-        new = [new[name] for name in layout.names]
+        # buffer): the trainable ones in order, and the state the forward pass wrote,
+        # by index into `frozen`
+        new = [new[name] for name in names]
+        index = {i: k for k, i in enumerate(frozen_at)}
+        updated = {index[i]: leaf for i, leaf in updated.items()}
         out = (new, updated, opt_state, loss)
         return (*out, aux) if self._has_aux else out
-
-
-def _flatten(tree: Tree) -> tuple[Any, list]:
-    """`(treedef, leaves)` of a Tree, read from the cache a step's output carries."""
-    if not isinstance(tree, Tree):
-        raise TypeError(
-            f"A step takes the model's bridge.Tree, got {type(tree).__name__}: "
-            "convert the model once, before the loop, with bridge.to_neutral."
-        )
-    try:
-        return object.__getattribute__(tree, "_flat")
-    except AttributeError:
-        leaves, treedef = jtu.tree_flatten(tree)
-        return treedef, leaves
 
 
 def _deleted(leaf: Any) -> bool:
