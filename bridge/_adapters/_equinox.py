@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
 
 from .._paths import Path, child, is_array, key_of, path_of
+from .._placement import placeholder
 from .._tree import Held, Tree, build, native_leaves
 from ._registry import Adapter, register_adapter
 from ._skeleton import settings, skeleton
@@ -234,15 +234,9 @@ def _model(tree: Tree) -> Any:
 
 def _placeholders(target: Any) -> Any:
     """A model made with `eqx.filter_eval_shape` holds `ShapeDtypeStruct`s: stand in
-    zero-memory read-only zeros (`np.broadcast_to`), which Equinox counts as arrays."""
-    return jtu.tree_map(
-        lambda x: (
-            np.broadcast_to(np.zeros((), x.dtype), x.shape)
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else x
-        ),
-        target,
-    )
+    zero-memory read-only zeros (`np.broadcast_to`), which Equinox counts as arrays,
+    keeping their shardings (`bridge.port` and `bridge.load` place arrays by them)."""
+    return jtu.tree_map(placeholder, target)
 
 
 def _forward(

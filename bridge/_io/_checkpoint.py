@@ -24,10 +24,15 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._adapters._linen import from_linen
-from .._adapters._native import like as like_form, to_neutral
+from .._adapters._native import (
+    like as like_form,
+    placeholders,
+    to_neutral,
+)
 from .._adapters._registry import Adapter, registered
 from .._adapters._torch import from_torch
 from .._paths import Path as TreePath, at, path_of
+from .._placement import place, sharding_of
 from .._port._errors import PortError
 from .._port._port import port
 from .._tree import (
@@ -406,13 +411,15 @@ def read(
         if isinstance(array, np.ndarray) and not _fits_jax(array.dtype):
             out[name] = np.array(array)  # 64-bit with x64 off: kept whole, in NumPy
             continue
-        if isinstance(array, np.ndarray):  # host memory the format made: moved once
-            array = jax.device_put(array, sharding if impl is None else None)
+        if isinstance(array, np.ndarray):  # host memory the format made: moved once,
+            # each device taking only its own shard
+            if impl is None and sharding is not None:
+                array = place(array, sharding)
+            else:
+                array = jax.device_put(array)
         if impl is not None:
             array = jax.random.wrap_key_data(array, impl=impl)
-        if sharding is not None and array.sharding != sharding:
-            array = jax.device_put(array, sharding)
-        out[name] = array
+        out[name] = place(array, sharding)
     return out
 
 
@@ -524,8 +531,9 @@ def _fill(contents: Contents, target: Tree, dtype: Any = None) -> Tree:
     (and cast to `dtype`)."""
     shardings = {}
     for keypath, leaf in jtu.tree_flatten_with_path(target)[0]:
-        if isinstance(leaf, jax.Array):
-            shardings[dotted(path_of(keypath))] = leaf.sharding
+        sharding = sharding_of(leaf, jtu.keystr(keypath))
+        if sharding is not None:
+            shardings[dotted(path_of(keypath))] = sharding
     arrays = read(contents, shardings)
     return jtu.tree_map_with_path(
         lambda p, _: _cast(arrays[dotted(path_of(p))], dtype), target
@@ -603,7 +611,7 @@ def load(
     ```
     """
     path = _path(path)
-    target = None if like is None else to_neutral(like)
+    target = None if like is None else to_neutral(placeholders(like))
     if target is None and opt_state_like is not None:
         raise TypeError("`opt_state_like` needs `like`, the model to load into.")
     model = saved = None

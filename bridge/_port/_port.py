@@ -12,7 +12,8 @@ import numpy as np
 
 from .._adapters._native import like, placeholders
 from .._lazy import materialise
-from .._paths import Path
+from .._paths import Path, path_str
+from .._placement import place, sharding_of
 from .._tree import Tree, map_with_path
 from . import _errors
 from ._codec import filled
@@ -202,18 +203,20 @@ def _move(step: PlanRow, problems: list[str]) -> list[tuple[Path, int | None, An
     if t.index is not None:
         return [(t.real + t.paths[k], t.index, v) for k, v in leaves.items()]
     return [
-        (t.path + t.paths[k], None, _placed(v, t.leaves[k])) for k, v in leaves.items()
+        (
+            t.path + t.paths[k],
+            None,
+            _placed(v, t.leaves[k], path_str(t.path + t.paths[k])),
+        )
+        for k, v in leaves.items()
     ]
 
 
-def _placed(new: Any, like: Any) -> Any:
-    """`new` with the sharding of the target's array it replaces (a no-op when they
-    already agree, or when the target's array is abstract). A numpy array (from a
-    PyTorch-layout state dict or a file) becomes a JAX array: the model owns it."""
+def _placed(new: Any, like: Any, where: str) -> Any:
+    """`new` with the sharding of the target's leaf it replaces, concrete or abstract
+    (a no-op when they already agree, or when the target's leaf has none). A numpy
+    array (from a PyTorch-layout state dict or a file) becomes a JAX array: the model
+    owns it."""
     if isinstance(new, np.ndarray):
         new = jnp.asarray(new)
-    sharding = getattr(like, "sharding", None)
-    if isinstance(like, jax.Array) and isinstance(new, jax.Array):
-        if not new.sharding.is_equivalent_to(sharding, new.ndim):  # pyright: ignore
-            return jax.device_put(new, sharding)
-    return new
+    return place(new, sharding_of(like, where))
