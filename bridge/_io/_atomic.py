@@ -10,6 +10,11 @@ a save that died: it is removed (and an orbax directory that a dead save had mov
 aside is put back if the destination is missing). A failure before the rename
 leaves any earlier checkpoint untouched and removes the temporary; an overwritten
 checkpoint keeps its permission bits.
+
+With several processes (`jax.distributed`), all of them write a directory checkpoint
+into that one temporary (orbax's own barrier waits for every shard); process 0 alone
+holds the turn, clears leftovers before the others start, and swaps the directory in
+after orbax's barrier, while the others wait for it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import jax
 
 
 _NOT_A_CHECKPOINT = """\
@@ -148,22 +155,37 @@ def atomic_dir(path: Path, is_checkpoint: Callable[[Path], bool]) -> Iterator[Pa
     """
     if os.path.lexists(path) and not (path.is_dir() and is_checkpoint(path)):
         raise FileExistsError(_NOT_A_CHECKPOINT.format(path=path))
-    with _turn(path):
+    # with several processes (`jax.distributed`), process 0 alone takes the turn,
+    # clears, swaps and cleans; the others write into the same temporary
+    primary = jax.process_index() == 0
+    with _turn(path) if primary else contextlib.nullcontext():
+        _barrier(f"bridge.save {path}: cleared")
         tmp = temporary(path)
         try:
-            yield tmp
-            mode = _mode(path)
-            if mode is not None:
-                os.chmod(tmp, mode)
-            for sub in sorted(tmp.rglob("*"), reverse=True):
-                _fsync(sub)
-            _fsync(tmp)
-            if not (path.exists() and _exchange(tmp, path)):
-                aside = temporary(path, _OLD)
-                if path.exists():
-                    os.rename(path, aside)
-                os.rename(tmp, path)
-                shutil.rmtree(aside, ignore_errors=True)
+            yield tmp  # returns after the writer's own barrier (orbax's)
+            if primary:
+                mode = _mode(path)
+                if mode is not None:
+                    os.chmod(tmp, mode)
+                for sub in sorted(tmp.rglob("*"), reverse=True):
+                    _fsync(sub)
+                _fsync(tmp)
+                if not (path.exists() and _exchange(tmp, path)):
+                    aside = temporary(path, _OLD)
+                    if path.exists():
+                        os.rename(path, aside)
+                    os.rename(tmp, path)
+                    shutil.rmtree(aside, ignore_errors=True)
         finally:
-            _clean(path)  # the old version, orbax's temporaries
+            if primary:
+                _clean(path)  # the old version, orbax's temporaries
+        _barrier(f"bridge.save {path}: in place")  # none returns before the swap
         _fsync(path.parent)
+
+
+def _barrier(name: str) -> None:
+    """Wait for every process of a multi-process run (a no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

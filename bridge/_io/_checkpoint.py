@@ -109,6 +109,13 @@ A file of `like`'s own framework fills it only with exactly its arrays (the same
 shapes and dtypes). To see what the file holds, run `bridge inspect` on it, or load it
 without `like`."""
 
+_NOT_ADDRESSABLE = """\
+{path}: a {format} checkpoint is one file, written by one process, but arrays of this
+model are sharded over the devices of {processes} processes (this process cannot read
+their other shards): {names}. Save to an orbax checkpoint directory (a path without a
+file suffix), which every process writes its own shards to, e.g.
+`bridge.save("ckpt/step_100", model)` called in every process."""
+
 
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
@@ -213,6 +220,20 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
                     others=", ".join(others) or "none",
                 )
             )
+    spread = [
+        k
+        for k, v in arrays.items()
+        if isinstance(v, jax.Array) and not v.is_fully_addressable
+    ]
+    if fmt.suffixes and spread:
+        raise ValueError(
+            _NOT_ADDRESSABLE.format(
+                path=path,
+                format=fmt.name,
+                processes=jax.process_count(),
+                names=", ".join(spread[:5]) + (", ..." if len(spread) > 5 else ""),
+            )
+        )
     arrays = {k: jax.random.key_data(v) if _is_key(v) else v for k, v in arrays.items()}
     fmt.save(path, contents, arrays)
 

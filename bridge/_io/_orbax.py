@@ -91,6 +91,15 @@ def _write_error(path: Path, error: ValueError) -> OSError:
     )
 
 
+def _default_sharding() -> jax.sharding.Sharding:
+    """Where an array the caller places nowhere goes: this process's first device, or,
+    with several processes, every device (replicated), which each process can read."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def _known() -> str:
     files = [s for fmt in formats() for s in fmt.suffixes]
     return (
@@ -201,7 +210,7 @@ def restore(
     abstract: dict[str, Any] | None = None  # None: each array's saved sharding
     if shardings:
         abstract = {}
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        default = _default_sharding()
         for s in stored:
             sharding = shardings.get(s.key) if s.prng_impl is None else None
             node = abstract
