@@ -14,11 +14,25 @@ frozen weights that bridge's new Tree holds are its inputs, ready all along). Pr
 median time per step and the ratios bridge/floor (target <= 1.1), nnx/bridge (>= 8),
 eqx/bridge (>= 2).
 
+Two more cases, each against its own floor:
+
+- per-call overhead: 10,000 leaves (5,000 Linen Dense layers of one unit, half of them
+  trained by sgd) and trivial compute, bridge vs a donated `jax.jit` over lists of
+  arrays (target <= 1.3);
+- memory: a 512 MiB NNX MLP (8 layers 4096 wide), its top half trained by adam, each
+  variant in its own subprocess (alternating, 3 each): the steady peak RSS (VmHWM,
+  reset after 2 warm-up steps) and the median step time, bridge (donating, the
+  default) vs a `jax.jit` step with `donate_argnums` (targets <= 1.05 both).
+
     python benchmarks/step.py [--quick]
 """
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import equinox as eqx
@@ -84,9 +98,9 @@ def floor_variant(model, x, y):
 
 
 def bridge_variant(model, x, y):
-    # the step donates the trained leaves: a copy, so the other variants keep the
-    # model's own arrays
-    tree = jax.tree_util.tree_map(jnp.array, bridge.from_nnx(model))
+    # a copy: the step donates (consumes) the trainable arrays it is given, and the
+    # other variants start from the same model
+    tree = jax.tree_util.tree_map(jnp.copy, bridge.from_nnx(model))
     spec = bridge.trainable(tree, lambda t: [t.layers[i] for i in range(TOP, DEPTH)])
     step = bridge.make_step(nnx_loss, optax.adam(LR), spec)
     state = [tree, step.init(tree)]
@@ -147,10 +161,180 @@ def eqx_variant(x, y):
     return run
 
 
+# --- per-call overhead: many leaves, trivial compute --------------------------------
+
+
+def overhead_variants(leaves):
+    """bridge and a donated jax.jit, each on `leaves` one-unit arrays, half trained."""
+    layers = leaves // 2
+    variables = {
+        "params": {
+            f"Dense_{i}": {"kernel": jnp.full((1, 1), 0.5), "bias": jnp.zeros((1,))}
+            for i in range(layers)
+        }
+    }
+    x = jnp.ones((1, 1))
+    top = f"Dense_{layers - 1}"
+
+    def loss(variables, x):
+        return jnp.sum(x * variables["params"][top]["kernel"])
+
+    tree = bridge.from_linen(variables)
+    spec = bridge.trainable(
+        tree, lambda t: [t[f"Dense_{i}"] for i in range(layers // 2, layers)]
+    )
+    step = bridge.make_step(loss, optax.sgd(0.1), spec)
+    state = [tree, step.init(tree)]
+
+    def run_bridge():
+        tree, opt_state, value = step(state[0], state[1], x)
+        jax.block_until_ready(value)
+        state[:] = [tree, opt_state]
+
+    flat = [jnp.copy(a) for a in jax.tree_util.tree_leaves(variables)]
+    train, frozen = flat[len(flat) // 2 :], flat[: len(flat) // 2]
+    optim = optax.sgd(0.1)
+
+    def floor_step(train, frozen, opt_state, x):
+        grads = jax.grad(lambda t: jnp.sum(x * t[-1]))(train)
+        updates, opt_state = optim.update(grads, opt_state, train)
+        return optax.apply_updates(train, updates), opt_state, jnp.sum(x)
+
+    floor = jax.jit(floor_step, donate_argnums=(0, 2))
+    floor_state = [train, optim.init(train)]
+
+    def run_floor():
+        train, opt_state, value = floor(floor_state[0], frozen, floor_state[1], x)
+        jax.block_until_ready(value)
+        floor_state[:] = [train, opt_state]
+
+    return {"floor": run_floor, "bridge": run_bridge}
+
+
+def interleaved_medians(variants, rounds, per_round):
+    for run in variants.values():  # compile, warm up
+        for _ in range(3):
+            run()
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            for _ in range(per_round):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# --- memory: a large MLP, each variant in its own process ----------------------------
+
+
+class WideMLP(nnx.Module):
+    def __init__(self, width, depth, rngs):
+        self.layers = nnx.List(
+            [nnx.Linear(width, width, rngs=rngs) for _ in range(depth)]
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+MEMORY_DEPTH, MEMORY_BATCH, MEMORY_STEPS = 8, 8, 6
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def memory_child(variant, width):
+    """One variant's steps in this process: prints its steady peak RSS, step times."""
+    model = WideMLP(width, MEMORY_DEPTH, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (MEMORY_BATCH, width))
+    y = jax.random.normal(jax.random.key(2), (MEMORY_BATCH, width))
+    top = MEMORY_DEPTH // 2
+    optim = optax.adam(LR)
+    if variant == "bridge":
+        tree = bridge.from_nnx(model)
+        spec = bridge.trainable(tree, lambda t: t.layers[top:])
+        step = bridge.make_step(nnx_loss, optim, spec)
+        state = [tree, step.init(tree)]
+
+        def run():
+            tree, opt_state, value = step(state[0], state[1], x, y)
+            jax.block_until_ready((opt_state, value))
+            state[:] = [tree, opt_state]
+
+    else:
+        layers = [(layer.kernel[...], layer.bias[...]) for layer in model.layers]
+        frozen, train = layers[:top], layers[top:]
+        del model, layers
+
+        def loss(train, frozen, x, y):
+            h = x
+            for i, (w, b) in enumerate(frozen + train):
+                h = h @ w + b
+                h = jax.nn.relu(h) if i < MEMORY_DEPTH - 1 else h
+            return jnp.mean((h - y) ** 2)
+
+        def floor_step(train, frozen, opt_state, x, y):
+            value, grads = jax.value_and_grad(loss)(train, frozen, x, y)
+            updates, opt_state = optim.update(grads, opt_state, train)
+            return optax.apply_updates(train, updates), opt_state, value
+
+        floor = jax.jit(floor_step, donate_argnums=(0, 2))
+        state = [train, optim.init(train)]
+
+        def run():
+            train, opt_state, value = floor(state[0], frozen, state[1], x, y)
+            jax.block_until_ready((opt_state, value))
+            state[:] = [train, opt_state]
+
+    for _ in range(2):  # compile, warm up
+        run()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    times = []
+    for _ in range(MEMORY_STEPS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"peak": _peak_rss(), "times": times}))
+
+
+def memory_case(width, rounds):
+    """Peak RSS and step time medians of `rounds` alternating runs of each variant."""
+    peaks = {"floor": [], "bridge": []}
+    times = {"floor": [], "bridge": []}
+    for _ in range(rounds):
+        for variant in peaks:
+            out = subprocess.run(
+                [sys.executable, __file__, "--memory-child", variant, str(width)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "XLA_FLAGS": ""},
+            ).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            peaks[variant].append(result["peak"])
+            times[variant].extend(result["times"])
+    return (
+        {k: statistics.median(v) for k, v in peaks.items()},
+        {k: statistics.median(v) for k, v in times.items()},
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        return memory_child(args.memory_child[0], int(args.memory_child[1]))
     rounds, per_round = (20, 5) if args.quick else (400, 5)
 
     model = MLP(nnx.Rngs(0))
@@ -183,6 +367,27 @@ def main():
     print(f"bridge/floor {median['bridge'] / median['floor']:6.2f}   (target <= 1.1)")
     print(f"nnx/bridge   {median['nnx'] / median['bridge']:6.2f}   (target >= 8)")
     print(f"eqx/bridge   {median['eqx'] / median['bridge']:6.2f}   (target >= 2)")
+
+    leaves = 1_000 if args.quick else 10_000
+    median = interleaved_medians(overhead_variants(leaves), rounds // 4, per_round)
+    print(f"\nper-call overhead: {leaves} leaves, half trained (sgd), trivial compute")
+    for name, value in median.items():
+        print(f"{name:<8}{value * 1e3:>10.2f}ms")
+    ratio = median["bridge"] / median["floor"]
+    print(f"bridge/floor {ratio:6.2f}   (target <= 1.3)")
+
+    width = 1024 if args.quick else 4096  # 32 MiB or 512 MiB of float32 weights
+    mib = MEMORY_DEPTH * width * (width + 1) * 4 / 2**20
+    peaks, times = memory_case(width, 1 if args.quick else 3)
+    print(f"\nmemory: NNX MLP of {mib:.0f} MiB, top half trained (adam), donated")
+    for name in peaks:
+        print(
+            f"{name:<8}peak RSS {peaks[name] / 2**20:8.0f} MiB "
+            f"({peaks[name] / 2**20 / mib:4.2f}x the model)  "
+            f"step {times[name] * 1e3:8.1f}ms"
+        )
+    print(f"bridge/floor peak RSS {peaks['bridge'] / peaks['floor']:6.3f}   (<= 1.05)")
+    print(f"bridge/floor step     {times['bridge'] / times['floor']:6.3f}   (<= 1.05)")
 
 
 if __name__ == "__main__":
