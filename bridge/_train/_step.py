@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from .._adapters._native import forward
 from .._paths import Path, path_of, path_str
@@ -418,7 +419,7 @@ class TrainStep:
 def _deleted(leaf: Any) -> bool:
     """Whether `leaf` is an array whose buffer was donated (never for a tracer)."""
     return isinstance(leaf, jax.Array) and (
-        not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted()
+        not isinstance(leaf, Tracer) and leaf.is_deleted()
     )
 
 
