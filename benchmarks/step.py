@@ -20,9 +20,10 @@ Two more cases, each against its own floor:
   trained by sgd) and trivial compute, bridge vs a donated `jax.jit` over lists of
   arrays (target <= 1.3);
 - memory: a 512 MiB NNX MLP (8 layers 4096 wide), its top half trained by adam, each
-  variant in its own subprocess (alternating, 3 each): the steady peak RSS (VmHWM,
-  reset after 2 warm-up steps) and the median step time, bridge (donating, the
-  default) vs a `jax.jit` step with `donate_argnums` (targets <= 1.05 both).
+  variant in its own subprocess (alternating, 3 each) for the steady peak RSS (VmHWM,
+  reset after 2 warm-up steps), then both in this process, interleaved, for the
+  median step time; bridge (donating, the default) vs a `jax.jit` step with
+  `donate_argnums` (targets <= 1.05 both).
 
     python benchmarks/step.py [--quick]
 """
@@ -251,8 +252,8 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def memory_child(variant, width):
-    """One variant's steps in this process: prints its steady peak RSS, step times."""
+def memory_variant(variant, width):
+    """A function running one step of `variant` ("bridge" or "floor")."""
     model = WideMLP(width, MEMORY_DEPTH, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (MEMORY_BATCH, width))
     y = jax.random.normal(jax.random.key(2), (MEMORY_BATCH, width))
@@ -294,6 +295,12 @@ def memory_child(variant, width):
             jax.block_until_ready((opt_state, value))
             state[:] = [train, opt_state]
 
+    return run
+
+
+def memory_child(variant, width):
+    """One variant's steps in this process: prints its steady peak RSS, step times."""
+    run = memory_variant(variant, width)
     for _ in range(2):  # compile, warm up
         run()
     with open("/proc/self/clear_refs", "w") as f:
@@ -378,7 +385,10 @@ def main():
 
     width = 1024 if args.quick else 4096  # 32 MiB or 512 MiB of float32 weights
     mib = MEMORY_DEPTH * width * (width + 1) * 4 / 2**20
-    peaks, times = memory_case(width, 1 if args.quick else 3)
+    peaks, _ = memory_case(width, 1 if args.quick else 3)
+    # the time, interleaved in this process (the peaks need a process each)
+    variants = {v: memory_variant(v, width) for v in ("floor", "bridge")}
+    times = interleaved_medians(variants, 2 if args.quick else 8, 1)
     print(f"\nmemory: NNX MLP of {mib:.0f} MiB, top half trained (adam), donated")
     for name in peaks:
         print(

@@ -40,13 +40,14 @@ def sharding_of(leaf: Any, where: str = "") -> Sharding | None:
 
 def place(array: Any, sharding: Sharding | None) -> Any:
     """`array` laid out by `sharding` (unchanged when None or already so). A host
-    array (a numpy view of a file, say) goes to each device as that device's shard
-    only: the whole array is never copied to one device."""
+    array goes to each device as that device's shard only, never whole to one
+    device; it must be memory the caller gives away (a checkpoint's freshly read
+    array): a shard may keep using it rather than copy it."""
     if sharding is None:
         return array
     if isinstance(array, np.ndarray):
         return jax.make_array_from_callback(
-            array.shape, sharding, lambda index: np.array(array[index])
+            array.shape, sharding, lambda index: array[index]
         )
     if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(
         sharding, array.ndim

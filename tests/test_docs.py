@@ -86,7 +86,9 @@ def test_page_code_runs(page, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("guide", ["porting.md", "checkpoints.md", "pytorch.md"])
+@pytest.mark.parametrize(
+    "guide", ["porting.md", "checkpoints.md", "pytorch.md", "large-models.md"]
+)
 def test_guide_code_runs(guide, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # guides may write checkpoint files
     assert "import bridge" in run_markdown(ROOT / "docs" / "guides" / guide)
