@@ -245,3 +245,14 @@ def test_register_codec_checks_its_argument():
     codec = bridge.Codec("X", "jittor", None, None, None)  # pyright: ignore
     with pytest.raises(ValueError, match="framework must be one of"):
         bridge.register_codec(codec)
+
+
+@pytest.mark.parametrize("field", ["recognise", "decode", "encode", "build"])
+def test_register_codec_refuses_fields_that_are_not_functions(field):
+    fine = lambda *args: {}  # noqa: E731
+    codec = bridge.Codec("NotAFunction", "nnx", fine, fine, fine)
+    codec = codec._replace(**{field: "not callable"})
+    with pytest.raises(TypeError, match=f"`{field}` must be a function, got str"):
+        bridge.register_codec(codec)
+    with pytest.raises(KeyError, match="No codec of kind 'NotAFunction'"):
+        bridge.unregister_codec("NotAFunction")  # nothing was registered

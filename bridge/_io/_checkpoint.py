@@ -465,9 +465,9 @@ def _resolve(name: str) -> type | None:
 def _namespace(obj: Any) -> Mapping[str, Any] | None:
     """The `__dict__` of a module or a class, read without calling anything of it."""
     if issubclass(type(obj), type):
-        return type.__dict__["__dict__"].__get__(obj)
+        return vars(type)["__dict__"].__get__(obj)
     if issubclass(type(obj), types.ModuleType):
-        return types.ModuleType.__dict__["__dict__"].__get__(obj)
+        return vars(types.ModuleType)["__dict__"].__get__(obj)
     return None
 
 

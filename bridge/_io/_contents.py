@@ -16,7 +16,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -366,7 +366,7 @@ def decode(
         path,
         fmt,
         fw or None,
-        layout,
+        cast(str, layout),
         version,
         tuple(map(_module, modules)),
         user,

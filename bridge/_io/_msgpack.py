@@ -88,8 +88,8 @@ def _unchunk(node: dict, where: str) -> np.ndarray:
     shape, chunks = node.get("shape"), node.get("chunks")
     if not (isinstance(shape, dict) and isinstance(chunks, dict)):
         raise Malformed(f"{where}: a chunked array without shape or chunks")
-    dims = [shape.get(str(i)) for i in range(len(shape))]
-    pieces = [chunks.get(str(i)) for i in range(len(chunks))]
+    dims: list[Any] = [shape.get(str(i)) for i in range(len(shape))]
+    pieces: list[Any] = [chunks.get(str(i)) for i in range(len(chunks))]
     if not all(isinstance(d, int) and d >= 0 for d in dims) or not all(
         isinstance(p, np.ndarray) and p.ndim == 1 for p in pieces
     ):

@@ -67,7 +67,7 @@ def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
         for key in map(str, s.path[:-1]):
             node = node.setdefault(key, {})
         node[str(s.path[-1])] = arrays[s.key]
-    items = {METADATA: ocp.args.JsonSave(encode(contents))}
+    items: dict[str, Any] = {METADATA: ocp.args.JsonSave(encode(contents))}
     if nested:
         items[ARRAYS] = ocp.args.StandardSave(nested)
     with atomic_dir(path, is_checkpoint) as tmp, _ORBAX:

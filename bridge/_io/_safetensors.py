@@ -133,7 +133,7 @@ def save_plain(
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for array in host.values():
-            f.write(memoryview(_to_bytes(array)))
+            f.write(_to_bytes(array).data)
 
 
 class Entry(NamedTuple):
@@ -280,7 +280,7 @@ def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarr
     else:
         data = np.empty(size, np.uint8)
     try:
-        read_at(source.fd, source.start + entry.begin, data.size, memoryview(data))
+        read_at(source.fd, source.start + entry.begin, data.size, data.data)
     except EOFError as e:
         raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
     return _from_bytes(data, entry.code, entry.shape)

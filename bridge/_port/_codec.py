@@ -10,7 +10,7 @@ Equinox differs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import jax.numpy as jnp
 
@@ -117,6 +117,10 @@ class Codec(NamedTuple):
 _REGISTRY: dict[tuple[str, str], Codec] = {}
 
 
+@overload
+def register_codec(codec: Codec, /) -> Codec: ...
+@overload
+def register_codec(*codecs: Codec) -> tuple[Codec, ...]: ...
 def register_codec(*codecs: Codec) -> Codec | tuple[Codec, ...]:
     """Teach `bridge.port` a layer kind in one framework.
 
@@ -161,6 +165,13 @@ def register_codec(*codecs: Codec) -> Codec | tuple[Codec, ...]:
                 f"Codec {codec.kind!r}: framework must be one of {names()} (the "
                 f"registered adapters), got {codec.framework!r}."
             )
+        for field in ("recognise", "decode", "encode", "hyperparameters", "build"):
+            value = getattr(codec, field)
+            if not callable(value) and not (field == "build" and value is None):
+                raise TypeError(
+                    f"Codec {codec.kind!r} ({codec.framework}): `{field}` must be a "
+                    f"function, got {type(value).__name__}."
+                )
     for codec in codecs:
         _REGISTRY.pop((codec.kind, codec.framework), None)  # newest last
         _REGISTRY[(codec.kind, codec.framework)] = codec

@@ -261,13 +261,16 @@ def _stacked(
     are recorded, codecs recognise a layer whatever its shapes: not detected.)"""
     if not path or adapter.records_classes:
         return 0
-    lengths = {x.shape[0] if x.ndim >= 2 else None for x in leaves.values()}
+    lengths: set[int | None] = {
+        x.shape[0] if x.ndim >= 2 else None for x in leaves.values()
+    }
     if len(lengths) != 1 or None in lengths:
         return 0
     if _covered(adapter, node, roles, path, lambda x: x):
         return 0
     sliced = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-    return lengths.pop() if _covered(adapter, node, roles, path, sliced) else 0
+    count = lengths.pop()
+    return count if count and _covered(adapter, node, roles, path, sliced) else 0
 
 
 def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import equinox as eqx
 from flax import nnx
@@ -109,7 +109,8 @@ class Order:
         if n == len(a) or n == len(b):  # a module before its own sublayers
             return (len(a) > len(b)) - (len(a) < len(b))
         if a[:n] in self._stacks:  # two layers of one stack: by index
-            return (a[n] > b[n]) - (a[n] < b[n])
+            i, j = cast(int, a[n]), cast(int, b[n])
+            return (i > j) - (i < j)
         positions, known = self._node(a[:n])
         if known:
             return (positions[a[n]] > positions[b[n]]) - (
@@ -127,7 +128,8 @@ class Order:
                 if self.compare(a.path, b.path) is None:
                     return None
         return sorted(
-            layers, key=functools.cmp_to_key(lambda a, b: self.compare(a.path, b.path))
+            layers,
+            key=functools.cmp_to_key(lambda a, b: self.compare(a.path, b.path) or 0),
         )
 
 
