@@ -34,15 +34,21 @@ IDS = [f"{i}-in-{o}-{k}" for i, o in DIRECTIONS for k in KINDS]
 SLOW_CASES = [_case(i, o, k, slow=k != "mlp") for i, o in DIRECTIONS for k in KINDS]
 
 
-def _same(a: dict, b: dict, exact: bool = True):
-    assert a.keys() == b.keys()
+def _mismatches(a: dict, b: dict, exact: bool = True) -> list[str]:
+    """The paths where `a` and `b` differ (bits, or 1e-6 when not `exact`); a
+    mismatch of the path sets, or an empty `a`, counts as a difference too."""
+    if not a or a.keys() != b.keys():
+        return [f"paths {sorted(map(str, a))} vs {sorted(map(str, b))}"]
+    out = []
     for path in a:
         x, y = np.asarray(a[path]), np.asarray(b[path])
-        assert x.dtype == y.dtype and x.shape == y.shape, path
-        if exact:
-            assert x.tobytes() == y.tobytes(), path
-        else:
-            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6, err_msg=str(path))
+        if x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{path}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+        elif exact and x.tobytes() != y.tobytes():
+            out.append(f"{path}: bits differ")
+        elif not exact and not np.allclose(x, y, rtol=1e-6, atol=1e-6):
+            out.append(f"{path}: max |diff| {np.max(np.abs(x - y)):.3g}")
+    return out
 
 
 def _pair(inner, outer, kind):
@@ -59,7 +65,7 @@ def test_gradients_equal_native(inner, outer, kind):
     loss, grads = base.loss_and_grad(x, y, key)
     wloss, wgrads = wrapped.loss_and_grad(x, y, key)
     assert np.asarray(loss).tobytes() == np.asarray(wloss).tobytes()
-    _same(grads, wgrads)
+    assert not _mismatches(grads, wgrads)
 
 
 @pytest.mark.parametrize("inner,outer,kind", SLOW_CASES, ids=IDS)
@@ -69,7 +75,7 @@ def test_training_equals_native(inner, outer, kind):
     base, wrapped = _pair(inner, outer, kind)
     x, y = inputs(kind)
     keys = step_keys(2)
-    _same(base.train(x, y, keys), wrapped.train(x, y, keys))
+    assert not _mismatches(base.train(x, y, keys), wrapped.train(x, y, keys))
 
 
 @pytest.mark.parametrize("inner,outer,kind", SLOW_CASES, ids=IDS)
@@ -78,6 +84,6 @@ def test_make_step_equals_native(inner, outer, kind):
     base, wrapped = _pair(inner, outer, kind)
     x, y = inputs(kind)
     keys = step_keys(2)
-    _same(
-        base.train(x, y, keys), train_with_make_step(wrapped, x, y, keys), exact=False
-    )
+    native_result = base.train(x, y, keys)
+    bridged = train_with_make_step(wrapped, x, y, keys)
+    assert not _mismatches(native_result, bridged, exact=False)
