@@ -108,6 +108,7 @@ TORCH = "torch==2.13.0"
 TORCH_TESTS = [
     "tests/test_torch_adapter.py",
     "tests/test_torch_files.py",
+    "tests/test_torch_convert.py",
     "tests/test_torch_layers.py",
     "tests/test_torch_hf.py",
 ]

@@ -17,7 +17,7 @@ from ._demo import demo
 from ._io import _training
 from ._io._checkpoint import Contents, open_checkpoint, read, write
 from ._io._format import format_of, formats
-from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, relayout
+from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
 
 
 _DESCRIPTION = """\
@@ -153,6 +153,14 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     dst = Path(args.dst)
     with open_checkpoint(args.src) as contents:
         arrays = read(contents)
+    if args.weights_only and contents.training:
+        count = len(contents.tensors)
+        contents, arrays = model_only(contents, arrays)
+        console.print(
+            f"left out the training state: {count - len(contents.tensors)} arrays "
+            "(optimizer state, extras) and the step",
+            markup=False,
+        )
     if args.to_layout:
         contents, arrays = relayout(
             contents,
@@ -208,10 +216,19 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PATTERN=PATH",
-        help="with --to-layout equinox: store the layer whose dotted path fully "
-        "matches the regex PATTERN under PATH (re.Match.expand), e.g. "
-        "'Dense_(\\d+)=layers.\\1' or 'Conv_0=conv' for Linen auto-names; "
-        "repeatable, the first matching rule wins",
+        help="with --to-layout equinox or torch: store the layer whose dotted path "
+        "fully matches the regex PATTERN under PATH (re.Match.expand), e.g. "
+        "'Dense_(\\d+)=layers.\\1' or 'Conv_0=conv' for Linen auto-names, "
+        "'layers\\.(\\d+)=\\1' for PyTorch's nn.Sequential; repeatable, the first "
+        "matching rule wins",
+    )
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="leave a training checkpoint's training state (optimizer state, step, "
+        "extras) out and convert the model's weights alone; --to-layout refuses a "
+        "training checkpoint without it (bridge.load(path, like=model, "
+        "opt_state_like=...) ports the optimizer state with the weights instead)",
     )
     p.add_argument(
         "--batch-norm-mode",

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 
 from .._paths import Path, child, is_array, key_of, path_of
 from .._placement import placeholder
-from .._tree import Held, Tree, build, native_leaves
+from .._tree import Held, Tree, build, native_leaves, source_of
 from ._registry import Adapter, register_adapter
 from ._skeleton import settings, skeleton
 
@@ -224,12 +224,19 @@ def _is_pair(obj: Any) -> bool:
 
 
 def _to_tree(obj: Any) -> Tree:
-    return from_equinox(*obj) if isinstance(obj, tuple) else from_equinox(obj)
+    return from_equinox(*obj) if _is_pair(obj) else from_equinox(obj)
+
+
+def _has_state(tree: Tree) -> bool:
+    """Whether `to_equinox(tree)` gives `(model, state)` (a model may be a tuple
+    itself: an `nn.Sequential` read from a file, numbered `0`, `1`, ...)."""
+    record: EquinoxRecord = source_of(tree, "equinox").record  # pyright: ignore
+    return record.state_def is not None
 
 
 def _model(tree: Tree) -> Any:
     native = to_equinox(tree)
-    return native[0] if isinstance(native, tuple) else native
+    return native[0] if _has_state(tree) else native
 
 
 def _placeholders(target: Any) -> Any:
@@ -243,7 +250,7 @@ def _forward(
     tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
 ) -> tuple[Any, Tree | None]:
     native = to_equinox(tree)
-    if not isinstance(native, tuple):
+    if not _has_state(tree):
         return loss_fn(native, *batch), None
     model, state = native
     # before the call: a layer's `state.set` makes the given State unusable

@@ -72,6 +72,14 @@ class Skeleton:
                 return value
         raise AttributeError(f"The skeleton of {self._cls} has no {name!r}.")
 
+    def __getitem__(self, key: Any) -> Any:
+        # a module whose fields are numbers (PyTorch's `nn.Sequential` names, not
+        # `0..n-1`: `0`, `2`), reached by index as `bridge._paths.child` does
+        try:
+            return self._children[str(key)]
+        except KeyError:
+            raise KeyError(f"The skeleton of {self._cls} has no {key!r}.") from None
+
     def __call__(self, *args, **kwargs):
         raise TypeError(_INERT.format(cls=self._cls))
 

@@ -33,6 +33,7 @@ from .._port._codec import codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree
+from . import _training
 from ._checkpoint import (
     VERSION,
     Contents,
@@ -63,15 +64,23 @@ _NO_BUILD = (
 _CANNOT_CONVERT = """\
 {path} cannot be converted to the {layout} layout: {n} problem(s), nothing was written.
 {problems}"""
-_EQUINOX_ONLY = """\
-{options} only apply when converting a Flax checkpoint to the Equinox layout, and
-{path} is converted from the {source} layout to the {layout} layout. Leave them out."""
+_OPTIONS_ELSEWHERE = """\
+{options} only apply when converting a checkpoint to another layout (--rename: to the
+Equinox or PyTorch layout; --batch-norm-mode: to the Equinox layout), and {path} is
+converted from the {source} layout to the {layout} layout. Leave them out."""
 _UNKNOWN_CLASS = (
     "unsupported: {where} is a {cls} in the file, a class no {framework} codec "
     "knows (it may compute something else than the layer its arrays look like); "
     "import the module that defines it and register a codec for it "
     "(bridge.register_codec, bridge.Codec.same_layout)"
 )
+_TRAINING_STATE = """\
+{path} is a training checkpoint ({parts}): --to-layout converts a model's weights,
+and the optimizer's arrays cannot follow them without the optimizer. To resume in
+the other framework, load this file there directly, weights and optimizer state
+ported together: bridge.load(path, like=model, opt_state_like=tx.init(...)). To
+convert the weights alone, leaving the training state out, pass --weights-only
+(`weights_only=True`)."""
 _RENAME_UNUSED = "rename {rule!r}: matches no layer (layers: {layers})"
 _RENAME_CLASH = "rename: {sources} would all be called {target!r}"
 
@@ -83,20 +92,26 @@ def relayout(
     *,
     rename: Sequence[str] = (),
     batch_norm_mode: str | None = None,
+    weights_only: bool = False,
 ) -> tuple[Contents, dict[str, Any]]:
     """The checkpoint's `contents` and `arrays` (by dotted name) in `layout`.
 
     **Arguments:**
 
     - `contents`, `arrays`: a checkpoint, from `open_checkpoint` and `read`.
-    - `layout`: `"flax"` or `"equinox"`.
-    - `rename`: to Equinox only, rules `"PATTERN=PATH"`: a layer whose dotted path
-      (`Dense_0`, `layers.0`) fully matches the regex `PATTERN` is stored under `PATH`
-      (`re.Match.expand`: `r"Dense_(\\d+)=layers.\\1"`), so that Linen auto-names
-      become the Equinox model's field names.
+    - `layout`: `"flax"`, `"equinox"` or `"torch"`.
+    - `rename`: to Equinox or PyTorch, rules `"PATTERN=PATH"`: a layer whose dotted
+      path (`Dense_0`, `layers.0`) fully matches the regex `PATTERN` is stored under
+      `PATH` (`re.Match.expand`: `r"Dense_(\\d+)=layers.\\1"`), so that Linen
+      auto-names become the Equinox model's field names, or a PyTorch module's
+      names (`r"layers\\.(\\d+)=\\1"` for an `nn.Sequential`). The first rule that
+      matches wins; a rename from one conversion is undone by its reverse rule.
     - `batch_norm_mode`: to Equinox only, the `mode` of the Equinox `BatchNorm`s:
       `"batch"` (the default: the statistics as they are, `batch_counter` `2**30` so
       that inference uses them unchanged) or `"ema"`.
+    - `weights_only`: leave a training checkpoint's training state (optimizer
+      state, step, extras) out and convert its weights; without it, a training
+      checkpoint is refused.
 
     **Returns:**
 
@@ -105,8 +120,9 @@ def relayout(
     **Raises:**
 
     `ValueError`, once, listing every layer no codec knows (by path) and every unused,
-    malformed or clashing rename; `ValueError` for an unknown layout or mode, or
-    `rename`/`batch_norm_mode` given for another conversion than Flax to Equinox.
+    malformed or clashing rename; `ValueError` for an unknown layout or mode,
+    `rename`/`batch_norm_mode` given for a conversion they do not apply to, or a
+    training checkpoint without `weights_only`.
 
     **Example:**
 
@@ -130,14 +146,18 @@ def relayout(
             f"Unknown BatchNorm mode {batch_norm_mode!r}: choose one of "
             f"{BATCH_NORM_MODES}."
         )
+    changes = contents.layout != layout
     options = [
         o
-        for o, v in [("--rename", rename), ("--batch-norm-mode", batch_norm_mode)]
-        if v
+        for o, v, to in [
+            ("--rename", rename, ("equinox", "torch")),
+            ("--batch-norm-mode", batch_norm_mode, ("equinox",)),
+        ]
+        if v and not (changes and layout in to)
     ]
-    if options and (layout != "equinox" or contents.layout == "equinox"):
+    if options:
         raise ValueError(
-            _EQUINOX_ONLY.format(
+            _OPTIONS_ELSEWHERE.format(
                 options=" and ".join(options),
                 path=contents.path,
                 source=contents.layout or "unknown",
@@ -146,9 +166,14 @@ def relayout(
         )
     if contents.layout == layout:
         return contents, arrays
+    if contents.training:
+        if not weights_only:
+            parts = ", ".join(_training.summary(contents, lambda n: f"{n} B")[:2])
+            raise ValueError(_TRAINING_STATE.format(path=contents.path, parts=parts))
+        contents, arrays = model_only(contents, arrays)
     tree = file_tree(contents, arrays)
     if layout == "torch":
-        return _to_torch(contents, tree)
+        return _to_torch(contents, tree, rename)
     problems: list[str] = []
     layers = find_layers(tree, problems, loose=False)
     _unknown_classes(contents, layers, problems)
@@ -161,6 +186,16 @@ def relayout(
         return _to_equinox(contents, layers, problems, rename, mode)
     _raise(contents, "Flax", problems)
     return _to_flax(contents, arrays, layers)
+
+
+def model_only(
+    contents: Contents, arrays: dict[str, Any]
+) -> tuple[Contents, dict[str, Any]]:
+    """A training checkpoint's model alone: its optimizer state, step and extras
+    left out."""
+    model, _ = _training.split(contents)
+    model = dataclasses.replace(model, training="")
+    return model, {s.key: arrays[s.key] for s in model.tensors}
 
 
 def _unknown_classes(
@@ -204,8 +239,13 @@ def _to_flax(contents: Contents, arrays: dict[str, Any], layers: list[Layer]):
     return _contents(contents, None, "flax", (), tensors), out
 
 
-def _to_torch(contents: Contents, tree: Tree) -> tuple[Contents, dict[str, Any]]:
-    arrays = torch_state(tree)
+def _to_torch(
+    contents: Contents, tree: Tree, rename: Sequence[str]
+) -> tuple[Contents, dict[str, Any]]:
+    def renamed(paths: list[Path], problems: list[str]) -> list[Path]:
+        return _renamed(paths, rename, problems)
+
+    arrays = torch_state(tree, rename=renamed if rename else None)
     tensors = [
         Stored(
             name,

@@ -12,12 +12,13 @@ that `module.load_state_dict(strict=True)` finds the names it expects.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from .._adapters._torch import to_torch
 from .._lazy import materialise
+from .._paths import Path, path_str
 from .._port._codec import codec_of
 from .._port._layers import Layer, find_layers
 from .._port._reverse import reverse_rules
@@ -45,15 +46,25 @@ def dotted_torch(where: str) -> str:
     return text.lstrip(".")
 
 
+Rename = Callable[[list[Path], list[str]], list[Path]]
+"""New paths for layer paths, problems appended to the list (`bridge convert
+--rename`)."""
+
+
 def torch_state(
-    tree: Tree, rules: Mapping[str, str] | None = None, prefix: str = ""
+    tree: Tree,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+    rename: Rename | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
     `rules` are import rules (`{PyTorch layer regex: this model's layer path}`, as
-    given to `bridge.port`), read backwards; `prefix` is put before every name.
-    Raises `ValueError` listing every layer without a PyTorch-layout codec, every
-    rule that cannot be read backwards, and every name two layers would share.
+    given to `bridge.port`), read backwards; `rename` (instead) maps the layers'
+    paths forwards, as `bridge convert --rename` does; `prefix` is put before every
+    name. Raises `ValueError` listing every layer without a PyTorch-layout codec,
+    every rule that cannot be read backwards, every unused or malformed rename, and
+    every name two layers would share.
     """
     if framework(tree) == "torch":
         return to_torch(tree, prefix=prefix or None)
@@ -64,13 +75,15 @@ def torch_state(
     except ValueError as error:
         problems.append(str(error))
     layers = find_layers(tree, problems)
+    chosen = [(layer, kind) for layer in layers if (kind := _kind(layer, problems))]
+    if rename is None:
+        names = [_name(path_str(layer.path), backwards) for layer, _ in chosen]
+    else:
+        paths = rename([layer.path for layer, _ in chosen], problems)
+        names = [dotted_torch(path_str(p)) for p in paths]
     out: dict[str, np.ndarray] = {}
     owners: dict[str, list[str]] = {}
-    for layer in layers:
-        kind = _kind(layer, problems)
-        if kind is None:
-            continue
-        name = _name(layer.where, backwards)
+    for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
         leaves = {k: materialise(v) for k, v in layer.leaves.items()}
         canonical = layer.codec(kind).decode(leaves, layer.hyper)
