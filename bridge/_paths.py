@@ -17,6 +17,21 @@ import jax.tree_util as jtu
 Key = str | int
 Path = tuple[Key, ...]
 
+MAX_DEPTH = 400
+"""The longest path `bridge` handles, in keys: far beyond any model (a few dozen), and
+within Python's recursion limit for the walks over a Tree. A deeper model or file is
+refused with a clear error instead of a `RecursionError` half way through."""
+
+
+def check_depth(path: Path) -> None:
+    """Refuse a path longer than `MAX_DEPTH` keys: ValueError naming where it starts."""
+    if len(path) > MAX_DEPTH:
+        start = path_str(path[:4])
+        raise ValueError(
+            f"{start}... is nested {len(path)} levels deep; bridge handles at most "
+            f"{MAX_DEPTH} (real models nest a few dozen): flatten the structure."
+        )
+
 
 _KEY_OF = {
     jtu.GetAttrKey: lambda e: e.name,

@@ -17,7 +17,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from ._adapters._registry import display_name
-from ._paths import Key, Path, is_array, path_of, path_str
+from ._paths import Key, Path, check_depth, is_array, path_of, path_str
 
 
 def _key_entry(key: Key, sequence: bool) -> Any:
@@ -367,6 +367,7 @@ class Maker:
         self.infos: dict[Any, _Info] = {}
 
     def leaf(self, path: Path, leaf: Any, position: int) -> Any:
+        check_depth(path)
         self.paths.append(path)
         self.order.append(position)
         return leaf
@@ -380,6 +381,7 @@ class Maker:
     def node(
         self, path: Path, keys: tuple[Key, ...], roles: list, children: list
     ) -> Tree:
+        check_depth(path)
         data = self._data(path, keys, roles)
         info = self.infos.get(data)
         if info is None:

@@ -32,8 +32,10 @@ import dataclasses
 import importlib.metadata
 import inspect
 import re
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -103,6 +105,33 @@ def installed(package: str) -> tuple[int, ...]:
     """The installed version of `package`, as numbers: `(0, 12, 8)`."""
     version = importlib.metadata.version(package)
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+# --- threads -------------------------------------------------------------------------
+
+
+def in_threads(work: Callable[[int], Any], n: int = 8) -> list[Any]:
+    """`[work(0), ..., work(n-1)]`, each run in its own thread, all started at once
+    (a barrier); an exception raised in a thread is raised here."""
+    start = threading.Barrier(n)
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            results[k] = work(k)
+        except BaseException as error:  # collected, raised by the calling thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 # --- comparisons ---------------------------------------------------------------------

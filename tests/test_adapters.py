@@ -11,7 +11,6 @@ Last, a user codec pair (the porting guide's `Scale`) goes through a checkpoint 
 and through `bridge convert --to-layout equinox`.
 """
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from . import models
 from .helpers import (
     DTYPES,
     array_of,
+    in_threads,
     leaf_objects,
     requires,
     same_objects,
@@ -235,26 +235,18 @@ def test_eight_threads_converting_at_once_never_fail(name):
     else:
         sources = [FRAMEWORKS[name].make() for _ in range(4)]
     want = [jax.tree_util.tree_leaves(bridge.to_neutral(s)) for s in sources]
-    errors: list[BaseException] = []
-    start = threading.Barrier(8)
 
-    def work(k: int) -> None:
-        try:
-            start.wait()
-            for _ in range(5):
-                for i in range(k % 3, len(sources), 3):
-                    tree = bridge.to_neutral(sources[i])
-                    assert same_objects(jax.tree_util.tree_leaves(tree), want[i])
-                    bridge.to_native(tree)
-        except BaseException as error:  # collected, raised by the main thread
-            errors.append(error)
+    def work(k: int) -> list[bool]:
+        same = []
+        for _ in range(5):
+            for i in range(k % 3, len(sources), 3):
+                tree = bridge.to_neutral(sources[i])
+                same.append(same_objects(jax.tree_util.tree_leaves(tree), want[i]))
+                bridge.to_native(tree)
+        return same
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    results = in_threads(work)
+    assert all(all(same) and same for same in results)
 
 
 # --- a toy fourth framework, registered from this file only --------------------------

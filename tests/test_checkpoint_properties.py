@@ -93,7 +93,11 @@ def check_linen(variables):
             path = Path(directory) / name
             bridge.save(path, variables)
             assert same(bridge.load(path, like=variables), variables), name
-            loaded = leaves_by_path(bridge.load(path))
+            alone = bridge.load(path)  # without like: the same dicts, empty ones too
+            assert jtu.tree_structure(bridge.to_native(alone)) == jtu.tree_structure(
+                variables
+            ), name
+            loaded = leaves_by_path(alone)
             expected = leaves_by_path(tree)
             assert loaded.keys() == expected.keys(), name
             assert all(same(loaded[k], expected[k]) for k in expected), name
@@ -198,6 +202,8 @@ def test_models_without_arrays(tmp_path, name, model):
     bridge.save(tmp_path / name, model)
     back = bridge.load(tmp_path / name, like=model)
     assert jtu.tree_structure(back) == jtu.tree_structure(model)
+    alone = bridge.load(tmp_path / name)
     if isinstance(model, dict):
         assert back == model
-    assert jtu.tree_leaves(bridge.load(tmp_path / name)) == []
+        assert bridge.to_native(alone) == model  # the empty dicts without `like` too
+    assert jtu.tree_leaves(alone) == []

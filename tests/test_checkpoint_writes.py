@@ -17,6 +17,8 @@ import pytest
 import bridge
 from bridge._io import _atomic
 
+from .helpers import in_threads
+
 
 FORMATS = ["m.safetensors", "m.msgpack", "ckpt"]
 
@@ -88,35 +90,16 @@ def test_an_interrupted_directory_swap_is_undone(tmp_path, monkeypatch):
     only(tmp_path, "ckpt")
 
 
-def in_threads(save, count):
-    """Run `save(i)` for i in range(count), each in its own thread, all at once;
-    returns the exceptions raised."""
-    errors = []
-
-    def run(i):
-        try:
-            save(i)
-        except Exception as e:  # collected: the caller asserts there are none
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
-
-
 @pytest.mark.parametrize("name", FORMATS)
 def test_concurrent_saves_to_one_path_end_with_one_whole_checkpoint(tmp_path, name):
     path = tmp_path / name
-    assert in_threads(lambda v: bridge.save(path, params(v)), 6) == []
+    in_threads(lambda v: bridge.save(path, params(v)), 6)  # raises what a save raised
     assert value_of(path) in range(6)
     only(tmp_path, name)
 
 
 def test_orbax_saves_to_several_paths_from_threads(tmp_path):
-    assert in_threads(lambda i: bridge.save(tmp_path / f"c{i}", params(i)), 4) == []
+    in_threads(lambda i: bridge.save(tmp_path / f"c{i}", params(i)), 4)
     assert [value_of(tmp_path / f"c{i}") for i in range(4)] == [0, 1, 2, 3]
 
 

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from flax.errors import InvalidRngError
 
 from .._paths import Key, Path, path_of, path_str
-from .._tree import Held, Maker, Recent, Tree, items, native_leaves
+from .._tree import Held, Maker, Recent, Tree, items, native_leaves, source_of
 from ._registry import Adapter, register_adapter
 
 
@@ -416,6 +416,23 @@ def _like(target: Any, tree: Tree) -> Any:
     return to_linen(tree)
 
 
+def _empty(tree: Tree) -> list[tuple[str, Path]]:
+    """The variables' empty mappings (`{"params": {"a": {}}}` -> `("params",
+    ("a",))`), read from the structure `to_linen` rebuilds."""
+    record: LinenRecord = source_of(tree, "linen").record  # pyright: ignore[reportAssignmentType]
+    treedef = record.treedef
+    variables = jtu.tree_unflatten(treedef, [None] * treedef.num_leaves)
+    out: list[tuple[str, Path]] = []
+    stack = [(str(role), (), node) for role, node in reversed(variables.items())]
+    while stack:  # depth first, in the variables' order
+        role, path, node = stack.pop()
+        if _node_kind(type(node)) == _MAPPING:
+            if not node:
+                out.append((role, path))
+            stack += [(role, path + (k,), v) for k, v in reversed(node.items())]
+    return out
+
+
 def _forward(
     tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
 ) -> tuple[Any, Tree | None]:
@@ -451,5 +468,6 @@ ADAPTER = register_adapter(
         infer=_infer,
         bind=bind,
         records_classes=False,
+        empty=_empty,
     )
 )

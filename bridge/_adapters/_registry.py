@@ -84,6 +84,10 @@ class Adapter(NamedTuple):
       settings)}` and the classes already imported `{path: class}` (Equinox: a
       skeleton model, `_skeleton.py`). Without it, a file of this framework is read
       as Flax variables, `{role: {module: {name: array}}}`.
+    - `empty`: optional, `empty(tree) -> [(role, path), ...]`: the native model's
+      empty mappings, which a Tree of arrays cannot show (Linen's `{"params": {"a":
+      {}}}` gives `("params", ("a",))`); checkpoints record them, so `load` without
+      `like` gives them back.
     """
 
     name: str
@@ -103,6 +107,7 @@ class Adapter(NamedTuple):
     records_classes: bool = True
     settings: Callable[[Any], dict[str, Any]] | None = None
     from_file: Callable[..., Tree] | None = None
+    empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
 
 
 _ADAPTERS: dict[str, Adapter] = {}

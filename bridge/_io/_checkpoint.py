@@ -171,7 +171,12 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
         if (cls := kind(node)) is not None
     )
     layout = "" if adapter is None else adapter.layout
-    contents = Contents(Path(), "", fw, layout, VERSION, modules, user, tuple(tensors))
+    empty = (
+        () if adapter is None or adapter.empty is None else tuple(adapter.empty(tree))
+    )
+    contents = Contents(
+        Path(), "", fw, layout, VERSION, modules, user, tuple(tensors), empty=empty
+    )
     return contents, arrays
 
 
@@ -496,6 +501,10 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         for key in s.path[:-1]:
             node = node.setdefault(key, {})
         node[s.path[-1]] = arrays[s.key]
+    for role, path in contents.empty:  # checked: none holds or is inside an array
+        node = variables.setdefault(role, {})
+        for key in path:
+            node = node.setdefault(key, {})
     plain = from_linen(variables)
     # the same Tree, with the recorded classes (NNX's): they tell bridge.port each
     # layer's kind

@@ -22,14 +22,22 @@ import jax
 import jax.numpy as jnp
 
 from .._adapters._torch import ROLE_OF
-from .._paths import Path as TreePath
+from .._paths import MAX_DEPTH, Path as TreePath
 
 
 try:
     VERSION = importlib.metadata.version("bridge")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
     VERSION = "unknown"
-RESERVED = ("bridge_version", "framework", "layout", "tensors", "modules", "training")
+RESERVED = (
+    "bridge_version",
+    "framework",
+    "layout",
+    "tensors",
+    "modules",
+    "training",
+    "empty",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +84,9 @@ class Contents:
     tensors: tuple[Stored, ...]
     source: Any = dataclasses.field(default=None, compare=False, repr=False)
     training: str = ""  # JSON: a training checkpoint's optimizer state, step, extras
+    # the model's empty mappings, which hold no array: `(role, path)`, e.g.
+    # `("params", ("a",))` for Linen's `{"params": {"a": {}}}`
+    empty: tuple[tuple[str, TreePath], ...] = ()
 
     def close(self) -> None:
         """Close what the format opened (nothing is read after this)."""
@@ -125,6 +136,11 @@ def encode(contents: Contents) -> dict[str, str]:
         "tensors": json.dumps(tensors),
         "modules": json.dumps([[list(p), c, f] for p, c, f in contents.modules]),
         **({"training": contents.training} if contents.training else {}),
+        **(
+            {"empty": json.dumps([[r, list(p)] for r, p in contents.empty])}
+            if contents.empty
+            else {}
+        ),
     }
 
 
@@ -140,7 +156,6 @@ DTYPE_NAMES = frozenset(
     "float8_e3m4 float8_e4m3 float8_e4m3b11fnuz float8_e4m3fn float8_e4m3fnuz "
     "float8_e5m2 float8_e5m2fnuz float8_e8m0fnu".split()
 )
-MAX_DEPTH = 512  # path elements: far beyond any model, well within recursion limits
 
 
 def _json(meta: Mapping[str, str], key: str) -> Any:
@@ -272,6 +287,39 @@ def _check_paths(tensors: tuple[Stored, ...]) -> None:
                 )
 
 
+def _empty(
+    entries: Any, tensors: tuple[Stored, ...]
+) -> tuple[tuple[str, TreePath], ...]:
+    """The `empty` metadata, checked: `[[role, path], ...]`, each an empty mapping, so
+    neither an array's path nor around or inside one of the same role."""
+    if not isinstance(entries, list):
+        raise Malformed(f"its 'empty' metadata is a {type(entries).__name__}")
+    out = []
+    for entry in entries:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and entry[0]
+            and (entry[1] == [] or _is_path(entry[1]))
+        ):
+            raise Malformed(f"an 'empty' entry {_short(entry)} is not [role, path]")
+        out.append((entry[0], tuple(entry[1])))
+    if not out:
+        return ()
+    around = {(s.role, s.path[:n]): s.key for s in tensors for n in range(len(s.path))}
+    arrays = {(s.role, s.path): s.key for s in tensors}
+    for role, path in out:
+        inside = (arrays.get((role, path[:n])) for n in range(len(path) + 1))
+        key = around.get((role, path)) or next(filter(None, inside), None)
+        if key is not None:
+            raise Malformed(
+                f"the empty mapping {role}:{_short(list(path))} holds or is tensor "
+                f"{key!r}, or is inside it"
+            )
+    return tuple(out)
+
+
 def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
     if not (
         isinstance(entry, list)
@@ -362,6 +410,7 @@ def decode(
     training = meta.get("training", "")
     if not isinstance(training, str):
         raise Malformed("its 'training' metadata is not a string")
+    empty = _empty(_json(meta, "empty") if "empty" in meta else [], tensors)
     return Contents(
         path,
         fmt,
@@ -373,4 +422,5 @@ def decode(
         tensors,
         source,
         training,
+        empty,
     )

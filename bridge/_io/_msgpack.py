@@ -24,8 +24,9 @@ import msgpack
 import numpy as np
 from flax import serialization
 
+from .._paths import MAX_DEPTH
 from ._atomic import atomic_file
-from ._contents import DTYPE_NAMES, MAX_DEPTH, Contents, Malformed, Stored, dotted
+from ._contents import DTYPE_NAMES, Contents, Malformed, Stored, dotted
 from ._errors import unreadable
 from ._files import open_regular, read_at, size
 from ._format import Format, register_format
@@ -45,6 +46,10 @@ def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
         for key in map(str, s.path[:-1]):
             node = node.setdefault(key, {})
         node[str(s.path[-1])] = np.asarray(arrays[s.key])
+    for role, keys in contents.empty:
+        node = variables.setdefault(role, {})
+        for key in map(str, keys):
+            node = node.setdefault(key, {})
     # in_place: flax copies the tree with jax.tree.map otherwise, which sorts keys
     data = serialization.msgpack_serialize(variables, in_place=True)
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
@@ -108,8 +113,11 @@ def _key(key: Any) -> str | int:
     return int(key) if key.isdigit() else key
 
 
-def _arrays(variables: Any) -> Iterator[tuple[tuple[str | int, ...], np.ndarray]]:
-    """Every `(path, array)` of the nested dicts, in the file's order."""
+def _arrays(
+    variables: Any,
+) -> Iterator[tuple[tuple[str | int, ...], np.ndarray | None]]:
+    """Every `(path, array)` of the nested dicts, in the file's order, and
+    `(path, None)` for each empty dict."""
     if not isinstance(variables, dict):
         raise Malformed(f"it holds a {type(variables).__name__}, not a dict of arrays")
     stack: list[tuple[tuple[str | int, ...], Any]] = [((), variables)]
@@ -120,6 +128,8 @@ def _arrays(variables: Any) -> Iterator[tuple[tuple[str | int, ...], np.ndarray]
         if isinstance(node, np.ndarray):
             yield path, node
         elif isinstance(node, dict):
+            if not node and path:
+                yield path, None
             children = [(path + (_key(k),), v) for k, v in node.items()]
             stack.extend(reversed(children))
         else:
@@ -128,9 +138,12 @@ def _arrays(variables: Any) -> Iterator[tuple[tuple[str | int, ...], np.ndarray]
 
 
 def _contents(path: Path, variables: Any) -> Contents:
-    tensors, arrays = [], {}
+    tensors, arrays, empty = [], {}, []
     for keys, array in _arrays(variables):
-        if len(keys) < 2 or not isinstance(keys[0], str):
+        if array is None and isinstance(keys[0], str):
+            empty.append((keys[0], keys[1:]))
+            continue
+        if array is None or len(keys) < 2 or not isinstance(keys[0], str):
             where = dotted(keys) or "the top level"
             raise Malformed(f"{where} is an array outside a collection")
         role, rest = keys[0], keys[1:]
@@ -139,7 +152,9 @@ def _contents(path: Path, variables: Any) -> Contents:
             raise Malformed(f"two arrays of collection {role!r} are named {name!r}")
         arrays[name] = array
         tensors.append(Stored(name, rest, role, array.shape, str(array.dtype)))
-    return Contents(path, NAME, None, "", None, (), {}, tuple(tensors), arrays)
+    return Contents(
+        path, NAME, None, "", None, (), {}, tuple(tensors), arrays, empty=tuple(empty)
+    )
 
 
 def metadata(path: Path) -> Contents:

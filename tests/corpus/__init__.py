@@ -457,6 +457,27 @@ def cases() -> list[Case]:
         Case("metadata", "module entry short", _meta("modules", json.dumps([[[]]]))),
         Case("metadata", "modules nested deep", _meta("modules", _nested_list(50_000))),
         Case("metadata", "no tensors key", _meta("tensors", None)),
+        Case("metadata", "empty not JSON", _meta("empty", "[[")),
+        Case("metadata", "empty a dict", _meta("empty", json.dumps({"a": 1}))),
+        Case("metadata", "empty entry short", _meta("empty", json.dumps([["params"]]))),
+        Case("metadata", "empty role an int", _meta("empty", json.dumps([[3, []]]))),
+        Case("metadata", "empty role blank", _meta("empty", json.dumps([["", []]]))),
+        Case(
+            "metadata",
+            "empty around an array",
+            _meta("empty", json.dumps([["params", ["layers"]]])),
+        ),
+        Case(
+            "metadata",
+            "empty at an array",
+            _meta("empty", json.dumps([["params", ["layers", 0, "kernel"]]])),
+        ),
+        Case(
+            "metadata",
+            "empty inside an array",
+            _meta("empty", json.dumps([["params", ["layers", 0, "kernel", "x"]]])),
+        ),
+        Case("metadata", "empty nested deep", _meta("empty", _nested_list(50_000))),
         # keys that sort badly or are odd (a file bridge did not write)
         Case("keys", "empty segment", _plain([("a..b", [1])])),
         Case("keys", "leading dot", _plain([(".a", [1])])),
