@@ -7,14 +7,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, Sharding
+from jax._src import mesh as mesh_lib
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, Sharding
 
 
 _NO_MESH = """\
 The target's array at {where} is sharded over an abstract mesh {mesh} (the
 `nnx.eval_shape` / `jax.eval_shape` of a model made under `jax.set_mesh`), and no
 concrete mesh with those axes is in context to place it on. Call under the same mesh:
-`with jax.set_mesh(mesh): bridge.port(...)` (or `bridge.load(...)`)."""
+`with jax.set_mesh(mesh): bridge.port(...)` (or `bridge.load(...)`; before JAX 0.7.1,
+`with jax.sharding.use_mesh(mesh):`)."""
 
 
 def sharding_of(leaf: Any, where: str = "") -> Sharding | None:
@@ -26,8 +28,8 @@ def sharding_of(leaf: Any, where: str = "") -> Sharding | None:
     if not isinstance(sharding, Sharding):
         return None
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
-        mesh = jax.sharding.get_mesh()
-        if mesh.empty or (mesh.axis_names, mesh.axis_sizes) != (
+        mesh = _mesh_in_context()
+        if mesh is None or (mesh.axis_names, mesh.axis_sizes) != (
             sharding.mesh.axis_names,
             sharding.mesh.axis_sizes,
         ):
@@ -36,6 +38,15 @@ def sharding_of(leaf: Any, where: str = "") -> Sharding | None:
             )
         sharding = NamedSharding(mesh, sharding.spec)
     return sharding
+
+
+def _mesh_in_context() -> Mesh | None:
+    """The concrete mesh in context, or None. `jax.sharding.get_mesh` is what
+    `jax.set_mesh` sets; JAX before 0.7.1 (`jax.sharding.use_mesh`) has no public
+    accessor, only the one `get_mesh` calls now."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None) or mesh_lib.get_concrete_mesh
+    mesh = get_mesh()
+    return None if mesh is None or mesh.empty else mesh
 
 
 def place(array: Any, sharding: Sharding | None) -> Any:

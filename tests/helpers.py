@@ -68,6 +68,9 @@ FEATURES = {
         "0.13.0",
         lambda: "mode" in inspect.signature(eqx.nn.BatchNorm).parameters,
     ),
+    # a mesh in context for shardings on an abstract mesh (`jax.sharding.use_mesh`
+    # before); jax.make_mesh's `axis_types` is older (keyword-only there)
+    "jax.set_mesh": Feature("jax", "0.7.1", lambda: hasattr(jax, "set_mesh")),
     # the reference writer used as an oracle, and the C64, F4, F8_E8M0 and FNUZ codes
     # in safetensors' own reader (bridge reads and writes them with any safetensors)
     "safetensors.TensorSpec": Feature(

@@ -61,7 +61,7 @@ def main(port, process_id, directory):
         f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
     assert jax.device_count() == 8 and jax.local_device_count() == 4
-    mesh = jax.make_mesh((4, 2), ("data", "model"), (AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
     def spread(x, spec):
         host = np.asarray(x)

@@ -11,6 +11,11 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import bridge
+from bridge._io import _safetensors
+from bridge._port import _port
+
+from . import test_port_stacked as stacked
+from .helpers import requires, skip_unless
 
 
 IN, HIDDEN, OUT = 8, 16, 4
@@ -21,7 +26,7 @@ def mesh():
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py sets 8 CPU devices)")
     # Auto axes: jax.make_mesh's default, Explicit, breaks NNX's embedding gather
-    return jax.make_mesh((4, 2), ("data", "model"), (AxisType.Auto, AxisType.Auto))
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
 def spec_of(shape):
@@ -65,6 +70,7 @@ def equinox_mlp(key):
 
 
 def nnx_abstract(mesh):
+    skip_unless("NNX")
     model = nnx.eval_shape(lambda: NnxMLP(nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, sharded_abstract(state, mesh))
@@ -84,6 +90,7 @@ ABSTRACT = {"nnx": nnx_abstract, "linen": linen_abstract, "equinox": equinox_abs
 
 def concrete(kind):
     if kind == "nnx":
+        skip_unless("NNX")
         return NnxMLP(nnx.Rngs(1))
     if kind == "linen":
         return LinenMLP().init(jax.random.key(1), jnp.ones((1, IN)))
@@ -135,6 +142,7 @@ def test_load_into_an_abstract_sharded_target(mesh, tmp_path, kind, suffix):
     assert all(np.array_equal(got[k], want[k]) for k in got)
 
 
+@requires("NNX", "jax.set_mesh")
 def test_nnx_partitioning_metadata_under_the_mesh(mesh, tmp_path):
     """`nnx.eval_shape` under `jax.set_mesh` gives shardings on the abstract mesh."""
     with jax.set_mesh(mesh):
@@ -148,3 +156,116 @@ def test_nnx_partitioning_metadata_under_the_mesh(mesh, tmp_path):
     match = r"(?s)abstract mesh.*with jax.set_mesh\(mesh\)"
     with pytest.raises(ValueError, match=match):
         bridge.port(concrete("linen"), abstract)
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dense(self.norm(x))
+
+
+class NnxLooped(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([NnxBlock(rngs) for _ in range(3)])
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def per_layer(kind):
+    """Three blocks (LayerNorm, Dense) and a head, one module per block."""
+    if kind == "nnx":
+        skip_unless("NNX")
+        return NnxLooped(nnx.Rngs(3))
+    if kind == "linen":
+        return stacked.Looped(), stacked.Looped().init(jax.random.key(3), stacked.X)
+    return stacked.EqxLooped(jax.random.key(3))
+
+
+@pytest.mark.parametrize("source", ["nnx", "linen", "equinox"])
+def test_per_layer_layers_into_an_abstract_sharded_stack(mesh, source):
+    """An `nn.scan` stack (leading layer axis) built from per-layer layers has the
+    target's sharding, as every other ported array."""
+    src = per_layer(source)
+    init = jax.eval_shape(stacked.Scanned().init, jax.random.key(0), stacked.X)
+
+    def sharded(x):  # a stack's layer axis unsharded, each layer as spec_of says
+        spec = P(None, *spec_of(x.shape[1:])) if x.shape[0] == 3 else spec_of(x.shape)
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
+        )
+
+    abstract = stacked.Scanned(), jax.tree_util.tree_map(sharded, init)
+    out = bridge.port(src, abstract)
+    wants = by_path(bridge._adapters._native.placeholders(abstract))
+    outs = by_path(out)
+    assert outs.keys() == wants.keys()
+    stacks = [p for p in outs if p.startswith(".blocks.")]
+    assert {outs[p].shape[0] for p in stacks} == {3} and len(stacks) == 4
+    for path, x in outs.items():
+        assert x.sharding == wants[path].sharding, (path, x.sharding)
+    assert any(outs[p].sharding.spec == P(None, "data", "model") for p in stacks)
+    assert bridge.compare(src, out, stacked.X) < 1e-5
+
+
+FILE_PAIRS = [(s, t) for s in ABSTRACT for t in ABSTRACT if s != t]
+
+
+@pytest.mark.parametrize(("source", "target"), FILE_PAIRS)
+def test_load_from_another_framework_reads_array_by_array(
+    mesh, tmp_path, monkeypatch, source, target
+):
+    """Loading another framework's safetensors file into an abstract sharded target
+    ports it while reading it: each layer's arrays are read from the file just before
+    they are converted and placed, never the whole file first."""
+    model = concrete(source)
+    bridge.save(tmp_path / "m.safetensors", model)
+    read, placed = [], []
+    real_read, real_place = _safetensors.read_one, _port.place
+
+    def reading(contents, name, **kwargs):
+        read.append(name)
+        return real_read(contents, name, **kwargs)
+
+    def placing(array, sharding):
+        placed.append(len(read))
+        return real_place(array, sharding)
+
+    monkeypatch.setattr(_safetensors, "read_one", reading)
+    monkeypatch.setattr(_port, "place", placing)
+    abstract = ABSTRACT[target](mesh)
+    out = bridge.load(tmp_path / "m.safetensors", like=abstract)
+    assert_placed(out, abstract)
+    assert len(read) == 4 and placed[0] <= 2, (read, placed)
+    x = jax.random.normal(jax.random.key(2), (3, IN))
+    assert np.allclose(forward(out, x), forward(model, x), atol=1e-5)
+
+
+def test_an_abstract_mesh_is_resolved_against_the_mesh_in_context(mesh):
+    """Shardings on an abstract mesh (as `nnx.eval_shape` gives under the mesh) are
+    placed on the mesh in context: `jax.set_mesh`, or `jax.sharding.use_mesh` on the
+    JAX releases before it (no `jax.sharding.get_mesh` there)."""
+    in_context = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+
+    def on_abstract_mesh(x):
+        sharding = NamedSharding(mesh.abstract_mesh, spec_of(x.shape))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    shapes = jax.eval_shape(LinenMLP().init, jax.random.key(0), jnp.ones((1, IN)))
+    target = jax.tree_util.tree_map(on_abstract_mesh, shapes)
+    source = concrete("equinox")
+    with in_context(mesh):
+        out = bridge.port(source, target)
+    for path, x in by_path(out).items():
+        want = NamedSharding(mesh, spec_of(x.shape))
+        assert x.sharding.is_equivalent_to(want, x.ndim), path
+    x = jax.random.normal(jax.random.key(2), (3, IN))
+    assert np.allclose(forward(out, x), forward(source, x), atol=1e-5)
+    with pytest.raises(ValueError, match=r"(?s)abstract mesh.*jax.set_mesh\(mesh\)"):
+        bridge.port(source, target)

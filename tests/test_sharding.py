@@ -72,7 +72,7 @@ def test_nnx(mesh):
     assert back.dense.kernel[...].sharding == NamedSharding(mesh, P(None, "model"))
 
 
-@requires("NNX")
+@requires("NNX", "jax.set_mesh")
 def test_nnx_partitioning_annotations_survive(mesh):
     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
     with jax.set_mesh(mesh):

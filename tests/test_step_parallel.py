@@ -92,7 +92,10 @@ def test_pmap_replicas_agree_with_the_single_device_step():
 def test_shard_map_agrees_with_the_single_device_step():
     tree, step = setup("batch")
     mesh = jax.make_mesh(
-        (DEVICES,), ("batch",), (AxisType.Auto,), devices=jax.devices()[:DEVICES]
+        (DEVICES,),
+        ("batch",),
+        axis_types=(AxisType.Auto,),
+        devices=jax.devices()[:DEVICES],
     )
     sharded = jax.jit(
         jax.shard_map(

@@ -449,6 +449,25 @@ def read(
     return out
 
 
+_LAZY = (_safetensors.NAME, _sharded.NAME)  # the formats read array by array
+
+
+def _lazy(contents: Contents) -> dict[str, Any]:
+    """Every array of a safetensors or sharded checkpoint by dotted name, as a
+    `LazyArray` that `bridge.port` reads when it converts its layer (then places and
+    drops it), so that a port holds the model being filled plus about one array of
+    the file. Typed PRNG keys and 64-bit arrays JAX would truncate (small) are read
+    now, as `read` gives them."""
+    arrays: dict[str, Any] = dict(_sharded.lazy(contents))
+    for s in contents.tensors:
+        if s.prng_impl is not None:
+            data = jax.device_put(arrays[s.key].read())
+            arrays[s.key] = jax.random.wrap_key_data(data, impl=s.prng_impl)
+        elif not _fits_jax(np.dtype(arrays[s.key].dtype)):
+            arrays[s.key] = np.array(arrays[s.key].read())
+    return arrays
+
+
 def _natural(path: tuple) -> tuple:
     return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
 
@@ -593,7 +612,8 @@ def load(
       When the file has exactly `like`'s arrays (same dotted paths, shapes, dtypes)
       they are read straight into it; when it was saved from another framework, its
       arrays go through `bridge.port` (layers paired by kind, shape and order,
-      layouts converted).
+      layouts converted), read from a safetensors file as each layer is converted,
+      so memory holds the filled model plus about one array of the file.
     - `opt_state_like`: optional, with `like`: the optimizer state to fill, as the
       target's optimizer makes it (`tx.init(params)`, `step.init(tree)`, an
       `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
@@ -662,8 +682,8 @@ def load(
             )
         else:
             try:
-                if contents.layout == "torch":  # read while porting, shard by shard
-                    source = file_tree(contents, _sharded.lazy(contents))
+                if contents.format in _LAZY:  # read while porting, array by array
+                    source = file_tree(contents, _lazy(contents))
                     model = port(source, like, dtype=dtype)
                 else:
                     source = file_tree(contents, read(contents))

@@ -139,7 +139,9 @@ def _known(node: Tree, keys: list[Key]) -> bool:
         return True
     if isinstance(cls, type) and issubclass(cls, eqx.Module):
         return True
-    if isinstance(cls, type) and issubclass(cls, nnx.Pytree):
+    # nnx.Pytree: flax >= 0.12 (older flax has no NNX adapter, and no NNX trees)
+    pytree = getattr(nnx, "Pytree", None)
+    if isinstance(cls, type) and pytree is not None and issubclass(cls, pytree):
         names = [str(k) for k in keys]
         return names != sorted(names)
     return False  # a dict (Linen's): any order may come back, creation or not

@@ -154,7 +154,8 @@ def run(plan: Plan) -> Tree:
     def replace(path: Path, leaf: Any) -> Any:
         if path in slices:
             parts = slices[path]
-            return jnp.stack([_slice(parts, i, leaf) for i in range(leaf.shape[0])])
+            stack = jnp.stack([_slice(parts, i, leaf) for i in range(leaf.shape[0])])
+            return place(stack, sharding_of(leaf, path_str(path)))
         return new.get(path, leaf)
 
     return map_with_path(replace, plan._target)
@@ -217,6 +218,7 @@ def _placed(new: Any, like: Any, where: str) -> Any:
     (a no-op when they already agree, or when the target's leaf has none). A numpy
     array (from a PyTorch-layout state dict or a file) becomes a JAX array: the model
     owns it."""
-    if isinstance(new, np.ndarray):
-        new = jnp.asarray(new)
-    return place(new, sharding_of(like, where))
+    sharding = sharding_of(like, where)
+    if isinstance(new, np.ndarray) and sharding is None:
+        return jnp.asarray(new)
+    return place(new, sharding)  # a host array goes to each device shard by shard
