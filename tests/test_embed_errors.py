@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -78,3 +80,30 @@ def test_name_collision_in_nnx_wrapper():
 def test_mixing_guide_runs():
     code = run_markdown(Path(__file__).parent.parent / "docs/guides/mixing.md")
     assert all(f"bridge.as_{fw}(" in code for fw in ("nnx", "linen", "equinox"))
+
+
+def test_a_model_bridge_cannot_run_is_refused():
+    state_dict = {"layer.weight": np.ones((2, 3), np.float32)}
+    with pytest.raises(
+        TypeError, match=r"(?s)cannot run a PyTorch-layout model.*bridge\.port\("
+    ):
+        bridge.as_nnx(state_dict)
+
+
+def test_an_equinox_model_with_state_must_return_it():
+    class Counter(eqx.Module):
+        index: eqx.nn.StateIndex
+
+        def __init__(self):
+            self.index = eqx.nn.StateIndex(jnp.zeros(()))
+
+        def __call__(self, x, state):
+            return x + state.get(self.index)  # forgets to return the state
+
+    model, state = eqx.nn.make_with_state(Counter)()
+    wrapper = bridge.as_linen((model, state))
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)must return `\(output, new_state\)`, but it returned.a ArrayImpl",
+    ):
+        wrapper.init(jax.random.key(0), jnp.ones(2))

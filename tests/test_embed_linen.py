@@ -127,9 +127,9 @@ def test_port_an_nnx_module_inside_linen():
     assert jnp.allclose(target.apply(ported, x), model.apply(variables, x), atol=1e-6)
 
 
-def test_port_refuses_an_equinox_model_inside_linen():
-    # inside Linen, an Equinox model's layers have no class and Equinox layouts:
-    # refused, naming them (never a guess)
+def test_port_needs_the_module_of_a_linen_model_holding_an_equinox_model():
+    # inside Linen variables alone, an Equinox model's layers have no class and
+    # Equinox layouts: refused, naming them and the fix; with the module, ported
     mlp = native("equinox", "mlp")
     x, _ = inputs("mlp")
     model = Outer(bridge.as_linen(mlp))
@@ -138,12 +138,16 @@ def test_port_refuses_an_equinox_model_inside_linen():
     class AllLinen(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(3)(nn.Dense(2)(nn.Dense(5)(x)))
+            return nn.Dense(3)(nn.Dense(2)(jax.nn.relu(nn.Dense(5)(x))))
 
     target = AllLinen()
-    # (its arrays are loose arrays, kind Array, that no Linen Dense takes)
+    target_vars = target.init(jax.random.key(2), x)
     with pytest.raises(
         bridge.PortError,
-        match=r"unexpected: source layer \.enc\.mlp\.layers\[0\]\.weight \(Array",
+        match=r"(?s)unexpected: source layer \.enc\.mlp\.layers\[0\]\.weight \(Array"
+        r".*the source is Linen variables without their module.*"
+        r"pass `\(module, variables\)`",
     ):
-        bridge.port((model, variables), (target, target.init(jax.random.key(2), x)))
+        bridge.port(variables, (target, target_vars))
+    _, ported = bridge.port((model, variables), (target, target_vars))
+    assert jnp.allclose(target.apply(ported, x), model.apply(variables, x), atol=1e-6)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -14,6 +15,10 @@ from .._placement import placeholder
 from .._tree import Held, Tree, build, native_leaves, source_of
 from ._registry import Adapter, register_adapter
 from ._skeleton import settings, skeleton
+
+
+if TYPE_CHECKING:
+    from .._embed._keys import Keys
 
 
 _FOREIGN_STATE = """\
@@ -266,6 +271,56 @@ def _forward(
     return result[0], from_equinox(model, result[1])
 
 
+_EMBEDDED_STATE_FORM = """\
+The wrapped Equinox model has an eqx.nn.State, so it is called as
+`model(*args, state, **kwargs)` and must return `(output, new_state)`, but it returned
+{got}."""
+
+
+def _embed(
+    tree: Tree, args: tuple, kwargs: dict[str, Any], keys: Keys, inference: Any
+) -> tuple[Any, Tree | None, tuple[str, ...]]:
+    """A call inside a wrapper: `inference` sets `eqx.nn.inference_mode`; a model
+    whose `__call__` takes `key` gets `keys.one()` (unless the call gives `key=`); a
+    model with a `State` is called `model(*args, state, **kwargs) -> (out, state)`."""
+    native = to_equinox(tree)
+    model, state = native if isinstance(native, tuple) else (native, None)
+    if inference is not None:
+        model = eqx.nn.inference_mode(model, inference)
+    if "key" not in kwargs and _takes_key(model):
+        key = keys.one()
+        kwargs = kwargs if key is None else {**kwargs, "key": key}
+    if state is None:
+        return model(*args, **kwargs), None, ()
+    result = model(*args, state, **kwargs)
+    if not (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[1], eqx.nn.State)
+    ):
+        raise TypeError(_EMBEDDED_STATE_FORM.format(got=_describe(result)))
+    return result[0], from_equinox(model, result[1]), ()
+
+
+_TAKES_KEY: dict[type, bool] = {}
+
+
+def _takes_key(model: Any) -> bool:
+    """Whether an Equinox model's `__call__` has a `key` argument (or `**kwargs`)."""
+    cls = type(model)
+    known = _TAKES_KEY.get(cls)
+    if known is None:
+        try:
+            parameters = inspect.signature(cls.__call__).parameters.values()
+        except (TypeError, ValueError):
+            parameters = ()
+        known = _TAKES_KEY[cls] = any(
+            p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in parameters
+        )
+    return known
+
+
 def _describe(result: Any) -> str:
     if isinstance(result, tuple):
         inner = ", ".join(type(x).__name__ for x in result)
@@ -321,5 +376,6 @@ ADAPTER = register_adapter(
         modules=_model,
         settings=settings,
         from_file=_from_file,
+        embed=_embed,
     )
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
 import jax.tree_util as jtu
@@ -12,6 +12,10 @@ from flax.errors import InvalidRngError
 from .._paths import Key, Path, path_of, path_str
 from .._tree import Held, Maker, Recent, Tree, items, native_leaves, source_of
 from ._registry import Adapter, register_adapter
+
+
+if TYPE_CHECKING:
+    from .._embed._keys import Keys
 
 
 _COLLISION = """\
@@ -370,8 +374,10 @@ def bind(tree: Tree, rngs: Any = None) -> Any:
 
 
 _UNBOUND = """\
-An unbound Linen module holds no weights: pass its variables too, as
-bridge.to_neutral((module, variables)) or bridge.from_linen(variables, module)."""
+An unbound Linen module holds no weights (a Linen module without variables).
+Initialise it first and pass both:
+    variables = module.init(jax.random.key(0), example_input)
+    (module, variables)    # or module.bind(variables)"""
 
 _NEEDS_RNGS = """\
 {error}
@@ -446,6 +452,17 @@ def _forward(
     return out, from_linen(native.variables, linen_module(tree))
 
 
+def _embed(
+    tree: Tree, args: tuple, kwargs: dict[str, Any], keys: Keys, inference: Any
+) -> tuple[Any, Tree, tuple[str, ...]]:
+    """A call inside a wrapper: bound with every stream of `keys` (as
+    `module.apply(rngs=...)`), every collection but `params` mutable. A Linen module
+    takes its mode as a call argument: `inference` is not used."""
+    native = bind(tree, keys.every())
+    out = native(*args, **kwargs)
+    return out, from_linen(native.variables, linen_module(tree)), ()
+
+
 def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(model, nn.Module):
         return model(*inputs, **kwargs)
@@ -469,5 +486,6 @@ ADAPTER = register_adapter(
         bind=bind,
         records_classes=False,
         empty=_empty,
+        embed=_embed,
     )
 )

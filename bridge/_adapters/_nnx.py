@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from flax import __version__ as flax_version, nnx
 from flax.nnx import variablelib
@@ -14,6 +14,10 @@ from flax.nnx.graph import Static
 from .._paths import Key, Path
 from .._tree import Held, Tree, build, native_leaves
 from ._registry import Adapter, register_adapter
+
+
+if TYPE_CHECKING:
+    from .._embed._keys import Keys
 
 
 FLAX_FOR_NNX = "0.12.1"
@@ -243,6 +247,25 @@ def _forward(
     )  # batch statistics, RNG counters: as the pass left them
 
 
+def _embed(
+    tree: Tree, args: tuple, kwargs: dict[str, Any], keys: Keys, inference: Any
+) -> tuple[Any, Tree, tuple[str, ...]]:
+    """A call inside a wrapper: `inference` True/False calls `.eval()`/`.train()`
+    first; the RNG streams `keys.stream` has a key for are reseeded for this call
+    (`nnx.reseed`, as `nnx.bridge.ToLinen` does), and their state is not kept."""
+    module = to_nnx(tree)
+    if inference is not None:
+        module.eval() if inference else module.train()
+    tags = {
+        n.key.tag for _, n in nnx.iter_graph(module) if isinstance(n, nnx.RngStream)
+    }
+    reseeds = {tag: k for tag in sorted(tags) if (k := keys.stream(tag)) is not None}
+    if reseeds:
+        nnx.reseed(module, **reseeds)
+    out = module(*args, **kwargs)
+    return out, from_nnx(module), ("rngs",) if reseeds else ()
+
+
 def _infer(model: nnx.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     model = nnx.clone(model)
     model.eval()
@@ -263,5 +286,6 @@ ADAPTER = register_adapter(
         rngs_hint="An NNX model carries its RNG state (nnx.Rngs) in the model, and "
         "bridge.make_step carries it from step to step: drop `rngs`.",
         modules=to_nnx,
+        embed=_embed,
     )
 )

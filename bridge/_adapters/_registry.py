@@ -88,6 +88,15 @@ class Adapter(NamedTuple):
       empty mappings, which a Tree of arrays cannot show (Linen's `{"params": {"a":
       {}}}` gives `("params", ("a",))`); checkpoints record them, so `load` without
       `like` gives them back.
+    - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
+      after, kept)`: run the model once inside a wrapper of another framework
+      (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
+      keys (`bridge._embed._keys.Keys`: one key, a key per stream, or every stream),
+      `inference` the mode (True: evaluation, False: training, None: the model's
+      own). Returns the output, the Tree after the call (None: the call writes no
+      state) and the roles whose new values are not kept (an NNX module's RNG
+      streams, reseeded for the call). Without it, the framework's models cannot be
+      wrapped.
     """
 
     name: str
@@ -108,6 +117,7 @@ class Adapter(NamedTuple):
     settings: Callable[[Any], dict[str, Any]] | None = None
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
+    embed: Callable[..., tuple[Any, Tree | None, tuple[str, ...]]] | None = None
 
 
 _ADAPTERS: dict[str, Adapter] = {}

@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
+from ._keys import same_key
 
 
 _NO_STATE = """\
@@ -113,19 +114,8 @@ class EquinoxWrapper(eqx.Module):
             leaves = [state.get(x) if _is_index(x) else x for x in held]
         else:
             leaves = held
-        linen_rngs = nnx_key = None
-        if key is not None and inner.framework == "linen":
-            linen_rngs = key
-        elif key is not None:
-            nnx_key = key
         out, changed = run(
-            inner,
-            leaves,
-            args,
-            kwargs,
-            linen_rngs=linen_rngs,
-            streams=None if nnx_key is None else (lambda _: nnx_key),
-            inference=self.inference,
+            inner, leaves, args, kwargs, keys=same_key(key), inference=self.inference
         )
         if state is None:
             return out

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
 
+from .._adapters._linen import LinenRecord, to_linen
 from .._paths import Key, Path, path_str
+from .._tree import Tree
 from ._inner import Inner, inner_of, run
+from ._keys import Keys
 
 
 _NOT_MUTABLE = """\
@@ -120,31 +124,25 @@ class LinenWrapper(nn.Module):
             value = variables[role, top].value
             for i, rest in members:
                 leaves[i] = _get(value, rest)
-        key = None
-        if inner.framework == "equinox" and inner.takes_key and self._has_rng():
-            key = self.make_rng(self.stream)
-        streams = None
-        if inner.framework == "nnx":
-            streams = self._stream_key
+        keys = Keys(self._one_key, self._stream_key, self._every_key)
         out, changed = run(
-            inner,
-            leaves,
-            args,
-            kwargs,
-            key=key,
-            streams=streams,
-            inference=self.inference,
+            inner, leaves, args, kwargs, keys=keys, inference=self.inference
         )
         if changed and not self.is_initializing():
             self._write(inner, groups, variables, leaves, changed)
         return out
 
-    def _has_rng(self) -> bool:
+    def _one_key(self) -> Any:
         # Linen's make_rng falls back to the "params" stream, as init has it
-        return self.has_rng(self.stream) or self.has_rng("params")
+        if self.has_rng(self.stream) or self.has_rng("params"):
+            return self.make_rng(self.stream)
+        return None
 
     def _stream_key(self, tag: str) -> Any:
         return self.make_rng(tag) if self.has_rng(tag) else None
+
+    def _every_key(self) -> dict[str, Any]:
+        return {tag: self.make_rng(tag) for tag in self.scope.rngs}  # pyright: ignore
 
     def _write(self, inner, groups, variables, leaves, changed) -> None:
         refused = sorted({inner.roles[i] for i in changed} - set(self._mutable()))
@@ -205,3 +203,40 @@ def _get(value: Any, path: Path) -> Any:
     for key in path:
         value = value[key]
     return value
+
+
+def linen_wrappers(tree: Tree) -> Iterator[tuple[Path, LinenWrapper]]:
+    """The `as_linen` wrappers of a Linen model's Tree, with their paths: those its
+    module (given to `bridge.from_linen`, or as `(module, variables)`) declares as
+    fields or in `setup`, at any depth below such submodules. A wrapper made inside a
+    compact `__call__` exists only while the model runs: it is not found. None
+    without the module (Linen variables record no module classes)."""
+    record = getattr(tree._info.source, "record", None)
+    if not isinstance(record, LinenRecord) or record.module.value is None:
+        return
+    module = record.module.value
+    if isinstance(module, LinenWrapper):
+        return
+    try:
+        bound = module.clone(parent=None).bind(to_linen(tree))
+    except Exception:  # variables the module does not take: no wrappers to find
+        return
+    yield from _declared(bound)
+
+
+def _declared(module: nn.Module) -> Iterator[tuple[Path, LinenWrapper]]:
+    module._try_setup()
+    for child in module._state.children.values():
+        if not isinstance(child, nn.Module) or child.scope is None:
+            continue
+        if isinstance(child, LinenWrapper):
+            yield tuple(child.scope.path), child
+        else:
+            yield from _declared(child)
+
+
+def without_module(tree: Tree) -> bool:
+    """Whether `tree` is a Linen model's Tree made from its variables alone (so the
+    `as_linen` wrappers in it cannot be found)."""
+    record = getattr(tree._info.source, "record", None)
+    return isinstance(record, LinenRecord) and record.module.value is None

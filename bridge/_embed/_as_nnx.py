@@ -12,6 +12,7 @@ from .._adapters._nnx import check_flax
 from .._paths import Path, path_str
 from .._tree import Tree, items
 from ._inner import Inner, inner_of, run
+from ._keys import Keys, same_key
 
 
 _OWN = ("deterministic", "rngs", "stream")
@@ -123,36 +124,36 @@ class NNXWrapper(nnx.Module):
         inner = self._bridge_inner
         variables = [_at(self, path) for path in inner.paths]
         leaves = [v.get_value() for v in variables]
-        rngs = self.rngs if rngs is None else rngs
-        linen_rngs = key = None
-        if rngs is not None and inner.framework == "linen":
-            linen_rngs = _linen_rngs(rngs)
-        elif rngs is not None:
-            key = rngs if isinstance(rngs, jax.Array) else getattr(rngs, self.stream)()
+        keys = _keys(self.rngs if rngs is None else rngs, self.stream)
         out, changed = run(
-            inner,
-            leaves,
-            args,
-            kwargs,
-            linen_rngs=linen_rngs,
-            key=key,
-            inference=self.deterministic,
+            inner, leaves, args, kwargs, keys=keys, inference=self.deterministic
         )
         for i, value in changed.items():
             variables[i].set_value(value)
         return out
 
 
-def _linen_rngs(rngs: Any) -> dict[str, Any]:
-    """One key per stream, as `nnx.bridge.ToNNX` draws them."""
+def _keys(rngs: Any, stream: str) -> Keys:
+    """The keys of an `nnx.Rngs` (or of one key), drawn when used: `one` from the
+    stream `stream`; `every` one key per stream, as `nnx.bridge.ToNNX` draws them
+    (`default` feeds Linen's `params` stream)."""
+    if rngs is None:
+        return Keys()
     if isinstance(rngs, jax.Array):
-        return {"params": rngs}
+        return same_key(rngs)
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(_RNGS.format(kind=type(rngs).__name__))
-    keys = {name: stream() for name, stream in rngs.items()}
-    if "params" not in keys and "default" in keys:
-        keys["params"] = keys.pop("default")
-    return keys
+
+    def named(tag: str) -> Any:
+        return rngs[tag]() if tag in rngs or "default" in rngs else None
+
+    def every() -> dict[str, Any]:
+        keys = {name: s() for name, s in rngs.items()}
+        if "params" not in keys and "default" in keys:
+            keys["params"] = keys.pop("default")
+        return keys
+
+    return Keys(lambda: getattr(rngs, stream)(), named, every)
 
 
 def _variable_type(role: str) -> type:

@@ -1,33 +1,66 @@
-"""The wrapped model inside an outer model's Tree, for the walks that look at layers
+"""The wrapped models inside an outer model's Tree, for the walks that look at layers
 (`bridge.port`, `bridge.port_plan`, `bridge.compare`).
 
 A wrapper's arrays sit in the outer Tree at the wrapper's path (`as_nnx`,
 `as_linen`) or under its `model` field (`as_equinox`), mirroring the wrapped model's
 own Tree. `embedded` rebuilds that Tree from the outer one, so its layers are found
-in the wrapped model's framework."""
+in the wrapped model's framework. Wrappers are found in the outer model's native
+modules (NNX, Equinox: every module is there) or, in a Linen model, among the
+submodules its module declares as fields or in `setup` (`_as_linen.linen_wrappers`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from .._paths import Path
-from .._tree import Tree
+from .._paths import Path, at
+from .._tree import Tree, walk
 from ._as_equinox import EquinoxWrapper
+from ._as_linen import linen_wrappers
 from ._as_nnx import NNXWrapper
+from ._inner import Inner
 
 
-def embedded(native: Any, node: Tree, path: Path) -> tuple[Path, Tree] | None:
-    """`(prefix, wrapped Tree)` when `native` (the module at `path`, `node` its
-    Tree) is a wrapper whose arrays are all in `node`: the wrapped model's leaf at
-    path `p` is the outer Tree's leaf at `prefix + p`. None otherwise."""
-    if isinstance(native, NNXWrapper):
-        inner, prefix, base = native._bridge_inner, path, node
-    elif isinstance(native, EquinoxWrapper) and isinstance(node, Tree):
-        if "model" not in node:
-            return None
-        inner, prefix, base = native.inner, path + ("model",), node["model"]
-    else:
+def embedded(tree: Tree, native: Any) -> dict[Path, tuple[Path, Tree]]:
+    """`{wrapper path: (prefix, wrapped Tree)}` for every wrapper of `tree` whose
+    arrays are all in `tree`: the wrapped model's leaf at path `p` is the outer
+    Tree's leaf at `prefix + p`. `native` is the outer model's modules (the adapter's
+    `modules`), or None."""
+    found = {}
+    for path, wrapper in _wrappers(tree, native):
+        node = _at(tree, path)
+        if not isinstance(node, Tree):
+            continue
+        if isinstance(wrapper, EquinoxWrapper):
+            inner, prefix, base = wrapper.inner, path + ("model",), node["model"]
+        elif isinstance(wrapper, NNXWrapper):
+            inner, prefix, base = wrapper._bridge_inner, path, node
+        else:  # a LinenWrapper
+            inner, prefix, base = wrapper.inner, path, node
+        inside = _rebuilt(inner, base)
+        if inside is not None:
+            found[path] = prefix, inside
+    return found
+
+
+def _wrappers(tree: Tree, native: Any) -> Iterator[tuple[Path, Any]]:
+    if native is not None:
+        for path, node in walk(tree):
+            module = _module_at(native, path)
+            if isinstance(module, (NNXWrapper, EquinoxWrapper)):
+                if not isinstance(module, EquinoxWrapper) or "model" in node:
+                    yield path, module
+    yield from linen_wrappers(tree)
+
+
+def _module_at(native: Any, path: Path) -> Any:
+    try:
+        return at(native, path)
+    except (AttributeError, KeyError, IndexError, TypeError):
         return None
+
+
+def _rebuilt(inner: Inner, base: Tree) -> Tree | None:
     leaves = []
     for p in inner.paths:
         leaf = _at(base, p)
@@ -36,7 +69,7 @@ def embedded(native: Any, node: Tree, path: Path) -> tuple[Path, Tree] | None:
         if leaf is None or isinstance(leaf, Tree):
             return None
         leaves.append(leaf)
-    return prefix, inner.tree(leaves)
+    return inner.tree(leaves)
 
 
 def _at(node: Any, path: Path) -> Any:

@@ -148,6 +148,7 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
     all_roles = roles(tree)
     role_nodes = dict(walk(all_roles))
     native = None if adapter.modules is None else adapter.modules(tree)
+    wrapped = embedded(tree, native)  # models of other frameworks in wrappers
     layers: list[Layer] = []
     taken: list[Path] = []
 
@@ -169,9 +170,8 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
     for path, node in walk(tree):
         if any(path[: len(p)] == p for p in taken):
             continue
-        inside = None if native is None else embedded(at(native, path), node, path)
-        if inside is not None:  # a model of another framework in a wrapper
-            prefix, inner = inside
+        if path in wrapped:
+            prefix, inner = wrapped[path]
             for layer in find_layers(inner, problems):
                 layer.path = prefix + layer.path
                 layers.append(layer)

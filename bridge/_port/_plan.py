@@ -12,10 +12,11 @@ import jax.numpy as jnp
 
 from .._adapters._native import placeholders, to_neutral
 from .._adapters._torch import ties_of
+from .._embed._as_linen import without_module
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
-from ._layers import Layer, find_layers, read_specs
+from ._layers import ARRAY, Layer, find_layers, read_specs
 from ._pairing import Order, common_kind, normalised, pair
 
 
@@ -340,6 +341,13 @@ def make_plan(
     ]
     if strict:
         problems += missing + unexpected
+    for side, tree, layers in (
+        ("source", source, sources),
+        ("target", target, targets),
+    ):
+        loose = [x.where for x in layers if x.kinds == (ARRAY,)]
+        if problems and loose and without_module(tree):
+            problems.append(_errors.NO_MODULE.format(side=side, loose=loose[:3]))
     plan = Plan(
         tuple(steps),
         tuple(t.where for t in lone_targets),

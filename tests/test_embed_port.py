@@ -1,0 +1,103 @@
+"""`bridge.port` through wrappers: an outer model of each framework holding a wrapped
+model of each other framework, ported to and from the same architecture written in
+one framework; the outputs of source and result are compared (both are run)."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import bridge
+
+from .embed_models import DIRECTIONS, NNXMLP, EquinoxMLP, LinenMLP, inputs, native
+from .helpers import requires
+
+
+HEAD_IN, HEAD_OUT = 2, 3
+
+
+class LinenOuter(nn.Module):
+    enc: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(HEAD_OUT)(self.enc(x))
+
+
+class NNXOuter(nnx.Module):
+    def __init__(self, enc, rngs):
+        self.enc = enc
+        self.head = nnx.Linear(HEAD_IN, HEAD_OUT, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.enc(x))
+
+
+class EquinoxOuter(eqx.Module):
+    enc: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.head)(self.enc(x))
+
+
+class LinenAll(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(HEAD_OUT, name="head")(LinenMLP(name="enc")(x))
+
+
+def mixed(outer, inner, seed):
+    """An `outer` model whose encoder is a wrapped `inner` MLP; `(model, run)`."""
+    x, _ = inputs("mlp")
+    component = native(inner, "mlp", seed)
+    if outer == "linen":
+        module = LinenOuter(bridge.as_linen(component))
+        variables = module.init(jax.random.key(seed + 1), x)
+        return (module, variables), lambda m: m[0].apply(m[1], x)
+    if outer == "nnx":
+        model = NNXOuter(bridge.as_nnx(component), nnx.Rngs(seed + 1))
+        return model, lambda m: m(x)
+    head = eqx.nn.Linear(HEAD_IN, HEAD_OUT, key=jax.random.key(seed + 1))
+    return EquinoxOuter(bridge.as_equinox(component), head), lambda m: m(x)
+
+
+def all_in(fw, seed):
+    """The same architecture written in framework `fw` alone; `(model, run)`."""
+    x, _ = inputs("mlp")
+    if fw == "linen":
+        module = LinenAll()
+        return (module, module.init(jax.random.key(seed), x)), lambda m: m[0].apply(
+            m[1], x
+        )
+    if fw == "nnx":
+        rngs = nnx.Rngs(seed)
+        return NNXOuter(NNXMLP(rngs), rngs), lambda m: m(x)
+    key = jax.random.key(seed)
+    head = eqx.nn.Linear(HEAD_IN, HEAD_OUT, key=key)
+    return EquinoxOuter(EquinoxMLP(key), head), lambda m: m(x)
+
+
+def _third(*frameworks):
+    return next(f for f in ("linen", "nnx", "equinox") if f not in frameworks)
+
+
+@requires("NNX")
+@pytest.mark.parametrize("inner, outer", DIRECTIONS)
+def test_port_a_model_holding_a_wrapper(inner, outer):
+    # to the same architecture in the third framework and back, outputs equal
+    source, run_source = mixed(outer, inner, seed=0)
+    other = _third(inner, outer)
+    target, run_target = all_in(other, seed=10)
+    want = run_source(source)
+    assert not jnp.allclose(run_target(target), want, atol=1e-3)
+    ported = bridge.port(source, target)
+    assert jnp.allclose(run_target(ported), want, atol=1e-6)
+    fresh, _ = mixed(outer, inner, seed=20)
+    assert not jnp.allclose(run_source(fresh), want, atol=1e-3)
+    back = bridge.port(ported, fresh)
+    assert jnp.allclose(run_source(back), want, atol=1e-6)
+    if "equinox" not in (outer, other):  # (compare vmaps an Equinox model)
+        assert bridge.compare(source, ported, inputs("mlp")[0]) < 1e-6
