@@ -6,13 +6,23 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import bridge
 
-from .embed_models import DIRECTIONS, NNXMLP, EquinoxMLP, LinenMLP, inputs, native
+from .embed_models import (
+    DIRECTIONS,
+    NNXMLP,
+    EquinoxBatchCNN,
+    EquinoxMLP,
+    LinenMLP,
+    inputs,
+    native,
+)
 from .helpers import requires
+from .models import NNXCNN, EquinoxCNN
 
 
 HEAD_IN, HEAD_OUT = 2, 3
@@ -101,3 +111,25 @@ def test_port_a_model_holding_a_wrapper(inner, outer):
     assert jnp.allclose(run_source(back), want, atol=1e-6)
     if "equinox" not in (outer, other):  # (compare vmaps an Equinox model)
         assert bridge.compare(source, ported, inputs("mlp")[0]) < 1e-6
+
+
+@requires("NNX")
+def test_port_batch_statistics_through_a_wrapper_in_linen():
+    # an Equinox CNN with BatchNorm inside Linen, its statistics moved by a training
+    # call, ported to the same model in NNX: evaluation outputs equal
+    x, _ = inputs("cnn")
+    cnn, state = eqx.nn.make_with_state(EquinoxCNN)(jax.random.key(0), mode="ema")
+    inner = (EquinoxBatchCNN(cnn), state)
+    module = LinenOuter(bridge.as_linen(inner))
+    variables = module.init(jax.random.key(1), x)
+    _, updates = module.apply(variables, x, mutable=["batch_stats"])
+    variables = {**variables, **updates}
+    target = NNXOuter(NNXCNN(nnx.Rngs(5)), nnx.Rngs(6))
+    ported = bridge.port((module, variables), target)
+    evaluation = LinenOuter(bridge.as_linen(inner, inference=True))
+    ported.eval()
+    want = evaluation.apply(variables, x)
+    np.testing.assert_allclose(ported(x), want, rtol=1e-5, atol=1e-6)
+    mean = variables["batch_stats"]["enc"]["cnn"]["bn"]["ema_state_index"][0]
+    assert not jnp.array_equal(mean, state.get(cnn.bn.ema_state_index)[0])
+    np.testing.assert_array_equal(ported.enc.bn.mean[...], mean)
