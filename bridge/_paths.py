@@ -8,6 +8,7 @@ checkpoint names (`layers.0.kernel`) all convert to and from it here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,6 +66,24 @@ def path_str(path: Sequence[Key]) -> str:
         else:
             out.append(f"[{key!r}]")
     return "".join(out)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural(key: Key) -> tuple:
+    """A sort key for one neutral key: indices first, by value, then names in natural
+    order (`Dense_2` before `Dense_10`), ties broken by the name itself."""
+    if isinstance(key, int):
+        return (0, key)
+    parts = _DIGITS.split(key)
+    return (1, tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), key)
+
+
+def canonical(keys: Sequence[Key]) -> tuple[Key, ...]:
+    """`keys` in canonical order (`natural`): the order of a Tree node's children
+    for frameworks whose native order can change while the model stays the same."""
+    return tuple(sorted(keys, key=natural))
 
 
 def parse(name: str, sep: str = ".") -> Path:

@@ -10,7 +10,7 @@ directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchange
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,27 @@ class Held:
         return f"Held({self.value!r})"
 
 
+class NativeOrder:
+    """A native child order held as static data that takes no part in equality: two
+    Trees of the same model whose native orders differ (an NNX module after
+    `nnx.jit`, Linen params after an optax step) have equal structures, and each
+    still rebuilds its own native order. All `NativeOrder`s are equal."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is NativeOrder
+
+    def __hash__(self):
+        return 0
+
+    def __repr__(self):
+        return f"NativeOrder({self.value!r})"
+
+
 @dataclass(frozen=True, eq=False)
 class Source:
     """What an adapter needs to rebuild the native model from a Tree's leaves.
@@ -68,12 +89,16 @@ class Source:
     `paths` are the leaf paths in Tree order, `order[i]` is the position of Tree leaf
     `i` among the native leaves, and `record` is the adapter's own hashable data
     (treedefs, graphdef, module). Equality is structural, the hash is computed once.
+    `native` maps the path of each node whose native child order differs from its
+    Tree (canonical) order to its children's keys in native order; it takes no part
+    in equality (see `native_order`).
     """
 
     framework: str
     paths: tuple[Path, ...]
     order: tuple[int, ...]
     record: Hashable
+    native: Mapping[Path, tuple[Key, ...]] = field(default_factory=dict, repr=False)
     _hash: int = field(init=False, repr=False)
     # the last Tree structure checked to fit (see `native_leaves`): a cache
     _treedef: Any = field(init=False, repr=False, default=None)
@@ -311,11 +336,13 @@ def build(
     kinds: dict[Path, Any],
     framework: str,
     record: Hashable,
+    native: Mapping[Path, tuple[Key, ...]] | None = None,
 ) -> Tree:
     """Build a whole-model Tree from `(path, role, leaf, native_position)` entries.
 
-    Nodes come in the order their first leaf comes in `entries`. `kinds[path]` is the
-    native class of the node at `path` (`()` is the root); a node whose keys are
+    Nodes come in the order their first leaf comes in `entries`; `native` is the
+    native child order of the nodes where it differs (`Source.native`). `kinds[path]`
+    is the native class of the node at `path` (`()` is the root); a node whose keys are
     exactly `0..n-1` is a sequence. `native_position` is the leaf's index among the
     native leaves that `record` rebuilds the model from (see `native_leaves`).
     """
@@ -349,7 +376,7 @@ def build(
                 roles.append(role)
         return tuple(node), roles, children
 
-    return maker.root(*make(root, ()), framework, record)
+    return maker.root(*make(root, ()), framework, record, native)
 
 
 class Maker:
@@ -395,8 +422,10 @@ class Maker:
         children: list,
         framework: str,
         record: Hashable,
+        native: Mapping[Path, tuple[Key, ...]] | None = None,
     ) -> Tree:
-        source = Source(framework, tuple(self.paths), tuple(self.order), record)
+        paths, order = tuple(self.paths), tuple(self.order)
+        source = Source(framework, paths, order, record, native or {})
         keys_, roles_, kind_ = self._data((), keys, roles)
         tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
         object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
@@ -502,6 +531,61 @@ def _check_paths(tree: Tree, src: Source, framework: str) -> None:
                 framework=display_name(framework), problems="\n".join(problems)
             )
         )
+
+
+def native_order(tree: Tree) -> Mapping[Path, tuple[Key, ...]]:
+    """The native child order of a whole-model Tree's nodes, where it differs from
+    the Tree's order: `{node path: child keys in native order}` (empty for a part of
+    a model, or a framework whose Tree order is its native order).
+
+    A Tree's own order is canonical, so that the same model always has the same
+    structure: NNX and Linen children in natural key order (`Dense_2` before
+    `Dense_10`), Equinox fields in class order. The native order (NNX attribute
+    order, Linen dict order) is what `bridge.to_native` rebuilds; it is the creation
+    order only when nothing sorted it (see `bridge._port._pairing.Order`)."""
+    src = tree._info.source
+    return {} if src is None else src.native
+
+
+def native_paths(tree: Tree) -> list[Path]:
+    """The leaf paths of `tree` in native order (`native_order`), parents' order
+    first: how a checkpoint lists them."""
+    native = native_order(tree)
+    out: list[Path] = []
+
+    def visit(node: Tree, prefix: Path) -> None:
+        children = dict(items(node))
+        keys = native.get(prefix)
+        if keys is None or set(keys) != set(children):
+            keys = tuple(children)
+        for key in keys:
+            child = children[key]
+            if isinstance(child, Tree):
+                visit(child, prefix + (key,))
+            else:
+                out.append(prefix + (key,))
+
+    visit(tree, ())
+    return out
+
+
+def native_rank(tree: Tree) -> Callable[[Path], tuple[int, ...]]:
+    """A sort key that puts paths under `tree` in its native order (`native_order`);
+    a key the Tree does not hold (a layer index inside a stack) ranks by itself."""
+    native = native_order(tree)
+    positions: dict[Path, dict[Key, int]] = {}
+    for path, node in walk(tree):
+        keys = native.get(path) or _keys(node)
+        positions[path] = {k: i for i, k in enumerate(keys)}
+
+    def rank(path: Path) -> tuple[int, ...]:
+        out = []
+        for depth, key in enumerate(path):
+            here = positions.get(path[:depth], {})
+            out.append(here.get(key, key if isinstance(key, int) else len(here)))
+        return tuple(out)
+
+    return rank
 
 
 def walk(tree: Tree, prefix: Path = ()) -> Iterator[tuple[Path, Tree]]:

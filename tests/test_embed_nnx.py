@@ -98,7 +98,7 @@ def test_eval_shape_and_trainable_through_the_wrapper():
         for p, f in jax.tree_util.tree_leaves_with_path(spec)
         if f
     ]
-    assert chosen == [".enc.mlp.layers[1].weight", ".enc.mlp.layers[1].bias"]
+    assert chosen == [".enc.mlp.layers[1].bias", ".enc.mlp.layers[1].weight"]
     x, y = inputs("mlp")
     step = bridge.make_step(lambda m, x: jnp.sum(m(x) ** 2), optax.sgd(0.1), spec)
     before = _outer()  # the same weights (the step consumes `tree`)

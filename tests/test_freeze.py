@@ -31,20 +31,20 @@ def test_callable_matches_the_seed_pattern():
 def test_a_module_selects_its_params_only():
     tree = bridge.from_nnx(models.nnx_cnn())
     spec = bridge.trainable(tree, lambda t: (t.bn, t.head))
-    assert true_paths(spec) == [".bn.scale", ".bn.bias", ".head.kernel", ".head.bias"]
+    assert true_paths(spec) == [".bn.bias", ".bn.scale", ".head.bias", ".head.kernel"]
 
 
 def test_regex_over_keystr_paths():
     module, variables = models.linen_cnn()
     tree = bridge.from_linen(variables, module)
     assert true_paths(bridge.trainable(tree, r"^\.Dense_0\.")) == [
-        ".Dense_0.kernel",
         ".Dense_0.bias",
+        ".Dense_0.kernel",
     ]
     # BatchNorm_0's mean and var match too, but they are batch statistics
     assert true_paths(bridge.trainable(tree, r"BatchNorm")) == [
-        ".BatchNorm_0.scale",
         ".BatchNorm_0.bias",
+        ".BatchNorm_0.scale",
     ]
 
 

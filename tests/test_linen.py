@@ -8,6 +8,7 @@ from flax.core import FrozenDict
 
 import bridge
 from bridge._adapters._linen import linen_module
+from bridge._tree import native_order
 
 from . import models
 from .helpers import (
@@ -110,8 +111,9 @@ def test_round_trip_is_exact_zero_copy_and_leaves_the_source(name):
 def test_cnn_is_organised_by_module_with_collection_roles():
     module, variables = models.linen_cnn()
     t = bridge.from_linen(variables, module)
-    assert list(t) == ["Conv_0", "BatchNorm_0", "Dense_0"]
-    assert list(t.BatchNorm_0) == ["scale", "bias", "mean", "var"]
+    assert list(t) == ["BatchNorm_0", "Conv_0", "Dense_0"]  # canonical order
+    assert native_order(t)[()] == ("Conv_0", "BatchNorm_0", "Dense_0")
+    assert list(t.BatchNorm_0) == ["bias", "mean", "scale", "var"]
     assert t.BatchNorm_0.mean is variables["batch_stats"]["BatchNorm_0"]["mean"]
     r = bridge.roles(t)
     assert (r.BatchNorm_0.scale, r.BatchNorm_0.mean, r.Conv_0.kernel) == (
@@ -265,7 +267,12 @@ def test_a_second_conversion_of_the_same_structure_takes_its_own_leaves_and_orde
         second.b.w is again["params"]["b"]["w"] and first.b.w is a["params"]["b"]["w"]
     )
     swapped = {"params": {"a": {"w": jnp.zeros(2)}, "b": {"w": jnp.ones(2)}}}
-    assert list(bridge.from_linen(swapped)) == ["a", "b"] and list(second) == ["b", "a"]
+    assert list(bridge.from_linen(swapped)) == ["a", "b"] == list(second)
+    assert native_order(second)[()] == ("b", "a") and not native_order(
+        bridge.from_linen(swapped)
+    )
+    assert list(bridge.to_linen(second)["params"]) == ["b", "a"]
+    assert list(bridge.to_linen(bridge.from_linen(swapped))["params"]) == ["a", "b"]
     model = nn.Dense(2)
     with_module = bridge.from_linen(a, model)
     assert linen_module(with_module) is model and linen_module(first) is None

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 import bridge
-from bridge._tree import kind
+from bridge._tree import kind, native_order
 
 from . import models
 from .helpers import (
@@ -132,26 +132,31 @@ def test_round_trip_is_exact_zero_copy_and_shares_nothing(name):
     assert tree_equal_bits(back(x), module(x))
 
 
-def test_children_come_in_definition_order():
-    t = bridge.from_nnx(_nested())
-    assert list(t) == ["blocks", "heads", "extra", "seq"]
+def test_children_come_in_canonical_order_with_the_definition_order_recorded():
+    module = _nested()
+    t = bridge.from_nnx(module)
+    assert list(t) == ["blocks", "extra", "heads", "seq"]  # natural key order
+    native = native_order(t)
+    assert native[()] == ("blocks", "heads", "extra", "seq")  # definition order
     assert list(t.extra[1]) == ["z"] and t.seq.layers[-1].kernel.shape == (2, 2)
-    assert list(t.heads) == ["b", "a"]  # nnx.split sorts: a before b
+    assert list(t.heads) == ["a", "b"] and native[("heads",)] == ("b", "a")
     assert len(t.blocks) == 12 and t.blocks[-1] is t.blocks[11]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)]
     assert paths[:4] == [
-        ".blocks[0].zeta.kernel",
         ".blocks[0].zeta.bias",
-        ".blocks[1].zeta.kernel",
+        ".blocks[0].zeta.kernel",
         ".blocks[1].zeta.bias",
+        ".blocks[1].zeta.kernel",
     ]
     assert paths[20:24] == [
-        ".blocks[10].zeta.kernel",
         ".blocks[10].zeta.bias",
-        ".blocks[11].zeta.kernel",
+        ".blocks[10].zeta.kernel",
         ".blocks[11].zeta.bias",
+        ".blocks[11].zeta.kernel",
     ]
     assert kind(t.heads) is nnx.Dict and kind(t.blocks) is nnx.List
+    back = bridge.to_nnx(t)  # the definition order again
+    assert list(vars(back)) == list(vars(module)) and list(back.heads) == ["b", "a"]
 
 
 def test_static_mutable_attributes_are_not_shared():
@@ -164,7 +169,8 @@ def test_tied_weights_stay_tied_and_appear_once():
     module = _tied()
     t = bridge.from_nnx(module)
     # one path for each shared object: the first in nnx.split's (sorted) order
-    assert list(t) == ["embed", "again"] and list(t.embed) == ["embedding"]
+    assert list(t) == ["again", "embed"] and list(t.embed) == ["embedding"]
+    assert native_order(t)[()] == ("embed", "again")  # definition order
     back = bridge.to_nnx(t)
     assert back.again is back.mix and back.unembed is back.embed.embedding
     assert back.unembed is not module.unembed
@@ -298,7 +304,9 @@ def test_a_second_module_of_the_same_structure_takes_its_own_arrays_and_order():
     assert first.a.kernel is one.a.kernel.get_raw_value()
     swapped = _TwoLayers(False, 0)
     tree = bridge.from_nnx(swapped)
-    assert list(tree) == ["b", "a"] and list(second) == ["a", "b"]
+    assert list(tree) == ["a", "b"] == list(second)  # canonical order
+    assert native_order(tree)[()] == ("b", "a") and () not in native_order(second)
+    assert jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(second)
     back = bridge.to_nnx(tree)
     assert [k for k in vars(back) if k in ("a", "b")] == ["b", "a"]
     assert back.a.kernel.get_raw_value() is swapped.a.kernel.get_raw_value()

@@ -235,7 +235,7 @@ def test_spec_of_another_model_names_the_paths():
 
 def test_spec_must_hold_bools_and_mark_params():
     tree = bridge.from_nnx(models.nnx_cnn())
-    with pytest.raises(TypeError, match=r"not bools:\n  \.conv\.kernel: function"):
+    with pytest.raises(TypeError, match=r"not bools:\n  \.bn\.bias: function"):
         bridge.make_step(
             mse, optax.sgd(0.1), jax.tree_util.tree_map(lambda _: eqx.is_array, tree)
         )

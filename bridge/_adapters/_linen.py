@@ -9,8 +9,17 @@ import flax.linen as nn
 import jax.tree_util as jtu
 from flax.errors import InvalidRngError
 
-from .._paths import Key, Path, path_of, path_str
-from .._tree import Held, Maker, Recent, Tree, items, native_leaves, source_of
+from .._paths import Key, Path, canonical, natural, path_of, path_str
+from .._tree import (
+    Held,
+    Maker,
+    NativeOrder,
+    Recent,
+    Tree,
+    items,
+    native_leaves,
+    source_of,
+)
 from ._registry import Adapter, register_adapter
 
 
@@ -30,7 +39,10 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
 
     The collections (`params`, `batch_stats`, `cache`, ...) are merged by module, so
     a CNN's Tree reads `t.Conv_0.kernel`, `t.BatchNorm_0.scale`, `t.BatchNorm_0.mean`;
-    each leaf's role is its collection. Boxed parameters (`nn.Partitioned`,
+    each leaf's role is its collection. Modules come in natural key order (`Dense_2`
+    before `Dense_10`), so the variables have the same Tree structure before and after
+    an optax step (which sorts the dicts); the dicts' own order is recorded for
+    `bridge.to_linen`. Boxed parameters (`nn.Partitioned`,
     `nn.LogicallyPartitioned`) become their array, the box metadata is kept; `dict`
     and `FrozenDict` containers are remembered, so `bridge.to_linen` gives back the
     very same structure.
@@ -94,8 +106,9 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         raise TypeError(_UNSUPPORTED.format(found=len(walk.maker.paths), n=len(leaves)))
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
-    record = LinenRecord(treedef, Held(module), tuple(walk.orders.items()), plain)
-    tree = walk.maker.root(keys, roles, children, "linen", record)
+    orders = NativeOrder(tuple(walk.orders.items()))
+    record = LinenRecord(treedef, Held(module), orders, plain)
+    tree = walk.maker.root(keys, roles, children, "linen", record, walk.native)
     src = tree._info.source
     assert src is not None
     _KNOWN.put(known, (src._treedef, src.order))
@@ -107,7 +120,9 @@ class LinenRecord(NamedTuple):
 
     treedef: Any  # of the variables, as given
     module: Held  # the nn.Module given to from_linen, or Held(None)
-    orders: tuple[tuple[Path, tuple], ...]  # mappings not in sorted key order
+    # mappings not in sorted and natural key order, `(path, keys)`: no part of
+    # equality (the same variables after an optax step have the same structure)
+    orders: NativeOrder
     plain: str | None  # one collection of plain dicts: its name
 
 
@@ -178,22 +193,25 @@ def _node_kind(cls: type) -> int:
 class _Walk:
     """One pass over the collections, merged by module path, making the Tree.
 
-    Modules come in the order the dicts list them (Linen's creation order, unlike
-    JAX's sorted flattening, where `Dense_10` comes before `Dense_2`), `params`
-    first; within a module, `params` before the other collections. `orders` gets
-    the key order of every mapping not in sorted order, by `(collection, *path)`.
+    Modules come in canonical order (natural key order: `Dense_2` before
+    `Dense_10`, whatever order the dicts list them in: Linen's creation order, or
+    sorted after an optax step); within a module, `params` before the other
+    collections. `orders` gets the key order of every mapping not in sorted and
+    natural order, by `(collection, *path)`; `native` the merged key order of every
+    Tree node whose dicts list it in another order than the Tree's.
     """
 
     def __init__(self, variables: Mapping, leaves: list[Any], kinds: dict):
         self.variables = variables
         self.maker = Maker(kinds)
         self.orders: dict[Path, tuple] = {}
+        self.native: dict[Path, tuple[Key, ...]] = {}
         self.problems: list[str] = []
         by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
         self.by_id = by_id if len(by_id) == len(leaves) else {}
         self.by_path: dict[Path, int] | None = None
         # plain nested dicts of arrays (no box, FrozenDict, list or None): then the
-        # Tree's nodes, in creation order, are the dicts `to_linen` rebuilds
+        # Tree's nodes (reordered to the recorded order) are the dicts `to_linen` gives
         self.plain = type(variables) is dict
 
     def position(self, role: str, path: Path, leaf: Any) -> int:
@@ -234,6 +252,10 @@ class _Walk:
                 for key, child in self.items(role, container, path):
                     merged.setdefault(key, []).append((role, child))
             groups = merged.items()
+        groups = list(groups)
+        listed = tuple(k for k, _ in groups)
+        if listed != canonical(listed):
+            groups.sort(key=lambda group: natural(group[0]))
         keys, roles, children = [], [], []
         for key, group in groups:
             here = path + (key,)
@@ -275,6 +297,9 @@ class _Walk:
                     roles.append(None)
                 else:  # but it stays in the variables: to_linen rebuilds them whole
                     self.plain = False
+        if listed != canonical(listed):
+            present = set(keys)
+            self.native[path] = tuple(k for k in listed if k in present)
         return tuple(keys), roles, children
 
     def collision(self, path: Path, found: list, inner: list) -> None:
@@ -302,11 +327,15 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     """
     src, leaves = native_leaves(tree, "linen")
     record: LinenRecord = src.record  # pyright: ignore[reportAssignmentType]
-    if record.plain is not None:
-        return {record.plain: _dicts(tree)}
+    orders = dict(record.orders.value)
+    if record.plain is not None:  # the Tree's dicts, in canonical order
+        variables = _dicts(tree)
+        if orders:
+            variables = _reorder(variables, (record.plain,), orders)
+        return {record.plain: variables}
     variables = jtu.tree_unflatten(record.treedef, leaves)
-    if record.orders:  # JAX rebuilds dicts in sorted key order: restore the order
-        variables = _reorder(variables, (), dict(record.orders))
+    if orders:  # JAX rebuilds dicts in sorted key order: restore the order
+        variables = _reorder(variables, (), orders)
     return variables
 
 
@@ -317,7 +346,7 @@ def _dicts(node: Tree) -> dict[Key, Any]:
 def _note_order(node: Mapping, path: Path, orders: dict[Path, tuple]) -> None:
     keys = tuple(node)
     try:
-        in_order = list(keys) == sorted(keys)
+        in_order = list(keys) == sorted(keys) and keys == canonical(keys)
     except TypeError:  # keys of mixed types
         in_order = False
     if not in_order:

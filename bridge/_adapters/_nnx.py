@@ -11,8 +11,8 @@ from flax import __version__ as flax_version, nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
-from .._paths import Key, Path
-from .._tree import Held, Tree, build, native_leaves
+from .._paths import Key, Path, canonical, natural
+from .._tree import Held, NativeOrder, Tree, build, native_leaves
 from ._registry import Adapter, register_adapter
 
 
@@ -67,8 +67,11 @@ def _child(node: Any, key: Key) -> Any:
 def from_nnx(module: nnx.Module) -> Tree:
     """Convert a Flax NNX module to a `bridge.Tree`, without copying any array.
 
-    The Tree reads like the module (`t.layers[-1].kernel`), its children in definition
-    order. Every Variable becomes a leaf (its raw array) with the role of its type:
+    The Tree reads like the module (`t.layers[-1].kernel`), its children in natural
+    key order, so the module has the same Tree structure before and after `nnx.jit`,
+    `nnx.eval_shape` or `nnx.clone` (which sort its attributes); its definition order
+    is recorded for `bridge.to_nnx` (`bridge._tree.native_order`). Every Variable
+    becomes a leaf (its raw array) with the role of its type:
     `Param` -> `"params"`, `BatchStat` -> `"batch_stats"`, `RngKey`/`RngCount` ->
     `"rngs"`, ... The graph definition (static attributes, Variable metadata such as
     sharding annotations, which submodules are shared) is kept as static metadata. A
@@ -108,23 +111,23 @@ def from_nnx(module: nnx.Module) -> Tree:
     paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
     kinds: dict[Path, Any] = {(): type(module)}
-    orders: dict[Path, dict[Key, int]] = {}
     nodes: dict[Path, Any] = {(): module}
+    children: dict[Path, dict[Key, None]] = {}
 
-    def sort_key(path: Path) -> tuple[int, ...]:
+    def sort_key(path: Path) -> tuple:
         out = []
         for depth, key in enumerate(path):
             prefix = path[:depth]
-            order = orders.get(prefix)
-            if order is None:
-                order = orders[prefix] = _child_order(nodes[prefix])
-            out.append(order.get(key, len(order)))
+            out.append(natural(key))
+            children.setdefault(prefix, {})[key] = None
             here = prefix + (key,)
             if depth < len(path) - 1 and here not in nodes:
                 nodes[here] = _child(nodes[prefix], key)
                 kinds[here] = type(nodes[here])
         return tuple(out)
 
+    # the Tree's order is canonical (natural key order), so a module whose
+    # attributes nnx.jit, nnx.eval_shape or nnx.clone sorted has the same structure
     order = sorted(range(len(paths)), key=lambda i: sort_key(paths[i]))
     entries = []
     for i in order:
@@ -133,8 +136,24 @@ def from_nnx(module: nnx.Module) -> Tree:
     # parents before children: each node's class and attribute order (nnx.merge
     # sets attributes in sorted order: to_nnx restores the definition order)
     layout = tuple((path, _keys(node)) for path, node in nodes.items())
-    record = NNXRecord(held, _mutable_statics(graphdef), layout)
-    return build(entries, kinds, "nnx", record)
+    record = NNXRecord(held, _mutable_statics(graphdef), NativeOrder(layout))
+    return build(entries, kinds, "nnx", record, _native(nodes, children))
+
+
+def _native(
+    nodes: dict[Path, Any], children: dict[Path, dict[Key, None]]
+) -> dict[Path, tuple[Key, ...]]:
+    """Each node's children in definition order, where it is not the canonical
+    order (`Source.native`)."""
+    native = {}
+    for path, keys in children.items():
+        position = _child_order(nodes[path])
+        tree_order = canonical(tuple(keys))
+        last = len(position)
+        ordered = tuple(sorted(tree_order, key=lambda k: position.get(k, last)))
+        if ordered != tree_order:
+            native[path] = ordered
+    return native
 
 
 class NNXRecord(NamedTuple):
@@ -142,7 +161,8 @@ class NNXRecord(NamedTuple):
 
     graphdef: Held  # nnx.graph.flatten's graph definition
     mutable: tuple[int, ...]  # positions of mutable static attributes, to copy
-    layout: tuple[tuple[Path, tuple | None], ...]  # each node's attribute order
+    # each node's attribute order, `(path, keys)`: no part of equality
+    layout: NativeOrder
 
 
 def _keys(node: Any) -> tuple | None:
@@ -203,7 +223,7 @@ def to_nnx(tree: Tree) -> nnx.Module:
             attributes[i] = (key, Static(copy.deepcopy(attr.value)))
         graphdef = dataclasses.replace(graphdef, attributes=attributes)
     module = nnx.merge(graphdef, leaves)
-    _reorder(module, record.layout)
+    _reorder(module, record.layout.value)
     return module
 
 

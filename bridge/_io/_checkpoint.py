@@ -41,6 +41,8 @@ from .._tree import (
     framework,
     kind,
     leaf_roles,
+    native_order,
+    native_paths,
     source_of,
     walk,
 )
@@ -127,9 +129,12 @@ def _is_key(x: Any) -> bool:
 
 def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, dict]:
     """The `Contents` a Tree is saved as, and `{dotted name: array to store}`."""
-    flat = jtu.tree_flatten_with_path(tree)[0]
+    flat = list(zip(jtu.tree_flatten_with_path(tree)[0], leaf_roles(tree)))
+    if native_order(tree):  # the file lists the arrays in the model's native order
+        at_path = {path_of(kp): ((kp, leaf), role) for (kp, leaf), role in flat}
+        flat = [at_path[path] for path in native_paths(tree)]
     problems, collisions, names, arrays, tensors = [], [], {}, {}, []
-    for (keypath, leaf), role in zip(flat, leaf_roles(tree)):
+    for (keypath, leaf), role in flat:
         path = path_of(keypath)
         name = dotted(path)
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
@@ -534,7 +539,7 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
             src.paths, src.order, leaf_roles(plain), jtu.tree_leaves(plain)
         )
     ]
-    return build(entries, kinds, "linen", src.record)
+    return build(entries, kinds, "linen", src.record, src.native)
 
 
 def _cast(array: Any, dtype: Any) -> Any:

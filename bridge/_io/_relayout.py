@@ -32,7 +32,7 @@ from .._paths import Path, parse
 from .._port._codec import codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
 from .._port.codecs._torch import kinds_by_name
-from .._tree import Tree
+from .._tree import Tree, native_rank
 from . import _training
 from ._checkpoint import (
     VERSION,
@@ -172,10 +172,12 @@ def relayout(
             raise ValueError(_TRAINING_STATE.format(path=contents.path, parts=parts))
         contents, arrays = model_only(contents, arrays)
     tree = file_tree(contents, arrays)
+    rank = native_rank(tree)
     if layout == "torch":
         return _to_torch(contents, tree, rename)
     problems: list[str] = []
     layers = find_layers(tree, problems, loose=False)
+    layers.sort(key=lambda layer: rank(layer.path))  # written in the file's order
     _unknown_classes(contents, layers, problems)
     if contents.layout == "torch":  # no classes: names decide between candidates
         for layer in layers:

@@ -16,7 +16,7 @@ from typing import NamedTuple, cast
 import equinox as eqx
 from flax import nnx
 
-from .._tree import Key, Path, Tree, items, kind, walk
+from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._layers import Layer
 
@@ -89,8 +89,9 @@ class Order:
     def __init__(self, tree: Tree, stacks: set[Path] | frozenset = frozenset()):
         self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
         self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
+        native = native_order(tree)  # the Tree's own order is canonical
         for path, node in walk(tree):
-            keys = [k for k, _ in items(node)]
+            keys = list(native.get(path, ())) or [k for k, _ in items(node)]
             self._nodes[path] = ({k: i for i, k in enumerate(keys)}, _known(node, keys))
 
     def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
