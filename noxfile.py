@@ -111,6 +111,8 @@ TORCH_TESTS = [
     "tests/test_torch_convert.py",
     "tests/test_torch_layers.py",
     "tests/test_torch_hf.py",
+    "tests/test_torch_hf_vit.py",
+    "tests/test_torch_hf_gpt2.py",
 ]
 
 

@@ -68,6 +68,27 @@ class Framework:
     make: Callable[[], Any]  # a model, in a form to_neutral takes
     run: Callable[[Any], Any]  # its output on models.mlp_input(), for a native model
     holding: Callable[[Any], Any]  # a model whose only array is the given one
+    array: Callable[[Any], Any] = lambda x: x  # a JAX array as the model holds one
+    keys: bool = True  # holds typed PRNG key arrays
+
+
+def _torch_mlp() -> dict:
+    """The Equinox MLP's state dict, as the PyTorch `nn.Sequential` of the same
+    layers names and lays it out (`nn.Linear` weight `(out, in)`, as Equinox's)."""
+    layers = models.equinox_mlp().layers
+    return {
+        f"layers.{i}.{name}": np.asarray(getattr(layer, name))
+        for i, layer in enumerate(layers)
+        for name in ("weight", "bias")
+    }
+
+
+def _torch_run(state: dict) -> Any:
+    x, n = models.mlp_input(), len(state) // 2
+    for i in range(n):
+        x = x @ state[f"layers.{i}.weight"].T + state[f"layers.{i}.bias"][None]
+        x = jax.nn.relu(x) if i < n - 1 else x
+    return x
 
 
 FRAMEWORKS = {
@@ -88,6 +109,15 @@ FRAMEWORKS = {
         models.equinox_mlp,
         lambda m: jax.vmap(m)(models.mlp_input()),
         _EqxHolder,
+    ),
+    # state dicts of numpy arrays; torch.Tensors: tests/test_torch_adapter.py
+    "torch": Framework(
+        "torch",
+        _torch_mlp,
+        _torch_run,
+        lambda leaf: {"value": leaf},
+        array=np.asarray,
+        keys=False,
     ),
 }
 
@@ -133,8 +163,12 @@ def test_round_trip_is_exact_zero_copy_and_leaves_the_source(name):
 @pytest.mark.parametrize("dtype", DTYPES + ("key",))
 @pytest.mark.parametrize("name", NAMES)
 def test_every_dtype_round_trips_exactly(name, dtype):
+    row = FRAMEWORKS[name]
+    if dtype == "key" and not row.keys:
+        pytest.skip(f"a {name} model holds no PRNG keys")
     leaf = jax.random.split(jax.random.key(7), 3) if dtype == "key" else array_of(dtype)
-    model = FRAMEWORKS[name].holding(leaf)
+    leaf = row.array(leaf)
+    model = row.holding(leaf)
     tree = bridge.to_neutral(model)
     (stored,) = jax.tree_util.tree_leaves(tree)
     assert stored is leaf and stored.dtype == leaf.dtype
@@ -153,6 +187,7 @@ def test_to_neutral_dispatches_on_what_it_is_given():
         (variables, "linen"),
         ((module, variables), "linen"),
         (module.bind(variables), "linen"),
+        (_torch_mlp(), "torch"),
     ]
     for obj, expected in cases:
         tree = bridge.to_neutral(obj)

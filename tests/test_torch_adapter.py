@@ -183,3 +183,16 @@ def test_to_torch_tensors_needs_torch(monkeypatch):
     tree = bridge.from_torch({"w": np.ones(2, "f4")})
     with pytest.raises(ImportError, match="torch is not installed"):
         bridge.to_torch(tree, tensors=True)
+
+
+@needs_torch
+def test_tied_names_one_tensor_from_jax_arrays():
+    """A tie among JAX arrays (after a port) is still one tensor, as PyTorch's own
+    state dict has it (read-only JAX memory is copied once, not per name)."""
+    import jax.numpy as jnp
+
+    emb = jnp.arange(10.0).reshape(5, 2)
+    tree = bridge.from_torch({"wte.weight": emb, "lm_head.weight": emb})
+    state = bridge.to_torch(tree, tensors=True)
+    assert state["lm_head.weight"] is state["wte.weight"]
+    np.testing.assert_array_equal(state["wte.weight"].numpy(), np.asarray(emb))

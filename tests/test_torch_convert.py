@@ -201,3 +201,25 @@ def test_training_checkpoint_weights_only(training_file, layout, capsys):
     assert sorted(saved) == ["bias", "weight"]
     np.testing.assert_array_equal(saved["weight"], np.asarray(model.kernel).T)
     assert not open_checkpoint(dst).training
+
+
+@requires("NNX")
+def test_loose_arrays_under_their_names(tmp_path):
+    """Arrays a module holds next to its layers (ViT's `cls_token`) are written
+    under their own names, and read back."""
+
+    class Embeddings(nnx.Module):
+        def __init__(self, rngs):
+            self.cls_token = nnx.Param(jax.random.normal(rngs.params(), (1, 1, 4)))
+            self.projection = nnx.Linear(3, 4, rngs=rngs)
+
+    model = Embeddings(nnx.Rngs(0))
+    bridge.save(tmp_path / "t.safetensors", model, layout="torch")
+    saved = safetensors.numpy.load_file(tmp_path / "t.safetensors")
+    assert sorted(saved) == ["cls_token", "projection.bias", "projection.weight"]
+    np.testing.assert_array_equal(saved["cls_token"], model.cls_token[...])
+    again = bridge.load(tmp_path / "t.safetensors", like=Embeddings(nnx.Rngs(1)))
+    np.testing.assert_array_equal(again.cls_token[...], model.cls_token[...])
+    np.testing.assert_array_equal(
+        again.projection.kernel[...], model.projection.kernel[...]
+    )

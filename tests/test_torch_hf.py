@@ -5,9 +5,7 @@ NNX, Equinox and Linen: outputs equal to transformers' forward; exported back wi
 torch and transformers (`nox -s tests_torch` installs them)."""
 
 import json
-import math
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,16 +16,28 @@ from flax import nnx
 import bridge
 
 from .helpers import requires
+from .hf_common import (
+    Layers,
+    attention,
+    eqx_call,
+    eqx_layers,
+    excess,
+    export,
+    nnx_call,
+    nnx_layers,
+    node,
+    perturb,
+)
 
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
 # minutes of compilation: `nox -s tests_torch` runs them, the fast suite does not
 pytestmark = [pytest.mark.slow, requires("NNX")]
 
 H, HEADS, INTER, VOCAB, POS, TYPES, LAYERS = 32, 2, 64, 50, 16, 2, 2
 EPS = 1e-12
-TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def _bert():
@@ -43,11 +53,7 @@ def _bert():
         attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
-    with torch.no_grad():  # LayerNorms and biases away from 1 and 0
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return perturb(transformers.BertModel(config), torch)
 
 
 IDS = np.array([[1, 5, 9, 3, 7, 2], [4, 4, 8, 0, 11, 6]])
@@ -66,12 +72,7 @@ def _torch_out(model):
 
 
 def _attention(x, query, key, value):
-    b, n, _ = x.shape
-    split = lambda y: jnp.reshape(y, (b, n, HEADS, H // HEADS))  # noqa: E731
-    q, k, v = split(query(x)), split(key(x)), split(value(x))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(H // HEADS)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-    return jnp.reshape(ctx, (b, n, H))
+    return attention(query(x), key(x), value(x), HEADS)
 
 
 def _layer(x, m, call):
@@ -104,80 +105,9 @@ def _bert_forward(m, ids, type_ids, call, embed):
     return x, pooled
 
 
-# NNX
-
-
-class _Node(nnx.Module):
-    def __init__(self, children):
-        for name, child in children.items():
-            setattr(self, name, child)
-
-
-def _node(**children):  # a lambda's keywords may be called `self`
-    return _Node(children)
-
-
-def _nnx_bert(rngs):
-    lin = lambda i, o: nnx.Linear(i, o, rngs=rngs)  # noqa: E731
-    norm = lambda: nnx.LayerNorm(H, epsilon=EPS, rngs=rngs)  # noqa: E731
-
-    def layer():
-        return _node(
-            attention=_node(
-                self=_node(query=lin(H, H), key=lin(H, H), value=lin(H, H)),
-                output=_node(dense=lin(H, H), LayerNorm=norm()),
-            ),
-            intermediate=_node(dense=lin(H, INTER)),
-            output=_node(dense=lin(INTER, H), LayerNorm=norm()),
-        )
-
-    return _node(
-        embeddings=_node(
-            word_embeddings=nnx.Embed(VOCAB, H, rngs=rngs),
-            position_embeddings=nnx.Embed(POS, H, rngs=rngs),
-            token_type_embeddings=nnx.Embed(TYPES, H, rngs=rngs),
-            LayerNorm=norm(),
-        ),
-        encoder=_node(layer=nnx.List([layer() for _ in range(LAYERS)])),
-        pooler=_node(dense=lin(H, H)),
-    )
-
-
-def _nnx_run(model):
-    return _bert_forward(
-        model, IDS, TYPE_IDS, lambda mod, x: mod(x), lambda mod, i: mod(i)
-    )
-
-
-# Equinox: plain containers with the same field names
-
-
-def _eqx_class(*fields):
-    """An Equinox module with these fields (some may be called `self`)."""
-
-    def init(this, **children):
-        for name in fields:
-            setattr(this, name, children[name])
-
-    namespace = {"__annotations__": dict.fromkeys(fields, object), "__init__": init}
-    return type("EqxNode_" + "_".join(fields), (eqx.Module,), namespace)
-
-
-_EQX_CLASSES: dict = {}
-
-
-def _eqx_node(**children):
-    fields = tuple(children)
-    if fields not in _EQX_CLASSES:
-        _EQX_CLASSES[fields] = _eqx_class(*fields)
-    return _EQX_CLASSES[fields](**children)
-
-
-def _eqx_bert(key):
-    keys = iter(jax.random.split(key, 64))
-    lin = lambda i, o: eqx.nn.Linear(i, o, key=next(keys))  # noqa: E731
-    norm = lambda: eqx.nn.LayerNorm(H, eps=EPS)  # noqa: E731
-    node = _eqx_node
+def _bert_model(layers: Layers):
+    """BertModel's layers, named as transformers names them."""
+    lin, norm, node = layers.linear, lambda: layers.norm(H, EPS), layers.node
 
     def layer():
         return node(
@@ -191,20 +121,22 @@ def _eqx_bert(key):
 
     return node(
         embeddings=node(
-            word_embeddings=eqx.nn.Embedding(VOCAB, H, key=next(keys)),
-            position_embeddings=eqx.nn.Embedding(POS, H, key=next(keys)),
-            token_type_embeddings=eqx.nn.Embedding(TYPES, H, key=next(keys)),
+            word_embeddings=layers.embed(VOCAB, H),
+            position_embeddings=layers.embed(POS, H),
+            token_type_embeddings=layers.embed(TYPES, H),
             LayerNorm=norm(),
         ),
-        encoder=node(layer=[layer() for _ in range(LAYERS)]),
+        encoder=node(layer=layers.seq([layer() for _ in range(LAYERS)])),
         pooler=node(dense=lin(H, H)),
     )
 
 
-def _over_leading(fn, x):
-    for _ in range(x.ndim - (1 if x.dtype.kind == "f" else 0)):
-        fn = jax.vmap(fn)
-    return fn(x)
+def _nnx_bert():
+    return _bert_model(nnx_layers())
+
+
+def _nnx_run(model):
+    return _bert_forward(model, IDS, TYPE_IDS, nnx_call, nnx_call)
 
 
 def _eqx_run(model):
@@ -212,8 +144,8 @@ def _eqx_run(model):
         model,
         IDS,
         TYPE_IDS,
-        lambda mod, x: _over_leading(mod, x),
-        lambda mod, i: _over_leading(mod, jnp.asarray(i)),
+        eqx_call,
+        eqx_call,
     )
 
 
@@ -288,23 +220,10 @@ def _linen_run(ported):
 
 
 FRAMEWORKS = {
-    "nnx": (lambda: _nnx_bert(nnx.Rngs(0)), _nnx_run),
-    "equinox": (lambda: _eqx_bert(jax.random.key(0)), _eqx_run),
+    "nnx": (_nnx_bert, _nnx_run),
+    "equinox": (lambda: _bert_model(eqx_layers()), _eqx_run),
     "linen": (_linen_target, _linen_run),
 }
-
-
-def _excess(got, expected) -> float:
-    """How far the outputs are beyond `TOL` (`|a - b| - atol - rtol |b|`, the
-    largest over every output): <= 0 when all are close. Outputs of another count
-    are infinitely far."""
-    got, expected = list(got), list(expected)
-    if not expected or len(got) != len(expected):
-        return float("inf")
-    return max(
-        float(np.max(np.abs(np.asarray(a) - b) - TOL["atol"] - TOL["rtol"] * np.abs(b)))
-        for a, b in zip(got, expected)
-    )
 
 
 @pytest.mark.parametrize("fw", list(FRAMEWORKS))
@@ -314,10 +233,10 @@ def test_bert_module_and_back(fw):
     expected = _torch_out(hf)
     make, run = FRAMEWORKS[fw]
     ported = bridge.port(hf, make())
-    assert _excess(run(ported), expected) <= 0
+    assert excess(run(ported), expected) <= 0
     fresh = transformers.BertModel(hf.config).eval()
     fresh.load_state_dict(bridge.port(ported, fresh), strict=True)
-    assert _excess(_torch_out(fresh), expected) <= 0
+    assert excess(_torch_out(fresh), expected) <= 0
 
 
 @pytest.mark.parametrize("fw", ["nnx", "equinox"])
@@ -336,14 +255,9 @@ def test_bert_files_sharded_and_export(tmp_path, fw):
         tmp_path / "sharded",
         tmp_path / "sharded/model.safetensors.index.json",
     ):
-        assert _excess(run(bridge.load(path, like=make())), expected) <= 0
+        assert excess(run(bridge.load(path, like=make())), expected) <= 0
     model = bridge.load(tmp_path / "sharded", like=make())
-    out = tmp_path / "export"
-    out.mkdir()
-    hf.config.save_pretrained(out)
-    bridge.save(out / "model.safetensors", model, layout="torch")
-    again = transformers.BertModel.from_pretrained(out).eval()
-    assert _excess(_torch_out(again), expected) <= 0
+    assert excess(_torch_out(export(tmp_path / "export", model, hf)), expected) <= 0
 
 
 def test_bert_prefix_and_rules_round_trip(tmp_path):
@@ -359,8 +273,8 @@ def test_bert_prefix_and_rules_round_trip(tmp_path):
         )
     }
     source = bridge.from_torch(state, prefix="bert.")
-    ported = bridge.port(source, _nnx_bert(nnx.Rngs(0)), rules=rules)
-    assert _excess(_nnx_run(ported), expected) <= 0
+    ported = bridge.port(source, _nnx_bert(), rules=rules)
+    assert excess(_nnx_run(ported), expected) <= 0
     bridge.save(
         tmp_path / "m.safetensors", ported, layout="torch", rules=rules, prefix="bert."
     )
@@ -378,11 +292,11 @@ def test_bert_dtype_policy(tmp_path):
     hf = _bert().to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     with pytest.raises(bridge.PortError, match="bfloat16 in the source"):
-        bridge.load(tmp_path, like=_nnx_bert(nnx.Rngs(0)))
+        bridge.load(tmp_path, like=_nnx_bert())
     source = bridge.load(tmp_path)
     with pytest.warns(bridge.PortWarning, match=r"pooler\.dense.*bfloat16 -> float32"):
-        bridge.port(source, _nnx_bert(nnx.Rngs(0)), strict=False)
-    model = bridge.load(tmp_path, like=_nnx_bert(nnx.Rngs(0)), dtype=jnp.bfloat16)
+        bridge.port(source, _nnx_bert(), strict=False)
+    model = bridge.load(tmp_path, like=_nnx_bert(), dtype=jnp.bfloat16)
     assert model.pooler.dense.kernel[...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(
         np.asarray(model.pooler.dense.kernel[...]).T.view("u2"),
@@ -405,15 +319,13 @@ def _resnet():
     )
     torch.manual_seed(0)
     model = transformers.ResNetModel(config).eval()
-    with torch.no_grad():  # statistics and affine parameters far from their init
+    with torch.no_grad():  # statistics far from their init
         for name, b in model.named_buffers():
             if name.endswith("running_mean"):
                 b.copy_(torch.randn_like(b))
             elif name.endswith("running_var"):
                 b.copy_(torch.rand_like(b) + 0.5)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return perturb(model, torch)
 
 
 PIXELS = np.random.default_rng(1).normal(size=(2, 3, 16, 16)).astype("f4")
@@ -426,7 +338,7 @@ def _resnet_torch_out(model):
 
 
 def _conv_layer(rngs, cin, cout, k, stride):
-    return _node(
+    return node(
         convolution=nnx.Conv(
             cin, cout, (k, k), strides=stride, padding=k // 2, use_bias=False, rngs=rngs
         ),
@@ -447,15 +359,15 @@ def _nnx_resnet(rngs):
                 _conv_layer(rngs, cout, cout, 3, 1),
             ]
         )
-        return _node(**parts)
+        return node(**parts)
 
-    return _node(
-        embedder=_node(embedder=_conv_layer(rngs, 3, 8, 7, 2)),
-        encoder=_node(
+    return node(
+        embedder=node(embedder=_conv_layer(rngs, 3, 8, 7, 2)),
+        encoder=node(
             stages=nnx.List(
                 [
-                    _node(layers=nnx.List([basic(8, 8, 1)])),
-                    _node(layers=nnx.List([basic(8, 16, 2)])),
+                    node(layers=nnx.List([basic(8, 8, 1)])),
+                    node(layers=nnx.List([basic(8, 16, 2)])),
                 ]
             )
         ),
@@ -484,22 +396,14 @@ def test_resnet_nnx_sharded_and_back(tmp_path):
     hf = _resnet()
     expected = _resnet_torch_out(hf)
     assert (
-        _excess(_nnx_resnet_run(bridge.port(hf, _nnx_resnet(nnx.Rngs(0)))), expected)
+        excess(_nnx_resnet_run(bridge.port(hf, _nnx_resnet(nnx.Rngs(0)))), expected)
         <= 0
     )
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
     model = bridge.load(tmp_path / "sharded", like=_nnx_resnet(nnx.Rngs(0)))
-    assert _excess(_nnx_resnet_run(model), expected) <= 0
+    assert excess(_nnx_resnet_run(model), expected) <= 0
     fresh = transformers.ResNetModel(hf.config).eval()
     fresh.load_state_dict(bridge.port(model, fresh), strict=True)
-    assert _excess(_resnet_torch_out(fresh), expected) <= 0
-    out = tmp_path / "export"
-    out.mkdir()
-    hf.config.save_pretrained(out)
-    bridge.save(out / "model.safetensors", model, layout="torch")
-    assert (
-        _excess(
-            _resnet_torch_out(transformers.ResNetModel.from_pretrained(out)), expected
-        )
-        <= 0
-    )
+    assert excess(_resnet_torch_out(fresh), expected) <= 0
+    again = export(tmp_path / "export", model, hf)
+    assert excess(_resnet_torch_out(again), expected) <= 0

@@ -438,8 +438,12 @@ def to_torch(tree: Tree, *, tensors: bool = False, prefix: str | None = None) ->
         }
     else:
         out = {prefix + n: a for n, a in out.items()}
-    if tensors:
-        out = {n: numpy_to_tensor(a) for n, a in out.items()}
+    if tensors:  # tied names: one tensor, as `module.state_dict()` gives
+        made: dict[int, Any] = {}
+        for name, array in out.items():
+            if id(array) not in made:
+                made[id(array)] = numpy_to_tensor(array)
+            out[name] = made[id(array)]
     return out
 
 

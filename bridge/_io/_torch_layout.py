@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from .._adapters._torch import to_torch
+from .._adapters._torch import TorchNode, to_torch
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
-from .._port._layers import Layer, find_layers
+from .._port._layers import ARRAY, Layer, find_layers
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, framework
@@ -86,10 +86,16 @@ def torch_state(
     for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
         leaves = {k: materialise(v) for k, v in layer.leaves.items()}
+        if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
+            out[prefix + name] = np.asarray(leaves["array"])
+            continue
         canonical = layer.codec(kind).decode(leaves, layer.hyper)
         codec = codec_of(kind, "torch")
         assert codec is not None
-        encoded = codec.encode(canonical, {}, {})
+        # no module: the codec's settings are those a file's reader takes from the
+        # name (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
+        hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
+        encoded = codec.encode(canonical, {}, hyper)
         encoded.update(COUNTERS.get(kind, {}))
         for entry, array in encoded.items():
             key = ".".join(filter(None, (name, entry.replace("/", "."))))
@@ -104,6 +110,8 @@ def torch_state(
 
 
 def _kind(layer: Layer, problems: list[str]) -> str | None:
+    if layer.kinds == (ARRAY,):
+        return ARRAY
     kinds = tuple(k for k in layer.kinds if codec_of(k, "torch") is not None)
     kinds = kinds_by_name(dotted_torch(layer.where), kinds)
     if not kinds:

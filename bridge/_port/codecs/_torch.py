@@ -431,7 +431,7 @@ DENSE_TORCH = _register(
     _dense_decode,
     _dense_encode,
     _dense_hyper,
-    "torch weight (out,in)",
+    "torch weight (out,in) or Conv1D (in,out)",
     _BIAS,
 )
 CONV_TORCH = _register(
