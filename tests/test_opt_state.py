@@ -6,6 +6,7 @@ train k steps in A, carry the model and the optimizer state to B, train n more;
 the result equals k + n steps in A.
 """
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,7 @@ def _compiled(kind, tx, make):
 
 
 def _linen_jit(tx):
-    @jax.jit(static_argnums=0)
+    @functools.partial(jax.jit, static_argnums=0)  # jax.jit(...) decorates from 0.7
     def run(module, params, opt, x, y):
         grads = jax.grad(lambda p: mse(module.apply({"params": p}, x), y))(params)
         updates, opt = tx.update(grads, opt, params)

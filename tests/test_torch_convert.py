@@ -16,7 +16,7 @@ from bridge._cli import main
 from bridge._io._checkpoint import open_checkpoint, read
 from bridge._io._relayout import relayout
 
-from .helpers import requires
+from .helpers import requires, skip_unless
 
 
 R = np.random.default_rng(0)
@@ -163,8 +163,7 @@ def test_root_layer_names(tmp_path):
 @pytest.fixture
 def training_file(tmp_path):
     """An NNX model saved with its Adam state after one update (moments not 0)."""
-    if not hasattr(nnx, "Optimizer"):
-        pytest.skip("nnx.Optimizer")
+    skip_unless("NNX")  # nnx.Optimizer.update(model, grads)
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     grads = nnx.grad(lambda m: (m(np.ones((1, 2), "f4")) ** 2).sum())(model)
