@@ -145,8 +145,8 @@ def test_port_needs_the_module_of_a_linen_model_holding_an_equinox_model():
     with pytest.raises(
         bridge.PortError,
         match=r"(?s)unexpected: source layer \.enc\.mlp\.layers\[0\]\.weight \(Array"
-        r".*the source is Linen variables without their module.*"
-        r"pass `\(module, variables\)`",
+        r".*the source's arrays .* are in no layer bridge knows.*"
+        r"pass the Linen model as `\(module, variables\)`",
     ):
         bridge.port(variables, (target, target_vars))
     _, ported = bridge.port((model, variables), (target, target_vars))

@@ -133,3 +133,44 @@ def test_port_batch_statistics_through_a_wrapper_in_linen():
     mean = variables["batch_stats"]["enc"]["cnn"]["bn"]["ema_state_index"][0]
     assert not jnp.array_equal(mean, state.get(cnn.bn.ema_state_index)[0])
     np.testing.assert_array_equal(ported.enc.bn.mean[...], mean)
+
+
+class SetupOuter(nn.Module):
+    """A wrapper made in `setup`, inside a module given as a field."""
+
+    def setup(self):
+        self.enc = bridge.as_linen(native("equinox", "mlp"))
+        self.head = nn.Dense(HEAD_OUT)
+
+    def __call__(self, x):
+        return self.head(self.enc(x))
+
+
+class Holder(nn.Module):
+    body: nn.Module
+
+    def __call__(self, x):
+        return self.body(x)
+
+
+class CompactOuter(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(HEAD_OUT)(bridge.as_linen(native("equinox", "mlp"))(x))
+
+
+@requires("NNX")
+def test_port_finds_linen_wrappers_in_setup_at_depth_not_in_compact_calls():
+    x, _ = inputs("mlp")
+    target = NNXOuter(NNXMLP(nnx.Rngs(3)), nnx.Rngs(4))
+    model = Holder(SetupOuter())
+    variables = model.init(jax.random.key(0), x)
+    ported = bridge.port((model, variables), target)
+    np.testing.assert_allclose(ported(x), model.apply(variables, x), atol=1e-6)
+    compact = CompactOuter()
+    with pytest.raises(
+        bridge.PortError,
+        match=r"(?s)the source's arrays .*\.layers\[0\]\.weight.* are in no layer.*"
+        r"declare the wrapper as a field of its parent or in `setup`",
+    ):
+        bridge.port((compact, compact.init(jax.random.key(0), x)), target)

@@ -70,6 +70,10 @@ def as_linen(
       given (`rngs={"dropout": key}`) are reseeded from `make_rng` for the call, as
       `nnx.bridge.ToLinen` does; the others advance, and their state is written to the
       `rngs` collection (which must then be mutable).
+    - `bridge.port`, `port_plan` and `compare` of the Linen model holding the wrapper
+      read its layers in the wrapped model's framework when the model is given with
+      its module, `(module, variables)`, and the wrapper is one of its fields or
+      made in `setup` (Linen variables alone record no module classes).
 
     **Arguments:**
 
@@ -235,8 +239,20 @@ def _declared(module: nn.Module) -> Iterator[tuple[Path, LinenWrapper]]:
             yield from _declared(child)
 
 
-def without_module(tree: Tree) -> bool:
-    """Whether `tree` is a Linen model's Tree made from its variables alone (so the
-    `as_linen` wrappers in it cannot be found)."""
+_NO_MODULE = """\
+pass the Linen model as `(module, variables)`: Linen variables record no module \
+classes, and the wrapper in the module says which framework those arrays belong to."""
+
+_COMPACT = """\
+declare the wrapper as a field of its parent or in `setup`: a wrapper made inside a \
+compact `__call__` exists only while the model runs, so it cannot be found."""
+
+
+def hidden_wrappers(tree: Tree) -> str | None:
+    """For a Linen model's Tree, how to let `linen_wrappers` find the wrappers it may
+    hold (its arrays that are in no known layer may be theirs); None for another
+    framework's Tree."""
     record = getattr(tree._info.source, "record", None)
-    return isinstance(record, LinenRecord) and record.module.value is None
+    if not isinstance(record, LinenRecord):
+        return None
+    return _NO_MODULE if record.module.value is None else _COMPACT

@@ -53,11 +53,9 @@ DTYPE = (
     "tree)."
 )
 CAST = "dtypes differ, cast to the target's (pass dtype= to choose):\n    {casts}"
-NO_MODULE = (
-    "the {side} is Linen variables without their module, and arrays of it ({loose}, "
-    "...) are in no layer bridge knows. If it holds a model of another framework "
-    "(bridge.as_linen), pass `(module, variables)`: Linen variables record no module "
-    "classes, and the wrapper in the module says which layers those arrays are."
+HIDDEN_WRAPPER = (
+    "the {side}'s arrays {loose} are in no layer bridge knows. If they belong to a "
+    "model of another framework inside a Linen model (bridge.as_linen), {fix}"
 )
 AMBIGUOUS = (
     "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "

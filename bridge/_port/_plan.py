@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from .._adapters._native import placeholders, to_neutral
 from .._adapters._torch import ties_of
-from .._embed._as_linen import without_module
+from .._embed._as_linen import hidden_wrappers
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
@@ -346,8 +346,11 @@ def make_plan(
         ("target", target, targets),
     ):
         loose = [x.where for x in layers if x.kinds == (ARRAY,)]
-        if problems and loose and without_module(tree):
-            problems.append(_errors.NO_MODULE.format(side=side, loose=loose[:3]))
+        fix = hidden_wrappers(tree) if problems and loose else None
+        if fix:
+            problems.append(
+                _errors.HIDDEN_WRAPPER.format(side=side, loose=loose, fix=fix)
+            )
     plan = Plan(
         tuple(steps),
         tuple(t.where for t in lone_targets),
