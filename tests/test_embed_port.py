@@ -113,7 +113,7 @@ def test_port_a_model_holding_a_wrapper(inner, outer):
         assert bridge.compare(source, ported, inputs("mlp")[0]) < 1e-6
 
 
-@requires("NNX")
+@requires("NNX", "eqx.nn.BatchNorm(mode=...)")
 def test_port_batch_statistics_through_a_wrapper_in_linen():
     # an Equinox CNN with BatchNorm inside Linen, its statistics moved by a training
     # call, ported to the same model in NNX: evaluation outputs equal

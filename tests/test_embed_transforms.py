@@ -87,7 +87,7 @@ def batch_norm_encoder(key):
     )
 
 
-@requires("NNX")
+@requires("NNX", "eqx.nn.BatchNorm(mode=...)")
 def test_nnx_vmap_ensemble_writes_each_members_state():
     ensemble = nnx.vmap(lambda k: bridge.as_nnx(batch_norm_encoder(k)))(KEYS)
     got = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ensemble, X)
