@@ -37,6 +37,7 @@ from .helpers import (
     leaf_objects,
     requires,
     same_objects,
+    skip_unless,
     snapshot,
     tree_equal_bits,
 )
@@ -344,6 +345,11 @@ def _toy_to_native(tree: Tree) -> ToyMLP:
     )
 
 
+def _toy_embed(tree, args, kwargs, keys, inference):
+    """A call inside a wrapper: the toy model has no state, mode or randomness."""
+    return _toy_to_native(tree)(*args, **kwargs), None, ()
+
+
 TOY = _registry.Adapter(
     name="toy",
     display="Toy",
@@ -352,6 +358,7 @@ TOY = _registry.Adapter(
     to_native=_toy_to_native,
     module_types=(ToyMLP, ToyLinear),
     layout="toy",
+    embed=_toy_embed,
 )
 
 TOY_DENSE = bridge.Codec(
@@ -437,6 +444,30 @@ def test_toy_saves_and_loads_into_itself_and_into_nnx(toy, tmp_path):
     # the file records the toy classes: its layers are read by the toy codecs
     into_nnx = bridge.load(path, like=models.nnx_mlp())
     assert bridge.compare(source, into_nnx, models.mlp_input()) < 1e-6
+
+
+@pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_linen, bridge.as_equinox])
+def test_toy_runs_inside_every_framework(toy, wrap):
+    # `embed` in the adapter is all a framework needs to be wrapped
+    if wrap is bridge.as_nnx:
+        skip_unless("NNX")
+    model, x = toy_mlp(seed=4), models.mlp_input()
+    wrapper = wrap(model)
+    if wrap is bridge.as_linen:
+        variables = wrapper.init(jax.random.key(0), x)
+        run = lambda v: wrapper.apply(v, x).sum()  # noqa: E731
+        out, grads = wrapper.apply(variables, x), jax.grad(run)(variables)["params"]
+    elif wrap is bridge.as_nnx:
+        out = wrapper(x)
+        grads = nnx.grad(lambda m: m(x).sum())(wrapper)
+    else:
+        out = wrapper(x)
+        grads = eqx.filter_grad(lambda m: m(x).sum())(wrapper).model
+    assert tree_equal_bits(out, model(x))
+    plain = {name: dict(layer) for name, layer in model.items()}
+    toy_of = lambda p: ToyMLP({n: ToyLinear(v) for n, v in p.items()})  # noqa: E731
+    want = jax.grad(lambda p: toy_of(p)(x).sum())(plain)
+    assert tree_equal_bits(jnp.asarray(grads["l1"]["w"]), want["l1"]["w"])
 
 
 # --- a user codec pair through a checkpoint and through `convert --to-layout` --------

@@ -10,7 +10,8 @@ Adding a framework = one module that builds an `Adapter` and calls
 `register_adapter` once, its layer codecs (`bridge.register_codec`, with the same
 `framework` name), and a row in `tests/test_adapters.py`. `tests/test_adapters.py`
 also registers a toy fourth adapter (a dict of arrays) from inside a test, with no
-other change: the proof that this is the whole recipe.
+other change: the proof that this is the whole recipe (with its `embed`, the toy
+model also runs inside NNX, Linen and Equinox models through `bridge.as_*`).
 """
 
 from __future__ import annotations
