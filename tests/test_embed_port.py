@@ -174,3 +174,26 @@ def test_port_finds_linen_wrappers_in_setup_at_depth_not_in_compact_calls():
         r"declare the wrapper as a field of its parent or in `setup`",
     ):
         bridge.port((compact, compact.init(jax.random.key(0), x)), target)
+
+
+@requires("NNX")
+@pytest.mark.parametrize("outer", ["nnx", "linen", "equinox"])
+def test_port_into_an_abstract_model_holding_a_wrapper(outer):
+    # targets made with eval_shape (no memory) hold wrappers too
+    source, run_source = all_in("linen", seed=0)
+    inner = "nnx" if outer == "equinox" else "equinox"
+    x, _ = inputs("mlp")
+    if outer == "nnx":
+        make = lambda: mixed(outer, inner, seed=5)[0]  # noqa: E731
+        ported = bridge.port(source, nnx.eval_shape(make))
+        got = ported(x)
+    elif outer == "equinox":
+        make = lambda: mixed(outer, inner, seed=5)[0]  # noqa: E731
+        ported = bridge.port(source, eqx.filter_eval_shape(make))
+        got = ported(x)
+    else:
+        module = LinenOuter(bridge.as_linen(native(inner, "mlp", 5)))
+        abstract = jax.eval_shape(module.init, jax.random.key(0), x)
+        _, variables = bridge.port(source, (module, abstract))
+        got = module.apply(variables, x)
+    np.testing.assert_allclose(got, run_source(source), atol=1e-6)
