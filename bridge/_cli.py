@@ -37,7 +37,8 @@ PyTorch (nn.Linear weight (out,in), OIHW, running_mean/running_var, fused
 in_proj_weight; layers named by their dotted paths). A PyTorch-layout file records
 no classes: a lone 2-D weight is an Embedding when its name says so (emb..., wte,
 wpe, shared), else a Linear. A layer no codec recognises is an error naming it;
-nothing is written then."""
+nothing is written then. A training checkpoint (saved with an optimizer state) is
+refused by --to-layout unless --weights-only leaves its training state out."""
 
 
 def _formats() -> str:

@@ -101,7 +101,7 @@ def torch_state(
             key = ".".join(filter(None, (name, entry.replace("/", "."))))
             out[prefix + key] = np.asarray(array)
     for name, wheres in owners.items():
-        if len(wheres) > 1:
+        if len(wheres) > 1 and rename is None:  # `rename` reports its own clashes
             problems.append(_CLASH.format(layers=wheres, name=name))
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
