@@ -3,7 +3,8 @@
 - a ViT (big_vision / google-research `vision_transformer`): a patch `embedding`
   conv, `cls` and `pos_embedding` arrays held next to the encoder blocks, pre-norm
   blocks (`LayerNorm_0`, `MultiHeadDotProductAttention_0`, `LayerNorm_1`,
-  `MlpBlock_0`), `encoder_norm`, `head`; in Linen and Equinox;
+  `MlpBlock_0`), `encoder_norm`, `head`; in Linen (looped, or `nn.scan`-stacked as
+  big_vision's `scan=True`), NNX and Equinox;
 - a Gemma-style decoder (Flax's NNX Gemma example): tied embeddings, blocks with
   `pre_attention_norm`, q/k norms over the head dimension, `post_attention_norm`,
   `pre_ffw_norm`, `post_ffw_norm` (many RMSNorms of one shape, told apart by name
@@ -41,16 +42,34 @@ class MlpBlock(nn.Module):
         return nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(x)))
 
 
+def _encoder_block(x):
+    """The pre-norm encoder block's body, its layers made in the calling module."""
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(h, h)
+    return x + MlpBlock()(nn.LayerNorm()(x))
+
+
 class Encoder1DBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(h, h)
-        return x + MlpBlock()(nn.LayerNorm()(x))
+        return _encoder_block(x)
+
+
+class ScannedEncoderBlock(nn.Module):
+    """The same block in `nn.scan`'s calling convention: `(carry, x) -> (carry, y)`."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        return _encoder_block(x), None
 
 
 class LinenViT(nn.Module):
+    """big_vision's ViT; `scan=True` stacks the blocks with `nn.scan` (one
+    `encoderblock` whose arrays have a leading layer axis), as big_vision's
+    `scan=True` does; else `encoderblock_0`, `encoderblock_1`, ..."""
+
     depth: int = 2
+    scan: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -60,15 +79,73 @@ class LinenViT(nn.Module):
         cls = self.param("cls", nn.initializers.normal(1.0), (1, 1, D))
         x = jnp.concatenate([jnp.tile(cls, (n, 1, 1)), x], axis=1)
         x = x + self.param("pos_embedding", nn.initializers.normal(1.0), (1, TOKENS, D))
-        for i in range(self.depth):
+        if self.scan:
+            blocks = nn.scan(
+                ScannedEncoderBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.depth,
+            )
+            x, _ = blocks(name="encoderblock")(x, None)
+        for i in range(0 if self.scan else self.depth):
             x = Encoder1DBlock(name=f"encoderblock_{i}")(x)
         x = nn.LayerNorm(name="encoder_norm")(x)
         return nn.Dense(CLASSES, name="head")(x[:, 0])
 
 
-def linen_vit(seed=0):
-    module = LinenViT()
+def linen_vit(seed=0, scan=False):
+    module = LinenViT(scan=scan)
     return module, module.init(jax.random.key(seed), image())
+
+
+class NNXMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.Dense_0 = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.Dense_1 = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.Dense_1(nnx.gelu(self.Dense_0(x)))
+
+
+class NNXEncoderBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.LayerNorm_0 = nnx.LayerNorm(D, rngs=rngs)
+        self.MultiHeadDotProductAttention_0 = nnx.MultiHeadAttention(
+            HEADS, D, decode=False, rngs=rngs
+        )
+        self.LayerNorm_1 = nnx.LayerNorm(D, rngs=rngs)
+        self.MlpBlock_0 = NNXMlp(rngs)
+
+    def __call__(self, x):
+        h = self.LayerNorm_0(x)
+        x = x + self.MultiHeadDotProductAttention_0(h)
+        return x + self.MlpBlock_0(self.LayerNorm_1(x))
+
+
+class NNXViT(nnx.Module):
+    """The ViT in NNX: `cls` and `pos_embedding` Params next to an `nnx.List` of
+    blocks."""
+
+    def __init__(self, rngs, depth=2):
+        self.embedding = nnx.Conv(
+            3, D, (PATCH, PATCH), strides=(PATCH, PATCH), padding="VALID", rngs=rngs
+        )
+        normal = jax.nn.initializers.normal(1.0)
+        self.cls = nnx.Param(normal(rngs.params(), (1, 1, D)))
+        self.pos_embedding = nnx.Param(normal(rngs.params(), (1, TOKENS, D)))
+        self.blocks = nnx.List([NNXEncoderBlock(rngs) for _ in range(depth)])
+        self.encoder_norm = nnx.LayerNorm(D, rngs=rngs)
+        self.head = nnx.Linear(D, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embedding(x)
+        n = x.shape[0]
+        x = jnp.reshape(x, (n, -1, D))
+        x = jnp.concatenate([jnp.tile(self.cls[...], (n, 1, 1)), x], axis=1)
+        x = x + self.pos_embedding[...]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.encoder_norm(x)[:, 0])
 
 
 class EqxMlp(eqx.Module):

@@ -87,6 +87,56 @@ def test_vit_with_loose_parameters(source_fw, target_fw, variant):
     assert bridge.compare(source, ported, x) < 1e-5
 
 
+def _vit_like(framework, abstract, seed, scan=False):
+    if framework == "linen":
+        module = pm.LinenViT(scan=scan)
+        if abstract:
+            return module, jax.eval_shape(module.init, jax.random.key(seed), pm.image())
+        return pm.linen_vit(seed, scan)
+    if framework == "nnx":
+        if abstract:
+            return nnx.eval_shape(lambda: pm.NNXViT(nnx.Rngs(seed)))
+        return pm.NNXViT(nnx.Rngs(seed))
+    return _vit("equinox", "abstract" if abstract else "concrete", seed)
+
+
+def _vit_cases():
+    for layout in ("scan", "loop"):
+        for target in ("nnx", "equinox"):
+            for abstract in (False, True):
+                slow = layout == "loop" and not abstract
+                yield pytest.param(
+                    layout,
+                    target,
+                    abstract,
+                    id=f"{layout}-{target}-{'eval_shape' if abstract else 'concrete'}",
+                    marks=pytest.mark.slow if slow else (),
+                )
+
+
+@pytest.mark.parametrize("layout, target_fw, abstract", list(_vit_cases()))
+def test_vit_stacked_or_looped_into_per_layer_and_back(layout, target_fw, abstract):
+    """big_vision's ViT, `nn.scan`-stacked or looped, into per-layer NNX and Equinox
+    ViTs and back into the Linen layout it came from; targets concrete or abstract."""
+    x = pm.image()
+    scan = layout == "scan"
+    source = pm.linen_vit(0, scan)
+    target = _vit_like(target_fw, abstract, 1)
+    plan = bridge.port_plan(source, target)
+    assert not plan.problems, plan
+    rows = {s.source: s for s in plan.steps}
+    assert rows[".cls"].target == ".cls" and rows[".pos_embedding"].kind == "Array"
+    block = ".encoderblock[1]" if scan else ".encoderblock_1"
+    assert rows[f"{block}.LayerNorm_1"].target.startswith(".blocks[1].")
+    ported = bridge.port(source, target, check=x)
+    assert bridge.compare(source, ported, x) < 1e-5
+    back = bridge.port(ported, _vit_like("linen", abstract, 2, scan), check=x)
+    assert bridge.compare(source, back, x) < 1e-5
+    if scan:
+        kernel = back[1]["params"]["encoderblock"]["MlpBlock_0"]["Dense_0"]["kernel"]
+        assert kernel.shape == (2, 2 * pm.D, pm.D)  # Dense_0: the outer Dense (FACTS)
+
+
 # --- Gemma-style: tied embeddings, many RMSNorms of one shape ------------------------
 
 

@@ -1,12 +1,15 @@
-"""Stacked layers (`nn.scan` with the layer axis first): a stack ports into a stack of
-the same names, into per-layer layers of any framework (`.blocks[i]` is the i-th
-slice of every array of `.blocks`), and per-layer layers back into a stack."""
+"""Stacked layers (Linen `nn.scan` with the layer axis first, NNX blocks made under
+`nnx.vmap`, Equinox blocks made by `eqx.filter_vmap`): a stack ports into a stack, into
+per-layer layers of any framework (`.blocks[i]` is the i-th slice of every array of
+`.blocks`), and per-layer layers back into a stack; outputs compared."""
 
 import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 import bridge
 
@@ -113,10 +116,16 @@ def test_a_stack_into_per_layer_layers_and_back(target):
     ported = bridge.port(source, model, check=X)
     assert bridge.compare(source, ported, X) < 1e-5
     # per-layer -> stacked: the layers are stacked back along the leading axis
-    back = bridge.port(ported, _linen(Scanned(), 2), check=X)
+    stack_target = _linen(Scanned(), 2)
+    before = jax.tree_util.tree_map(np.array, stack_target[1])
+    back = bridge.port(ported, stack_target, check=X)
     assert bridge.compare(source, back, X) < 1e-5
     shapes = jax.tree_util.tree_map(jnp.shape, back[1]["params"]["blocks"])
     assert shapes["Dense_0"]["kernel"] == (3, 4, 4)
+    # the stack is filled in place in a new array: the target's own are untouched
+    assert jax.tree_util.tree_all(
+        jax.tree_util.tree_map(np.array_equal, before, stack_target[1])
+    )
 
 
 def test_a_stack_of_another_length_is_missing_and_unexpected_layers():
@@ -152,3 +161,141 @@ def test_a_stack_with_the_layer_axis_elsewhere_is_refused():
         match=r"\.blocks\.Dense_0 is named like a Dense but holds \['bias', 'kernel'\]",
     ):
         bridge.port(source, _linen(Looped(), 1))
+
+
+# --- stacks of NNX (nnx.vmap) and Equinox (eqx.filter_vmap) modules ---------------
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dense(self.norm(x))
+
+
+class NNXStacked(nnx.Module):
+    """The flax guide's pattern: blocks made under `nnx.vmap`, run by `nnx.scan`."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NNXBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+class NNXLooped(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([NNXBlock(rngs) for _ in range(3)])
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class EqxStackedBlock(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    dense: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.norm = eqx.nn.LayerNorm(4, eps=1e-6)
+        self.dense = eqx.nn.Linear(4, 4, key=key)
+
+    def __call__(self, x):
+        return x + self.dense(self.norm(x))
+
+
+class EqxStacked(eqx.Module):
+    """One block whose arrays have a leading layer axis (`eqx.filter_vmap`), run by
+    `lax.scan`: the Equinox recipe for scan-over-layers."""
+
+    blocks: EqxStackedBlock
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        a, b = jax.random.split(key)
+        self.blocks = eqx.filter_vmap(EqxStackedBlock)(jax.random.split(a, 3))
+        self.head = eqx.nn.Linear(4, 2, key=b)
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def forward(x, layer):
+            return eqx.combine(layer, static)(x), None
+
+        x, _ = jax.lax.scan(forward, x, arrays)
+        return self.head(x)
+
+
+def _model(name, seed):
+    if name == "linen scan":
+        return _randomised(_linen(Scanned(), seed))
+    if name == "linen loop":
+        return _randomised(_linen(Looped(), seed))
+    if name == "nnx vmap":
+        return NNXStacked(nnx.Rngs(seed))
+    if name == "nnx loop":
+        return NNXLooped(nnx.Rngs(seed))
+    if name == "equinox vmap":
+        return EqxStacked(jax.random.key(seed))
+    return EqxLooped(jax.random.key(seed))
+
+
+def _abstract(name, seed):
+    if name.startswith("nnx"):
+        return nnx.eval_shape(lambda: _model(name, seed))
+    if name.startswith("equinox"):
+        return eqx.filter_eval_shape(_model, name, seed)
+    module = Scanned() if name == "linen scan" else Looped()
+    return module, jax.eval_shape(module.init, jax.random.key(seed), X)
+
+
+STACKS = ["linen scan", "nnx vmap", "equinox vmap"]
+LOOPS = ["linen loop", "nnx loop", "equinox loop"]
+
+
+def _cases():
+    """Every stack into every other stack and every per-layer model, and back; the
+    targets concrete and abstract (`eval_shape`: long cases `slow` but the stacks)."""
+    pairs = [(s, t) for s in STACKS for t in STACKS + LOOPS if s != t]
+    pairs += [(s, t) for s in LOOPS for t in STACKS]
+    for source, target in pairs:
+        yield pytest.param(source, target, False, id=f"{source}->{target}")
+        slow = () if source in STACKS and target in STACKS else pytest.mark.slow
+        yield pytest.param(
+            source, target, True, id=f"{source}->{target} abstract", marks=slow
+        )
+
+
+@pytest.mark.parametrize("source, target, abstract", list(_cases()))
+def test_stacks_of_every_framework_port_both_ways(source, target, abstract):
+    model = _model(source, 0)
+    like = _abstract(target, 1) if abstract else _model(target, 1)
+    plan = bridge.port_plan(model, like)
+    assert not plan.problems, plan
+    if source in STACKS and target in STACKS:  # stacked -> stacked: one row each
+        norms = [s for s in plan.steps if s.kind == "LayerNorm"]
+        assert [s.source.split(".")[1] for s in norms] == [
+            f"blocks[{i}]" for i in range(3)
+        ]
+    ported = bridge.port(model, like, check=X)
+    assert bridge.compare(model, ported, X) < 1e-5
+
+
+def test_a_stack_is_one_row_in_the_plan():
+    plan = bridge.port_plan(_model("equinox vmap", 0), _model("nnx loop", 1))
+    text = str(plan)
+    assert ".blocks[0..2].dense" in text and ".layers[0..2].dense" in text

@@ -15,7 +15,7 @@ from .._lazy import materialise
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors
-from ._codec import Codec, Leaves, codecs, same, same_as_like
+from ._codec import Codec, Leaves, codec_of, codecs, same, same_as_like
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -183,7 +183,9 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
         cls = kind(node)
         length = _stacked(adapter, path, node, role_nodes[path], leaves)
         if length and loose:
-            layers += _stack_layers(adapter, path, node, role_nodes, length, problems)
+            layers += _stack_layers(
+                adapter, path, node, role_nodes, length, problems, native
+            )
             taken.append(path)
             continue
         found = _recognise(adapter, cls, path, leaves, problems)
@@ -226,9 +228,11 @@ def _stack_layers(
     role_nodes: dict[Path, Tree],
     length: int,
     problems: list[str],
+    native: Any = None,
 ) -> list[Layer]:
     """The layers of a stack, one per index: `.blocks[3].Dense_0` is the fourth
-    slice of `.blocks.Dense_0`'s arrays."""
+    slice of `.blocks.Dense_0`'s arrays. `native`: the model, for the settings of
+    a stack's modules where classes are recorded (one module stands for all)."""
     out: list[Layer] = []
     taken: list[Path] = []
     for sub_path, sub in walk(node, path):
@@ -241,9 +245,11 @@ def _stack_layers(
             continue
         taken.append(sub_path)
         rel = sub_path[len(path) :]
+        module = None if native is None else at(native, sub_path)
+        hyper = {} if module is None else found[0].hyperparameters(module)
         for i in range(length):
             layer = Layer(
-                path + (i,) + rel, found, one, paths, {}, stack=(path, length)
+                path + (i,) + rel, found, one, paths, hyper, stack=(path, length)
             )
             layer.index, layer.arrays, layer.real = i, arrays, sub_path
             read_specs(layer, problems)
@@ -255,14 +261,18 @@ def _stack_layers(
 def _stacked(
     adapter: Adapter, path: Path, node: Tree, roles: Tree, leaves: Leaves
 ) -> int:
-    """The layer count of a stack of layers (`nn.scan` with the layer axis first:
-    every array has it as its leading axis), or 0. A stack is what the codecs
-    recognise entirely once that axis is dropped, and not with it. (Where classes
-    are recorded, codecs recognise a layer whatever its shapes: not detected.)"""
-    if not path or adapter.records_classes:
+    """The layer count of a stack of layers (Linen `nn.scan` with the layer axis
+    first, NNX modules made under `nnx.vmap`, Equinox modules made by
+    `eqx.filter_vmap`: every array has it as its leading axis), or 0. A stack is
+    what the codecs recognise entirely once that axis is dropped, and not with it.
+    Where classes are recorded (NNX, Equinox), a codec recognises its class whatever
+    the shapes: the arrays, decoded to the Flax layout, are then judged by the
+    Flax codec of the same kind, which reads shapes."""
+    if not path:
         return 0
     lengths: set[int | None] = {
-        x.shape[0] if x.ndim >= 2 else None for x in leaves.values()
+        x.shape[0] if x.ndim >= (1 if adapter.records_classes else 2) else None
+        for x in leaves.values()
     }
     if len(lengths) != 1 or None in lengths:
         return 0
@@ -278,7 +288,12 @@ def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> boo
     codec recognises."""
     leaves, _ = _subtree_leaves(node, roles)
     leaves = {k: view(v) for k, v in leaves.items()}
-    if not leaves or _recognise(adapter, kind(node), path, leaves, []):
+    if not leaves:
+        return True
+    found = _recognise(adapter, kind(node), path, leaves, [])
+    if found and adapter.records_classes:
+        return _fits_flax(found[0], leaves)
+    if found:
         return True
     for (key, child), (_, role) in zip(items(node), items(roles)):
         if not isinstance(child, Tree):
@@ -287,6 +302,21 @@ def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> boo
         elif not _covered(adapter, child, role, path + (key,), view):
             return False
     return True
+
+
+def _fits_flax(codec: Codec, leaves: Leaves) -> bool:
+    """Whether a layer's arrays (shapes), decoded to the Flax layout by its codec,
+    are what the Flax (Linen) codec of its kind recognises; False where there is no
+    such codec, or the arrays do not decode."""
+    flax = codec_of(codec.kind, "linen")
+    if flax is None:
+        return False
+    structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}
+    try:
+        canonical = jax.eval_shape(lambda x: codec.decode(x, {}), structs)
+    except Exception:  # the codec's own refusal: not this layout
+        return False
+    return bool(flax.recognise(None, canonical))
 
 
 def read_specs(layer: Layer, problems: list[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -140,25 +141,45 @@ def run(plan: Plan) -> Tree:
     """Execute a plan: the target Tree with every paired layer's arrays replaced."""
     problems: list[str] = []
     new: dict[Path, Any] = {}
-    slices: dict[Path, dict[int, Any]] = {}  # the layers of a target stack
+    assert plan._target is not None
+    targets: dict[Path, Any] = {}
+    map_with_path(targets.__setitem__, plan._target)
+    # a target stack (`nn.scan`) is filled layer by layer, in place: its layers are
+    # never all held apart as well (peak: the stack and one layer)
+    stacks: dict[Path, Any] = {}
+    fused: dict[Any, Any] = {}
     for step in sorted(plan.steps, key=_reading_order):
-        for path, index, value in _move(step, problems):
+        for path, index, value in _move(step, problems, fused):
             if index is None:
                 new[path] = value
-            else:
-                slices.setdefault(path, {})[index] = value
+                continue
+            stack = stacks.get(path)
+            if stack is None:
+                stack = _fresh(targets[path])
+            stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), index)
     if problems:
         raise _errors.PortError(problems)
-    assert plan._target is not None
 
     def replace(path: Path, leaf: Any) -> Any:
-        if path in slices:
-            parts = slices[path]
-            stack = jnp.stack([_slice(parts, i, leaf) for i in range(leaf.shape[0])])
-            return place(stack, sharding_of(leaf, path_str(path)))
+        if path in stacks:
+            return place(stacks[path], sharding_of(leaf, path_str(path)))
         return new.get(path, leaf)
 
     return map_with_path(replace, plan._target)
+
+
+def _fresh(leaf: Any) -> jax.Array:
+    """A new array for a target stack: a copy of the target's own (its layers that
+    nothing ports stay), zeros for an abstract target."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jnp.zeros(leaf.shape, leaf.dtype)
+    return jnp.array(leaf, copy=True)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(stack: jax.Array, layer: jax.Array, index: Any) -> jax.Array:
+    """`stack` with layer `index` replaced, in place (the old `stack` is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
 
 
 def _reading_order(step: PlanRow) -> int:
@@ -168,23 +189,91 @@ def _reading_order(step: PlanRow) -> int:
     return min((getattr(v, "order", 0) for v in leaves.values()), default=0)
 
 
-def _slice(parts: dict[int, Any], i: int, leaf: Any) -> Any:
-    """The `i`-th layer of a target stack: ported, or the target's own."""
-    if i in parts:
-        return parts[i]
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jnp.zeros(leaf.shape[1:], leaf.dtype)
-    return leaf[i]
-
-
-def _move(step: PlanRow, problems: list[str]) -> list[tuple[Path, int | None, Any]]:
+def _move(
+    step: PlanRow, problems: list[str], fused: dict[Any, Any]
+) -> list[tuple[Path, int | None, Any]]:
     """The target arrays of one row: `(path, index in a stack or None, array)`."""
     s, t = step._source, step._target
     assert s is not None and t is not None
-    leaves = {k: materialise(v) for k, v in s.own_leaves().items()}
+    leaves = _fused(step, fused)
+    if leaves is None:
+        leaves = _converted(step, problems)
+    if t.index is not None:
+        return [(t.real + t.paths[k], t.index, v) for k, v in leaves.items()]
+    return [
+        (
+            t.path + t.paths[k],
+            None,
+            _placed(v, t.leaves[k], path_str(t.path + t.paths[k])),
+        )
+        for k, v in leaves.items()
+    ]
+
+
+def _fused(step: PlanRow, cache: dict[Any, Any]) -> dict[str, Any] | None:
+    """The target arrays of a row whose source is one layer of a stack in memory,
+    sliced and converted in one XLA computation (so the slice is never a copy of
+    its own), compiled once for all the layers of the stack; None where that does
+    not apply (another source, entries to check, a codec that is not traceable)."""
+    s, t = step._source, step._target
+    assert s is not None and t is not None
+    if s.index is None or s.arrays is None or step.drop:
+        return None
+    if not all(isinstance(v, jax.Array) for v in s.arrays.values()):
+        return None  # a file read lazily, numpy arrays: layer by layer as they are
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.leaves.items()}
+    key = (
+        id(s.arrays),
+        id(step.source_codec),
+        id(step.target_codec),
+        tuple((k, v.shape, str(v.dtype)) for k, v in like.items()),
+        repr((s.hyper, t.hyper, step.cast, step.fill, step.kind)),
+    )
+    convert = cache.get(key, False)
+    if convert is False:
+
+        def one(arrays: dict[str, Any], index: Any) -> dict[str, Any]:
+            leaves = {
+                k: jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False)
+                for k, v in arrays.items()
+            }
+            return _encoded(step, _decoded(step, leaves), like)
+
+        convert = cache[key] = jax.jit(one)
+    if convert is None:
+        return None
+    try:
+        return convert(s.arrays, s.index)
+    except jax.errors.JAXTypeError:  # a codec that needs concrete values
+        cache[key] = None
+        return None
+
+
+def _decoded(step: PlanRow, leaves: dict[str, Any]) -> dict[str, Any]:
+    s = step._source
+    assert s is not None
     canonical = step.source_codec.decode(leaves, s.hyper)
     for entry, dtype in step.cast.items():
         canonical[entry] = jnp.asarray(canonical[entry]).astype(dtype)
+    return canonical
+
+
+def _encoded(step: PlanRow, canonical: dict[str, Any], like: Any) -> dict[str, Any]:
+    t = step._target
+    assert t is not None
+    spec = t.specs[step.kind]
+    canonical = filled(
+        {k: canonical[k] for k in spec if k in canonical}, spec, step.fill
+    )
+    return step.target_codec.encode(canonical, like, t.hyper)
+
+
+def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
+    """The target arrays of a row, converted eagerly; entries dropped checked."""
+    s, t = step._source, step._target
+    assert s is not None and t is not None
+    leaves = {k: materialise(v) for k, v in s.own_leaves().items()}
+    canonical = _decoded(step, leaves)
     for entry, value in step.drop.items():
         if not bool(jnp.all(canonical[entry] == value)):
             problems.append(
@@ -196,21 +285,7 @@ def _move(step: PlanRow, problems: list[str]) -> list[tuple[Path, int | None, An
                     default=value,
                 )
             )
-    spec = t.specs[step.kind]
-    canonical = filled(
-        {k: canonical[k] for k in spec if k in canonical}, spec, step.fill
-    )
-    leaves = step.target_codec.encode(canonical, t.leaves, t.hyper)
-    if t.index is not None:
-        return [(t.real + t.paths[k], t.index, v) for k, v in leaves.items()]
-    return [
-        (
-            t.path + t.paths[k],
-            None,
-            _placed(v, t.leaves[k], path_str(t.path + t.paths[k])),
-        )
-        for k, v in leaves.items()
-    ]
+    return _encoded(step, canonical, t.leaves)
 
 
 def _placed(new: Any, like: Any, where: str) -> Any:
