@@ -197,3 +197,27 @@ def test_port_into_an_abstract_model_holding_a_wrapper(outer):
         _, variables = bridge.port(source, (module, abstract))
         got = module.apply(variables, x)
     np.testing.assert_allclose(got, run_source(source), atol=1e-6)
+
+
+class SetupForInitOnly(nn.Module):
+    """A `setup` that fails outside `init` (looking for wrappers runs it)."""
+
+    def setup(self):
+        if not self.is_initializing():
+            raise RuntimeError("this setup runs in init only")
+        self.dense = nn.Dense(HEAD_OUT)
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+@requires("NNX")
+def test_looking_for_linen_wrappers_never_breaks_a_port():
+    x, _ = inputs("mlp")
+    module = SetupForInitOnly()
+    variables = module.init(jax.random.key(0), x)
+    target = nnx.Linear(x.shape[1], HEAD_OUT, rngs=nnx.Rngs(1))
+    ported = bridge.port((module, variables), target)
+    np.testing.assert_array_equal(
+        ported.kernel[...], variables["params"]["dense"]["kernel"]
+    )

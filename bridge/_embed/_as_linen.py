@@ -221,11 +221,12 @@ def linen_wrappers(tree: Tree) -> Iterator[tuple[Path, LinenWrapper]]:
     module = record.module.value
     if isinstance(module, LinenWrapper):
         return
-    try:
+    try:  # best effort: a module whose setup fails outside apply has none found
         bound = module.clone(parent=None).bind(to_linen(tree))
-    except Exception:  # variables the module does not take: no wrappers to find
+        found = list(_declared(bound))
+    except Exception:
         return
-    yield from _declared(bound)
+    yield from found
 
 
 def _declared(module: nn.Module) -> Iterator[tuple[Path, LinenWrapper]]:
