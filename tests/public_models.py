@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .helpers import skip_unless
+
 
 D, HEADS, PATCH, IMAGE, CLASSES = 8, 2, 2, 4, 3
 TOKENS = (IMAGE // PATCH) ** 2 + 1
@@ -265,6 +267,7 @@ class NNXDecoderBlock(nnx.Module):
 
 class NNXGemma(nnx.Module):
     def __init__(self, rngs, depth=2):
+        skip_unless("NNX")
         self.embedder = nnx.Embed(VOCAB, D, rngs=rngs)
         self.layers = nnx.List([NNXDecoderBlock(rngs) for _ in range(depth)])
         self.final_norm = nnx.RMSNorm(D, rngs=rngs)

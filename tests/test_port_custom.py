@@ -14,6 +14,8 @@ from bridge._cli import main
 from bridge._io._checkpoint import open_checkpoint, read
 from bridge._io._relayout import relayout
 
+from .helpers import requires
+
 
 D = 4
 
@@ -75,6 +77,7 @@ def same_layout_codecs():
     bridge.unregister_codec("Shifted")
 
 
+@requires("NNX")
 def test_same_layout_claims_own_arrays_and_leaves_sublayers(same_layout_codecs):
     assert [c.framework for c in same_layout_codecs] == ["nnx", "equinox"] * 2
     source = Shifted(nnx.Rngs(0))
@@ -94,6 +97,7 @@ def test_same_layout_claims_own_arrays_and_leaves_sublayers(same_layout_codecs):
     bridge.register_codec(*same_layout_codecs[2:])
 
 
+@requires("NNX")
 def test_unregister_and_same_layout_errors():
     with pytest.raises(KeyError, match=r"No codec of kind 'Nope' is registered"):
         bridge.unregister_codec("Nope")
@@ -119,6 +123,7 @@ class GemmaBlock(nnx.Module):
         self.out = nnx.Linear(D, D, rngs=rngs)
 
 
+@requires("NNX")
 def test_cli_refuses_recorded_classes_no_codec_knows(tmp_path, capsys):
     src, dst = tmp_path / "gemma.safetensors", tmp_path / "out.safetensors"
     bridge.save(src, GemmaBlock(nnx.Rngs(0)))
@@ -130,6 +135,7 @@ def test_cli_refuses_recorded_classes_no_codec_knows(tmp_path, capsys):
     assert not dst.exists()
 
 
+@requires("NNX")
 def test_cli_refuses_recorded_classes_it_cannot_import(tmp_path):
     """The class is recorded but its module is not imported (the CLI imports
     nothing): the arrays alone (`scale`) look like Flax's RMSNorm, yet it is refused."""

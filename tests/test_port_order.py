@@ -14,6 +14,12 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
+
+# every test ports an NNX model (or into one)
+pytestmark = requires("NNX")
+
 
 KEY = jax.random.key
 D = 4

@@ -13,7 +13,7 @@ from flax import nnx
 import bridge
 from bridge._tree import native_order
 
-from .helpers import same_objects, tree_equal_bits
+from .helpers import same_objects, skip_unless, tree_equal_bits
 
 
 KEY = jax.random.key
@@ -40,6 +40,7 @@ class Block(nnx.Module):
 
 
 def _nnx_variants():
+    skip_unless("NNX")
     model = Block(nnx.Rngs(0))
     jitted = Block(nnx.Rngs(1))
     nnx.jit(lambda m, x: m(x))(jitted, jnp.ones((1, D)))
