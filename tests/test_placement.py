@@ -158,50 +158,36 @@ def test_nnx_partitioning_metadata_under_the_mesh(mesh, tmp_path):
         bridge.port(concrete("linen"), abstract)
 
 
-class NnxBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.norm = nnx.LayerNorm(4, rngs=rngs)
-        self.dense = nnx.Linear(4, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.dense(self.norm(x))
-
-
-class NnxLooped(nnx.Module):
-    def __init__(self, rngs):
-        self.layers = nnx.List([NnxBlock(rngs) for _ in range(3)])
-        self.head = nnx.Linear(4, 2, rngs=rngs)
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def per_layer(kind):
-    """Three blocks (LayerNorm, Dense) and a head, one module per block."""
-    if kind == "nnx":
+def stacked_sharded(name, mesh):
+    """An abstract stacked target (`nn.scan`, `nnx.vmap`, `eqx.filter_vmap`): each
+    array sharded, a stack's layer axis unsharded and each layer as `spec_of` says."""
+    if name.startswith("nnx"):
         skip_unless("NNX")
-        return NnxLooped(nnx.Rngs(3))
-    if kind == "linen":
-        return stacked.Looped(), stacked.Looped().init(jax.random.key(3), stacked.X)
-    return stacked.EqxLooped(jax.random.key(3))
+    abstract = stacked._abstract(name, 1)
 
-
-@pytest.mark.parametrize("source", ["nnx", "linen", "equinox"])
-def test_per_layer_layers_into_an_abstract_sharded_stack(mesh, source):
-    """An `nn.scan` stack (leading layer axis) built from per-layer layers has the
-    target's sharding, as every other ported array."""
-    src = per_layer(source)
-    init = jax.eval_shape(stacked.Scanned().init, jax.random.key(0), stacked.X)
-
-    def sharded(x):  # a stack's layer axis unsharded, each layer as spec_of says
+    def sharded(x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
         spec = P(None, *spec_of(x.shape[1:])) if x.shape[0] == 3 else spec_of(x.shape)
         return jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, spec)
         )
 
-    abstract = stacked.Scanned(), jax.tree_util.tree_map(sharded, init)
+    if name.startswith("nnx"):
+        graphdef, state = nnx.split(abstract)
+        return nnx.merge(graphdef, jax.tree_util.tree_map(sharded, state))
+    return jax.tree_util.tree_map(sharded, abstract)
+
+
+@pytest.mark.parametrize("target", stacked.STACKS)
+@pytest.mark.parametrize("source", stacked.LOOPS)
+def test_per_layer_layers_into_an_abstract_sharded_stack(mesh, source, target):
+    """A stack (leading layer axis) built from per-layer layers has the target's
+    sharding, as every other ported array."""
+    if "nnx" in source:
+        skip_unless("NNX")
+    src = stacked._model(source, 0)
+    abstract = stacked_sharded(target, mesh)
     out = bridge.port(src, abstract)
     wants = by_path(bridge._adapters._native.placeholders(abstract))
     outs = by_path(out)

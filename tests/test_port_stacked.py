@@ -13,6 +13,8 @@ from flax import nnx
 
 import bridge
 
+from .helpers import skip_unless
+
 
 class Block(nn.Module):
     @nn.compact
@@ -241,6 +243,8 @@ class EqxStacked(eqx.Module):
 
 
 def _model(name, seed):
+    if name.startswith("nnx"):
+        skip_unless("NNX")
     if name == "linen scan":
         return _randomised(_linen(Scanned(), seed))
     if name == "linen loop":
@@ -255,6 +259,8 @@ def _model(name, seed):
 
 
 def _abstract(name, seed):
+    if name.startswith("nnx"):
+        skip_unless("NNX")
     if name.startswith("nnx"):
         return nnx.eval_shape(lambda: _model(name, seed))
     if name.startswith("equinox"):
