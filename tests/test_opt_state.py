@@ -20,6 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import bridge
+from bridge._train._opt_state import as_pure
 
 from .helpers import tree_allclose, tree_equal_bits
 from .models import (
@@ -276,7 +277,7 @@ def _params(model):
     if isinstance(model, eqx.Module):
         return eqx.filter(model, eqx.is_array)
     if isinstance(model, nnx.Module):
-        return nnx.as_pure(nnx.state(model, nnx.Param))
+        return as_pure(nnx.state(model, nnx.Param))
     return model[1]["params"]
 
 
@@ -288,9 +289,9 @@ def test_nothing_is_shared_or_modified():
     tree = bridge.from_nnx(model)
     step = _make_step(tree, tx)
     like = step.init(tree)
-    before = jax.tree_util.tree_map(jnp.copy, nnx.as_pure(opt.opt_state))
+    before = jax.tree_util.tree_map(jnp.copy, as_pure(opt.opt_state))
     state = bridge.port_opt_state(opt, model, tree, like=like)
-    assert tree_equal_bits(nnx.as_pure(opt.opt_state), before)
+    assert tree_equal_bits(as_pure(opt.opt_state), before)
     ids = {id(x) for x in jax.tree_util.tree_leaves((opt.opt_state, like))}
     assert not ids & {id(x) for x in jax.tree_util.tree_leaves(state)}
 
@@ -315,7 +316,7 @@ def test_nnx_optimizer_to_make_step_and_back():
         state, tree, model, like=nnx.Optimizer(nnx_mlp(1), tx, wrt=nnx.Param), step=K
     )
     assert isinstance(back, nnx.Optimizer) and int(back.step[...]) == K
-    assert tree_equal_bits(nnx.as_pure(back.opt_state), nnx.as_pure(opt.opt_state))
+    assert tree_equal_bits(as_pure(back.opt_state), as_pure(opt.opt_state))
 
 
 def test_linen_train_state_to_make_step_and_back():
@@ -406,7 +407,7 @@ def test_masked_labels_differ():
     like = nnx.Optimizer(target, target_tx, wrt=nnx.Param)
     with pytest.warns(bridge.PortWarning, match=r"'layers'\]\['0'\]|layers\[0\]"):
         new = bridge.port_opt_state(opt, model, target, like=like, step=K)
-    inner = nnx.as_pure(new.opt_state).inner_states["train"].inner_state[1][0]
+    inner = as_pure(new.opt_state).inner_states["train"].inner_state[1][0]
     old = opt.inner_states["train"].inner_state[1][0]
     assert jnp.array_equal(inner.mu["layers"][1]["kernel"], old.mu["Dense_1"]["kernel"])
     assert not jnp.any(inner.mu["layers"][0]["kernel"])

@@ -13,6 +13,7 @@ from flax import nnx
 
 import bridge
 from bridge._cli import main
+from bridge._train._opt_state import as_pure
 
 from .helpers import tree_allclose, tree_equal_bits
 from .models import equinox_mlp, linen_mlp, nnx_mlp
@@ -77,9 +78,7 @@ def test_same_framework_same_bits(tmp_path):
     )
     assert isinstance(loaded.opt_state, nnx.Optimizer)
     assert int(loaded.opt_state.step[...]) == K and loaded.step == K
-    assert tree_equal_bits(
-        nnx.as_pure(loaded.opt_state.opt_state), nnx.as_pure(opt.opt_state)
-    )
+    assert tree_equal_bits(as_pure(loaded.opt_state.opt_state), as_pure(opt.opt_state))
     assert tree_equal_bits(nnx.state(loaded.model), nnx.state(model))
 
 

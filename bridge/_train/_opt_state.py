@@ -23,7 +23,7 @@ matched by order: parts by their path in the optimizer state, parameters by name
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,10 +189,15 @@ def port_opt_state(
 # --- the containers -------------------------------------------------------------------
 
 
+# an NNX state with its Variables replaced by their arrays: `nnx.as_pure` in newer
+# flax, `nnx.pure` in flax 0.12.1
+as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure
+
+
 def unwrap(obj: Any) -> tuple[Any, Any]:
     """`(optax state with array leaves, step or None)` of a state or its container."""
     if isinstance(obj, nnx.Optimizer):
-        return nnx.as_pure(obj.opt_state), obj.step[...]
+        return as_pure(obj.opt_state), obj.step[...]
     if isinstance(obj, train_state.TrainState):
         return obj.opt_state, obj.step
     return obj, None
