@@ -12,6 +12,7 @@ from flax import nnx
 import bridge
 
 from . import public_models as pm
+from .helpers import skip_unless
 
 
 def _eqx_step(model, *batch):
@@ -94,6 +95,7 @@ def _vit_like(framework, abstract, seed, scan=False):
             return module, jax.eval_shape(module.init, jax.random.key(seed), pm.image())
         return pm.linen_vit(seed, scan)
     if framework == "nnx":
+        skip_unless("NNX")
         if abstract:
             return nnx.eval_shape(lambda: pm.NNXViT(nnx.Rngs(seed)))
         return pm.NNXViT(nnx.Rngs(seed))
