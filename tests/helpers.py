@@ -71,12 +71,29 @@ FEATURES = {
     # a mesh in context for shardings on an abstract mesh (`jax.sharding.use_mesh`
     # before); jax.make_mesh's `axis_types` is older (keyword-only there)
     "jax.set_mesh": Feature("jax", "0.7.1", lambda: hasattr(jax, "set_mesh")),
+    # shard_map as `jax.shard_map` (in jax.experimental before)
+    "jax.shard_map": Feature("jax", "0.6.1", lambda: hasattr(jax, "shard_map")),
+    # `nnx.eval_shape` gives each abstract array the sharding its Variable's
+    # partitioning asks for (flax 0.12.1 shards the value while tracing, and drops it)
+    "nnx.eval_shape shardings": Feature("flax", "0.12.4", lambda: _eval_shape_shards()),
     # the reference writer used as an oracle, and the C64, F4, F8_E8M0 and FNUZ codes
     # in safetensors' own reader (bridge reads and writes them with any safetensors)
     "safetensors.TensorSpec": Feature(
         "safetensors", "0.8.0", lambda: hasattr(safetensors, "TensorSpec")
     ),
 }
+
+
+def _eval_shape_shards() -> bool:
+    if not (FEATURES["NNX"].present() and FEATURES["jax.set_mesh"].present()):
+        return False
+    mesh = jax.make_mesh((1,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
+    init = nnx.with_partitioning(nnx.initializers.zeros_init(), (None, "a"))
+    with jax.set_mesh(mesh):
+        linear = nnx.eval_shape(
+            lambda: nnx.Linear(1, 1, kernel_init=init, rngs=nnx.Rngs(0))
+        )
+    return getattr(linear.kernel.get_raw_value(), "sharding", None) is not None
 
 
 def missing(*features: str) -> str | None:

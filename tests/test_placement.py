@@ -142,7 +142,7 @@ def test_load_into_an_abstract_sharded_target(mesh, tmp_path, kind, suffix):
     assert all(np.array_equal(got[k], want[k]) for k in got)
 
 
-@requires("NNX", "jax.set_mesh")
+@requires("NNX", "jax.set_mesh", "nnx.eval_shape shardings")
 def test_nnx_partitioning_metadata_under_the_mesh(mesh, tmp_path):
     """`nnx.eval_shape` under `jax.set_mesh` gives shardings on the abstract mesh."""
     with jax.set_mesh(mesh):

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import bridge
 
-from .helpers import tree_allclose
+from .helpers import requires, tree_allclose
 
 
 DEVICES, STEPS = 4, 3
@@ -89,6 +89,7 @@ def test_pmap_replicas_agree_with_the_single_device_step():
     assert not np.array_equal(kernel[0], kernel[1])
 
 
+@requires("jax.shard_map")
 def test_shard_map_agrees_with_the_single_device_step():
     tree, step = setup("batch")
     mesh = jax.make_mesh(
