@@ -74,16 +74,37 @@ def _version_key(version: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"[.]", version))
 
 
+# one feature of a reason that needs several: "NNX (flax >= 0.12.1) and ..."
+FEATURE = re.compile(r"(?P<feature>.+?) \((?P<needs>[^()]+ >= [^()]+)\)(?: and |$)")
+
+
+def _needs(reason: str) -> list[tuple[str, str]]:
+    """The `(feature, "package >= version")` pairs of a `requires(...)` skip reason;
+    [] for any other reason (torch not installed, a collection skipped)."""
+    rest = reason.removeprefix("needs ")
+    found = list(FEATURE.finditer(rest))
+    if rest == reason or "".join(m[0] for m in found) != rest:
+        return []
+    return [(m["feature"], m["needs"]) for m in found]
+
+
 def _skips(skipped: dict, *, short: bool) -> str:
-    parts = []
+    """The skips by feature (a test needing two features counts under both, joined by
+    `+`), then the other skips with their reasons."""
+    by_feature, other = [], []
     for reason, count in skipped.items():
         reason = reason.removeprefix("Skipped: ")
-        match = FEATURE_SKIP.match(reason)
-        if match:
-            reason = f"`{match['feature']}`"
-            reason += "" if short else f" ({match['needs']})"
-        parts.append(f"{count} {reason}")
-    return ", ".join(parts)
+        needs = _needs(reason)
+        if needs:
+            label = " + ".join(
+                f"`{feature}`" + ("" if short else f" ({version})")
+                for feature, version in needs
+            )
+            by_feature.append(f"{count} {label}")
+        else:
+            other.append(f"{count} {reason}")
+    parts = [("skipped by feature", by_feature), ("other skips", other)]
+    return "; ".join(f"{name}: {', '.join(p)}" for name, p in parts if p)
 
 
 def cell_text(cell: dict, *, short: bool) -> str:
@@ -98,7 +119,7 @@ def cell_text(cell: dict, *, short: bool) -> str:
     else:
         text = f"**passes**: {cell['passed']} passed"
     if cell["skipped"]:
-        text += "; skipped by feature: " + _skips(cell["skipped"], short=short)
+        text += "; " + _skips(cell["skipped"], short=short)
     return text
 
 

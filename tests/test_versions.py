@@ -79,9 +79,13 @@ VERSIONS = {"jax": "0.7.2", "flax": "0.11.2", "equinox": "0.13.8", "optax": "0.2
 
 def test_a_table_says_what_each_cell_found():
     nnx_skip = "needs NNX (flax >= 0.12.1)"
+    both = (
+        "needs NNX (flax >= 0.12.1) and eqx.nn.BatchNorm(mode=...) (equinox >= 0.13.0)"
+    )
+    skipped = {nnx_skip: 150, both: 2, "torch is not installed": 3}
     results = {
         "a": {**CELL, "versions": VERSIONS, "passed": 200, "failed": 0,
-              "failed_tests": [], "skipped": {nnx_skip: 150}},
+              "failed_tests": [], "skipped": skipped},
         "b": {**CELL, "equinox": "0.11.12", "declared_skip": "imports jaxlib.foo"},
         "c": {**CELL, "optax": "0.2.5", "versions": VERSIONS, "passed": 3, "failed": 1,
               "failed_tests": ["tests/test_x.py::test_y"], "skipped": {}},
@@ -91,12 +95,17 @@ def test_a_table_says_what_each_cell_found():
     assert header == "| flax \\ equinox | 0.11.12 | 0.13.8 | 0.13.8, optax 0.2.5 |"
     assert row == (
         "| 0.11.2 (jax 0.7.2) | cannot run: imports jaxlib.foo "
-        "| **passes**: 200 passed; skipped by feature: 150 `NNX` "
+        "| **passes**: 200 passed; skipped by feature: 150 `NNX`, "
+        "2 `NNX` + `eqx.nn.BatchNorm(mode=...)`; other skips: 3 torch is not installed "
         "| **fails**: 1 failed, 3 passed |"
     )
     assert caption == "optax 0.2.8 in every column that names no other optax."
     long = matrix_table.matrix_table(results, short=False)
     assert "150 `NNX` (flax >= 0.12.1)" in long and "`tests/test_x.py::test_y`" in long
+    assert (
+        "2 `NNX` (flax >= 0.12.1) + `eqx.nn.BatchNorm(mode=...)` (equinox >= 0.13.0)"
+        in long
+    )
 
 
 def test_results_are_read_from_a_junit_report_and_merged(tmp_path):
