@@ -113,6 +113,7 @@ TORCH_TESTS = [
     "tests/test_torch_hf.py",
     "tests/test_torch_hf_vit.py",
     "tests/test_torch_hf_gpt2.py",
+    "tests/test_torch_inputs.py",
 ]
 
 

@@ -12,6 +12,7 @@ tensor or a module is given, or tensors are asked for.
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._paths import Path
 from .._tree import Held, Tree, build, native_leaves, source_of
 from ._registry import Adapter, register_adapter
@@ -83,14 +85,38 @@ _NO_TORCH = """\
 torch is not installed: to_torch(tree, tensors=True) gives torch.Tensors only with
 torch (`pip install bridge[torch]`). Without it, to_torch gives numpy arrays."""
 
+_UNREADABLE = """\
+bridge.from_torch cannot read these tensors of `obj` as arrays: {problems}. Convert
+them first (the fix is named for each), or leave them out of the state dict."""
+
+_SPLIT_CLASH = """\
+bridge.from_torch: `split` would {problems}. Choose part names no other entry has."""
+
 
 def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def _import_torch() -> Any:
+    """torch, imported if it is installed but not imported yet (None without it)."""
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None
+
+
 def is_module(obj: Any) -> bool:
     torch = _torch()
     return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -99,8 +125,7 @@ def is_state_dict(obj: Any) -> bool:
     if not isinstance(obj, Mapping) or not obj:
         return False
     return all(
-        isinstance(k, str) and hasattr(v, "shape") and hasattr(v, "dtype")
-        for k, v in obj.items()
+        isinstance(k, str) and (_is_tensor(v) or _is_array(v)) for k, v in obj.items()
     )
 
 
@@ -108,7 +133,41 @@ _NUMPY_VIEW = {
     "bfloat16": ("int16", ml_dtypes.bfloat16),
     "float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn),
     "float8_e5m2": ("uint8", ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": ("uint8", ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": ("uint8", ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": ("uint8", ml_dtypes.float8_e8m0fnu),
 }
+
+_NO_NUMPY_DTYPE = {
+    "complex32": "numpy has no complex32: `.to(torch.complex64)`",
+    "float4_e2m1fn_x2": "two float4 values packed per byte: unpack them first",
+}
+
+
+def unreadable(tensor: Any) -> str | None:
+    """Why a `torch.Tensor` has no numpy view (and the fix), or None if it has one."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if tensor.is_nested:
+        return "a nested tensor: `.to_padded_tensor(0)`, or one entry per part"
+    if tensor.layout != _torch().strided:
+        return f"a sparse tensor, {tensor.layout}: `.to_dense()`"
+    if tensor.device.type == "meta":
+        return "a meta tensor, which holds no data: materialise and load the weights"
+    if tensor.is_quantized:
+        return f"a quantized tensor, {name}: `.dequantize()`"
+    if name in _NO_NUMPY_DTYPE:
+        return _NO_NUMPY_DTYPE[name]
+    if name not in _NUMPY_VIEW and not _has_numpy_dtype(tensor):
+        return f"{name}: numpy has no such dtype; `.to()` one it has"
+    return None
+
+
+def _has_numpy_dtype(tensor: Any) -> bool:
+    try:
+        tensor.new_empty(0).numpy()
+    except (TypeError, RuntimeError):
+        return False
+    return True
 
 
 def tensor_to_numpy(tensor: Any) -> np.ndarray:
@@ -118,6 +177,7 @@ def tensor_to_numpy(tensor: Any) -> np.ndarray:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    t = t.resolve_conj().resolve_neg()  # a conjugate or negative view: one copy
     name = str(t.dtype).removeprefix("torch.")
     if name in _NUMPY_VIEW:
         carrier, dtype = _NUMPY_VIEW[name]
@@ -128,7 +188,7 @@ def tensor_to_numpy(tensor: Any) -> np.ndarray:
 def numpy_to_tensor(array: Any) -> Any:
     """An array as a `torch.Tensor`, sharing memory where the source allows it
     (DLPack for JAX arrays, `torch.from_numpy` for writable numpy arrays)."""
-    torch = _torch()
+    torch = _import_torch()
     if torch is None:
         raise ImportError(_NO_TORCH)
     name = str(array.dtype)
@@ -150,17 +210,13 @@ def _split_name(name: str) -> Path:
     return tuple(int(k) if k.isdigit() else k for k in name.split("."))
 
 
-def _same_memory(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        ia, ib = a.__array_interface__, b.__array_interface__
-        return (ia["data"][0], ia["shape"], ia["strides"]) == (
-            ib["data"][0],
-            ib["shape"],
-            ib["strides"],
-        ) and a.dtype == b.dtype
-    return False
+def _memory_key(a: Any) -> tuple:
+    """Equal for two arrays that are one view of one memory (numpy), or one object
+    (any other array): a tie."""
+    if isinstance(a, np.ndarray):
+        i = a.__array_interface__
+        return ("numpy", i["data"][0], i["shape"], i["strides"], a.dtype.str)
+    return ("object", id(a))
 
 
 def _tensor_key(t: Any) -> tuple:
@@ -170,6 +226,8 @@ def _tensor_key(t: Any) -> tuple:
         tuple(t.shape),
         tuple(t.stride()),
         t.dtype,
+        t.is_conj(),
+        t.is_neg(),
     )
 
 
@@ -226,6 +284,8 @@ def from_torch(
 
     ```
     """
+    check_str(prefix, "prefix")
+    split = _check_split(split)
     module = None
     kinds: dict[Path, Any] = {}
     if is_module(obj):
@@ -240,7 +300,7 @@ def from_torch(
     bad = [
         f"{k!r} is a {type(v).__name__}"
         for k, v in state.items()
-        if not (isinstance(k, str) and hasattr(v, "shape") and hasattr(v, "dtype"))
+        if not (isinstance(k, str) and (_is_tensor(v) or _is_array(v)))
     ]
     if bad:
         raise TypeError(_NOT_ARRAYS.format(problems=", ".join(bad)))
@@ -267,6 +327,16 @@ def from_torch(
     return build(entries, kinds, "torch", record)
 
 
+def _check_split(split: Any) -> dict[str, tuple[str, ...]] | None:
+    if split is None:
+        return None
+    if not isinstance(split, Mapping):
+        raise type_error("split", "a dict of regex -> part names, or None", split)
+    for pattern in split:
+        check_pattern(pattern, "split")
+    return {p: check_names(parts, f"split[{p!r}]") for p, parts in split.items()}
+
+
 def _has(name: str, prefix: str) -> bool:
     return bool(prefix) and name.startswith(prefix)
 
@@ -287,27 +357,25 @@ def _strip_kinds(kinds: dict[Path, Any], prefix: str) -> dict[Path, Any]:
 
 
 def _arrays(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Numpy (or JAX) arrays by name, tied names left out, and the ties."""
-    torch = _torch()
+    """Numpy (or JAX) arrays by name, tied names left out, and the ties (one dict
+    look-up per entry: linear in the number of entries)."""
+    problems = [
+        f"{name!r} ({why})"
+        for name, value in state.items()
+        if _is_tensor(value) and (why := unreadable(value))
+    ]
+    if problems:
+        raise TypeError(_UNREADABLE.format(problems="; ".join(problems)))
     arrays: dict[str, Any] = {}
     ties: list[tuple[str, str]] = []
-    seen: dict[Any, str] = {}
-    kept: list[tuple[str, Any]] = []
+    seen: dict[tuple, str] = {}
     for name, value in state.items():
-        if torch is not None and isinstance(value, torch.Tensor):
-            key = _tensor_key(value)
-            if key in seen:
-                ties.append((name, seen[key]))
-                continue
-            seen[key] = name
-            arrays[name] = tensor_to_numpy(value)
+        key = _tensor_key(value) if _is_tensor(value) else _memory_key(value)
+        if key in seen:
+            ties.append((name, seen[key]))
             continue
-        first = next((n for n, a in kept if _same_memory(a, value)), None)
-        if first is not None:
-            ties.append((name, first))
-            continue
-        kept.append((name, value))
-        arrays[name] = value
+        seen[key] = name
+        arrays[name] = tensor_to_numpy(value) if _is_tensor(value) else value
     return arrays, ties
 
 
@@ -331,56 +399,79 @@ def _is_conv1d(cls: Any) -> bool:
 def _split(
     arrays: dict[str, Any], split: Mapping[str, Sequence[str]], kinds: dict[Path, Any]
 ) -> tuple[dict[str, Any], list[Split]]:
+    """The arrays with each matched module's `weight` (and `bias`) replaced, where
+    the weight was, by its parts; one pass over the entries, whatever their number."""
     modules = [n[: -len(".weight")] for n in arrays if n.endswith(".weight")]
     modules = [m for m in modules if np.ndim(arrays[m + ".weight"]) == 2]
-    out = dict(arrays)
-    splits = []
+    chosen: dict[str, tuple[str, ...]] = {}
+    problems: list[str] = []
     for pattern, parts in split.items():
-        parts = tuple(parts)
         matched = [m for m in modules if re.fullmatch(pattern, m)]
         if not matched:
             raise ValueError(_SPLIT_UNUSED.format(pattern=pattern, modules=modules))
         for module in matched:
-            weight, bias = arrays[module + ".weight"], arrays.get(module + ".bias")
-            cls = kinds.get(_split_name(module))
-            if cls is not None:
-                conv1d = _is_conv1d(cls)
-            elif bias is not None and weight.shape[0] != weight.shape[1]:
-                conv1d = bias.shape[0] == weight.shape[1]
-            else:
-                conv1d = module.rsplit(".", 1)[-1] in CONV1D_NAMES
-            axis = 1 if conv1d else 0
-            size = weight.shape[axis]
-            if size % len(parts):
-                raise ValueError(
-                    _SPLIT_SHAPE.format(
-                        module=module,
-                        n=len(parts),
-                        parts=parts,
-                        reason=f"its output size {size} is not a multiple",
-                    )
+            if module in chosen:
+                problems.append(f"split {module!r} twice (two patterns match it)")
+            chosen[module] = tuple(parts)
+    pieces: dict[str, list[tuple[str, Any]]] = {}  # at the weight's name
+    removed: set[str] = set()
+    splits = []
+    for module, parts in chosen.items():
+        weight, bias = arrays[module + ".weight"], arrays.get(module + ".bias")
+        cls = kinds.get(_split_name(module))
+        if cls is not None:
+            conv1d = _is_conv1d(cls)
+        elif bias is not None and weight.shape[0] != weight.shape[1]:
+            conv1d = bias.shape[0] == weight.shape[1]
+        else:
+            conv1d = module.rsplit(".", 1)[-1] in CONV1D_NAMES
+        size = weight.shape[1 if conv1d else 0]
+        if size % len(parts):
+            raise ValueError(
+                _SPLIT_SHAPE.format(
+                    module=module,
+                    n=len(parts),
+                    parts=parts,
+                    reason=f"its output size {size} is not a multiple",
                 )
-            step = size // len(parts)
-            head = module.rsplit(".", 1)[0] + "." if "." in module else ""
-            entries = ("weight", "bias") if bias is not None else ("weight",)
-            at = list(out).index(module + ".weight")
-            items = list(out.items())
-            items = [
-                (k, v) for k, v in items if k not in {f"{module}.{e}" for e in entries}
-            ]
-            new = []
-            for i, part in enumerate(parts):
-                piece = slice(i * step, (i + 1) * step)
-                w = weight[:, piece].T if conv1d else weight[piece]
-                new.append((f"{head}{part}.weight", w))
-                if bias is not None:
-                    new.append((f"{head}{part}.bias", bias[piece]))
-            items[at:at] = new
-            out = dict(items)
-            splits.append(
-                Split(module, tuple(f"{head}{p}" for p in parts), conv1d, entries)
             )
-            kinds.pop(_split_name(module), None)
+        step = size // len(parts)
+        head = module.rsplit(".", 1)[0] + "." if "." in module else ""
+        entries = ("weight", "bias") if bias is not None else ("weight",)
+        new = []
+        for i, part in enumerate(parts):
+            piece = slice(i * step, (i + 1) * step)
+            new.append(
+                (
+                    f"{head}{part}.weight",
+                    weight[:, piece].T if conv1d else weight[piece],
+                )
+            )
+            if bias is not None:
+                new.append((f"{head}{part}.bias", bias[piece]))
+        pieces[module + ".weight"] = new
+        removed.update(f"{module}.{e}" for e in entries)
+        splits.append(
+            Split(module, tuple(f"{head}{p}" for p in parts), conv1d, entries)
+        )
+        kinds.pop(_split_name(module), None)
+    made: dict[str, str] = {}
+    for (module, _), new in zip(chosen.items(), pieces.values()):
+        for name, _ in new:
+            if name in arrays and name not in removed:
+                problems.append(f"replace the entry {name!r} by a part of {module!r}")
+            elif name in made:
+                problems.append(
+                    f"make {name!r} twice (from {made[name]!r} and {module!r})"
+                )
+            made[name] = module
+    if problems:
+        raise ValueError(_SPLIT_CLASH.format(problems="; ".join(problems)))
+    out: dict[str, Any] = {}
+    for name, array in arrays.items():
+        out.update(pieces.get(name, ()))
+        if name not in removed:
+            out[name] = array
     return out, splits
 
 
@@ -422,6 +513,8 @@ def to_torch(tree: Tree, *, tensors: bool = False, prefix: str | None = None) ->
 
     ```
     """
+    check_bool(tensors, "tensors")
+    check_str(prefix, "prefix", optional=True)
     src, leaves = native_leaves(tree, "torch")
     record: TorchRecord = src.record  # pyright: ignore[reportAssignmentType]
     out: dict[str, Any] = {}

@@ -1,0 +1,112 @@
+"""Time per tensor of the paths that see every tensor of a checkpoint, at 10k and 100k
+tensors (a mixture-of-experts checkpoint has ~90k): linear means the same µs per
+tensor at both sizes.
+
+- `from_torch (numpy)`: `bridge.from_torch` of a state dict of numpy arrays (tie
+  detection included: every array is checked against the ones before it);
+- `from_torch (torch)`: the same with `torch.Tensor`s (skipped without torch);
+- `load (one file)`: `bridge.load` of one PyTorch-layout safetensors file
+  (`save_pretrained`'s names, no bridge metadata);
+- `load (sharded)`: `bridge.load` of a Hugging Face sharded folder of the same
+  tensors in 100 shards with its `model.safetensors.index.json`.
+
+Each tensor is a 4-element float32 vector, so the time is bridge's own per-tensor
+work, not reading bytes. Medians of `--rounds` runs.
+
+Measured (2 shared cores, 2026-12-01; µs per tensor at 10k / 100k tensors):
+see the commit that last changed this file.
+
+    python benchmarks/many_tensors.py              # 10k and 100k, 3 rounds
+    python benchmarks/many_tensors.py --quick      # 2k and 20k, 1 round
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+import bridge
+
+
+def state_dict(n: int) -> dict[str, np.ndarray]:
+    """`n` tensors named as a model's (`model.layers.{i}.mlp.experts.{e}.w.weight`)."""
+    experts = 64
+    return {
+        f"model.layers.{i // experts}.mlp.experts.{i % experts}.w.weight": np.full(
+            4, i, np.float32
+        )
+        for i in range(n)
+    }
+
+
+def write_sharded(folder: Path, sd: dict[str, np.ndarray], shards: int = 100) -> Path:
+    names = list(sd)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s * per : (s + 1) * per]
+        if not part:
+            break
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        safetensors.numpy.save_file({k: sd[k] for k in part}, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def timed(fn: Callable[[], object], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(n: int, rounds: int) -> dict[str, float]:
+    sd = state_dict(n)
+    out = {"from_torch (numpy)": timed(lambda: bridge.from_torch(sd), rounds) / n}
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        tensors = {k: torch.from_numpy(v) for k, v in sd.items()}
+        out["from_torch (torch)"] = (
+            timed(lambda: bridge.from_torch(tensors), rounds) / n
+        )
+    with tempfile.TemporaryDirectory() as directory:
+        one = Path(directory) / "model.safetensors"
+        safetensors.numpy.save_file(sd, one)
+        out["load (one file)"] = timed(lambda: bridge.load(one), rounds) / n
+        folder = Path(directory) / "sharded"
+        folder.mkdir()
+        index = write_sharded(folder, sd)
+        out["load (sharded)"] = timed(lambda: bridge.load(index), rounds) / n
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    sizes = (2_000, 20_000) if args.quick else (10_000, 100_000)
+    rounds = 1 if args.quick else args.rounds
+    results = {n: measure(n, rounds) for n in sizes}
+    print(f"{'path':22s}" + "".join(f"{n:>14,d}" for n in sizes) + "   (µs/tensor)")
+    for path in results[sizes[0]]:
+        cells = "".join(f"{results[n][path] * 1e6:14.1f}" for n in sizes)
+        print(f"{path:22s}{cells}")
+
+
+if __name__ == "__main__":
+    main()
