@@ -114,6 +114,7 @@ TORCH_TESTS = [
     "tests/test_torch_hf_vit.py",
     "tests/test_torch_hf_gpt2.py",
     "tests/test_torch_inputs.py",
+    "tests/test_torch_llama.py",
 ]
 
 

@@ -17,7 +17,7 @@ The two models' outputs do not have the same structure: {a} and {b}. Compare mod
 that compute the same function (and mind channel order: see `channel_first`)."""
 
 
-def _forward(
+def forward(
     model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], channel_first: bool
 ) -> Any:
     if channel_first:
@@ -99,12 +99,12 @@ def outputs(
     """Both models' output arrays on `inputs`, checked to have the same shapes."""
     if channel_first is None:
         channel_first = (
-            bool(getattr(_model_of(a), "channel_first", False)),
-            bool(getattr(_model_of(b), "channel_first", False)),
+            bool(getattr(model_of(a), "channel_first", False)),
+            bool(getattr(model_of(b), "channel_first", False)),
         )
     sides = per_side or ({}, {})
-    out_a = _forward(a, inputs, {**call_kwargs, **sides[0]}, channel_first[0])
-    out_b = _forward(b, inputs, {**call_kwargs, **sides[1]}, channel_first[1])
+    out_a = forward(a, inputs, {**call_kwargs, **sides[0]}, channel_first[0])
+    out_b = forward(b, inputs, {**call_kwargs, **sides[1]}, channel_first[1])
     leaves_a, leaves_b = (
         jax.tree_util.tree_leaves(out_a),
         jax.tree_util.tree_leaves(out_b),
@@ -148,7 +148,7 @@ def tolerance(leaves: list[Any]) -> tuple[float, str]:
     return _TOLERANCE[dtype] * max(1.0, scale), dtype
 
 
-def _model_of(obj: Any) -> Any:
+def model_of(obj: Any) -> Any:
     if isinstance(obj, tuple) and obj:
         return obj[0]
     return obj

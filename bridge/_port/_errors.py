@@ -59,14 +59,23 @@ HIDDEN_WRAPPER = (
 )
 AMBIGUOUS = (
     "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "
-    "and order leave a choice. Say which with rules={{r'{source_re}': '{target}'}}."
+    "and order leave a choice. Give example inputs (example=(x,), as "
+    "bridge.compare takes them) so that the forward passes decide, or say which "
+    "with rules={{r'{source_re}': '{target}'}}."
 )
 AMBIGUOUS_ORDER = (
     "ambiguous: source layers {sources} could pair with target layers {targets} "
     "({kind}: {shapes}): their names differ, and the {side}'s order is not known to "
     "be the order the layers were created in (keys come back sorted after an optax "
-    "update, nnx.jit or eval_shape). Say which with rules, e.g. rules={{{example}}} "
-    "(check each pair), or give a model whose order is the creation order."
+    "update, nnx.jit or eval_shape). Give example inputs (example=(x,), as "
+    "bridge.compare takes them) so that the order in which each forward pass uses "
+    "its layers decides, or say which with rules, e.g. rules={{{example}}} (check "
+    "each pair)."
+)
+TRACE = (
+    "trace: the {side}'s forward pass on the example inputs failed ({error}), so it "
+    "cannot order its layers. Give inputs (and keyword arguments: example_kwargs=, "
+    "a pair for the two sides) that the model takes, as bridge.compare takes them."
 )
 UNSUPPORTED = (
     "unsupported: {where} ({cls}) holds {names} but no codec recognises it. Register "

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 
 import equinox as eqx
 from flax import nnx
 
+from .._paths import canonical
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._layers import Layer
+from ._trace import Position, layer_position
 
 
 _EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
@@ -86,7 +88,14 @@ class Order:
     optax, or in any order from user code). Otherwise only numbered names of one
     prefix (`Dense_2` < `Dense_10`, natural order) say which came first."""
 
-    def __init__(self, tree: Tree, stacks: set[Path] | frozenset = frozenset()):
+    def __init__(
+        self,
+        tree: Tree,
+        stacks: set[Path] | frozenset = frozenset(),
+        trace: Callable[[], Mapping[Path, Position] | None] | None = None,
+    ):
+        self._trace = trace
+        self._uses: Mapping[Path, Position] | None = None
         self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
         self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
         native = native_order(tree)  # the Tree's own order is canonical
@@ -122,6 +131,25 @@ class Order:
             return None
         return (na[1] > nb[1]) - (na[1] < nb[1])
 
+    def traced(self, layers: list[Layer]) -> list[Layer] | None:
+        """`layers` in the order the forward pass first uses them (`_trace`), or
+        None without example inputs, or when it does not tell them all apart."""
+        if self._trace is None:
+            return None
+        if self._uses is None:
+            self._uses = self._trace() or {}
+        keys = []
+        for x in layers:
+            base = x.real if x.index is not None else x.path
+            leaf_paths = [base + p for p in x.paths.values()]
+            key = layer_position(self._uses, leaf_paths, x.index)
+            if key is None:
+                return None
+            keys.append(key)
+        if len(set(keys)) != len(keys):
+            return None
+        return [x for _, x in sorted(zip(keys, layers), key=lambda kx: kx[0])]
+
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
         for i, a in enumerate(layers):
@@ -142,10 +170,14 @@ def _known(node: Tree, keys: list[Key]) -> bool:
         return True
     # nnx.Pytree: flax >= 0.12 (older flax has no NNX adapter, and no NNX trees)
     pytree = getattr(nnx, "Pytree", None)
+    names = [str(k) for k in keys]
+    unsorted = names != sorted(names) and tuple(keys) != canonical(keys)
     if isinstance(cls, type) and pytree is not None and issubclass(cls, pytree):
-        names = [str(k) for k in keys]
-        return names != sorted(names)
-    return False  # a dict (Linen's): any order may come back, creation or not
+        return unsorted
+    # a dict (Linen's): JAX and optax give them back sorted, and user code may
+    # build them in any order; one in neither sorted nor natural order was not
+    # sorted by anything, so it is the order Linen created its modules in
+    return unsorted
 
 
 class _Pairing:
@@ -252,12 +284,23 @@ class _Pairing:
             if len(a) == 1:
                 self.add(a[0], b[0], "shape")
                 continue
-            oa, ob = self.orders[0].sorted(a), self.orders[1].sorted(b)
+            oa, ob, by = self.in_order(a, b)
             if oa is None or ob is None:
                 self._unordered(a, b, 0 if oa is None else 1)
                 continue
             for s, t in zip(oa, ob):
-                self.add(s, t, "order")
+                self.add(s, t, by)
+
+    def in_order(
+        self, a: list[Layer], b: list[Layer]
+    ) -> tuple[list[Layer] | None, list[Layer] | None, str]:
+        """Both sides' layers in the order their forward passes use them (given
+        example inputs), else in creation order where it is known (None where not),
+        and what ordered them (`"trace"` or `"order"`)."""
+        ta, tb = self.orders[0].traced(a), self.orders[1].traced(b)
+        oa = ta if ta is not None else self.orders[0].sorted(a)
+        ob = tb if tb is not None else self.orders[1].sorted(b)
+        return oa, ob, "trace" if ta is not None or tb is not None else "order"
 
     def _last_names(self, a: list[Layer], b: list[Layer]):
         """Within a group of one kind and shapes, pair the layers whose last names
@@ -302,10 +345,10 @@ class _Pairing:
         rest_s, rest_t = self.rest(0), self.rest(1)
         if not any(common_kind(s, t) for s in rest_s for t in rest_t):
             return
-        oa, ob = self.orders[0].sorted(rest_s), self.orders[1].sorted(rest_t)
+        oa, ob, by = self.in_order(rest_s, rest_t)
         if oa is not None and ob is not None:
             for s, t in _align(oa, ob, self.problems, self.ambiguous):
-                self.add(s, t, "order")
+                self.add(s, t, by)
             return
         for s in rest_s:
             candidates = [t for t in rest_t if common_kind(s, t)]

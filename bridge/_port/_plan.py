@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,11 +13,13 @@ import jax.numpy as jnp
 from .._adapters._native import placeholders, to_neutral
 from .._adapters._torch import ties_of
 from .._embed._as_linen import hidden_wrappers
+from .._paths import Path
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
 from ._layers import ARRAY, Layer, find_layers, read_specs
 from ._pairing import Order, common_kind, normalised, pair
+from ._trace import Example, Position, first_uses
 
 
 @dataclass(frozen=True, eq=False)
@@ -294,15 +296,26 @@ def make_plan(
     rules: Mapping[str, str] | None,
     strict: bool,
     dtype: Any = None,
+    example: Example | None = None,
 ) -> tuple[Plan, list[str]]:
-    """The plan and every problem found (empty: `port` may run it)."""
+    """The plan and every problem found (empty: `port` may run it). With `example`
+    inputs, layers that names do not pair are paired in the order the two forward
+    passes use them (`_trace`)."""
     source, target = to_neutral(source), to_neutral(target)
     problems: list[str] = []
     sources = find_layers(source, problems)
     targets = find_layers(target, problems)
     orders = (
-        Order(source, {x.stack[0] for x in sources if x.stack}),
-        Order(target, {x.stack[0] for x in targets if x.stack}),
+        Order(
+            source,
+            {x.stack[0] for x in sources if x.stack},
+            _tracer(source, example, 0, problems),
+        ),
+        Order(
+            target,
+            {x.stack[0] for x in targets if x.stack},
+            _tracer(target, example, 1, problems),
+        ),
     )
     pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems, orders)
     _adopt([(p.source, p.target) for p in pairs], problems)
@@ -364,15 +377,47 @@ def make_plan(
     return plan, problems
 
 
+def _tracer(
+    tree: Tree, example: Example | None, side: int, problems: list[str]
+) -> Callable[[], Mapping[Path, Position] | None] | None:
+    """The first use of each of `tree`'s arrays on the example inputs, computed
+    when pairing first needs it; a forward pass that fails is a problem."""
+    if example is None:
+        return None
+
+    def trace() -> Mapping[Path, Position] | None:
+        try:
+            return first_uses(tree, example.inputs, example.kwargs[side])
+        except Exception as error:  # the model's own error on these inputs
+            problems.append(
+                _errors.TRACE.format(
+                    side=("source", "target")[side],
+                    error=f"{type(error).__name__}: {error}",
+                )
+            )
+            return None
+
+    return trace
+
+
 def port_plan(
-    source: Any, target: Any, *, rules: Mapping[str, str] | None = None
+    source: Any,
+    target: Any,
+    *,
+    rules: Mapping[str, str] | None = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any]
+    | tuple[Mapping[str, Any], Mapping[str, Any]]
+    | None = None,
 ) -> Plan:
     """Show how `bridge.port(source, target)` would pair layers, before moving anything.
 
     **Arguments:**
 
     - `source`, `target`: models of any framework, as `bridge.port` takes them.
-    - `rules`: as in `bridge.port`.
+    - `rules`, `example`, `example_kwargs`: as in `bridge.port` (with example
+      inputs, the `by` column says `trace` for layers paired in the order the
+      forward passes use them).
 
     **Returns:**
 
@@ -398,5 +443,6 @@ def port_plan(
 
     ```
     """
-    plan, _ = make_plan(source, placeholders(target), rules, strict=False)
+    given = None if example is None else Example(example, example_kwargs)
+    plan, _ = make_plan(source, placeholders(target), rules, False, None, given)
     return plan

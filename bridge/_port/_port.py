@@ -20,6 +20,7 @@ from . import _errors
 from ._codec import filled
 from ._compare import largest_difference, outputs, tolerance
 from ._plan import Plan, PlanRow, make_plan
+from ._trace import Example
 
 
 def port(
@@ -31,6 +32,10 @@ def port(
     dtype: Any = None,
     check: Any = None,
     check_kwargs: Mapping[str, Any]
+    | tuple[Mapping[str, Any], Mapping[str, Any]]
+    | None = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any]
     | tuple[Mapping[str, Any], Mapping[str, Any]]
     | None = None,
 ) -> Any:
@@ -77,6 +82,13 @@ def port(
       the largest output magnitude when above 1).
     - `check_kwargs`: keyword arguments for both calls of `check` (`{"train":
       False}`), or a pair `(source's, target's)` for models whose calls differ.
+    - `example`: optional example inputs (batched, as `bridge.compare` takes them;
+      arrays or `jax.ShapeDtypeStruct`s). Both forward passes are traced abstractly
+      (no FLOPs, no weights materialised), and layers that names do not pair are
+      paired in the order the computation first uses them: an order that optax,
+      `nnx.jit`, `eval_shape` and files cannot change. Default: the `check` inputs.
+    - `example_kwargs`: keyword arguments for both traced calls, or a pair
+      `(source's, target's)`. Default: `check_kwargs`.
 
     **Returns:**
 
@@ -106,7 +118,8 @@ def port(
     ```
     """
     abstract = placeholders(target)
-    plan, problems = make_plan(source, abstract, rules, strict, dtype)
+    given = examples(example, example_kwargs, check, check_kwargs)
+    plan, problems = make_plan(source, abstract, rules, strict, dtype, given)
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
@@ -120,6 +133,15 @@ def port(
     if check is not None:
         _check(source, ported, check, check_kwargs)
     return ported
+
+
+def examples(
+    example: Any, example_kwargs: Any, check: Any = None, check_kwargs: Any = None
+) -> Example | None:
+    """The example inputs of a port (`example=`, else the `check=` inputs)."""
+    if example is None:
+        example, example_kwargs = check, example_kwargs or check_kwargs
+    return None if example is None else Example(example, example_kwargs)
 
 
 def _check(source: Any, ported: Any, inputs: Any, kwargs: Any) -> None:

@@ -269,12 +269,28 @@ def _affine(leaves: Leaves) -> bool:
     )
 
 
-_layer_norm = _by_class("LayerNorm")(_affine)
 _group_norm = _by_class("GroupNorm")(_affine)
 
 
-@_by_class("RMSNorm")
-def _rms_norm(leaves: Leaves) -> bool:
+def _norm_class(cls: Any, suffix: str) -> bool:
+    """A norm written the Hugging Face way: a class (of any library) whose name ends
+    in `suffix` (`LlamaRMSNorm`, `Qwen2RMSNorm`); Gemma's norms, which compute
+    `x * (1 + weight)`, are not Flax's and are left to a codec of their own."""
+    return any(
+        c.__name__.endswith(suffix) and not c.__name__.startswith("Gemma")
+        for c in getattr(cls, "__mro__", ())
+    )
+
+
+def _layer_norm(cls: Any, leaves: Leaves) -> bool:
+    if cls is not None and not _norm_class(cls, "LayerNorm"):
+        return False
+    return _affine(leaves)
+
+
+def _rms_norm(cls: Any, leaves: Leaves) -> bool:
+    if cls is not None and not _norm_class(cls, "RMSNorm"):
+        return False
     w = _shape(leaves, "weight")
     return set(leaves) == {"weight"} and w is not None and len(w) == 1
 
@@ -294,9 +310,10 @@ def _norm_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leav
 
 def _norm_hyper(**extra: str):
     read = _read(epsilon="eps", **extra)
+    hf = _read(epsilon="variance_epsilon")  # Hugging Face's RMSNorm classes
 
     def hyper(layer: Any) -> dict[str, Any]:
-        out = read(layer)
+        out = {**hf(layer), **read(layer)}
         module = _module(layer)
         if module is not None and hasattr(module, "elementwise_affine"):
             affine = module.elementwise_affine

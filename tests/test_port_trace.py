@@ -1,0 +1,131 @@
+"""Pairing from the evidence there is: a Linen dict whose order is not sorted is the
+creation order, and, given example inputs, the order in which each forward pass
+first uses its layers (traced abstractly), which no sorting destroys."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import bridge
+
+from .helpers import requires
+from .resnets import NNXResNet, equinox_resnet, image, linen_resnet
+
+
+pytestmark = requires("NNX", "eqx.nn.BatchNorm(mode=...)")
+
+TRAIN_OFF = ({"train": False}, {})
+
+
+def _optax_step(params):
+    """One Adam step: the dicts come back sorted, creation order gone."""
+    tx = optax.adam(0.1)
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return optax.apply_updates(params, updates)
+
+
+def _block_rows(plan):
+    return {(s.source, s.target) for s in plan.steps if "Block" in s.source}
+
+
+def _expected_blocks():
+    names = {"Conv_0": "conv1", "BatchNorm_0": "bn1", "Conv_1": "conv2"}
+    names |= {"BatchNorm_1": "bn2", "conv_proj": "proj_conv", "norm_proj": "proj_bn"}
+    out = set()
+    for i in range(8):
+        for a, b in names.items():
+            if "proj" not in a or i in (2, 4, 6):
+                out.add((f".ResNetBlock_{i}.{a}", f".blocks[{i}].{b}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return linen_resnet()
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_flax_imagenet_resnet_fresh_init_ports_without_rules(resnet, framework):
+    """Fresh `module.init` variables: each block's dict (`Conv_0, BatchNorm_0,
+    Conv_1, BatchNorm_1, conv_proj, norm_proj`) is not sorted, so it is the order
+    Linen created the layers in."""
+    module, variables = resnet
+    assert list(variables["params"]["ResNetBlock_2"]) == [
+        "Conv_0", "BatchNorm_0", "Conv_1", "BatchNorm_1", "conv_proj", "norm_proj"
+    ]  # fmt: skip
+    target = equinox_resnet() if framework == "equinox" else NNXResNet(nnx.Rngs(1))
+    plan = bridge.port_plan(resnet, target)
+    assert not plan.problems
+    assert _block_rows(plan) == _expected_blocks()
+    ported = bridge.port(resnet, target)
+    x = image()
+    assert bridge.compare(resnet, ported, x, per_side=TRAIN_OFF) < 1e-5
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_flax_imagenet_resnet_after_an_optax_step_pairs_by_the_forward_pass(
+    resnet, framework
+):
+    """After an optax step the dicts are sorted: no order is left but the
+    computation's. Without example inputs the error proposes them first."""
+    module, variables = resnet
+    trained = {**variables, "params": _optax_step(variables["params"])}
+    block = list(trained["params"]["ResNetBlock_2"])
+    assert block[:2] == ["BatchNorm_0", "BatchNorm_1"]
+    source = (module, trained)
+    target = equinox_resnet() if framework == "equinox" else NNXResNet(nnx.Rngs(1))
+    with pytest.raises(bridge.PortError, match=r"ambiguous.*Give example inputs"):
+        bridge.port(source, target)
+    x = image()
+    plan = bridge.port_plan(source, target, example=x, example_kwargs=TRAIN_OFF)
+    assert not plan.problems
+    assert _block_rows(plan) == _expected_blocks()
+    assert {s.by for s in plan.steps if "Block" in s.source} >= {"trace"}
+    ported = bridge.port(source, target, example=x, example_kwargs=TRAIN_OFF)
+    assert bridge.compare(source, ported, x, per_side=TRAIN_OFF) < 1e-5
+    # `check=` inputs are example inputs too
+    checked = bridge.port(source, target, check=x, check_kwargs=TRAIN_OFF)
+    assert bridge.compare(source, checked, x, per_side=TRAIN_OFF) < 1e-5
+
+
+def test_a_forward_pass_that_fails_on_the_example_is_reported(resnet):
+    module, variables = resnet
+    source = (module, {**variables, "params": _optax_step(variables["params"])})
+    with pytest.raises(bridge.PortError, match=r"trace: the source's forward pass"):
+        bridge.port(source, equinox_resnet(), example=jnp.ones((2, 8, 8, 5)))
+
+
+class Reversed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        outer = nn.Dense(4, name="Dense_0")
+        inner = nn.Dense(4, name="Dense_1")
+        return outer(jnp.tanh(inner(x)))
+
+
+class Pair(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(4, 4, rngs=rngs)
+        self.second = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.second(jnp.tanh(self.first(x)))
+
+
+def test_the_forward_pass_decides_where_creation_order_is_not_call_order():
+    """`Dense_1` is applied first: creation order pairs it wrongly, the trace right."""
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    module = Reversed()
+    source = (module, module.init(jax.random.key(1), x))
+    target = Pair(nnx.Rngs(0))
+    ported = bridge.port(source, target, example=x)
+    assert bridge.compare(source, ported, x) < 1e-6
+    plan = bridge.port_plan(source, target, example=x)
+    assert [(s.source, s.target, s.by) for s in plan.steps] == [
+        (".Dense_1", ".first", "trace"),
+        (".Dense_0", ".second", "trace"),
+    ]
