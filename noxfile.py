@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +30,34 @@ nox.options.sessions = ["tests"]
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).parent
+PYTHONS = ["3.11", "3.12", "3.13"]  # the matrix's; keep pyproject's classifiers in sync
+
+
+def _interpreter(version: str) -> str | None:
+    """The path of a working `python{version}`: the one on PATH, else the newest pyenv
+    install of it (pyenv's shims on PATH run only the versions PYENV_VERSION names;
+    `.ci/run` names them all), else None."""
+    exe = shutil.which(f"python{version}")
+    if exe:
+        found = subprocess.run(
+            [exe, "-c", "import sys; print(sys.executable)"],
+            capture_output=True,
+            text=True,
+        )
+        if found.returncode == 0:
+            return found.stdout.strip()
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    installs = root.glob(f"versions/{version}.*/bin/python{version}")
+    patch = lambda path: int(path.parts[-3].split(".")[2])  # noqa: E731
+    return str(max(installs, key=patch, default="")) or None
+
+
+# The default session runs on the newest of these the machine has (3.11 has neither
+# jax 0.11+ nor flax 0.12.9+ on the package index).
+NEWEST = next(
+    ((v, path) for v in ("3.13", "3.12", "3.11") if (path := _interpreter(v))),
+    (f"{sys.version_info[0]}.{sys.version_info[1]}", sys.executable),
+)
 # The fast suite: the tests and the docstring examples of the package.
 PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
 
@@ -44,37 +74,55 @@ FLOOR = [
     "rich==13.0.0",
 ]
 
-# `tests_matrix`: the newest release of each flax line, each with a jax it runs on
-# (pinned, so the table says what ran), against the newest release of each equinox
-# line, with the newest optax; and the newest flax once more with the optax floor
-# (`tests_floor` runs it with the oldest of everything). The installer picks the rest
-# (orbax, numpy, chex, ...). flax's metadata asks for less than it needs: 0.11
-# imports `jax._src.core.mutable_array`, gone in jax 0.8.
+# `tests_matrix`, on Python 3.11: the newest release of each flax line, each with a jax
+# it runs on (pinned, so the table says what ran), against the newest release of each
+# equinox line, with the newest optax; and the newest flax once more with the optax
+# floor (`tests_floor` runs it with the oldest of everything). On 3.12 and 3.13: the
+# newest releases (flax 0.12.12 and jax 0.11+ need Python >= 3.12) against each
+# equinox line, and the oldest releases, which install there too. The installer picks
+# the rest (orbax, numpy, chex, ...). flax's metadata asks for less than it needs:
+# 0.11 imports `jax._src.core.mutable_array`, gone in jax 0.8.
 FLAX = {
     "0.10.7": ["jax==0.6.0", "jaxlib==0.6.0"],  # flax 0.10.7 needs jax >= 0.6.0
     "0.11.2": ["jax==0.7.2", "jaxlib==0.7.2"],  # equinox 0.13 refuses 0.7.0, 0.7.1
     "0.12.1": ["jax==0.8.1", "jaxlib==0.8.1"],  # flax 0.12.1 needs jax >= 0.8.1
     "0.12.8": ["jax==0.10.2", "jaxlib==0.10.2"],  # flax 0.12.8 needs jax >= 0.10.0
+    "0.12.12": ["jax==0.12.0.1", "jaxlib==0.12.0.1"],  # needs jax >= 0.11.1
 }
+# A cell whose equinox does not import on its flax row's jax runs on an older jax
+# that both accept, where there is one.
+OLDER_JAX = {("0.11.2", "0.11.12"): ["jax==0.6.0", "jaxlib==0.6.0"]}
 EQUINOX = ["0.11.12", "0.12.2", "0.13.8"]
 OPTAX = ["0.2.8", "0.2.5"]  # newest, floor
-CELLS = [(f, e, OPTAX[0]) for f in FLAX for e in EQUINOX]
-CELLS += [("0.12.8", EQUINOX[-1], OPTAX[1])]
-# Cells that install but cannot import (no package metadata says so, so the resolver
-# cannot see it), with the reason: they are skipped, never dropped. A test that needs
-# a newer API is skipped by its `requires(...)` mark instead (tests/helpers.py).
-_XLA_EXTENSION = (
-    "equinox 0.11.12 imports `jaxlib.xla_extension`, which jaxlib 0.6.1 and newer "
-    "do not have (ModuleNotFoundError on `import equinox`; jaxlib 0.6.0 has it)"
+CELLS = [("3.11", f, e, OPTAX[0]) for f in FLAX if f != "0.12.12" for e in EQUINOX]
+CELLS += [("3.11", "0.12.8", EQUINOX[-1], OPTAX[1])]
+for _python in PYTHONS[1:]:
+    CELLS += [(_python, "0.10.7", EQUINOX[0], OPTAX[0])]
+    CELLS += [(_python, "0.12.12", e, OPTAX[0]) for e in EQUINOX]
+# Cells no jax can run: each package's metadata accepts some jax both accept, so the
+# resolver installs them, but the equinox does not import on a jax its flax accepts.
+# They are skipped with the reason, never dropped. A test that needs a newer API is
+# skipped by its `requires(...)` mark instead (tests/helpers.py).
+_EQX_011 = (
+    "equinox 0.11.12 imports `jaxlib.xla_extension`, which jaxlib 0.6.1 and newer do "
+    "not have (ModuleNotFoundError on `import equinox`; and on jax 0.10+, "
+    "`batching.NotMapped`: AttributeError)"
+)
+_EQX_012 = (
+    "equinox 0.12.2 uses `jax.interpreters.batching.NotMapped`, which jax 0.10 "
+    "removed (AttributeError on `import equinox`)"
 )
 BROKEN = {
-    ("0.11.2", "0.11.12"): _XLA_EXTENSION,
-    ("0.12.1", "0.11.12"): _XLA_EXTENSION,
-    ("0.12.8", "0.11.12"): _XLA_EXTENSION,
-    ("0.12.8", "0.12.2"): (
-        "equinox 0.12.2 uses `jax.interpreters.batching.NotMapped`, which jax 0.10 "
-        "removed (AttributeError on `import equinox`); flax 0.12.8 needs jax >= 0.10"
-    ),
+    ("0.12.1", "0.11.12"): f"{_EQX_011}; flax 0.12.1 needs jax >= 0.8.1",
+    ("0.12.8", "0.11.12"): f"{_EQX_011}; flax 0.12.8 needs jax >= 0.10.0",
+    ("0.12.12", "0.11.12"): f"{_EQX_011}; flax 0.12.12 needs jax >= 0.11.1",
+    ("0.12.8", "0.12.2"): f"{_EQX_012}; flax 0.12.8 needs jax >= 0.10.0",
+    ("0.12.12", "0.12.2"): f"{_EQX_012}; flax 0.12.12 needs jax >= 0.11.1",
+}
+# The same reasons in a few words, for the README's footnotes
+SHORT = {
+    _EQX_011: "equinox 0.11 imports on jaxlib <= 0.6.0 only",
+    _EQX_012: "equinox 0.12 imports on jax < 0.10 only",
 }
 
 RUFF = "ruff==0.17.6"
@@ -97,14 +145,37 @@ def _scripts(session: nox.Session, folder: str) -> list[Path]:
     return scripts
 
 
-@nox.session
+@nox.session(python=NEWEST[1])
 def tests(session: nox.Session) -> None:
-    """The fast suite (`-m "not slow"`) and the doctests, on the newest releases."""
+    """The fast suite (`-m "not slow"`) and the doctests, on the newest releases and
+    the newest Python found (3.13, else 3.12, else 3.11)."""
+    session.log(f"Python {NEWEST[0]} ({NEWEST[1]}): the newest of 3.13, 3.12, 3.11")
     session.install("--upgrade", "-e", ".[test]")
+    _log_versions(session)
     session.run(*PYTEST, "-m", "not slow", *session.posargs)
 
 
-TORCH = "torch==2.13.0"
+def _log_versions(session: nox.Session) -> None:
+    versions = session.run("python", "-c", _VERSIONS, *REPORTED, silent=True)
+    shown = ", ".join(f"{p} {v}" for p, v in json.loads(str(versions)).items())
+    session.log(f"Installed: {shown}")
+
+
+# The versions the `tests` session prints before running
+REPORTED = [
+    "jax",
+    "jaxlib",
+    "flax",
+    "equinox",
+    "optax",
+    "orbax-checkpoint",
+    "safetensors",
+    "numpy",
+]
+
+
+# torch beside the Hugging Face libraries of LoRA and quantized checkpoints
+TORCH = ["torch==2.13.0", "peft", "gguf", "compressed-tensors"]
 TORCH_TESTS = [
     "tests/test_torch_adapter.py",
     "tests/test_torch_files.py",
@@ -118,48 +189,55 @@ TORCH_TESTS = [
 ]
 
 
-@nox.session(venv_backend="virtualenv")
+@nox.session(python="3.11", venv_backend="virtualenv")
 def tests_torch(session: nox.Session) -> None:
     """The PyTorch-layout tests against real torch modules and transformers models.
 
     torch is installed with pip, not uv: pip takes the CPU wheel the machine
-    provides (its find-links), where uv would download a multi-GB CUDA build."""
-    session.run("python", "-m", "pip", "install", "--quiet", TORCH)
+    provides (its find-links, for Python 3.11), where uv would download a multi-GB
+    CUDA build."""
+    session.run("python", "-m", "pip", "install", "--quiet", *TORCH)
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
     session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)  # slow ones too
 
 
-@nox.session
+@nox.session(python=NEWEST[1])
 def tests_slow(session: nox.Session) -> None:
     """The tests marked `slow`, on the newest releases."""
     session.install("--upgrade", "-e", ".[test]")
     session.run("pytest", "-q", "tests", "-m", "slow", *session.posargs)
 
 
-@nox.session
+@nox.session(python="3.11")
 def tests_floor(session: nox.Session) -> None:
-    """The fast suite on the oldest versions pyproject.toml claims."""
+    """The fast suite on the oldest versions pyproject.toml claims, on the oldest
+    Python (numpy 2.0.0 has no wheel for 3.13)."""
     start = time.monotonic()
     session.install("-e", ".[test]", *FLOOR)
-    _run_and_record(session, "floor", {}, start)
+    _run_and_record(session, "floor", {"python": str(session.python)}, start)
 
 
 @nox.session
-@nox.parametrize(("flax", "equinox", "optax"), CELLS)
+@nox.parametrize(("python", "flax", "equinox", "optax"), CELLS)
 def tests_matrix(session: nox.Session, flax: str, equinox: str, optax: str) -> None:
-    """The fast suite on each flax x equinox x optax cell; the README table records
-    the results (`python scripts/matrix_table.py` rewrites it from docs/matrix.json)."""
+    """The fast suite on each Python x flax x equinox x optax cell; the README table
+    records the results (`python scripts/matrix_table.py` rewrites it from
+    docs/matrix.json). Python 3.12 and 3.13 must be found: under pyenv, with
+    `PYENV_VERSION=3.11.7:3.12.1:3.13.0` (as `.ci/run` sets it)."""
     start = time.monotonic()
-    key = matrix_table.cell_key(flax, equinox, optax)
-    cell = {"flax": flax, "equinox": equinox, "optax": optax}
+    python = str(session.python)
+    key = matrix_table.cell_key(python, flax, equinox, optax)
+    cell = {"python": python, "flax": flax, "equinox": equinox, "optax": optax}
     reason = BROKEN.get((flax, equinox))
     if reason:
         if not session.posargs:
-            matrix_table.record(key, {**cell, "declared_skip": reason})
+            short = next(v for k, v in SHORT.items() if reason.startswith(k))
+            matrix_table.record(key, {**cell, "declared_skip": reason, "short": short})
         session.skip(reason)
     # Outside pyproject's bounds on purpose: the matrix is how the bounds are found.
     others = _requirements(without=("flax", "equinox", "optax", "jax", "jaxlib"))
-    pins = [f"flax=={flax}", f"equinox=={equinox}", f"optax=={optax}", *FLAX[flax]]
+    jax = OLDER_JAX.get((flax, equinox), FLAX[flax])
+    pins = [f"flax=={flax}", f"equinox=={equinox}", f"optax=={optax}", *jax]
     session.install(*others, *pins)
     session.install("--no-deps", "-e", ".")
     _run_and_record(session, key, cell, start)

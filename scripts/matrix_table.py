@@ -27,7 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "matrix.json"
 PAGES = (ROOT / "README.md", ROOT / "docs" / "versions.md")
 # The packages whose installed versions a cell records (and the tables show).
-PACKAGES = ("jax", "jaxlib", "flax", "equinox", "optax", "numpy", "orbax-checkpoint")
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "equinox",
+    "optax",
+    "numpy",
+    "orbax-checkpoint",
+    "safetensors",
+)
 # `requires(...)` in tests/helpers.py skips with "needs <feature> (<package> >= <v>)".
 FEATURE_SKIP = re.compile(r"^needs (?P<feature>.+) \((?P<needs>[^()]+)\)$")
 
@@ -35,8 +44,8 @@ FEATURE_SKIP = re.compile(r"^needs (?P<feature>.+) \((?P<needs>[^()]+)\)$")
 # --- recording a cell (called by the noxfile) ----------------------------------------
 
 
-def cell_key(flax: str, equinox: str, optax: str) -> str:
-    return f"flax {flax}, equinox {equinox}, optax {optax}"
+def cell_key(python: str, flax: str, equinox: str, optax: str) -> str:
+    return f"python {python}, flax {flax}, equinox {equinox}, optax {optax}"
 
 
 def junit_counts(path: Path) -> dict:
@@ -127,33 +136,86 @@ def _cells(results: dict) -> list[dict]:
     return [cell for key, cell in results.items() if key != "floor"]
 
 
-def matrix_table(results: dict, *, short: bool) -> str:
-    """Markdown: a row per flax release (with the jax it ran on), a column per
-    equinox release (and optax, where it is not the newest one of the matrix)."""
-    cells = _cells(results)
-    rows = sorted({c["flax"] for c in cells}, key=_version_key)
+def _columns(cells: list[dict]) -> tuple[str, list[tuple[str, str]]]:
+    """The newest optax, and the (equinox, optax) columns: the newest optax first,
+    each optax's equinox releases oldest first."""
     newest_optax = max((c["optax"] for c in cells), key=_version_key)
-    # the newest optax first, each optax's equinox releases oldest first
     columns = sorted({(c["equinox"], c["optax"]) for c in cells}, key=_version_key_eo)
     columns.sort(key=lambda eo: eo[1] != newest_optax)
-    by_place = {(c["flax"], c["equinox"], c["optax"]): c for c in cells}
-    head = ["flax \\ equinox"] + [
-        e if o == newest_optax else f"{e}, optax {o}" for e, o in columns
+    return newest_optax, columns
+
+
+def _rows(cells: list[dict]) -> list[tuple[str, str]]:
+    """The (Python, flax) rows, oldest first."""
+    return sorted({(c["python"], c["flax"]) for c in cells}, key=_version_key_eo)
+
+
+def _row_jax(cells: list[dict], python: str, flax: str) -> str | None:
+    """The jax most of the row's cells ran on (a cell on another jax names its own)."""
+    ran = [
+        c["versions"]["jax"]
+        for c in cells
+        if (c["python"], c["flax"]) == (python, flax) and "versions" in c
+    ]
+    return Counter(ran).most_common(1)[0][0] if ran else None
+
+
+def matrix_table(results: dict, *, short: bool) -> str:
+    """Markdown: a row per Python and flax release (with the jax it ran on), a column
+    per equinox release (and optax, where it is not the newest one of the matrix).
+    `short`: a mark per cell (✅, ✗) and one line of footnotes; else each cell's
+    counts, skips by feature and failed tests."""
+    cells = _cells(results)
+    newest_optax, columns = _columns(cells)
+    by_place = {(c["python"], c["flax"], c["equinox"], c["optax"]): c for c in cells}
+    head = ["Python", "flax (jax)"] + [
+        f"equinox {e}" if o == newest_optax else f"equinox {e}, optax {o}"
+        for e, o in columns
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for flax in rows:
-        ran = [c for c in cells if c["flax"] == flax and "versions" in c]
-        jax = sorted({c["versions"]["jax"] for c in ran}, key=_version_key)
-        label = f"{flax} (jax {', '.join(jax)})" if jax else flax
-        texts = [
-            cell_text(by_place[(flax, e, o)], short=short)
-            if (flax, e, o) in by_place
-            else "not in the matrix"
-            for e, o in columns
+    notes: list[str] = []  # the reasons cells cannot run, numbered in order
+    for python, flax in _rows(cells):
+        jax = _row_jax(cells, python, flax)
+        texts = []
+        for e, o in columns:
+            cell = by_place.get((python, flax, e, o))
+            if cell is None:
+                texts.append("" if short else "not in the matrix")
+                continue
+            text = _mark(cell, notes) if short else cell_text(cell, short=False)
+            if "versions" in cell and cell["versions"]["jax"] != jax:
+                text += f" (jax {cell['versions']['jax']})"
+            texts.append(text)
+        label = f"{flax} (jax {jax})" if jax else flax
+        lines.append("| " + " | ".join([python, label, *texts]) + " |")
+    if short:
+        cannot = ", ".join(f"{_SUPERSCRIPTS[i]} {n}" for i, n in enumerate(notes))
+        lines += [
+            "",
+            "✅ the fast suite passes (a test of a feature the release lacks is "
+            "skipped); ✗ N: N tests fail; "
+            + (f"✗ cannot run: {cannot}; " if notes else "")
+            + f"optax {newest_optax} where no other is named; "
+            "blank: not in the matrix.",
         ]
-        lines.append("| " + " | ".join([label, *texts]) + " |")
-    lines += ["", f"optax {newest_optax} in every column that names no other optax."]
+    else:
+        caption = f"optax {newest_optax} in every column that names no other optax."
+        lines += ["", caption]
     return "\n".join(lines)
+
+
+_SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
+def _mark(cell: dict, notes: list[str]) -> str:
+    """✅, `✗ N` (N tests failed) or ✗ with the footnote of why the cell cannot run
+    (appended to `notes` when new)."""
+    if "declared_skip" in cell:
+        note = cell.get("short", cell["declared_skip"])
+        if note not in notes:
+            notes.append(note)
+        return "✗" + _SUPERSCRIPTS[notes.index(note)]
+    return f"**✗ {cell['failed']}**" if cell["failed"] else "✅"
 
 
 def _version_key_eo(eo: tuple[str, str]) -> tuple:
@@ -166,11 +228,18 @@ def _versions(cell: dict) -> str:
     )
 
 
-def floor_text(results: dict) -> str:
+def floor_text(results: dict, *, short: bool) -> str:
     floor = results.get("floor")
     if floor is None:
         return "`tests_floor` has not been recorded yet."
-    return f"`tests_floor` ({_versions(floor)}): {cell_text(floor, short=False)}."
+    python = f"Python {floor['python']}, " if "python" in floor else ""
+    head = f"`tests_floor` ({python}{_versions(floor)}): "
+    if not short:
+        return head + cell_text(floor, short=False) + "."
+    skipped = sum(floor["skipped"].values())
+    if floor["failed"]:
+        return head + f"**✗ {floor['failed']}** tests fail."
+    return head + f"✅ {floor['passed']} passed, {skipped} skipped."
 
 
 def run_text(results: dict) -> str:
@@ -200,7 +269,7 @@ def blocks(page: Path, results: dict) -> dict[str, str]:
     """The generated blocks of `page`, by marker name."""
     detailed = page.name != "README.md"
     out = {"matrix": matrix_table(results, short=not detailed)}
-    out["floor"] = floor_text(results)
+    out["floor"] = floor_text(results, short=not detailed)
     if detailed:
         out["matrix"] += "\n\n" + run_text(results) + "\n\n" + details(results)
     return out

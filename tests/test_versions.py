@@ -4,6 +4,8 @@ of README.md and docs/versions.md are the ones docs/matrix.json makes."""
 
 import importlib.util
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import equinox as eqx
@@ -73,7 +75,7 @@ def test_the_version_tables_are_generated_from_the_results_file(capsys):
     assert matrix_table.main(["--check"]) == 0, capsys.readouterr().err
 
 
-CELL = {"flax": "0.11.2", "equinox": "0.13.8", "optax": "0.2.8"}
+CELL = {"python": "3.11", "flax": "0.11.2", "equinox": "0.13.8", "optax": "0.2.8"}
 VERSIONS = {"jax": "0.7.2", "flax": "0.11.2", "equinox": "0.13.8", "optax": "0.2.8"}
 
 
@@ -83,29 +85,69 @@ def test_a_table_says_what_each_cell_found():
         "needs NNX (flax >= 0.12.1) and eqx.nn.BatchNorm(mode=...) (equinox >= 0.13.0)"
     )
     skipped = {nnx_skip: 150, both: 2, "torch is not installed": 3}
+    older = {**VERSIONS, "jax": "0.6.0"}
     results = {
         "a": {**CELL, "versions": VERSIONS, "passed": 200, "failed": 0,
               "failed_tests": [], "skipped": skipped},
-        "b": {**CELL, "equinox": "0.11.12", "declared_skip": "imports jaxlib.foo"},
+        "b": {**CELL, "equinox": "0.11.12", "declared_skip": "imports jaxlib.foo",
+              "short": "needs jaxlib.foo"},
         "c": {**CELL, "optax": "0.2.5", "versions": VERSIONS, "passed": 3, "failed": 1,
               "failed_tests": ["tests/test_x.py::test_y"], "skipped": {}},
+        "d": {**CELL, "python": "3.13", "equinox": "0.11.12", "versions": older,
+              "passed": 3, "failed": 0, "failed_tests": [], "skipped": {}},
+        "e": {**CELL, "python": "3.13", "declared_skip": "imports jaxlib.foo",
+              "short": "needs jaxlib.foo"},
+        "f": {**CELL, "python": "3.13", "equinox": "0.12.2", "declared_skip": "x.y",
+              "short": "needs x.y"},
+        "g": {**CELL, "python": "3.13", "equinox": "0.12.2", "versions": older,
+              "passed": 3, "failed": 0, "failed_tests": [], "skipped": {}},
     }  # fmt: skip
+    del results["g"]  # one row of 3.13 has no cell run on the row's own jax
     short = matrix_table.matrix_table(results, short=True)
-    header, _, row, _, caption = short.splitlines()
-    assert header == "| flax \\ equinox | 0.11.12 | 0.13.8 | 0.13.8, optax 0.2.5 |"
-    assert row == (
-        "| 0.11.2 (jax 0.7.2) | cannot run: imports jaxlib.foo "
-        "| **passes**: 200 passed; skipped by feature: 150 `NNX`, "
-        "2 `NNX` + `eqx.nn.BatchNorm(mode=...)`; other skips: 3 torch is not installed "
-        "| **fails**: 1 failed, 3 passed |"
+    header, _, row, row313, _, footnotes = short.splitlines()
+    assert header == (
+        "| Python | flax (jax) | equinox 0.11.12 | equinox 0.12.2 | equinox 0.13.8 "
+        "| equinox 0.13.8, optax 0.2.5 |"
     )
-    assert caption == "optax 0.2.8 in every column that names no other optax."
+    assert row == "| 3.11 | 0.11.2 (jax 0.7.2) | ✗¹ |  | ✅ | **✗ 1** |"
+    assert row313 == "| 3.13 | 0.11.2 (jax 0.6.0) | ✅ | ✗² | ✗¹ |  |"
+    assert "✗ cannot run: ¹ needs jaxlib.foo, ² needs x.y;" in footnotes
+    assert "optax 0.2.8 where no other is named" in footnotes
     long = matrix_table.matrix_table(results, short=False)
     assert "150 `NNX` (flax >= 0.12.1)" in long and "`tests/test_x.py::test_y`" in long
+    assert "cannot run: imports jaxlib.foo" in long
     assert (
         "2 `NNX` (flax >= 0.12.1) + `eqx.nn.BatchNorm(mode=...)` (equinox >= 0.13.0)"
         in long
     )
+
+
+def test_a_cell_on_another_jax_than_its_row_names_it():
+    results = {
+        key: {**CELL, "equinox": e, "versions": {**VERSIONS, "jax": jax}, "passed": 1,
+              "failed": 0, "failed_tests": [], "skipped": {}}
+        for key, e, jax in [("a", "0.11.12", "0.6.0"), ("b", "0.12.2", "0.7.2"),
+                            ("c", "0.13.8", "0.7.2")]
+    }  # fmt: skip
+    row = matrix_table.matrix_table(results, short=True).splitlines()[2]
+    assert row == "| 3.11 | 0.11.2 (jax 0.7.2) | ✅ (jax 0.6.0) | ✅ | ✅ |"
+
+
+def test_the_python_classifiers_are_the_pythons_the_matrix_passes_on():
+    """pyproject.toml claims a Python where a matrix cell passed on it, and
+    requires-python starts at the oldest of them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    python = re.compile(r"Programming Language :: Python :: (3\.\d+)$")
+    claimed = {m[1] for c in project["classifiers"] if (m := python.match(c))}
+    results = json.loads((ROOT / "docs" / "matrix.json").read_text())
+    passed = {
+        cell["python"]
+        for key, cell in results.items()
+        if key != "floor" and "versions" in cell and not cell["failed"]
+    }
+    assert claimed == passed
+    oldest = min(passed, key=lambda v: tuple(map(int, v.split("."))))
+    assert project["requires-python"] == f">={oldest}"
 
 
 def test_results_are_read_from_a_junit_report_and_merged(tmp_path):
