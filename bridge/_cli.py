@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import json
 import math
+import os
+import re
 import sys
+import threading
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from . import __version__
 from ._demo import demo
 from ._io import _training
 from ._io._checkpoint import Contents, open_checkpoint, read, write
+from ._io._contents import Malformed, decode, encode
 from ._io._format import format_of, formats
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
 
@@ -46,10 +56,42 @@ def _formats() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors on one line."""
+    """argparse, with usage errors on one line, and the closest option proposed for
+    a misspelt one (`--to_layout`: did you mean `--to-layout`?)."""
 
     def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            hints = [
+                f"{arg} (did you mean {near}?)"
+                for arg in unknown[1].split()
+                if (near := _nearest(self, arg.partition("=")[0]))
+            ]
+            if hints:
+                message = "unrecognized arguments: " + ", ".join(hints)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands."""
+    found = set()
+    for action in parser._actions:
+        found.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options(sub)
+    return found
+
+
+def _nearest(parser: argparse.ArgumentParser, arg: str) -> str | None:
+    if not arg.startswith("-"):
+        return None
+    options = sorted(_options(parser))
+    spelt = "--" + arg.lstrip("-").replace("_", "-").lower()
+    if spelt in options:
+        return spelt
+    close = difflib.get_close_matches(spelt, options, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -94,44 +136,104 @@ _UNPRINTABLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
 _ROWS = 1000  # a table longer than this shows its first rows only (rich is slow)
 
 
-def inspect_table(contents: Contents) -> tuple[Table, str]:
+def _natural(name: str) -> tuple:
+    """`h.2.attn` before `h.10.attn`: numbers compared as numbers."""
+    return tuple(
+        (0, int(part), "") if part.isdecimal() else (1, 0, part)
+        for part in name.split(".")
+    )
+
+
+def _shards(contents: Contents) -> dict[str, str]:
+    """`{array name: shard file name}` for a sharded checkpoint, else empty."""
+    shards = getattr(contents.source, "shards", None)
+    if contents.format != "sharded" or not shards:
+        return {}
+    return {name: shard.path.name for shard, names in shards for name in names}
+
+
+def rows(contents: Contents, where: str | None = None) -> list[dict[str, Any]]:
+    """The arrays of a checkpoint, in the model's order (a file bridge wrote keeps
+    it; the names of any other, PyTorch's or a sharded folder's, in natural order:
+    `h.2` before `h.10`), those whose name `where` (a regex) finds only: name, role,
+    shape, dtype, bytes and, for a sharded checkpoint, the shard file."""
+    tensors = list(contents.tensors)
+    shards = _shards(contents)
+    if contents.version is None or shards:
+        tensors.sort(key=lambda s: _natural(s.key))
+    pattern = None if where is None else re.compile(where)
+    out = []
+    for s in tensors:
+        if pattern is not None and not pattern.search(s.key):
+            continue
+        shape, dtype = s.logical
+        row: dict[str, Any] = dict(name=s.key, role=s.role, shape=list(shape))
+        row.update(dtype=dtype, bytes=s.nbytes, elements=math.prod(shape))
+        if shards:
+            row["shard"] = shards.get(s.key, "")
+        out.append(row)
+    return out
+
+
+def inspect_table(contents: Contents, where: str | None = None) -> tuple[Table, str]:
     """The arrays of a checkpoint as a rich table (the first 1,000), and the line of
-    totals (of all)."""
+    totals (of all those shown)."""
+    found = rows(contents, where)
+    sharded = any("shard" in r for r in found)
     table = Table()
     table.add_column("path", overflow="fold")
     table.add_column("role")
     table.add_column("shape")
     table.add_column("dtype")
     table.add_column("size", justify="right")
-    params = elements = nbytes = 0
-    for s in contents.tensors:
-        shape, dtype = s.logical
-        count = math.prod(shape)
-        elements += count
-        nbytes += s.nbytes
-        params += count if s.role == "params" else 0
-        if table.row_count == _ROWS:
-            continue
-        table.add_row(
-            printable(s.key),
-            printable(s.role),
-            str(shape),
-            dtype,
-            human(s.nbytes),
-        )
-    if len(contents.tensors) > _ROWS:
-        table.add_row(f"... {len(contents.tensors) - _ROWS:,} more", "", "", "", "")
-    totals = (
-        f"{len(contents.tensors):,} arrays, {params:,} parameters "
-        f"({elements:,} elements), {nbytes:,} bytes ({human(nbytes)})"
+    if sharded:
+        table.add_column("shard", overflow="fold")
+    for row in found[:_ROWS]:
+        cells = [printable(row["name"]), printable(row["role"])]
+        cells += [str(tuple(row["shape"])), row["dtype"], human(row["bytes"])]
+        table.add_row(*cells, *([printable(row["shard"])] if sharded else []))
+    if len(found) > _ROWS:
+        more = f"... {len(found) - _ROWS:,} more"
+        table.add_row(more, *[""] * (len(table.columns) - 1))
+    totals = _totals(found)
+    line = (
+        f"{totals['arrays']:,} arrays, {totals['parameters']:,} parameters "
+        f"({totals['elements']:,} elements), {totals['bytes']:,} bytes "
+        f"({human(totals['bytes'])})"
     )
-    return table, totals
+    if where is not None:
+        line += f" whose name matches {where!r} (of {len(contents.tensors):,})"
+    return table, line
+
+
+def _totals(found: list[dict[str, Any]]) -> dict[str, int]:
+    return dict(
+        arrays=len(found),
+        parameters=sum(r["elements"] for r in found if r["role"] == "params"),
+        elements=sum(r["elements"] for r in found),
+        bytes=sum(r["bytes"] for r in found),
+    )
 
 
 def _inspect(args: argparse.Namespace, console: Console) -> None:
     with open_checkpoint(args.path) as contents:
         pass  # the header is all inspect shows
-    table, totals = inspect_table(contents)
+    if args.json:
+        found = rows(contents, args.filter)
+        report = dict(
+            path=str(contents.path),
+            format=contents.format,
+            framework=contents.framework,
+            layout=contents.layout or None,
+            saved_by=contents.version,
+            arrays=found,
+            totals=_totals(found),
+            training=_training.summary(contents, human),
+            metadata=contents.metadata,
+        )
+        print(json.dumps(report, indent=1))
+        return
+    table, totals = inspect_table(contents, args.filter)
     fw = printable(contents.framework or "framework unknown")
     layout = printable(f"{contents.layout or 'unknown'} layout")
     console.print(
@@ -140,42 +242,153 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
         ),
         soft_wrap=True,
     )
+    if contents.format == "sharded":
+        shards = {r["shard"] for r in rows(contents)}
+        console.print(f"{len(shards)} shard files", soft_wrap=True)
     console.print(table)
-    console.print(totals, soft_wrap=True)
+    console.print(totals, soft_wrap=True, markup=False)
     for line in _training.summary(contents, human):
-        console.print(line, markup=False, soft_wrap=True)
+        console.print(printable(line), soft_wrap=True)
     if contents.version:
         console.print(Text("saved by bridge ") + printable(contents.version))
     for key, value in contents.metadata.items():
         console.print(printable(key) + ": " + printable(value), soft_wrap=True)
 
 
+class _Slow:
+    """A progress display (on stderr) that shows itself once an operation has taken
+    a second: one line per phase with a spinner and the time taken."""
+
+    def __init__(self, console: Console):
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        # on a terminal only: a log or a pipe gets no redrawn lines
+        self.timer = threading.Timer(1.0, self._start if console.is_terminal else int)
+        self.started = False
+        self.task = None
+
+    @contextlib.contextmanager
+    def phase(self, description: str) -> Iterator[None]:
+        if self.task is not None:
+            self.progress.update(self.task, total=1, completed=1)
+        self.task = self.progress.add_task(description, total=None)
+        yield
+        self.progress.update(self.task, total=1, completed=1)
+
+    def _start(self) -> None:
+        self.started = True
+        self.progress.start()
+
+    def __enter__(self) -> _Slow:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.cancel()
+        self.timer.join()
+        if self.started:
+            self.progress.stop()
+
+
+_NOT_A_FORMAT = """\
+{dst}: bridge writes no {suffix} files (a pickle or another library's format): end the
+name with {suffixes}, or give a name without a suffix for an orbax directory."""
+
+_NEEDS_LAYOUT = (
+    "{flags} {verb} nothing without --to-layout (they choose how layers are "
+    "stored in the converted layout): add --to-layout, or leave {them} out"
+)
+_BN_MODE_EQUINOX = "--batch-norm-mode applies only with --to-layout equinox"
+_BAD_NAMES = """\
+{dst}: the converted checkpoint would hold names bridge.load refuses ({reason}); \
+nothing was written. Check the --rename rules: each PATH is a dotted path of names and \
+indices (layers.0), never inside another array's name."""
+
+
+def _check_inspect(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
+    if args.filter is not None:
+        re.compile(args.filter)
+
+
+def _check_demo(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
+    """Refuse, before any work, what convert would ignore or write wrongly."""
+    flags = [f for f, v in (("--rename", args.rename),) if v]
+    flags += ["--batch-norm-mode"] if args.batch_norm_mode else []
+    if flags and not args.to_layout:
+        them, verb = ("it", "does") if len(flags) == 1 else ("them", "do")
+        usage.error(
+            _NEEDS_LAYOUT.format(flags=" and ".join(flags), them=them, verb=verb)
+        )
+    if args.batch_norm_mode and args.to_layout != "equinox":
+        usage.error(_BN_MODE_EQUINOX)
+    dst = Path(args.dst)
+    fmt = format_of(dst)
+    if not fmt.suffixes and dst.suffix and not dst.is_dir():
+        raise ValueError(
+            _NOT_A_FORMAT.format(
+                dst=dst,
+                suffix=dst.suffix,
+                suffixes=" or ".join(x for f in formats() for x in f.suffixes),
+            )
+        )
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"{dst.parent}: no such directory to write {dst.name}")
+
+
+def _check_names(dst: Path, contents: Contents) -> None:
+    """The names `contents` would be written under are names `load` reads back."""
+    shapes = {s.key: (s.shape, s.dtype) for s in contents.tensors}
+    try:
+        decode(dst, contents.format, encode(contents), shapes)
+    except Malformed as e:
+        raise ValueError(_BAD_NAMES.format(dst=dst, reason=e)) from None
+
+
 def _convert(args: argparse.Namespace, console: Console) -> None:
     dst = Path(args.dst)
-    with open_checkpoint(args.src) as contents:
-        arrays = read(contents)
-    if args.weights_only and contents.training:
-        count = len(contents.tensors)
-        contents, arrays = model_only(contents, arrays)
-        console.print(
-            f"left out the training state: {count - len(contents.tensors)} arrays "
-            "(optimizer state, extras) and the step",
-            markup=False,
-        )
-    if args.to_layout:
-        contents, arrays = relayout(
-            contents,
-            arrays,
-            args.to_layout,
-            rename=args.rename,
-            batch_norm_mode=args.batch_norm_mode,
-        )
-    write(dst, contents, arrays)
+    with _Slow(Console(stderr=True)) as slow:
+        with open_checkpoint(args.src) as contents:
+            size = human(sum(s.nbytes for s in contents.tensors))
+            with slow.phase(f"reading {contents.path.name} ({size})"):
+                arrays = read(contents)
+        if args.weights_only and contents.training:
+            count = len(contents.tensors)
+            contents, arrays = model_only(contents, arrays)
+            console.print(
+                f"left out the training state: {count - len(contents.tensors)} "
+                "arrays (optimizer state, extras) and the step",
+                markup=False,
+            )
+        if args.to_layout:
+            with slow.phase(f"converting to the {args.to_layout} layout"):
+                contents, arrays = relayout(
+                    contents,
+                    arrays,
+                    args.to_layout,
+                    rename=args.rename,
+                    batch_norm_mode=args.batch_norm_mode,
+                )
+            if args.rename:
+                _check_names(dst, contents)
+        with slow.phase(f"writing {dst.name}"):
+            write(dst, contents, arrays)
     console.print(
-        f"{contents.path} ({contents.format}) -> {dst} ({format_of(dst).name}): "
-        f"{len(contents.tensors):,} arrays",
+        Text.assemble(
+            printable(contents.path),
+            f" ({contents.format}) -> ",
+            printable(dst),
+            f" ({format_of(dst).name}): {len(contents.tensors):,} arrays",
+        ),
         soft_wrap=True,
-        markup=False,
     )
 
 
@@ -183,9 +396,29 @@ def _demo(args: argparse.Namespace, console: Console) -> None:
     demo(steps=args.steps, console=console, out=args.out)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of steps")
+    return value
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an existing directory (create it first)"
+        )
+    return path
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line parser of `bridge`."""
     top = _Parser(prog="bridge", description=_DESCRIPTION.format(formats=_formats()))
+    top.add_argument("--version", action="version", version=f"bridge {__version__}")
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "inspect",
@@ -194,7 +427,19 @@ def parser() -> argparse.ArgumentParser:
         "totals, and the metadata saved with it.",
     )
     p.add_argument("path", help="a checkpoint: " + _formats())
-    p.set_defaults(run=_inspect)
+    p.add_argument(
+        "--filter",
+        metavar="REGEX",
+        help="list only the arrays whose name the regular expression finds "
+        "(re.search), e.g. 'attn' or '^h\\.0\\.'",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the listing as JSON (name, role, shape, dtype, bytes, elements, "
+        "shard per array; totals; metadata) for other programs",
+    )
+    p.set_defaults(run=_inspect, check=_check_inspect)
     p = sub.add_parser(
         "convert",
         help="convert between safetensors, msgpack and orbax",
@@ -238,7 +483,7 @@ def parser() -> argparse.ArgumentParser:
         "(default; the statistics as they are with batch_counter 2**30, so inference "
         "uses them unchanged) or 'ema'",
     )
-    p.set_defaults(run=_convert)
+    p.set_defaults(run=_convert, check=_check_convert)
     p = sub.add_parser(
         "demo",
         help="train, freeze, port across frameworks, save and reload a small model",
@@ -246,25 +491,48 @@ def parser() -> argparse.ArgumentParser:
         "on a generated task, port it to Equinox and Linen, check all three agree, "
         "save and reload a checkpoint, and print a summary.",
     )
-    p.add_argument("--steps", type=int, default=300, help="training steps (300)")
+    p.add_argument("--steps", type=_positive, default=300, help="training steps (300)")
     p.add_argument(
         "--out",
-        type=Path,
+        type=_directory,
         help="directory to keep the checkpoint in (default: a temporary one)",
     )
-    p.set_defaults(run=_demo)
+    p.set_defaults(run=_demo, check=_check_demo)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `bridge` command; returns the exit code (errors: one line on stderr,
     exit code 1)."""
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    # piped (not a terminal): lines as long as they are, so `| grep` sees each whole
     console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=100_000)
     try:
+        args.check(args, top)
         args.run(args, console)
-    except (OSError, ValueError, TypeError) as error:  # PortError is a ValueError
-        message = printable(" ".join(str(error).split())).plain
+    except BrokenPipeError:  # `bridge inspect big | head`: the reader has had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (OSError, ValueError, TypeError, re.error) as error:  # PortError too
+        message = printable(" ".join(_prose(error).split())).plain
         print(f"bridge {args.command}: error: {message}", file=sys.stderr)
         return 1
     return 0
+
+
+def _prose(error: BaseException) -> str:
+    """An exception's message as a sentence: an `OSError` made of `(errno, text)`
+    is its text (and the file it names), never the tuple."""
+    if isinstance(error, re.error):
+        return f"--filter: {error.pattern!r} is not a regular expression ({error})"
+    if isinstance(error, OSError):
+        code, text = error.errno, error.strerror
+        if text is None and len(error.args) == 2 and isinstance(error.args[0], int):
+            code, text = error.args  # an OSError subclass that is a ValueError first
+        name = error.filename
+        if isinstance(code, int) and isinstance(text, str):
+            return text if name is None or str(name) in text else f"{name}: {text}"
+    return str(error)

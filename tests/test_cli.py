@@ -193,3 +193,54 @@ def test_convert_to_flax_layout(tmp_path, dst, capsys):
     capsys.readouterr()
     assert main(["inspect", out]) == 0
     assert "bn.mean" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, code, words",
+    [
+        (["--to_layout", "flax"], 2, ["--to_layout (did you mean --to-layout?)"]),
+        (["--rename", "a=b"], 2, ["--rename does nothing without --to-layout"]),
+        (["--to-layout", "torch", "--batch-norm-mode", "ema"], 2, ["equinox"]),
+    ],
+)
+def test_convert_usage_checked_first(tmp_path, cnn_file, capsys, argv, code, words):
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", str(cnn_file), str(out), *argv])
+    assert exit_.value.code == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["x.pt", "x.bin", "x.h5", "nodir/x.safetensors"])
+def test_convert_output_checked_first(tmp_path, cnn_file, capsys, name):
+    assert main(["convert", str(cnn_file), str(tmp_path / name)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("writes no" in err or "no such directory" in err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.safetensors"]
+
+
+def test_version_and_demo_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"bridge {bridge.__version__}\n"
+    for argv in (["--steps", "-3"], ["--out", "no/such/dir"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["demo", *argv])
+        assert exit_.value.code == 2
+        assert "bridge demo: error: argument" in capsys.readouterr().err
+
+
+def test_two_names_of_one_index_are_a_clear_error(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "dup.safetensors"
+    arrays = {"l.01.weight": np.ones((2, 2), "f4"), "l.1.weight": np.ones((2, 2), "f4")}
+    save_file(arrays, src, metadata={"format": "pt"})
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(src), str(out), "--to-layout", "flax"]) == 1
+    err = capsys.readouterr().err
+    assert "'l.01.weight' and 'l.1.weight' name the same array" in err
+    assert err.count("\n") == 1 and not out.exists()

@@ -379,7 +379,17 @@ def _arrays(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, s
     return arrays, ties
 
 
+_SAME_PATH = """\
+bridge.from_torch: {other!r} and {name!r} name the same array (their numbers are the
+same index, e.g. 01 and 1); rename one of them."""
+
+
 def _check_nodes(names: Sequence[str]) -> None:
+    seen: dict[Path, str] = {}
+    for name in names:
+        other = seen.setdefault(_split_name(name), name)
+        if other != name:
+            raise ValueError(_SAME_PATH.format(name=name, other=other))
     taken = set(names)
     for name in names:
         parts = name.split(".")
