@@ -11,6 +11,9 @@ from ._embed._as_linen import as_linen as as_linen
 from ._embed._as_nnx import as_nnx as as_nnx
 from ._io._checkpoint import load as load, save as save
 from ._io._errors import CheckpointError as CheckpointError
+from ._lora._inject import lora as lora
+from ._lora._merge import merge_lora as merge_lora
+from ._lora._peft import load_peft as load_peft, save_peft as save_peft
 from ._port._codec import (
     Codec as Codec,
     register_codec as register_codec,

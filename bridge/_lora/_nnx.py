@@ -1,0 +1,163 @@
+"""LoRA on Flax NNX models: adapters as `nnx.Param`s on their layer, which runs them.
+
+A layer with an adapter keeps its class's behaviour and state and gains `lora_a`,
+`lora_b` (`nnx.Param`), `lora_settings` (static) and, with dropout, an
+`nnx.Dropout` named `lora_dropout` (its RNG stream in the model's state, so the
+step's RNG handling advances it; `model.eval()` turns it off). Its class becomes a
+subclass made once per layer class (`LoRALinear` for `nnx.Linear`, ...) whose
+`__call__` adds the low-rank path to the layer's own output, as qwix swaps the class
+of the models it intercepts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import jax
+from flax import nnx
+
+from .._adapters._native import like
+from .._adapters._nnx import from_nnx, to_nnx
+from .._paths import Path, at
+from .._tree import Tree, kind, walk
+from . import _forward
+from ._settings import A, B, Frame, Injection, Settings, Target, register_frame
+
+
+_CLASSES: dict[type, type] = {}
+_LOCK = threading.Lock()
+
+
+def _call(self, inputs, *args, **kwargs):
+    out = type(self)._lora_base.__call__(self, inputs, *args, **kwargs)
+    return out + delta(self, inputs).astype(out.dtype)
+
+
+def lora_class(base: type) -> type:
+    """The subclass of an NNX layer class that runs an adapter (made once)."""
+    with _LOCK:
+        cls = _CLASSES.get(base)
+        if cls is None:
+            name = "LoRA" + base.__name__
+            cls = _CLASSES[base] = type(
+                name,
+                (base,),
+                {
+                    "__call__": _call,
+                    "_lora_base": base,
+                    "__module__": __name__,
+                    "__qualname__": name,
+                },
+            )
+    return cls
+
+
+def delta(layer: Any, x: jax.Array) -> jax.Array:
+    """The adapter's output for the layer's input `x`, in the layer's output shape."""
+    settings: Settings = layer.lora_settings
+    a, b = layer.lora_a[...], layer.lora_b[...]
+    if isinstance(layer, nnx.Embed):
+        return _forward.embed_flax(x, a, b, settings.scaling)
+    if "lora_dropout" in vars(layer):
+        x = layer.lora_dropout(x)
+    if isinstance(layer, nnx.Conv):
+        return _forward.conv_flax(layer, x, a, b, settings.scaling)
+    n_in = len(layer.in_features) if isinstance(layer, nnx.LinearGeneral) else 1
+    out = _forward.dense_flax(x, a, b, settings.scaling, n_in)
+    out_features = (
+        layer.out_features
+        if isinstance(layer, nnx.LinearGeneral)
+        else (layer.out_features,)
+    )
+    return out.reshape(out.shape[:-1] + tuple(out_features))
+
+
+def _target(path: Path, node: Tree, module: Any) -> Target | None:
+    cls = kind(node)
+    if not isinstance(cls, type):
+        return None
+    settings = getattr(module, "lora_settings", None)
+    name = getattr(cls, "_lora_base", cls).__name__
+    if issubclass(cls, nnx.Embed):
+        shape = node.embedding.shape
+        return Target(
+            path, "embed", "embedding", "flax", shape[:-2], shape[-2:-1], shape[-1],
+            name, settings,
+        )  # fmt: skip
+    if issubclass(cls, nnx.LinearGeneral):
+        n_in, n_out = len(module.in_features), len(module.out_features)
+        if tuple(module.axis) != tuple(range(-n_in, 0)) or module.batch_axis:
+            return None  # contracts other axes than the trailing ones
+        shape = node.kernel.shape
+        lead = len(shape) - n_in - n_out
+        return Target(
+            path, "linear", "kernel", "flax", shape[:lead],
+            (math.prod(shape[lead : lead + n_in]),), math.prod(shape[lead + n_in :]),
+            name, settings,
+        )  # fmt: skip
+    if issubclass(cls, nnx.Linear):
+        shape = node.kernel.shape
+        return Target(
+            path, "linear", "kernel", "flax", shape[:-2], shape[-2:-1], shape[-1],
+            name, settings,
+        )  # fmt: skip
+    if issubclass(cls, nnx.Conv) and module.feature_group_count == 1:
+        shape = node.kernel.shape
+        lead = len(shape) - len(module.kernel_size) - 2
+        return Target(
+            path, "conv", "kernel", "flax", shape[:lead], shape[lead:-1], shape[-1],
+            name, settings,
+        )  # fmt: skip
+    return None
+
+
+def targets(tree: Tree) -> list[Target]:
+    native = to_nnx(tree)
+    found = (_target(path, node, at(native, path)) for path, node in walk(tree))
+    return [t for t in found if t is not None]
+
+
+_STACKED_DROPOUT = """\
+{where}: LoRA dropout on a stack of NNX layers (made under nnx.vmap) is not \
+supported: its random stream would need the stack's axes. Use dropout=0.0, or put \
+adapters on the layers before stacking them."""
+
+
+def inject(tree: Tree, adapters: list[Injection]) -> Tree:
+    native = to_nnx(tree)
+    for target, a, b, settings, key in adapters:
+        layer = at(native, target.path)
+        base = getattr(type(layer), "_lora_base", type(layer))
+        layer.lora_a = nnx.Param(a)
+        layer.lora_b = nnx.Param(b)
+        layer.lora_settings = settings
+        if "lora_dropout" in vars(layer):
+            del layer.lora_dropout
+        if settings.dropout:
+            if target.stack:
+                raise ValueError(_STACKED_DROPOUT.format(where=target.where))
+            layer.lora_dropout = nnx.Dropout(settings.dropout, rngs=nnx.Rngs(key))
+        object.__setattr__(layer, "__class__", lora_class(base))
+    return from_nnx(native)
+
+
+def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
+    native = to_nnx(tree)
+    for path, node in walk(tree):
+        base = getattr(kind(node), "_lora_base", None)
+        if base is None:
+            continue
+        module = at(native, path)
+        if path in weights:
+            name = "embedding" if isinstance(module, nnx.Embed) else "kernel"
+            getattr(module, name).set_value(weights[path])
+        for attr in (A, B, "lora_settings", "lora_dropout"):
+            if attr in vars(module):
+                delattr(module, attr)
+        object.__setattr__(module, "__class__", base)
+    return from_nnx(native)
+
+
+register_frame("nnx", Frame(targets, inject, strip, like))

@@ -1,0 +1,393 @@
+"""PEFT's LoRA files: `bridge.save_peft` writes a model's adapters as PEFT does
+(`adapter_model.safetensors` + `adapter_config.json`), `bridge.load_peft` puts a
+PEFT adapter on a model of any framework.
+
+A layer's PyTorch name is the one `bridge.save(..., layout="torch")` gives it: its
+dotted path, or the name the `rules` that paired a PyTorch model's layers with this
+model's give it, read backwards. A stack of layers is written one layer at a time
+(`layers.0.q_proj`, `layers.1.q_proj`, ...), the index after the stack's path. Keys
+are `base_model.model.<prefix><name>.lora_A.weight` `(r, in)` and `.lora_B.weight`
+`(out, r)` (a convolution's `(r, in, *window)` and `(out, r, 1, ...)`; an
+embedding's `.lora_embedding_A` `(r, num)` and `.lora_embedding_B` `(dim, r)`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path as FilePath
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from .._adapters._native import to_neutral
+from .._io._atomic import atomic_dir
+from .._io._torch_layout import _name
+from .._paths import Path, at, path_str
+from .._port._reverse import reverse_rules
+from .._tree import Tree, framework
+from ._settings import A, B, Injection, Settings, Target, frame_of
+
+
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+MODEL = "base_model.model."
+
+_KNOWN = {
+    # read and honoured
+    "peft_type", "r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern",
+    "alpha_pattern", "lora_dropout", "bias",
+    "fan_in_fan_out",  # only how PEFT merges (Conv1D weights), not the adapter
+    # only their defaults are supported (checked in `_unsupported_settings`)
+    "use_dora", "lora_bias", "modules_to_save", "layers_to_transform",
+    "layers_pattern", "exclude_modules", "layer_replication", "target_parameters",
+    "trainable_token_indices", "alora_invocation_tokens", "use_qalora", "use_bdlora",
+    # about training or the base model, no effect on the adapter's forward pass
+    "task_type", "base_model_name_or_path", "revision", "inference_mode",
+    "init_lora_weights", "auto_mapping", "peft_version", "megatron_config",
+    "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "arrow_config", "kasa_config", "monteclora_config", "velora_config",
+    "qalora_group_size", "ensure_weight_tying",
+}  # fmt: skip
+_DEFAULTS = {
+    "use_dora": False, "lora_bias": False, "modules_to_save": None,
+    "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
+    "layer_replication": None, "target_parameters": None,
+    "trainable_token_indices": None, "alora_invocation_tokens": None,
+    "use_qalora": False, "use_bdlora": None, "bias": "none",
+}  # fmt: skip
+
+_CANNOT_LOAD = """\
+bridge.load_peft cannot apply {dir}: {n} problem(s), nothing was applied.
+{problems}"""
+_CANNOT_SAVE = """\
+bridge.save_peft cannot write the adapters: {n} problem(s), nothing was written.
+{problems}"""
+
+
+def names(
+    tree: Tree, found: list[Target], rules: Mapping[str, str] | None, prefix: str
+) -> list[tuple[str, Target, int | None]]:
+    """Each target's PyTorch layer name(s), one per layer of a stack."""
+    backwards = reverse_rules(rules or {})
+    out = []
+    for target in found:
+        if not target.stack:
+            where = path_str(target.path)
+            out.append((prefix + _name(where, backwards), target, None))
+            continue
+        root = _stack_root(tree, target)
+        for i in range(target.stack[0]):
+            path = root + (i,) + target.path[len(root) :]
+            out.append((prefix + _name(path_str(path), backwards), target, i))
+    return out
+
+
+def _stack_root(tree: Tree, target: Target) -> Path:
+    """The outermost node at or above `target` (below the root) whose arrays all
+    share the stack's leading axes: the index of a layer goes after its path."""
+    lead = target.stack
+    root = target.path
+    for n in range(len(target.path) - 1, 0, -1):  # the root is no stack: a model
+        node = at(tree, target.path[:n])
+        shapes = [np.shape(x) for x in _arrays(node)]
+        if not shapes or any(s[: len(lead)] != lead for s in shapes):
+            break
+        root = target.path[:n]
+    return root
+
+
+def _arrays(node: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(node)
+
+
+def _peft_shapes(target: Target, rank: int) -> list[tuple[int, ...]]:
+    """The shapes of PEFT's `lora_A` and `lora_B` for one layer of `target`."""
+    n = len(target.stack)
+    a, b = (np.zeros(s[n:], np.int8) for s in target.shapes(rank))
+    return [x.shape for x in to_peft(target, a, b)]
+
+
+def to_peft(target: Target, a: Any, b: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's adapter (not stacked) as PEFT's `lora_A` and `lora_B` tensors."""
+    a, b = np.asarray(a), np.asarray(b)
+    window = len(target.fan_in) - 1 if target.kind == "conv" else 0
+    if target.layout == "flax":
+        a = np.moveaxis(a, -1, 0)  # (*fan_in, r) -> (r, *fan_in)
+        if target.kind == "conv":
+            a = np.moveaxis(a, -1, 1)  # (r, *window, in) -> (r, in, *window)
+        b = b.T
+    return a, b.reshape(b.shape + (1,) * window)
+
+
+def from_peft(target: Target, a: np.ndarray, b: np.ndarray) -> tuple[Any, Any]:
+    """The inverse of `to_peft`: PEFT's tensors in the target's layout."""
+    b = b.reshape(b.shape[:2])  # a convolution's (out, r, 1, ...)
+    if target.layout == "flax":
+        if target.kind == "conv":
+            a = np.moveaxis(a, 1, -1)  # (r, in, *window) -> (r, *window, in)
+        a = np.moveaxis(a, 0, -1)
+        a = a.reshape(target.fan_in + (a.shape[-1],))
+        b = b.T
+    return jnp.asarray(a), jnp.asarray(b)
+
+
+def _keys(name: str, target: Target) -> tuple[str, str]:
+    if target.kind == "embed":
+        return f"{MODEL}{name}.lora_embedding_A", f"{MODEL}{name}.lora_embedding_B"
+    return f"{MODEL}{name}.lora_A.weight", f"{MODEL}{name}.lora_B.weight"
+
+
+def save_peft(
+    directory: str | os.PathLike,
+    model: Any,
+    *,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> None:
+    """Write a model's LoRA adapters as a PEFT adapter directory.
+
+    Writes `adapter_model.safetensors` and `adapter_config.json`, which
+    `peft.PeftModel.from_pretrained(torch_model, directory)` loads onto the PyTorch
+    model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives.
+    The directory appears whole or not at all.
+
+    **Arguments:**
+
+    - `directory`: the adapter directory to write (replaced if it holds an adapter).
+    - `model`: a model with adapters (`bridge.lora`, `bridge.load_peft`), in any
+      form `bridge.lora` takes.
+    - `rules`: the rules that paired a PyTorch model's layers with this model's on
+      import (`{PyTorch layer regex: this model's layer path}`, as `bridge.port`
+      takes), read backwards to name the layers.
+    - `prefix`: put before every layer name (`"model."` for a model that is the
+      inner `model` of a Hugging Face `...ForCausalLM`).
+
+    **Config:** `r` and `lora_alpha` are the most common rank and alpha;
+    `rank_pattern`/`alpha_pattern` name the layers that differ; `target_modules` the
+    adapted layers' last names; `use_rslora`, `lora_dropout`; `fan_in_fan_out`
+    false and `bias` `"none"` (bridge adapters have no bias).
+
+    **Example:**
+
+    ```python
+    >>> import json, tempfile, jax, bridge
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    >>> model = bridge.lora(model, ["layers.0"], rank=2, alpha=4, key=jax.random.key(0))
+    >>> from pathlib import Path
+    >>> d = Path(tempfile.mkdtemp()) / "adapter"
+    >>> bridge.save_peft(d, model)
+    >>> json.loads((d / "adapter_config.json").read_text())["lora_alpha"]
+    4.0
+
+    ```
+    """
+    tree = to_neutral(model)
+    frame = frame_of(framework(tree))
+    found = [t for t in frame.targets(tree) if t.settings is not None]
+    problems: list[str] = []
+    if not found:
+        problems.append("the model holds no LoRA adapter")
+    named: list[tuple[str, Target, int | None]] = []
+    try:
+        named = names(tree, found, rules, prefix)
+    except ValueError as error:
+        problems.append(str(error))
+    tensors: dict[str, np.ndarray] = {}
+    owners: dict[str, str] = {}
+    for name, target, index in named:
+        if name in owners:
+            problems.append(
+                f"names: layers {owners[name]} and {target.where} would both be "
+                f"written as {name!r}"
+            )
+        owners[name] = target.where
+        node = at(tree, target.path)
+        a, b = getattr(node, A), getattr(node, B)
+        if index is not None:
+            a, b = a[index], b[index]
+        ka, kb = _keys(name, target)
+        tensors[ka], tensors[kb] = to_peft(target, a, b)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(_CANNOT_SAVE.format(n=len(problems), problems=lines))
+    config = _config([(name, t.settings) for name, t, _ in named])  # pyright: ignore
+    path = FilePath(directory)
+    with atomic_dir(path, lambda p: (p / CONFIG).exists()) as tmp:
+        tmp.mkdir()
+        save_file(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            str(tmp / WEIGHTS),
+            metadata={"format": "pt"},
+        )
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _config(named: list[tuple[str, Settings]]) -> dict[str, Any]:
+    ranks = collections.Counter(s.rank for _, s in named)
+    alphas = collections.Counter(s.alpha for _, s in named)
+    r = ranks.most_common(1)[0][0]
+    alpha = alphas.most_common(1)[0][0]
+    first = named[0][1]
+    return {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _ in named}),
+        "use_rslora": first.rslora,
+        "lora_dropout": first.dropout,
+        "rank_pattern": {n: s.rank for n, s in named if s.rank != r},
+        "alpha_pattern": {n: s.alpha for n, s in named if s.alpha != alpha},
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "task_type": None,
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+
+
+def _targeted(name: str, target_modules: Any) -> bool:
+    """PEFT's `check_target_module_exists` for a string or a list of names."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
+
+
+def _pattern(name: str, pattern: Mapping[str, Any], default: Any) -> Any:
+    """PEFT's rank/alpha pattern lookup: the first key matching the name's end."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def load_peft(
+    directory: str | os.PathLike,
+    like: Any,
+    *,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> Any:
+    """Put a PEFT LoRA adapter (trained in PyTorch, or written by `bridge.save_peft`)
+    on a model of any framework.
+
+    Each layer PEFT's `target_modules` names (by the PyTorch names `bridge.save(...,
+    layout="torch", rules=rules)` gives `like`'s layers) gets its adapter, with the
+    config's rank, alpha (`rank_pattern`, `alpha_pattern`), `use_rslora` and
+    `lora_dropout`; the per-layer adapters of a stack of layers are stacked.
+
+    **Arguments:**
+
+    - `directory`: a PEFT adapter directory (`adapter_config.json`,
+      `adapter_model.safetensors`).
+    - `like`: the base model (Linen, NNX, Equinox; a Tree or native).
+    - `rules`, `prefix`: as for `bridge.save_peft`.
+
+    **Returns:**
+
+    `like` with the adapters, in the form it was given.
+
+    **Raises:**
+
+    `ValueError` listing every problem before anything is applied: unknown or
+    unsupported config keys, a target module or tensor with no matching layer, a
+    layer without its tensors, tensors whose shapes do not fit their layer.
+    """
+    path = FilePath(directory)
+    config = json.loads((path / CONFIG).read_text())
+    tensors = load_file(str(path / WEIGHTS))
+    tree = to_neutral(like)
+    frame = frame_of(framework(tree))
+    problems = _unsupported_settings(config)
+    found = frame.targets(tree)
+    named = names(tree, found, rules, prefix)
+    target_modules = config.get("target_modules") or []
+    r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    chosen = [(n, t, i) for n, t, i in named if _targeted(n, target_modules)]
+    by_name = {n: (t, i) for n, t, i in named}
+    used: set[str] = set()
+    stacks: dict[Path, dict[int | None, tuple[np.ndarray, np.ndarray]]] = {}
+    settings: dict[Path, Settings] = {}
+    for name, target, index in chosen:
+        ka, kb = _keys(name, target)
+        if ka not in tensors or kb not in tensors:
+            problems.append(f"{name} ({target.where}): no {ka} / {kb} in {WEIGHTS}")
+            continue
+        used.update((ka, kb))
+        a, b = tensors[ka], tensors[kb]
+        rank = int(_pattern(name, config.get("rank_pattern") or {}, r))
+        want = _peft_shapes(target, rank)
+        if [a.shape, b.shape] != want:
+            problems.append(
+                f"{name} ({target.where}, {target.cls}): the adapter's shapes "
+                f"{a.shape} and {b.shape} do not fit the layer, which takes "
+                f"{want[0]} and {want[1]} at rank {rank}"
+            )
+            continue
+        stacks.setdefault(target.path, {})[index] = (a, b)
+        settings[target.path] = Settings(
+            rank,
+            float(_pattern(name, config.get("alpha_pattern") or {}, alpha)),
+            bool(config.get("use_rslora", False)),
+            float(config.get("lora_dropout", 0.0)),
+        )
+    modules = {k.removeprefix(MODEL).rsplit(".lora_", 1)[0] for k in tensors}
+    for key in sorted(set(tensors) - used):
+        module = key.removeprefix(MODEL).rsplit(".lora_", 1)[0]
+        if module not in by_name:
+            problems.append(f"{key}: no layer of the model is named {module!r}")
+    if isinstance(target_modules, list):
+        for t in target_modules:
+            if not any(_targeted(n, [t]) for n in modules | set(by_name)) or not any(
+                _targeted(n, [t]) for n, _, _ in named
+            ):
+                problems.append(
+                    f"target module {t!r}: no layer of the model matches it"
+                )
+    if not chosen and not problems:
+        problems.append(
+            f"target_modules {target_modules!r} match no layer of the model"
+        )
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(_CANNOT_LOAD.format(dir=path, n=len(problems), problems=lines))
+    injections = []
+    targets = {t.path: t for _, t, _ in chosen}
+    for tpath, per in stacks.items():
+        target = targets[tpath]
+        if target.stack:
+            pairs = [from_peft(target, *per[i]) for i in range(target.stack[0])]
+            a = jnp.stack([p[0] for p in pairs])
+            b = jnp.stack([p[1] for p in pairs])
+        else:
+            a, b = from_peft(target, *per[None])
+        injections.append(Injection(target, a, b, settings[tpath], None))
+    out = frame.inject(tree, injections)
+    return out if isinstance(like, Tree) else frame.native(like, out)
+
+
+def _unsupported_settings(config: Mapping[str, Any]) -> list[str]:
+    problems = []
+    unknown = sorted(set(config) - _KNOWN)
+    if unknown:
+        problems.append(
+            f"{CONFIG}: unknown key(s) {unknown}; bridge reads PEFT's LoRA configs "
+            f"(keys {sorted(_KNOWN)})"
+        )
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"{CONFIG}: peft_type {config['peft_type']!r} is not LORA")
+    for key, default in _DEFAULTS.items():
+        value = config.get(key, default)
+        if value != default and not (value in ({}, []) and default is None):
+            problems.append(
+                f"{CONFIG}: {key}={value!r} is not supported (only {default!r})"
+            )
+    return problems

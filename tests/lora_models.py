@@ -1,0 +1,78 @@
+"""One small model in Linen, NNX and Equinox (an embedding, a dense layer, a
+convolution over the sequence, a bias-free head), with the same layer names as the
+PyTorch model of `tests/test_lora_peft.py`, for the LoRA tests."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+VOCAB, WIDTH, OUT, LENGTH = 10, 8, 4, 5
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.emb = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.q = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.conv = nnx.Conv(WIDTH, WIDTH, (3,), padding=1, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, OUT, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.head(self.conv(jax.nn.relu(self.q(self.emb(ids)))))
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = nn.Embed(VOCAB, WIDTH, name="emb")(ids)
+        x = jax.nn.relu(nn.Dense(WIDTH, name="q")(x))
+        x = nn.Conv(WIDTH, (3,), padding=1, name="conv")(x)
+        return nn.Dense(OUT, use_bias=False, name="head")(x)
+
+
+class EqxModel(eqx.Module):
+    emb: eqx.nn.Embedding
+    q: eqx.nn.Linear
+    conv: eqx.nn.Conv1d
+    head: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array):
+        k = jax.random.split(key, 4)
+        self.emb = eqx.nn.Embedding(VOCAB, WIDTH, key=k[0])
+        self.q = eqx.nn.Linear(WIDTH, WIDTH, key=k[1])
+        self.conv = eqx.nn.Conv1d(WIDTH, WIDTH, 3, padding=1, key=k[2])
+        self.head = eqx.nn.Linear(WIDTH, OUT, use_bias=False, key=k[3])
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """`ids`: `(batch, length)` -> `(batch, length, OUT)`."""
+
+        def one(row):
+            x = jax.vmap(self.emb)(row)
+            x = jax.nn.relu(jax.vmap(self.q)(x))
+            x = self.conv(x.T).T
+            return jax.vmap(self.head)(x)
+
+        return jax.vmap(one)(ids)
+
+
+def models() -> dict[str, object]:
+    """Each framework's model, as `bridge.lora` takes it."""
+    ids = jnp.zeros((1, LENGTH), jnp.int32)
+    linen = LinenModel()
+    return {
+        "nnx": NNXModel(nnx.Rngs(0)),
+        "linen": (linen, linen.init(jax.random.key(0), ids)),
+        "equinox": EqxModel(jax.random.key(0)),
+    }
+
+
+def run(model: object, ids: jax.Array) -> jax.Array:
+    """A model in the form `models()` gives it, run on `ids`."""
+    if isinstance(model, tuple):
+        module, variables = model
+        return module.apply(variables, ids)
+    return model(ids)  # pyright: ignore[reportCallIssue]

@@ -1,0 +1,278 @@
+"""`bridge.lora`, `merge_lora`, `save_peft`/`load_peft` without PyTorch: adapters'
+shapes and orientation in each framework, the training step against a hand-written
+JAX LoRA step, stacks, dropout, and every error. (Against PEFT itself:
+`tests/test_lora_peft.py`.)"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import bridge
+
+from .lora_models import LENGTH, OUT, VOCAB, WIDTH, models, run
+
+
+KEY = jax.random.key(7)
+IDS = jnp.array([[1, 2, 3, 4, 5], [9, 0, 8, 7, 1]])
+assert IDS.shape[1] == LENGTH
+TARGETS = ["emb", "q", "conv", "head"]
+
+
+def _nonzero(tree):
+    """Adapters as after training: lora_a and lora_b both nonzero."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            x + 0.3 * jax.random.normal(jax.random.key(len(p)), x.shape)
+            if "lora" in jax.tree_util.keystr(p)
+            else x
+        ),
+        tree,
+    )
+
+
+SHAPES = {  # (lora_a, lora_b) per layer at rank 2, in each framework's orientation
+    "nnx": {"emb": ((VOCAB, 2), (2, WIDTH)), "q": ((WIDTH, 2), (2, WIDTH)),
+            "conv": ((3, WIDTH, 2), (2, WIDTH)), "head": ((WIDTH, 2), (2, OUT))},
+    "equinox": {"emb": ((2, VOCAB), (WIDTH, 2)), "q": ((2, WIDTH), (WIDTH, 2)),
+                "conv": ((2, WIDTH, 3), (WIDTH, 2)), "head": ((2, WIDTH), (OUT, 2))},
+}  # fmt: skip
+SHAPES["linen"] = SHAPES["nnx"]
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_adapters_shapes_init_and_unchanged_output(framework):
+    model = models()[framework]
+    tree = bridge.lora(bridge.to_neutral(model), TARGETS, rank=2, key=KEY)
+    for name, (a, b) in SHAPES[framework].items():
+        layer = tree[name]
+        assert (layer.lora_a.shape, layer.lora_b.shape) == (a, b), name
+    # PEFT's init: lora_B zero (an embedding's lora_embedding_A zero)
+    assert not np.any(tree.q.lora_b) and np.any(tree.q.lora_a)
+    assert not np.any(tree.emb.lora_a) and np.any(tree.emb.lora_b)
+    # the model's output is unchanged, and the given model is untouched
+    native = bridge.to_native(tree)
+    assert np.array_equal(run(native, IDS), run(model, IDS))
+    assert "lora_a" not in str(bridge.to_neutral(model))
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_merge_equals_the_adapted_forward(framework):
+    model = models()[framework]
+    tree = _nonzero(bridge.lora(bridge.to_neutral(model), TARGETS, rank=2, key=KEY))
+    merged = bridge.merge_lora(tree)
+    assert "lora" not in str(merged)
+    adapted, plain = (
+        run(bridge.to_native(tree), IDS),
+        run(bridge.to_native(merged), IDS),
+    )
+    np.testing.assert_allclose(plain, adapted, atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(adapted) - np.asarray(run(model, IDS))).max() > 1e-2
+    # the merged model is the original kind of model again
+    assert jax.tree_util.tree_structure(merged) == jax.tree_util.tree_structure(
+        bridge.to_neutral(model)
+    )
+
+
+def test_trainable_lora_selects_exactly_the_adapters():
+    tree = bridge.lora(bridge.to_neutral(models()["nnx"]), TARGETS, rank=2, key=KEY)
+    spec = bridge.trainable(tree, "lora")
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, flag in jax.tree_util.tree_leaves_with_path(spec)
+        if flag
+    ]
+    assert paths == [f".{n}.lora_{ab}" for n in sorted(TARGETS) for ab in "ab"]
+
+
+def _loss(model, ids, y):
+    return jnp.mean((model(ids) - y) ** 2)
+
+
+def test_step_equals_a_hand_written_lora_step():
+    """make_step with the adapter spec vs the same LoRA written by hand in JAX (an
+    NNX model's layers as plain arrays): 10 Adam steps, and the base weights stay
+    bit-identical."""
+    model = models()["nnx"]
+    tree = bridge.lora(bridge.from_nnx(model), ["q", "head"], rank=2, alpha=4, key=KEY)
+    tree = _nonzero(tree)
+    y = jax.random.normal(jax.random.key(3), IDS.shape + (OUT,))
+    opt = optax.adam(1e-2)
+    step = bridge.make_step(_loss, opt, bridge.trainable(tree, "lora"), donate=False)
+    state = step.init(tree)
+
+    base = jax.tree_util.tree_map(jnp.copy, tree)  # plain arrays, by hand
+    s = 4 / 2
+
+    def forward(ad, ids):
+        x = base.emb.embedding[ids]
+        q = x @ base.q.kernel + base.q.bias[None, None] + s * (x @ ad["qa"]) @ ad["qb"]
+        h = jax.nn.relu(q)
+        h = (
+            jax.lax.conv_general_dilated(
+                h,
+                base.conv.kernel,
+                (1,),
+                [(1, 1)],
+                dimension_numbers=("NWC", "WIO", "NWC"),
+            )
+            + base.conv.bias[None, None]
+        )
+        return h @ base.head.kernel + s * (h @ ad["ha"]) @ ad["hb"]
+
+    @jax.jit
+    def hand_step(ad, opt_state, ids, y):
+        loss, g = jax.value_and_grad(lambda a: jnp.mean((forward(a, ids) - y) ** 2))(ad)
+        updates, opt_state = opt.update(g, opt_state, ad)
+        return optax.apply_updates(ad, updates), opt_state, loss
+
+    ad = {"qa": tree.q.lora_a, "qb": tree.q.lora_b,
+          "ha": tree.head.lora_a, "hb": tree.head.lora_b}  # fmt: skip
+    hand_state = opt.init(ad)
+    for _ in range(10):
+        tree, state, loss = step(tree, state, IDS, y)
+        ad, hand_state, hand_loss = hand_step(ad, hand_state, IDS, y)
+        np.testing.assert_allclose(loss, hand_loss, atol=1e-6, rtol=0)
+    for name, leaf in (("qa", tree.q.lora_a), ("qb", tree.q.lora_b),
+                       ("ha", tree.head.lora_a), ("hb", tree.head.lora_b)):  # fmt: skip
+        np.testing.assert_allclose(leaf, ad[name], atol=1e-6, rtol=0, err_msg=name)
+    # the base weights: bit-identical
+    assert np.array_equal(tree.q.kernel, base.q.kernel)
+    assert np.array_equal(tree.head.kernel, base.head.kernel)
+    assert np.array_equal(tree.conv.kernel, base.conv.kernel)
+    assert np.array_equal(tree.emb.embedding, base.emb.embedding)
+    # optimizer state for the adapters alone
+    sizes = sum(x.size for x in jax.tree_util.tree_leaves(state) if x.ndim)
+    assert sizes == 2 * sum(x.size for x in ad.values())
+
+
+def test_where_matching_nothing_lists_the_layers():
+    with pytest.raises(ValueError, match=r"selects no layer(.|\n)*\.q \(Linear\)"):
+        bridge.lora(models()["nnx"], r"k_proj", rank=2, key=KEY)
+
+
+@pytest.mark.parametrize("rank", [0, -1, 9])
+def test_rank_that_does_not_fit_names_the_layer(rank):
+    with pytest.raises(ValueError, match=rf"\.q \(Linear\): rank {rank} does not fit"):
+        bridge.lora(models()["nnx"], ["q"], rank=rank, key=KEY)
+
+
+def test_unsupported_layer_kind_is_named():
+    model = nnx.Sequential(
+        nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(ValueError, match=r"\.layers\[1\] \(LayerNorm\): this kind"):
+        bridge.lora(model, r"layers\[1\]", rank=2, key=KEY)
+
+
+def test_the_model_given_is_not_changed_and_nothing_half_applied():
+    model = models()["nnx"]
+    with pytest.raises(ValueError):
+        bridge.lora(model, ["q", "emb"], rank=9, key=KEY)  # q fits, emb does not
+    assert not hasattr(model.q, "lora_a") and type(model.q) is nnx.Linear
+
+
+def _saved(tmp_path, framework="nnx", rank=2):
+    tree = bridge.lora(models()[framework], TARGETS, rank=rank, alpha=4, key=KEY)
+    tree = _nonzero(bridge.to_neutral(tree))
+    bridge.save_peft(tmp_path / "adapter", tree)
+    return tree, tmp_path / "adapter"
+
+
+@pytest.mark.parametrize("framework", ["linen", "equinox"])
+def test_save_then_load_peft_across_frameworks(tmp_path, framework):
+    """Adapters written from an NNX model, read into another framework's model:
+    orientation converted, the same forward pass."""
+    tree, directory = _saved(tmp_path)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (
+        2, 4.0, sorted(TARGETS),
+    )  # fmt: skip
+    base = bridge.port(
+        bridge.merge_lora(tree) if False else _base_of(tree), models()[framework]
+    )
+    loaded = bridge.load_peft(directory, base)
+    np.testing.assert_allclose(
+        run(loaded, IDS), run(bridge.to_native(tree), IDS), atol=1e-5, rtol=0
+    )
+
+
+def _base_of(tree):
+    """The base model of an adapted NNX Tree (adapters removed, weights as they are)."""
+    from bridge._lora._nnx import strip
+
+    return strip(tree, {})
+
+
+def test_load_peft_refuses_unknown_keys_and_misfits(tmp_path):
+    tree, directory = _saved(tmp_path)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["target_modules"] = ["q", "k_proj"]
+    config["use_dora"] = True
+    config["surprise"] = 1
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    base = models()["equinox"]
+    with pytest.raises(ValueError) as info:
+        bridge.load_peft(directory, base)
+    message = str(info.value)
+    assert "unknown key(s) ['surprise']" in message
+    assert "use_dora=True is not supported" in message
+    assert "target module 'k_proj': no layer of the model matches it" in message
+    # a PEFT dir whose shapes do not fit: a narrower model
+    small = bridge.lora(
+        nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0))), r".", rank=1, key=KEY
+    )
+    bridge.save_peft(tmp_path / "small", small)
+    wide = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"layers\.0 \(\.layers\[0\], Linear\): the"):
+        bridge.load_peft(tmp_path / "small", wide)
+    assert not hasattr(wide.layers[0], "lora_a")
+
+
+def test_stacked_layers_take_one_adapter_per_layer(tmp_path):
+    """A stack of NNX layers (nnx.vmap), Linen layers (nn.scan) and Equinox layers
+    (eqx.filter_vmap): one adapter per layer on the stack's axis, written per layer
+    for PEFT, read back into the stack."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return nnx.Linear(4, 4, rngs=nnx.Rngs(key))
+
+    class Stack(nnx.Module):
+        def __init__(self):
+            self.layers = make(jax.random.split(jax.random.key(0), 3))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def body(layer, x):
+                return layer(x)
+
+            return body(self.layers, x)
+
+    model = Stack()
+    tree = _nonzero(bridge.lora(bridge.from_nnx(model), ["layers"], rank=2, key=KEY))
+    assert tree.layers.lora_a.shape == (3, 4, 2)
+    x = jnp.ones((2, 4))
+    y = bridge.to_native(tree)(x)
+    h = x
+    for i in range(3):
+        k, a, b = tree.layers.kernel[i], tree.layers.lora_a[i], tree.layers.lora_b[i]
+        h = h @ k + tree.layers.bias[i][None] + (h @ a) @ b
+    np.testing.assert_allclose(y, h, atol=1e-5, rtol=0)
+    bridge.save_peft(tmp_path / "stack", tree)
+    from safetensors.numpy import load_file
+
+    keys = sorted(load_file(tmp_path / "stack" / "adapter_model.safetensors"))
+    assert keys[:2] == [
+        "base_model.model.layers.0.lora_A.weight",
+        "base_model.model.layers.0.lora_B.weight",
+    ]
+    assert len(keys) == 6
+    back = bridge.load_peft(tmp_path / "stack", Stack(), rules=None)
+    np.testing.assert_allclose(
+        bridge.to_neutral(back).layers.lora_b, tree.layers.lora_b, atol=0, rtol=0
+    )
