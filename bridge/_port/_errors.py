@@ -41,9 +41,25 @@ UNEXPECTED = (
     "it out."
 )
 SHAPE = (
-    "shape: {source} -> {target} ({kind}): `{entry}` is {actual} in the source, the "
-    "target expects {expected}. These are different layers: build the target with the "
-    "source's sizes, or pair it with another layer through `rules`."
+    "shape: {source} -> {target} ({kind}): `{entry}` is {actual} in the "
+    "source, the target expects {expected}. These are different layers: build the "
+    "target with the source's sizes, pair it with another layer through `rules`, or "
+    "pass strict=False to keep the target's values for it (fine-tuning a new head, "
+    "as Hugging Face's ignore_mismatched_sizes=True)."
+)
+MISMATCHED = (
+    "shapes differ, so these target layers keep their own values (strict=False; "
+    "train them):\n    {layers}"
+)
+PREFIX = (
+    "prefix: {n} of the {total} target layers that names did not pair are source "
+    "layers under {prefix!r}: strip it with bridge.load(path, like=model, "
+    "prefix={prefix!r}), or with rules={{r'{where}(.*)': r'\\1'}}."
+)
+PREFIX_ADD = (
+    "prefix: {n} target layers under {where} are source layers without {prefix!r}: "
+    "put the source under it with rules={{r'(.*)': r'{where}\\1'}} (or strip it "
+    "from the target's names)."
 )
 DTYPE = (
     "dtype: {source} -> {target} ({kind}): `{entry}` is {actual} in the source, the "
@@ -66,11 +82,18 @@ AMBIGUOUS = (
 AMBIGUOUS_ORDER = (
     "ambiguous: source layers {sources} could pair with target layers {targets} "
     "({kind}: {shapes}): their names differ, and the {side}'s order is not known to "
-    "be the order the layers were created in (keys come back sorted after an optax "
-    "update, nnx.jit or eval_shape). Give example inputs (example=(x,), as "
-    "bridge.compare takes them) so that the order in which each forward pass uses "
-    "its layers decides, or say which with rules, e.g. rules={{{example}}} (check "
+    "be the order the layers were created in ({why}). Give example inputs "
+    "(example=(x,), as bridge.compare takes them) so that the order in which each "
+    "forward pass uses its layers decides, or say which with rules, e.g. rules={{{example}}} (check "
     "each pair)."
+)
+ORDER_SORTED = (
+    "its attributes are in sorted order, as NNX leaves a module after nnx.jit, "
+    "nnx.eval_shape or nnx.clone"
+)
+ORDER_DICT = (
+    "its layers are the keys of a dict, as Linen variables and the names in a "
+    "checkpoint file are, which do not record the order they were created in"
 )
 TRACE = (
     "trace: the {side}'s forward pass on the example inputs failed ({error}), so it "

@@ -97,11 +97,13 @@ class Order:
         self._trace = trace
         self._uses: Mapping[Path, Position] | None = None
         self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
+        self._kinds: dict[Path, object] = {}
         self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
         native = native_order(tree)  # the Tree's own order is canonical
         for path, node in walk(tree):
             keys = list(native.get(path, ())) or [k for k, _ in items(node)]
             self._nodes[path] = ({k: i for i, k in enumerate(keys)}, _known(node, keys))
+            self._kinds[path] = kind(node)
 
     def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
         real = tuple(
@@ -130,6 +132,20 @@ class Order:
         if na is None or nb is None or na[0] != nb[0]:
             return None
         return (na[1] > nb[1]) - (na[1] < nb[1])
+
+    def why(self, layers: list[Layer]) -> str:
+        """Why the creation order of `layers` is not known, for an error message."""
+        for i, a in enumerate(layers):
+            for b in layers[i + 1 :]:
+                if self.compare(a.path, b.path) is None:
+                    n = 0
+                    while a.path[n] == b.path[n]:
+                        n += 1
+                    cls = self._kinds.get(a.path[:n])
+                    pytree = getattr(nnx, "Pytree", None)
+                    if isinstance(cls, type) and pytree and issubclass(cls, pytree):
+                        return _errors.ORDER_SORTED
+        return _errors.ORDER_DICT
 
     def traced(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in the order the forward pass first uses them (`_trace`), or
@@ -335,6 +351,7 @@ class _Pairing:
                 targets=[t.where for t in b],
                 side=("source", "target")[side],
                 example=example,
+                why=self.orders[side].why((a, b)[side]),
             )
         )
 

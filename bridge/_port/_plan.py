@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from .._adapters._native import placeholders, to_neutral
 from .._adapters._torch import ties_of
 from .._embed._as_linen import hidden_wrappers
-from .._paths import Path
+from .._paths import Path, path_str
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
@@ -74,6 +74,11 @@ class Plan:
     - `problems`: what `bridge.port` would raise for (shapes, dtypes, ambiguous
       pairings, unsupported layers, rules that do not apply; with `strict`, missing
       and unexpected layers too). Empty when the port can run.
+    - `mismatched`: with `strict=False`, paired layers whose shapes differ
+      (`".head -> .classifier: kernel (8, 10) in the source, (8, 5) in the
+      target"`): the target keeps its own values there, as Hugging Face's
+      `ignore_mismatched_sizes=True` does. With `strict=True` they are problems.
+    - `dropped`: source layers a rule `{pattern: None}` leaves out.
     """
 
     steps: tuple[PlanRow, ...]
@@ -84,6 +89,8 @@ class Plan:
     problems: tuple[str, ...] = ()
     _source: Tree | None = field(default=None, repr=False)
     _target: Tree | None = field(default=None, repr=False)
+    mismatched: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         head = ("~", "source", "target", "kind", "by", "transform")
@@ -114,6 +121,8 @@ class Plan:
         for title, entries in (
             ("missing (kept as they are)", self.missing),
             ("unexpected (left out)", self.unexpected),
+            ("mismatched shapes (the target's values kept)", self.mismatched),
+            ("dropped by rules", self.dropped),
             ("warnings", self.warnings),
             ("tied (stored once)", self.tied),
             ("problems (bridge.port raises)", self.problems),
@@ -293,7 +302,7 @@ def _adopt(pairs: list[tuple[Layer, Layer]], problems: list[str]) -> None:
 def make_plan(
     source: Any,
     target: Any,
-    rules: Mapping[str, str] | None,
+    rules: Mapping[str, str | None] | None,
     strict: bool,
     dtype: Any = None,
     example: Example | None = None,
@@ -317,15 +326,22 @@ def make_plan(
             _tracer(target, example, 1, problems),
         ),
     )
+    rules, sources, dropped = _dropped(rules, sources, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems, orders)
     _adopt([(p.source, p.target) for p in pairs], problems)
-    steps, warnings, casts = [], [], []
+    steps, warnings, casts, mismatched = [], [], [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
         kind = common_kind(s, t)
         if kind is None:  # a rule across kinds, already reported
             continue
-        step = _check(s, t, kind, by, problems, dtype, strict, casts)
+        found: list[str] = []
+        step = _check(s, t, kind, by, found, dtype, strict, casts)
+        sizes = _sizes(s, t, kind)
+        if sizes and not strict:  # the target keeps its values
+            mismatched.append(f"{s.where} -> {t.where} ({kind}): {sizes}")
+            continue
+        problems += found
         steps.append(step)
         for name in sorted(s.hyper.keys() & t.hyper.keys()):
             a, b = s.hyper[name], t.hyper[name]
@@ -354,6 +370,8 @@ def make_plan(
     ]
     if strict:
         problems += missing + unexpected
+    if problems:
+        problems += _prefix(pairs, sources, targets)
     for side, tree, layers in (
         ("source", source, sources),
         ("target", target, targets),
@@ -373,8 +391,75 @@ def make_plan(
         tuple(problems),
         source,
         target,
+        tuple(mismatched),
+        tuple(s.where for s in dropped),
     )
     return plan, problems
+
+
+def _sizes(s: Layer, t: Layer, kind: str) -> str:
+    """The entries whose shapes differ between two paired layers, in words."""
+    a, b = s.specs[kind], t.specs[kind]
+    return "; ".join(
+        f"{k} {tuple(a[k].shape)} in the source, {tuple(b[k].shape)} in the target"
+        for k in sorted(a.keys() & b.keys())
+        if a[k].shape != b[k].shape
+    )
+
+
+def _dropped(
+    rules: Mapping[str, str | None] | None, sources: list[Layer], problems: list[str]
+) -> tuple[dict[str, str], list[Layer], list[Layer]]:
+    """The rules that pair, the source layers left, and those a rule
+    `{pattern: None}` drops (a pattern that drops nothing is a problem)."""
+    rules = dict(rules or {})
+    drops = [p for p, r in rules.items() if r is None]
+    dropped = [x for x in sources if any(re.fullmatch(p, x.where) for p in drops)]
+    for p in drops:
+        if not any(re.fullmatch(p, x.where) for x in sources):
+            problems.append(
+                _errors.RULE_UNUSED.format(pattern=p, layers=[x.where for x in sources])
+            )
+    kept = [x for x in sources if x not in dropped]
+    return {p: r for p, r in rules.items() if r is not None}, kept, dropped
+
+
+def _prefix(pairs: list, sources: list[Layer], targets: list[Layer]) -> list[str]:
+    """A prefix whose removal from the source's paths (or addition) names most of
+    the target layers that names did not pair, proposed as the fix (one line)."""
+    named = {id(p.target) for p in pairs if p.by in ("rule", "path", "name")}
+    open_targets = [t for t in targets if id(t) not in named]
+    if len(open_targets) < 2:
+        return []
+    wanted = {normalised(t.path) for t in open_targets}
+    best: tuple[int, tuple, bool] = (0, (), False)
+    for side, layers, others in ((0, sources, wanted), (1, targets, None)):
+        heads = {x.path[:n] for x in layers for n in (1, 2) if len(x.path) > n}
+        for head in heads:
+            under = [x for x in layers if x.path[: len(head)] == head]
+            if side == 0:
+                hits = sum(normalised(x.path[len(head) :]) in wanted for x in under)
+            else:
+                found = {normalised(x.path) for x in sources}
+                hits = sum(
+                    normalised(x.path[len(head) :]) in found
+                    for x in under
+                    if id(x) not in named
+                )
+            if hits > best[0]:
+                best = (hits, head, side == 1)
+    hits, head, added = best
+    if hits < max(2, len(open_targets) // 2):
+        return []
+    dotted = ".".join(map(str, head)) + "."
+    where = re.escape(path_str(head))
+    if added:
+        return [_errors.PREFIX_ADD.format(n=hits, prefix=dotted, where=path_str(head))]
+    return [
+        _errors.PREFIX.format(
+            n=hits, total=len(open_targets), prefix=dotted, where=where
+        )
+    ]
 
 
 def _tracer(
@@ -404,7 +489,7 @@ def port_plan(
     source: Any,
     target: Any,
     *,
-    rules: Mapping[str, str] | None = None,
+    rules: Mapping[str, str | None] | None = None,
     example: Any = None,
     example_kwargs: Mapping[str, Any]
     | tuple[Mapping[str, Any], Mapping[str, Any]]

@@ -27,7 +27,7 @@ def port(
     source: Any,
     target: Any,
     *,
-    rules: Mapping[str, str] | None = None,
+    rules: Mapping[str, str | None] | None = None,
     strict: bool = True,
     dtype: Any = None,
     check: Any = None,
@@ -67,11 +67,15 @@ def port(
       source layer whose path (`keystr` form, like `.Dense_0` or `.layers[2]`) fully
       matches the regex goes to the target layer at the path the replacement gives
       (`re.Match.expand`, so `\\1` works): `{r"\\.Dense_(\\d+)": r".layers[\\1]"}`.
-    - `strict`: with `False`, missing and unexpected layers are listed in the plan
-      instead of raising, and arrays whose dtype differs from the target's are cast
-      to it with a `PortWarning` listing them (with `True`, the default, a dtype
-      change without `dtype=` is an error). Shape mismatches, ambiguities and
-      unsupported layers always raise.
+      A rule to `None` leaves the source layers it matches out (`{r"\\.head": None}`:
+      an old head the target does not have).
+    - `strict`: with `False`, as Hugging Face's `from_pretrained` with
+      `ignore_mismatched_sizes=True`: missing and unexpected layers are listed in the
+      plan instead of raising; paired layers whose shapes differ (a new head of
+      another size) keep the target's values, listed in `Plan.mismatched` and in a
+      `PortWarning`; arrays whose dtype differs from the target's are cast to it with
+      a `PortWarning` listing them (with `True`, the default, each is an error).
+      Ambiguities and unsupported layers always raise.
     - `dtype`: the dtype every ported floating-point array is cast to (bfloat16,
       float16, float32, ...), whatever the source's and the target's: the filled
       model holds it. Default: the target's dtypes, unchanged.
@@ -123,9 +127,12 @@ def port(
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
-    if plan.warnings:
+    said = list(plan.warnings)
+    if plan.mismatched:
+        said.append(_errors.MISMATCHED.format(layers="\n    ".join(plan.mismatched)))
+    if said:
         warnings.warn(
-            "Port warnings:\n  " + "\n  ".join(plan.warnings),
+            "Port warnings:\n  " + "\n  ".join(said),
             _errors.PortWarning,
             stacklevel=2,
         )

@@ -1,0 +1,160 @@
+"""Fine-tuning a changed model (issue #23, item 1): `strict=False` keeps the target's
+values where shapes differ and reports them (Hugging Face's
+`ignore_mismatched_sizes`), `rules={pattern: None}` drops a source layer, and the
+failure messages propose the fix (a prefix, why order is unknown)."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import bridge
+
+from .helpers import requires
+
+
+class Source(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+
+class Target(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 8, rngs=rngs)
+        self.classifier = nnx.Linear(8, 5, rngs=rngs)
+
+
+class EqxTarget(eqx.Module):
+    body: eqx.nn.Linear
+    classifier: eqx.nn.Linear
+
+    def __init__(self, key):
+        a, b = jax.random.split(key)
+        self.body = eqx.nn.Linear(4, 8, key=a)
+        self.classifier = eqx.nn.Linear(8, 5, key=b)
+
+
+@requires("NNX")
+def test_a_new_head_is_refused_by_default_with_the_fix():
+    with pytest.raises(bridge.PortError, match="strict=False to keep the target's"):
+        bridge.port(Source(nnx.Rngs(0)), Target(nnx.Rngs(1)))
+
+
+@requires("NNX")
+@pytest.mark.parametrize("framework", ["nnx", "equinox"])
+def test_strict_false_keeps_the_new_head_and_reports_it(framework):
+    source = Source(nnx.Rngs(0))
+    target = Target(nnx.Rngs(1)) if framework == "nnx" else EqxTarget(jax.random.key(1))
+    before = bridge.from_nnx(target) if framework == "nnx" else target
+    with pytest.warns(bridge.PortWarning, match=r"keep their own values") as said:
+        out = bridge.port(source, target, strict=False)
+    message = str(said[0].message)
+    assert ".head -> .classifier (Dense): bias (10,) in the source, (5,) in the " in (
+        message
+    )
+    new, old = bridge.to_neutral(out), bridge.to_neutral(before)
+    np.testing.assert_array_equal(new.classifier.bias, old.classifier.bias)
+    kernel = new.body.kernel if framework == "nnx" else new.body.weight.T
+    np.testing.assert_array_equal(kernel, source.body.kernel[...])
+    plan = bridge.port_plan(source, target)
+    assert plan.mismatched == (
+        ".head -> .classifier (Dense): bias (10,) in the source, (5,) in the target; "
+        "kernel (8, 10) in the source, (8, 5) in the target",
+    )
+    assert "mismatched shapes (the target's values kept):" in str(plan)
+    assert [s.target for s in plan.steps] == [".body"]
+
+
+@requires("NNX")
+def test_a_rule_to_none_drops_a_source_layer():
+    source, target = Source(nnx.Rngs(0)), Target(nnx.Rngs(1))
+    plan = bridge.port_plan(source, target, rules={r"\.head": None})
+    assert plan.dropped == (".head",) and plan.unexpected == ()
+    assert plan.missing == (".classifier",)
+    assert "dropped by rules:\n  .head" in str(plan)
+    out = bridge.port(source, target, rules={r"\.head": None}, strict=False)
+    np.testing.assert_array_equal(
+        out.classifier.kernel[...], target.classifier.kernel[...]
+    )
+    with pytest.raises(bridge.PortError, match=r"missing: target layer \.classifier"):
+        bridge.port(source, target, rules={r"\.head": None})
+    with pytest.raises(bridge.PortError, match=r"rule '\\\\.tail': matches no source"):
+        bridge.port(source, target, rules={r"\.tail": None}, strict=False)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.q = nnx.Linear(4, 4, rngs=rngs)
+        self.k = nnx.Linear(4, 4, rngs=rngs)
+
+
+class Inner(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Block(rngs) for _ in range(3)])
+
+
+class Prefixed(nnx.Module):
+    def __init__(self, rngs):
+        self.model = Inner(rngs)
+        self.lm_head = nnx.Linear(4, 9, rngs=rngs)
+
+
+class Mine(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([Block(rngs) for _ in range(3)])
+        self.lm_head = nnx.Linear(4, 9, rngs=rngs)
+
+
+def state_dict(model):
+    tree = bridge.from_nnx(model)
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        name = name.replace("kernel", "weight")
+        out[name] = np.asarray(leaf.T if leaf.ndim == 2 else leaf)
+    return out
+
+
+@requires("NNX")
+def test_a_prefix_that_would_pair_the_missing_layers_is_proposed():
+    sd = state_dict(Prefixed(nnx.Rngs(0)))
+    source = bridge.from_torch(sd)
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(source, nnx.eval_shape(lambda: Mine(nnx.Rngs(1))))
+    text = str(error.value)
+    assert "prefix: 6 of the 6 target layers that names did not pair are source " in (
+        text
+    )
+    assert "prefix='model.'" in text
+    rule = re.search(r"rules=\{r'(.*?)': r'(.*?)'\}", text)
+    assert rule is not None
+    out = bridge.port(source, Mine(nnx.Rngs(1)), rules={rule[1]: rule[2]})
+    np.testing.assert_array_equal(
+        out.layers[2].k.kernel[...], sd["model.layers.2.k.weight"].T
+    )
+
+
+@requires("NNX")
+def test_order_unknown_says_why():
+    class Three(nnx.Module):
+        def __init__(self, rngs, names):
+            for name in names:
+                setattr(self, name, nnx.Linear(3, 3, rngs=rngs))
+
+    source = Three(nnx.Rngs(0), ["a", "b", "c"])  # sorted: the order may be lost
+    target = Three(nnx.Rngs(1), ["z", "y", "x"])
+    with pytest.raises(bridge.PortError, match="attributes are in sorted order"):
+        bridge.port(source, target)
+    module = nnx.bridge  # noqa: F841  (flax installed)
+    variables = {
+        "params": {n: {"kernel": jnp.ones((3, 3)), "bias": jnp.ones(3)} for n in "abc"}
+    }
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(bridge.from_linen(variables), target)
+    assert "keys of a dict" in str(error.value)
+    assert "optax" not in str(error.value)
