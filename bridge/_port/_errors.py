@@ -84,8 +84,8 @@ AMBIGUOUS_ORDER = (
     "({kind}: {shapes}): their names differ, and the {side}'s order is not known to "
     "be the order the layers were created in ({why}). Give example inputs "
     "(example=(x,), as bridge.compare takes them) so that the order in which each "
-    "forward pass uses its layers decides, or say which with rules, e.g. rules={{{example}}} (check "
-    "each pair)."
+    "forward pass uses its layers decides, or say which with rules, e.g. "
+    "rules={{{example}}} (check each pair)."
 )
 ORDER_SORTED = (
     "its attributes are in sorted order, as NNX leaves a module after nnx.jit, "
