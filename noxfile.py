@@ -190,6 +190,7 @@ TORCH_TESTS = [
     "tests/test_torch_inputs.py",
     "tests/test_torch_llama.py",
     "tests/test_lora_peft.py",
+    "tests/test_torch_hf_folder.py",
 ]
 
 

@@ -27,6 +27,7 @@ from ._io import _training
 from ._io._checkpoint import Contents, open_checkpoint, read, write
 from ._io._contents import Malformed, decode, encode
 from ._io._format import format_of, formats
+from ._io._hf_folder import write_arrays
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
 
 
@@ -303,6 +304,10 @@ _NEEDS_LAYOUT = (
     "{flags} {verb} nothing without --to-layout (they choose how layers are "
     "stored in the converted layout): add --to-layout, or leave {them} out"
 )
+_FOLDER_ONLY = (
+    "{flags} apply only to a Hugging Face folder: pass --to-layout torch and a "
+    "folder DST (no file suffix)"
+)
 _BN_MODE_EQUINOX = "--batch-norm-mode applies only with --to-layout equinox"
 _BAD_NAMES = """\
 {dst}: the converted checkpoint would hold names bridge.load refuses ({reason}); \
@@ -332,6 +337,10 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
         usage.error(_BN_MODE_EQUINOX)
     dst = Path(args.dst)
     fmt = format_of(dst)
+    folder = [("--max-shard-size", args.max_shard_size), ("--config", args.config)]
+    given = [f for f, v in folder if v is not None]
+    if given and (args.to_layout != "torch" or fmt.suffixes):
+        usage.error(_FOLDER_ONLY.format(flags=" and ".join(given)))
     if not fmt.suffixes and dst.suffix and not dst.is_dir():
         raise ValueError(
             _NOT_A_FORMAT.format(
@@ -379,14 +388,21 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
                 )
             if args.rename:
                 _check_names(dst, contents)
+        folder = args.to_layout == "torch" and not format_of(dst).suffixes
         with slow.phase(f"writing {dst.name}"):
-            write(dst, contents, arrays)
+            if folder:  # a Hugging Face folder
+                size = args.max_shard_size
+                size = int(size) if size is not None and size.isdigit() else size
+                write_arrays(dst, arrays, max_shard_size=size, config=args.config)
+            else:
+                write(dst, contents, arrays)
+    kind = "Hugging Face folder" if folder else format_of(dst).name
     console.print(
         Text.assemble(
             printable(contents.path),
             f" ({contents.format}) -> ",
             printable(dst),
-            f" ({format_of(dst).name}): {len(contents.tensors):,} arrays",
+            f" ({kind}): {len(contents.tensors):,} arrays",
         ),
         soft_wrap=True,
     )
@@ -475,6 +491,19 @@ def parser() -> argparse.ArgumentParser:
         "extras) out and convert the model's weights alone; --to-layout refuses a "
         "training checkpoint without it (bridge.load(path, like=model, "
         "opt_state_like=...) ports the optimizer state with the weights instead)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="with --to-layout torch and a folder DST (no file suffix): a Hugging "
+        "Face folder as save_pretrained writes it, shards of at most SIZE (bytes, or "
+        "'5GB'; default 50GB) with model.safetensors.index.json",
+    )
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="with --to-layout torch and a folder DST: the config.json to write "
+        "there (a file, or the folder holding it and generation_config.json)",
     )
     p.add_argument(
         "--batch-norm-mode",

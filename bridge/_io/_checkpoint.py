@@ -47,6 +47,7 @@ from .._tree import (
     walk,
 )
 from . import (  # noqa: F401  (they register formats)
+    _hf_folder,
     _msgpack,
     _orbax,
     _safetensors,
@@ -259,6 +260,9 @@ def save(
     opt_state: Any = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    max_shard_size: int | str | None = None,
+    config: Any = None,
+    generation_config: Any = None,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -313,6 +317,16 @@ def save(
     - `step`: optional, the step count (an int).
     - `extra`: optional `{name: array}` saved with it (a PRNG key, a data loader's
       position).
+    - `max_shard_size`, `config`, `generation_config`: with `layout="torch"` and a
+      folder `path` (no `.safetensors` suffix): a Hugging Face model folder as
+      `save_pretrained` writes it: shards of at most `max_shard_size` (bytes, or
+      `"5GB"`; default `"50GB"`) named `model-00001-of-00003.safetensors` with
+      `model.safetensors.index.json` (one `model.safetensors` when one shard holds
+      everything), and `config.json` / `generation_config.json` from a transformers
+      configuration object, a dict, or the folder the weights came from. Written
+      atomically as a whole (a temporary folder swapped in); under
+      `jax.distributed`, called in every process, each writes only its own shards'
+      bytes.
 
     **Returns:**
 
@@ -333,13 +347,17 @@ def save(
     """
     path = _path(path)
     training = opt_state is not None or step is not None or extra is not None
+    folder = {"max_shard_size": max_shard_size, "config": config}
+    folder["generation_config"] = generation_config
+    if layout is None and any(v is not None for v in folder.values()):
+        raise ValueError(_FOLDER_OPTIONS.format(options=_given(folder)))
     if layout is not None or rules is not None or prefix:
         if training:
             raise ValueError(
                 "A PyTorch-layout file holds the model's arrays only: save the "
                 "training state (`opt_state`, `step`, `extra`) in bridge's layout."
             )
-        _save_layout(path, to_neutral(obj), metadata, layout, rules, prefix)
+        _save_layout(path, to_neutral(obj), metadata, layout, rules, prefix, folder)
         return
     tree = to_neutral(obj)
     contents, arrays = describe(tree, metadata)
@@ -359,6 +377,15 @@ def _path(path: Any) -> Path:
     return Path(path)
 
 
+_FOLDER_OPTIONS = """\
+{options} apply to a Hugging Face folder only: pass layout="torch" and a folder path
+(no .safetensors suffix): bridge.save("out/model", model, layout="torch", ...)."""
+
+
+def _given(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"`{k}`" for k, v in options.items() if v is not None)
+
+
 _LAYOUT_OPTIONS = """\
 `layout` must be "torch" (or None for the model's own layout), got {layout!r}; `rules`
 and `prefix` apply only with layout="torch"."""
@@ -371,18 +398,30 @@ def _save_layout(
     layout: str | None,
     rules: Mapping[str, str] | None,
     prefix: str,
+    folder: Mapping[str, Any],
 ) -> None:
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
-    if format_of(path) is not _safetensors.FORMAT:
-        raise ValueError(
-            f"{path}: a PyTorch-layout checkpoint is a safetensors file; name it "
-            "*.safetensors."
-        )
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
     if bad:
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    if not format_of(path).suffixes:  # a folder: save_pretrained's layout
+        if not path.parent.is_dir():
+            raise FileNotFoundError(
+                f"{path.parent}: no such directory to save {path.name} in."
+            )
+        _hf_folder.save_folder(
+            path, tree, rules=rules, prefix=prefix, metadata=user, **folder
+        )
+        return
+    if format_of(path) is not _safetensors.FORMAT:
+        raise ValueError(
+            f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
+            "*.safetensors) or a Hugging Face folder (a path without a suffix)."
+        )
+    if any(v is not None for v in folder.values()):
+        raise ValueError(_FOLDER_OPTIONS.format(options=_given(folder)))
     state = torch_state(tree, rules, prefix)
     tensors = tuple(
         Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))

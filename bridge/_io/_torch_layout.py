@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from .._port._codec import codec_of
 from .._port._layers import ARRAY, Layer, find_layers
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import kinds_by_name
-from .._tree import Tree, framework
+from .._tree import Tree, framework, native_order, native_paths
 
 
 COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
@@ -68,38 +69,53 @@ def torch_state(
     """
     if framework(tree) == "torch":
         return to_torch(tree, prefix=prefix or None)
+    return {
+        name: np.asarray(array)
+        for layer in torch_layers(tree, rules, prefix, rename)
+        for name, array in layer.encode(layer.leaves).items()
+    }
+
+
+class TorchLayer(NamedTuple):
+    """One layer of a model in PyTorch layout, not converted yet: `encode(leaves)`
+    gives `{PyTorch name: array}` (JAX arrays as the codecs compute them: a sharded
+    array stays sharded), so that a writer converts one layer at a time, and
+    `jax.eval_shape(encode, leaves)` gives the names, shapes and dtypes without
+    computing anything."""
+
+    leaves: dict[str, Any]
+    encode: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def torch_layers(
+    tree: Tree,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+    rename: Rename | None = None,
+) -> list[TorchLayer]:
+    """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
+    errors, raised before anything is converted."""
+    if framework(tree) == "torch":
+        return [TorchLayer({}, lambda _: to_torch(tree, prefix=prefix or None))]
     problems: list[str] = []
     backwards: dict[str, str] = {}
     try:
         backwards = reverse_rules(rules or {})
     except ValueError as error:
         problems.append(str(error))
-    layers = find_layers(tree, problems)
+    layers = _in_native_order(tree, find_layers(tree, problems))
     chosen = [(layer, kind) for layer in layers if (kind := _kind(layer, problems))]
     if rename is None:
         names = [_name(path_str(layer.path), backwards) for layer, _ in chosen]
     else:
         paths = rename([layer.path for layer, _ in chosen], problems)
         names = [dotted_torch(path_str(p)) for p in paths]
-    out: dict[str, np.ndarray] = {}
+    out: list[TorchLayer] = []
     owners: dict[str, list[str]] = {}
     for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
-        leaves = {k: materialise(v) for k, v in layer.leaves.items()}
-        if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
-            out[prefix + name] = np.asarray(leaves["array"])
-            continue
-        canonical = layer.codec(kind).decode(leaves, layer.hyper)
-        codec = codec_of(kind, "torch")
-        assert codec is not None
-        # no module: the codec's settings are those a file's reader takes from the
-        # name (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
-        hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
-        encoded = codec.encode(canonical, {}, hyper)
-        encoded.update(COUNTERS.get(kind, {}))
-        for entry, array in encoded.items():
-            key = ".".join(filter(None, (name, entry.replace("/", "."))))
-            out[prefix + key] = np.asarray(array)
+        leaves = layer.leaves if layer.arrays is None else layer.arrays
+        out.append(TorchLayer(dict(leaves), _encoder(layer, kind, name, prefix)))
     for name, wheres in owners.items():
         if len(wheres) > 1 and rename is None:  # `rename` reports its own clashes
             problems.append(_CLASH.format(layers=wheres, name=name))
@@ -107,6 +123,52 @@ def torch_state(
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(_CANNOT.format(n=len(problems), problems=lines))
     return out
+
+
+def _encoder(
+    layer: Layer, kind: str, name: str, prefix: str
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The function converting `layer`'s leaves to its PyTorch entries."""
+    if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
+        return lambda leaves: {prefix + name: materialise(leaves["array"])}
+    codec = codec_of(kind, "torch")
+    assert codec is not None
+    # no module: the codec's settings are those a file's reader takes from the name
+    # (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
+    hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
+
+    def encode(leaves: dict[str, Any]) -> dict[str, Any]:
+        leaves = {k: materialise(v) for k, v in leaves.items()}
+        if layer.index is not None:  # one layer of a stack
+            leaves = {k: v[layer.index] for k, v in leaves.items()}
+        canonical = layer.codec(kind).decode(leaves, layer.hyper)
+        encoded = codec.encode(canonical, {}, hyper)
+        encoded.update(COUNTERS.get(kind, {}))
+        return {
+            prefix + ".".join(filter(None, (name, entry.replace("/", ".")))): array
+            for entry, array in encoded.items()
+        }
+
+    return encode
+
+
+def _in_native_order(tree: Tree, layers: list[Layer]) -> list[Layer]:
+    """`layers` in the order the model defines its arrays (`native_paths`: NNX
+    attribute order, Linen dict order), as `module.state_dict()` lists a PyTorch
+    model's: a file written in that order is cut into shards as `save_pretrained`
+    cuts the same model's."""
+    if not native_order(tree):
+        return layers
+    position = {path: i for i, path in enumerate(native_paths(tree))}
+    end = len(position)
+
+    def first(layer: Layer) -> int:
+        base = layer.path if layer.index is None else layer.real  # a stack's arrays
+        return min(
+            (position.get(base + p, end) for p in layer.paths.values()), default=end
+        )
+
+    return sorted(layers, key=first)
 
 
 def _kind(layer: Layer, problems: list[str]) -> str | None:

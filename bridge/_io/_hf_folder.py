@@ -1,0 +1,467 @@
+"""A Hugging Face model folder, written as `save_pretrained` writes it, atomically as
+a whole, from one process or from every process of a `jax.distributed` run.
+
+The folder holds `model.safetensors` (one shard) or `model-00001-of-0000N.safetensors`
+shards with `model.safetensors.index.json` (`metadata.total_size`, `weight_map`),
+`{"format": "pt"}` in every shard's metadata, and the `config.json` (and
+`generation_config.json`) given. Shards are cut as `huggingface_hub` cuts them (in
+order, a new shard when the next tensor would pass `max_shard_size`; a tensor larger
+than it alone in its shard).
+
+Every byte's place is known before any is written: the plan (`plan_folder`) needs only
+the names, shapes and dtypes. Process 0 creates each shard at its final size with its
+header; then every process writes the bytes of the array shards it holds (those with
+`replica_id == 0`, so each byte once) with positioned writes, a shard split along a
+later axis as one write per contiguous run, never gathered; process 0 then writes the
+index and the configuration. All of it goes into a temporary directory next to the
+folder, swapped in at the end (`_atomic.atomic_dir`): a save killed at any point
+leaves the previous folder as it was, and the next save clears what it left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import shutil
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .._tree import Tree
+from ._atomic import _barrier, atomic_dir
+from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
+from ._sharded import INDEX_SUFFIX
+from ._torch_layout import TorchLayer, torch_layers
+
+
+_SUFFIX = ".safetensors"
+WEIGHTS = "model" + _SUFFIX
+INDEX = "model" + INDEX_SUFFIX
+CONFIGS = ("config.json", "generation_config.json")
+DEFAULT_SHARD_SIZE = "50GB"  # save_pretrained's default
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's
+
+_BAD_SIZE = """\
+`max_shard_size` must be a positive number of bytes or a string such as "5GB" (units \
+KB, MB, GB, TB, powers of 1000 as in save_pretrained), got {value!r}."""
+
+_NOT_A_FOLDER = """\
+{path} exists and is not a Hugging Face model folder (no model.safetensors, index or \
+config.json in it, and not empty); bridge.save refuses to replace it. Save to a new \
+folder, or remove it yourself first."""
+
+_CONFIG = """\
+`{name}` must be a transformers configuration object, a dict, or the folder the \
+weights came from (holding {file}), got {value!r}."""
+
+_PACKED_SPREAD = """\
+{names}: {dtype} arrays are stored packed (two per byte) and cannot be written by \
+several processes; gather them first."""
+
+
+def shard_size(value: int | str) -> int:
+    """`max_shard_size` in bytes: an int, or `"5GB"`-style text (KB, MB, GB, TB in
+    powers of 1000, as `save_pretrained` reads it).
+
+    ```python
+    >>> shard_size("5MB"), shard_size(1024)
+    (5000000, 1024)
+
+    ```
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str) and value.strip()[-2:].upper() in _UNITS:
+        text = value.strip()
+        try:
+            number = float(text[:-2])
+        except ValueError:
+            number = -1.0
+        if number > 0 and math.isfinite(number):
+            return int(number * _UNITS[text[-2:].upper()])
+    raise ValueError(_BAD_SIZE.format(value=value))
+
+
+class Entry(NamedTuple):
+    """Where one tensor goes: its shard's file name, safetensors dtype code, shape,
+    and byte offset of its data within the file."""
+
+    file: str
+    code: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class FolderPlan(NamedTuple):
+    """Every file of the folder's weights: each shard's file name with its header
+    (the bytes before the data) and size; each tensor's `Entry`; the index (None for
+    a single `model.safetensors`)."""
+
+    shards: dict[str, tuple[bytes, int]]
+    entries: dict[str, Entry]
+    index: dict | None
+
+
+def _split(sizes: Iterable[tuple[str, int]], limit: int) -> list[list[str]]:
+    """Names cut into shards as `huggingface_hub.split_torch_state_dict_into_shards`
+    cuts them."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes:
+        if size > limit:  # alone in its own shard
+            shards.append([name])
+            continue
+        if current and used + size > limit:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def plan_folder(
+    tensors: Iterable[tuple[str, tuple[int, ...], Any]],
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    metadata: Mapping[str, str] | None = None,
+) -> FolderPlan:
+    """The layout of a folder holding `tensors` (`(name, shape, dtype)`, in the order
+    they are written), from shapes alone.
+
+    ```python
+    >>> plan = plan_folder([("a", (4,), "float32"), ("b", (4,), "float32")], 16)
+    >>> list(plan.shards), plan.index["weight_map"]["b"]
+    (['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'], \
+'model-00002-of-00002.safetensors')
+
+    ```
+    """
+    limit = shard_size(max_shard_size)
+    described = {
+        name: (_CODES[str(np.dtype(dtype))], tuple(int(d) for d in shape))
+        for name, shape, dtype in tensors
+    }
+    nbytes = {n: _nbytes(code, shape) or 0 for n, (code, shape) in described.items()}
+    groups = _split(nbytes.items(), limit)
+    count = len(groups)
+    meta = {**(metadata or {}), "format": "pt"}
+    shards: dict[str, tuple[bytes, int]] = {}
+    entries: dict[str, Entry] = {}
+    for i, names in enumerate(groups):
+        file = WEIGHTS if count == 1 else f"model-{i + 1:05d}-of-{count:05d}{_SUFFIX}"
+        header: dict[str, Any] = {"__metadata__": meta}
+        begin = 0
+        for name in names:
+            code, shape = described[name]
+            header[name] = {
+                "dtype": code,
+                "shape": list(shape),
+                "data_offsets": [begin, begin + nbytes[name]],
+            }
+            begin += nbytes[name]
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        head = len(text).to_bytes(8, "little") + text
+        shards[file] = (head, len(head) + begin)
+        for name in names:
+            start = header[name]["data_offsets"][0]
+            entries[name] = Entry(file, *described[name], len(head) + start)
+    index = None
+    if count > 1:
+        index = {
+            "metadata": {
+                "total_parameters": sum(math.prod(s) for _, s in described.values()),
+                "total_size": sum(nbytes.values()),
+            },
+            "weight_map": {name: entries[name].file for name in described},
+        }
+    return FolderPlan(shards, entries, index)
+
+
+# --- writing bytes --------------------------------------------------------------------
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A shard's index (slices) as `(start, stop)` per axis."""
+    out = []
+    for axis, size in enumerate(shape):
+        s = index[axis] if axis < len(index) else slice(None)
+        start, stop, _ = s.indices(size)
+        out.append((start, stop))
+    return out
+
+
+def runs(
+    index: tuple, shape: tuple[int, ...], itemsize: int
+) -> Iterator[tuple[int, int]]:
+    """The contiguous byte ranges `(offset in the array, length)` that a block
+    `array[index]` occupies in the C-order array of `shape`, in the block's own
+    C order: one range for a block of leading rows, one per row for a block cut
+    along a later axis.
+
+    ```python
+    >>> list(runs((slice(0, 2), slice(2, 4)), (2, 4), 1))   # columns 2..3
+    [(2, 2), (6, 2)]
+
+    ```
+    """
+    bounds = _bounds(index, shape)
+    cut = [a for a, (lo, hi) in enumerate(bounds) if (lo, hi) != (0, shape[a])]
+    last = cut[-1] if cut else -1
+    inner = math.prod(shape[last + 1 :])
+    if last < 0:
+        yield 0, inner * itemsize
+        return
+    lo, hi = bounds[last]
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    for outer in itertools.product(*(range(*bounds[a]) for a in range(last))):
+        start = sum(i * strides[a] for a, i in enumerate(outer)) + lo * strides[last]
+        yield start * itemsize, (hi - lo) * inner * itemsize
+
+
+def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def write_block(fd: int, entry: Entry, index: tuple, block: np.ndarray) -> int:
+    """Write `block` (the values of `array[index]`) into its place in the open shard
+    `fd`; returns the bytes written."""
+    data = _to_bytes(np.asarray(block)).data
+    if entry.code in _PACKED:  # whole arrays only (checked by the caller)
+        _pwrite(fd, data, entry.offset)
+        return len(data)
+    done = 0
+    for start, length in runs(index, entry.shape, np.dtype(block.dtype).itemsize):
+        _pwrite(fd, data[done : done + length], entry.offset + start)
+        done += length
+    return done
+
+
+def _own_blocks(array: Any) -> Iterator[tuple[tuple, Any]]:
+    """The blocks of `array` this process writes: `(index, values)` for each shard it
+    holds with `replica_id == 0`; a host array whole, by process 0."""
+    if isinstance(array, jax.Array):
+        for shard in array.addressable_shards:
+            if shard.replica_id == 0:
+                yield shard.index, shard.data
+    elif jax.process_index() == 0:
+        yield (), array
+
+
+# --- the folder -----------------------------------------------------------------------
+
+
+def is_model_folder(path: Path) -> bool:
+    """Whether `path` may be replaced by a save: empty, or holding weights or a
+    `config.json`."""
+    names = {p.name for p in path.iterdir()}
+    return not names or bool(names & {WEIGHTS, INDEX, CONFIGS[0]})
+
+
+def _is_weights(name: str) -> bool:
+    return name in (WEIGHTS, INDEX) or (
+        name.startswith("model-") and name.endswith(".safetensors")
+    )
+
+
+def config_files(config: Any, generation_config: Any = None) -> dict[str, str]:
+    """`{file name: JSON text}` for `config.json` and `generation_config.json`, from
+    a transformers configuration object, a dict, or a folder holding the files."""
+    out: dict[str, str] = {}
+    for name, file, value in (
+        ("config", CONFIGS[0], config),
+        ("generation_config", CONFIGS[1], generation_config),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, str | os.PathLike) and Path(value).is_file():
+            out[file] = Path(value).read_text()
+        elif isinstance(value, str | os.PathLike):
+            folder = Path(value)
+            found = [f for f in CONFIGS if (folder / f).is_file()]
+            if file not in found:
+                raise ValueError(_CONFIG.format(name=name, file=file, value=value))
+            wanted = found if name == "config" and generation_config is None else [file]
+            for f in wanted:
+                out[f] = (folder / f).read_text()
+        elif isinstance(value, Mapping):
+            out[file] = json.dumps(dict(value), indent=2, sort_keys=True) + "\n"
+        elif callable(getattr(value, "to_json_string", None)):
+            out[file] = value.to_json_string(use_diff=True)
+        else:
+            raise TypeError(_CONFIG.format(name=name, file=file, value=value))
+    return out
+
+
+def _carry(old: Path, new: Path, replaced: set[str]) -> None:
+    """Every file of the previous folder that this save does not write (a tokenizer,
+    a README), linked (or copied) into the new one."""
+    if not old.is_dir():
+        return
+    for item in old.iterdir():
+        if _is_weights(item.name) or item.name in replaced:
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, new / item.name, symlinks=True)
+            continue
+        try:
+            os.link(item, new / item.name, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(item, new / item.name, follow_symlinks=False)
+
+
+class Written(NamedTuple):
+    """What one process wrote: bytes of array data, and the plan."""
+
+    nbytes: int
+    plan: FolderPlan
+
+
+def write_folder(
+    path: Path,
+    layers: Iterable[tuple[Any, Any]],
+    tensors: list[tuple[str, tuple[int, ...], Any]],
+    *,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    configs: Mapping[str, str] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Written:
+    """Write a Hugging Face model folder at `path`, atomically as a whole.
+
+    `tensors` lists every `(name, shape, dtype)` in order; `layers` yields
+    `(encode, leaves)` pairs, `encode(leaves)` giving `{name: array}` for some of
+    them (called one at a time, so that only one layer's converted arrays live at
+    once). Arrays may be host arrays or `jax.Array`s, sharded over the processes of
+    a `jax.distributed` run: every process calls this, and each writes only the
+    bytes of the shards it holds. `configs` are written as they are
+    (`config_files`); the previous folder's other files are kept.
+    """
+    if os.path.lexists(path) and not (path.is_dir() and is_model_folder(path)):
+        raise FileExistsError(_NOT_A_FOLDER.format(path=path))
+    plan = plan_folder(tensors, max_shard_size, metadata)
+    primary = jax.process_index() == 0
+    written = 0
+    with atomic_dir(path, is_model_folder) as tmp:
+        if primary:
+            tmp.mkdir()
+            for file, (head, total) in plan.shards.items():
+                with open(tmp / file, "wb") as f:
+                    f.write(head)
+                    f.truncate(total)
+        _barrier(f"bridge.save {path}: shards made")
+        with contextlib.ExitStack() as stack:
+            fds = {}
+            for file in plan.shards:
+                fds[file] = os.open(tmp / file, os.O_WRONLY | os.O_CLOEXEC)
+                stack.callback(os.close, fds[file])
+            for encode, leaves in layers:
+                for name, array in encode(leaves).items():
+                    entry = plan.entries[name]
+                    if entry.code in _PACKED and isinstance(array, jax.Array):
+                        if not array.is_fully_addressable:
+                            raise ValueError(
+                                _PACKED_SPREAD.format(names=name, dtype=array.dtype)
+                            )
+                    for index, block in _own_blocks(array):
+                        written += write_block(fds[entry.file], entry, index, block)
+                    del array
+            for fd in fds.values():
+                os.fsync(fd)
+        _barrier(f"bridge.save {path}: shards written")
+        if primary:
+            files = dict(configs or {})
+            if plan.index is not None:
+                files[INDEX] = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
+            for file, text in files.items():
+                (tmp / file).write_text(text)
+            _carry(path, tmp, set(files))
+    return Written(written, plan)
+
+
+# --- a model in PyTorch layout --------------------------------------------------------
+
+
+def _described(layer: TorchLayer) -> list[tuple[str, tuple[int, ...], Any]]:
+    """`(name, shape, dtype)` of each array `layer` gives, without computing any (host
+    arrays, which JAX would narrow to 32 bits, are described as they are)."""
+    order: list[str] = []
+    host: dict[str, tuple[tuple[int, ...], Any]] = {}
+
+    def run(leaves: dict[str, Any]) -> dict[str, Any]:
+        out = layer.encode(leaves)
+        order.extend(out)
+        host.update(
+            {k: (v.shape, v.dtype) for k, v in out.items() if isinstance(v, np.ndarray)}
+        )
+        return {k: v for k, v in out.items() if not isinstance(v, np.ndarray)}
+
+    leaves = layer.leaves
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}
+    traced = jax.eval_shape(run, abstract)
+    shapes = {**host, **{k: (v.shape, v.dtype) for k, v in traced.items()}}
+    return [(name, *shapes[name]) for name in order]
+
+
+_TWICE = "names: {names} would be written twice"
+
+
+def save_folder(
+    path: Path,
+    tree: Tree,
+    *,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str | None = None,
+    config: Any = None,
+    generation_config: Any = None,
+) -> Written:
+    """`tree` in PyTorch layout (`torch_layers`) as a Hugging Face model folder
+    (`write_folder`), one layer converted at a time."""
+    configs = config_files(config, generation_config)
+    layers = torch_layers(tree, rules, prefix)
+    tensors = [t for layer in layers for t in _described(layer)]
+    counts = Counter(name for name, _, _ in tensors)
+    twice = sorted(n for n, c in counts.items() if c > 1)
+    if twice:
+        raise ValueError(_TWICE.format(names=", ".join(twice)))
+    return write_folder(
+        path,
+        ((layer.encode, layer.leaves) for layer in layers),
+        tensors,
+        max_shard_size=DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size,
+        configs=configs,
+        metadata=metadata,
+    )
+
+
+def write_arrays(
+    path: Path,
+    arrays: Mapping[str, Any],
+    *,
+    max_shard_size: int | str | None = None,
+    config: Any = None,
+    generation_config: Any = None,
+) -> Written:
+    """`{name: array}` (PyTorch layout already, in order) as a Hugging Face model
+    folder (`write_folder`): what `bridge convert --to-layout torch` writes."""
+    configs = config_files(config, generation_config)
+    tensors = [(k, tuple(np.shape(v)), v.dtype) for k, v in arrays.items()]
+    return write_folder(
+        path,
+        [(lambda given: given, arrays)],
+        tensors,
+        max_shard_size=DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size,
+        configs=configs,
+    )

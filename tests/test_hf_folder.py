@@ -1,0 +1,263 @@
+"""Hugging Face model folders written by `bridge.save(folder, model, layout="torch",
+max_shard_size=..., config=...)`, without torch: shard cutting and names as
+`huggingface_hub` does them, the index, `{"format": "pt"}`, the configuration, byte
+ranges of array shards cut along any axis, atomic as a whole (a save killed with
+SIGKILL in the middle leaves the previous folder)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import bridge
+from bridge._io import _hf_folder
+from bridge._io._hf_folder import plan_folder, runs, shard_size
+
+from .helpers import requires
+
+
+pytestmark = requires("NNX")
+
+
+class MLP(nnx.Module):
+    def __init__(self, width=8, depth=4, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.layers = nnx.List(
+            [nnx.Linear(width, width, rngs=rngs) for _ in range(depth)]
+        )
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+
+
+def _expected(model):
+    """The model's arrays in PyTorch layout, as one safetensors file holds them."""
+    return {
+        k: np.asarray(v)
+        for k, v in bridge._io._torch_layout.torch_state(bridge.from_nnx(model)).items()
+    }
+
+
+def _folder(folder):
+    """Every array of a folder's shards, by name, and the shards' metadata."""
+    arrays, metas = {}, []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safetensors.safe_open(file, "np") as f:
+            metas.append(f.metadata())
+            arrays.update({k: f.get_tensor(k) for k in f.keys()})
+    return arrays, metas
+
+
+def test_sizes_as_save_pretrained_reads_them():
+    assert shard_size("5GB") == 5 * 10**9
+    assert shard_size(" 1.5 mb ") == 1_500_000
+    assert shard_size(100) == 100
+    for bad in ("5GiB", "GB", "-1KB", 0, True, 2.5, "nanKB"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            shard_size(bad)
+
+
+def test_shards_cut_as_huggingface_hub_cuts_them():
+    hub = pytest.importorskip("huggingface_hub")
+    sizes = [40, 40, 16, 200, 8, 8, 40]  # bytes: one larger than the limit
+    tensors = [(f"t{i}", (n // 4,), "float32") for i, n in enumerate(sizes)]
+    split = hub.split_state_dict_into_shards_factory(
+        {name: n for (name, _, _), n in zip(tensors, sizes)},
+        get_storage_size=lambda n: n,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=100,
+    )
+    plan = plan_folder(tensors, 100)
+    assert plan.index is not None
+    assert plan.index["weight_map"] == split.tensor_to_filename
+    assert plan.index["metadata"]["total_size"] == split.metadata["total_size"]
+    assert list(plan.shards) == list(split.filename_to_tensors)
+    one = plan_folder(tensors, "1MB")
+    assert list(one.shards) == ["model.safetensors"] and one.index is None
+
+
+def test_runs_of_blocks_cut_along_each_axis():
+    full = np.arange(2 * 3 * 4).reshape(2, 3, 4)
+    for index in [
+        (slice(None),) * 3,
+        (slice(1, 2), slice(None), slice(None)),
+        (slice(None), slice(1, 3), slice(None)),
+        (slice(None), slice(None), slice(2, 4)),
+        (slice(1, 2), slice(0, 2), slice(1, 3)),
+    ]:
+        flat = full.reshape(-1)
+        got = np.concatenate(
+            [flat[start : start + n] for start, n in runs(index, full.shape, 1)]
+        )
+        assert np.array_equal(got, full[index].reshape(-1)), index
+
+
+def test_folder_holds_every_array_in_shards_with_index_and_config(tmp_path):
+    model = MLP()
+    config = {"model_type": "mlp", "hidden_size": 8}
+    out = tmp_path / "out"
+    bridge.save(out, model, layout="torch", max_shard_size=400, config=config)
+    names = sorted(p.name for p in out.iterdir())
+    shards = [n for n in names if n.startswith("model-")]
+    assert shards == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)]
+    assert names == sorted([*shards, "config.json", "model.safetensors.index.json"])
+    assert json.loads((out / "config.json").read_text()) == config
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    arrays, metas = _folder(out)
+    expected = _expected(model)
+    assert set(arrays) == set(expected) == set(index["weight_map"])
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected)
+    assert all(m == {"format": "pt"} for m in metas)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in expected.values())
+    # bridge reads it back (a sharded PyTorch-layout folder) into the model
+    back = bridge.load(out, like=MLP(seed=1))
+    assert np.array_equal(back.layers[3].kernel[...], model.layers[3].kernel[...])
+
+
+def test_sharded_arrays_are_written_shard_by_shard(tmp_path):
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    model = MLP(width=16, depth=2)
+    plain = tmp_path / "plain"
+    bridge.save(plain, model, layout="torch", max_shard_size=1200)
+    specs = {  # every way of cutting a matrix and a vector
+        ".layers[0].kernel": P("a", "b"),
+        ".layers[1].kernel": P(None, "b"),
+        ".layers[0].bias": P("a"),
+        ".norm.scale": P("b"),
+    }
+
+    def place(path, x):
+        spec = specs.get(jax.tree_util.keystr(path), P())
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    tree = jax.tree_util.tree_map_with_path(place, bridge.from_nnx(model))
+    assert not tree.layers[1].kernel.sharding.is_fully_replicated
+    sharded = tmp_path / "sharded"
+    written = _hf_folder.save_folder(sharded, tree, max_shard_size=1200)
+    for file in plain.iterdir():
+        assert (sharded / file.name).read_bytes() == file.read_bytes(), file.name
+    assert written.nbytes == written.plan.index["metadata"]["total_size"]
+
+
+def test_a_config_from_the_folder_the_weights_came_from(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "x"}\n')
+    (source / "generation_config.json").write_text('{"max_length": 5}\n')
+    out = tmp_path / "out"
+    bridge.save(out, MLP(), layout="torch", config=source)
+    assert (out / "config.json").read_text() == '{"model_type": "x"}\n'
+    assert (out / "generation_config.json").read_text() == '{"max_length": 5}\n'
+    assert (out / "model.safetensors").is_file()  # one shard: no index
+    assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_resaving_replaces_the_weights_and_keeps_other_files(tmp_path):
+    out = tmp_path / "out"
+    bridge.save(out, MLP(), layout="torch", max_shard_size=300, config={"a": 1})
+    (out / "tokenizer.json").write_text("{}")
+    bridge.save(out, MLP(seed=2), layout="torch")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary
+    arrays, _ = _folder(out)
+    expected = _expected(MLP(seed=2))
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected)
+
+
+def test_errors_name_the_argument_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="apply to a Hugging Face folder only"):
+        bridge.save(tmp_path / "a.safetensors", MLP(), max_shard_size="1GB")
+    with pytest.raises(ValueError, match="apply to a Hugging Face folder only"):
+        bridge.save(tmp_path / "a.safetensors", MLP(), layout="torch", config={})
+    with pytest.raises(ValueError, match="max_shard_size"):
+        bridge.save(tmp_path / "b", MLP(), layout="torch", max_shard_size="5 apples")
+    with pytest.raises(TypeError, match="`config` must be a transformers"):
+        bridge.save(tmp_path / "c", MLP(), layout="torch", config=3)
+    with pytest.raises(ValueError, match="holding config.json"):
+        bridge.save(tmp_path / "d", MLP(), layout="torch", config=tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a Hugging Face model folder"):
+        bridge.save(other, MLP(), layout="torch")
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+_SLOW_SAVE = """
+import sys, time
+from flax import nnx
+import bridge
+from bridge._io import _hf_folder
+from tests.test_hf_folder import MLP
+
+write = _hf_folder.write_block
+def slow(*args):
+    time.sleep(0.05)
+    return write(*args)
+_hf_folder.write_block = slow
+bridge.save(sys.argv[1], MLP(seed=3), layout="torch", max_shard_size=300)
+"""
+
+
+@pytest.mark.slow
+def test_a_save_killed_midway_leaves_the_previous_folder(tmp_path):
+    out = tmp_path / "out"
+    bridge.save(out, MLP(), layout="torch", max_shard_size=300, config={"a": 1})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    root = Path(bridge.__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(out)], env=env, cwd=root
+    )
+    tmp = tmp_path / ".out.bridge-tmp"
+    deadline = time.monotonic() + 120
+    while not (tmp.is_dir() and len(list(tmp.iterdir())) >= 2):
+        assert child.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)  # some array bytes written
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    back = bridge.load(out, like=MLP(seed=1))
+    assert np.array_equal(back.layers[0].kernel[...], MLP().layers[0].kernel[...])
+    bridge.save(out, MLP(seed=4), layout="torch", max_shard_size=300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing partial
+    arrays, _ = _folder(out)
+    expected = _expected(MLP(seed=4))
+    assert set(arrays) == set(expected)
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected)
+
+
+def test_convert_writes_a_folder(tmp_path, capsys):
+    from bridge._cli import main
+
+    src = tmp_path / "mlp.safetensors"
+    bridge.save(src, MLP())
+    (tmp_path / "config.json").write_text('{"model_type": "mlp"}')
+    out = tmp_path / "out"
+    argv = ["convert", str(src), str(out), "--to-layout", "torch"]
+    more = ["--max-shard-size", "300", "--config", str(tmp_path / "config.json")]
+    assert main([*argv, *more]) == 0
+    assert "Hugging Face folder" in capsys.readouterr().out
+    assert (out / "config.json").read_text() == '{"model_type": "mlp"}'
+    arrays, metas = _folder(out)
+    expected = _expected(MLP())
+    assert len(metas) == 5 and set(arrays) == set(expected)
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected)
+    with pytest.raises(SystemExit) as usage:
+        main(["convert", str(src), str(tmp_path / "x.msgpack"), *more])
+    assert usage.value.code == 2
+    assert "apply only to a Hugging Face folder" in capsys.readouterr().err
