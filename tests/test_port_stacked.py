@@ -155,14 +155,86 @@ def test_the_plan_shows_a_stack_as_one_row_per_layer_kind():
     assert len(plan.steps) == 7  # the rows are still one per layer
 
 
-def test_a_stack_with_the_layer_axis_elsewhere_is_refused():
-    source = _linen(Scanned(axis=1), 0)
+def test_a_stack_with_the_layer_axis_at_one_ports_like_maxtext():
+    """`variable_axes={"params": 1}` (MaxText's `param_scan_axis=1`): the layer axis
+    is found where the shapes put it, both ways."""
+    source = _randomised(_linen(Scanned(axis=1), 0))
     assert source[1]["params"]["blocks"]["Dense_0"]["kernel"].shape == (4, 3, 4)
-    with pytest.raises(
-        bridge.PortError,
-        match=r"\.blocks\.Dense_0 is named like a Dense but holds \['bias', 'kernel'\]",
-    ):
-        bridge.port(source, _linen(Looped(), 1))
+    ported = bridge.port(source, _linen(Looped(), 1), check=X)
+    assert bridge.compare(source, ported, X) < 1e-5
+    back = bridge.port(ported, _linen(Scanned(axis=1), 2), check=X)
+    assert bridge.compare(source, back, X) < 1e-5
+    assert back[1]["params"]["blocks"]["LayerNorm_0"]["scale"].shape == (4, 3)
+
+
+class BiasFree(nn.Module):
+    """A bias-free block with named projections (Llama's): its `(L, in, out)`
+    kernels are DenseGeneral or Conv kernels too, but a scanned block holds several
+    layers."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.RMSNorm(name="norm")(x)
+        h = nn.Dense(4, use_bias=False, name="up")(h)
+        return x + nn.Dense(4, use_bias=False, name="down")(jnp.tanh(h)), None
+
+
+class BiasFreeScanned(nn.Module):
+    axis: int = 0
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            BiasFree,
+            variable_axes={"params": self.axis},
+            split_rngs={"params": True},
+            length=3,
+        )
+        return stack(name="layers")(x, None)[0]
+
+
+class BiasFreeLooped(nnx.Module):
+    def __init__(self, rngs):
+        def block():
+            b = nnx.Module()
+            b.norm = nnx.RMSNorm(4, rngs=rngs)
+            b.up = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+            b.down = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+            return b
+
+        self.layers = nnx.List([block() for _ in range(3)])
+
+    def __call__(self, x):
+        for b in self.layers:
+            x = x + b.down(jnp.tanh(b.up(b.norm(x))))
+        return x
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_bias_free_stack_at_either_axis_into_per_layer_nnx_and_back(axis):
+    skip_unless("NNX")
+    source = _randomised(_linen(BiasFreeScanned(axis=axis), 0))
+    target = BiasFreeLooped(nnx.Rngs(1))
+    plan = bridge.port_plan(source, target)
+    assert not plan.problems, plan
+    assert (".layers[2].up", ".layers[2].up") in {
+        (s.source, s.target) for s in plan.steps
+    }
+    ported = bridge.port(source, target, check=X)
+    assert bridge.compare(source, ported, X) < 1e-5
+    back = bridge.port(ported, _linen(BiasFreeScanned(axis=axis), 2), check=X)
+    assert bridge.compare(source, back, X) < 1e-5
+
+
+def test_a_stack_whose_axis_the_shapes_do_not_tell_is_refused_naming_it():
+    """Three layers of 3 features at axis 1: axes 0, 1 and 2 all read as stacks."""
+    module = BiasFreeScanned(axis=1)
+    variables = module.init(jax.random.key(0), X)
+    params = jax.tree_util.tree_map(
+        lambda x: x[:3, :, :3] if x.ndim == 3 else x[:3], variables["params"]
+    )
+    with pytest.raises(bridge.PortError, match=r"stack: source \.layers reads as"):
+        bridge.port((module, {"params": params}), BiasFreeLooped(nnx.Rngs(1)))
 
 
 # --- stacks of NNX (nnx.vmap) and Equinox (eqx.filter_vmap) modules ---------------

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from .._adapters._torch import TorchNode, to_torch
@@ -33,6 +34,12 @@ COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
 _NO_TORCH_CODEC = (
     "unsupported: {where} ({kinds}) has no PyTorch-layout codec; register one "
     "(bridge.register_codec with framework='torch')"
+)
+_MALFORMED = (
+    "shape: {where} would be written as {name!r} with {shapes}, which is not a "
+    "PyTorch {kind} (a stack of layers no codec recognised, a 3-D kernel under a "
+    "Linear name?); give the model with its layers recognised, or port it into the "
+    "PyTorch model first (bridge.port(model, torch_module))"
 )
 _CLASH = "names: layers {layers} would all be written as {name!r}"
 _CANNOT = """\
@@ -116,6 +123,8 @@ def torch_layers(
         owners.setdefault(name, []).append(layer.where)
         leaves = layer.leaves if layer.arrays is None else layer.arrays
         out.append(TorchLayer(dict(leaves), _encoder(layer, kind, name, prefix)))
+        if kind != ARRAY:
+            _check(layer, kind, name, problems)
     for name, wheres in owners.items():
         if len(wheres) > 1 and rename is None:  # `rename` reports its own clashes
             problems.append(_CLASH.format(layers=wheres, name=name))
@@ -139,8 +148,9 @@ def _encoder(
 
     def encode(leaves: dict[str, Any]) -> dict[str, Any]:
         leaves = {k: materialise(v) for k, v in leaves.items()}
-        if layer.index is not None:  # one layer of a stack
-            leaves = {k: v[layer.index] for k, v in leaves.items()}
+        if layer.index is not None:  # one layer of a stack, at its layer axis
+            at = (slice(None),) * layer.axis + (layer.index,)
+            leaves = {k: v[at] for k, v in leaves.items()}
         canonical = layer.codec(kind).decode(leaves, layer.hyper)
         encoded = codec.encode(canonical, {}, hyper)
         encoded.update(COUNTERS.get(kind, {}))
@@ -150,6 +160,29 @@ def _encoder(
         }
 
     return encode
+
+
+def _check(layer: Layer, kind: str, name: str, problems: list[str]) -> None:
+    """Whether the layer's PyTorch entries (shapes only, `jax.eval_shape`) are what
+    its PyTorch codec recognises (a `Linear` weight is 2-D), before anything is
+    written: a stack no codec read as one, a 3-D kernel under a `Linear` name."""
+    codec = codec_of(kind, "torch")
+    assert codec is not None
+    hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
+    one = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()}
+    encoded = jax.eval_shape(
+        lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
+        one,
+    )
+    if not codec.recognise(None, encoded):
+        problems.append(
+            _MALFORMED.format(
+                where=layer.where,
+                name=name,
+                kind=kind,
+                shapes={k: tuple(v.shape) for k, v in encoded.items()},
+            )
+        )
 
 
 def _in_native_order(tree: Tree, layers: list[Layer]) -> list[Layer]:

@@ -108,7 +108,27 @@ MISNAMED = (
     "unsupported: Linen layer {where} is named like a {name} but holds {names}, which "
     "a {name} does not. Rename the submodule, or register a codec for it."
 )
+STACK_AXIS = (
+    "stack: {where} reads as a stack of layers (nn.scan) with the layer axis at "
+    "any of positions {axes} (lengths {lengths}), and neither the shapes nor the "
+    "other side's layers say which axis the scan put the layers on "
+    "(variable_axes={{'params': k}}). Give the other side as a model whose layers "
+    "fit one reading (a per-layer model, or a stack of known axis), or port the "
+    "stack's layers with rules."
+)
 UNREADABLE = "unreadable: {where} ({kind}): {error}"
+TOLD = (
+    "{where} ({kind}): its setting `{name}` is not recorded (a part of a model or a "
+    "state dict), so it is taken from the other side's {kind} layers: {value}. If "
+    "it differs, the port is wrong: check it (port(..., check=x))."
+)
+SETTING = (
+    "unreadable: {where} ({kind}): its setting `{name}` is not known (a part of a "
+    "model, such as bridge.from_equinox(model).blocks[0], or a state dict, does not "
+    "record its modules' settings), and the other side's {kind} layers do not tell "
+    "it (their values: {values}). Port the whole model, or give the other side as a "
+    "model whose {kind} layers have one `{name}`."
+)
 UNFIT = (
     "shape: {source} -> {target} ({kind}): the {kind} codec made {made} for the "
     "target, which holds {like}."

@@ -16,6 +16,7 @@ from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors
 from ._codec import Codec, Leaves, codec_of, codecs, same, same_as_like
+from ._general import with_views
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -57,12 +58,19 @@ class Layer:
     index: int | None = None
     arrays: Leaves | None = None
     real: Path = ()
+    axis: int = 0
+    """For one layer of a stack: the layer axis of its arrays (`nn.scan`'s
+    `variable_axes={"params": 1}`, MaxText's `param_scan_axis=1`, puts it at 1)."""
+    unknown: dict[str, str] = field(default_factory=dict)
+    """`{kind: setting}`: a setting the kind's codec needs that the layer's module
+    did not give (a part of a model, a state dict): the paired side tells it."""
 
     def own_leaves(self) -> Leaves:
         """The layer's arrays (the `index`-th slice of a stack's)."""
         if self.index is None or self.arrays is None:
             return self.leaves
-        return {k: materialise(v)[self.index] for k, v in self.arrays.items()}
+        at = (slice(None),) * self.axis + (self.index,)
+        return {k: materialise(v)[at] for k, v in self.arrays.items()}
 
     @property
     def where(self) -> str:
@@ -136,14 +144,28 @@ def _recognise(
     return fitting
 
 
-def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Layer]:
+def find_layers(
+    tree: Tree,
+    problems: list[str],
+    loose: bool = True,
+    told: bool = False,
+    axes: dict[Path, Any] | None = None,
+    views: bool = False,
+) -> list[Layer]:
     """Every layer of `tree`, parents before children, in Tree order.
 
     A node is a layer when a codec recognises all the arrays under it (its subtree
     is then consumed), or only its own arrays (those not in a sublayer: its
     sublayers are walked on). Arrays a module holds directly that no codec claims
     are one-array layers of kind `"Array"` with `loose`, else reported as
-    unsupported; so are the arrays of a stack of Linen layers (`nn.scan`)."""
+    unsupported; so are the arrays of a stack of Linen layers (`nn.scan`). With
+    `told`, layers lacking a setting keep it in `Layer.unknown` for the paired side
+    to tell (`tell_settings`); otherwise that is a problem. `axes` decides stacks
+    whose layer axis the shapes leave open (`{stack path: axis}`); one left open is
+    added to it as `{stack path: (candidate axes)}` and read as no stack (the caller
+    tries each against the other side: `_plan.make_plan`), or is a problem without
+    `axes`. With `views`, a per-head `DenseGeneral` layer is a `Dense` candidate
+    too (`_general.py`)."""
     adapter = adapter_named(framework(tree) or "linen")  # a part: as Flax variables
     all_roles = roles(tree)
     role_nodes = dict(walk(all_roles))
@@ -158,6 +180,8 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
         # Flax file) has no module: its codecs read their settings from one
         expects = adapter_named(found[0].framework).records_classes
         hyper = {} if module is None and expects else found[0].hyperparameters(module)
+        if views:
+            found = with_views(found, leaves, module)
         layer = Layer(path, found, leaves, paths, hyper)
         read_specs(layer, problems)
         if layer.codecs:
@@ -172,7 +196,7 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
             continue
         if path in wrapped:
             prefix, inner = wrapped[path]
-            for layer in find_layers(inner, problems):
+            for layer in find_layers(inner, problems, True, told, axes, views):
                 layer.path = prefix + layer.path
                 layers.append(layer)
             taken.append(path)
@@ -181,10 +205,12 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
         if not leaves:
             continue
         cls = kind(node)
-        length = _stacked(adapter, path, node, role_nodes[path], leaves)
+        length, axis = _stacked(
+            adapter, path, node, role_nodes[path], leaves, problems, axes
+        )
         if length and loose:
             layers += _stack_layers(
-                adapter, path, node, role_nodes, length, problems, native
+                adapter, path, node, role_nodes, (length, axis), problems, native, views
             )
             taken.append(path)
             continue
@@ -218,6 +244,8 @@ def find_layers(tree: Tree, problems: list[str], loose: bool = True) -> list[Lay
             )
         )
         taken.append(path)
+    if not told:
+        tell_settings((layers, []), problems)
     return layers
 
 
@@ -226,20 +254,23 @@ def _stack_layers(
     path: Path,
     node: Tree,
     role_nodes: dict[Path, Tree],
-    length: int,
+    stacked: tuple[int, int],
     problems: list[str],
     native: Any = None,
+    views: bool = False,
 ) -> list[Layer]:
     """The layers of a stack, one per index: `.blocks[3].Dense_0` is the fourth
     slice of `.blocks.Dense_0`'s arrays. `native`: the model, for the settings of
-    a stack's modules where classes are recorded (one module stands for all)."""
+    a stack's modules where classes are recorded (one module stands for all).
+    `stacked`: the stack's length and layer axis."""
+    length, axis = stacked
     out: list[Layer] = []
     taken: list[Path] = []
     for sub_path, sub in walk(node, path):
         if any(sub_path[: len(p)] == p for p in taken):
             continue
         arrays, paths = _subtree_leaves(sub, role_nodes[sub_path])
-        one = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in arrays.items()}
+        one = {k: _drop(v, axis) for k, v in arrays.items()}
         found = _recognise(adapter, kind(sub), sub_path, one, []) if one else ()
         if not found:
             continue
@@ -247,40 +278,89 @@ def _stack_layers(
         rel = sub_path[len(path) :]
         module = None if native is None else at(native, sub_path)
         hyper = {} if module is None else found[0].hyperparameters(module)
+        if views:
+            found = with_views(found, one, module)
         for i in range(length):
             layer = Layer(
                 path + (i,) + rel, found, one, paths, hyper, stack=(path, length)
             )
             layer.index, layer.arrays, layer.real = i, arrays, sub_path
+            layer.axis = axis
             read_specs(layer, problems)
             if layer.codecs:
                 out.append(layer)
     return out
 
 
+def _drop(x: Any, axis: int) -> jax.ShapeDtypeStruct:
+    """The shape of one layer of a stacked array (`axis` dropped)."""
+    return jax.ShapeDtypeStruct(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+
+
 def _stacked(
-    adapter: Adapter, path: Path, node: Tree, roles: Tree, leaves: Leaves
-) -> int:
-    """The layer count of a stack of layers (Linen `nn.scan` with the layer axis
-    first, NNX modules made under `nnx.vmap`, Equinox modules made by
-    `eqx.filter_vmap`: every array has it as its leading axis), or 0. A stack is
-    what the codecs recognise entirely once that axis is dropped, and not with it.
-    Where classes are recorded (NNX, Equinox), a codec recognises its class whatever
-    the shapes: the arrays, decoded to the Flax layout, are then judged by the
-    Flax codec of the same kind, which reads shapes."""
+    adapter: Adapter,
+    path: Path,
+    node: Tree,
+    roles: Tree,
+    leaves: Leaves,
+    problems: list[str],
+    axes: dict[Path, Any] | None = None,
+) -> tuple[int, int]:
+    """`(layer count, layer axis)` of a stack of layers (Linen `nn.scan`, NNX
+    modules made under `nnx.vmap`, Equinox modules made by `eqx.filter_vmap`: every
+    array has the layer axis at one position, leading unless `variable_axes` put it
+    elsewhere), or `(0, 0)`. A stack is what the codecs recognise entirely once that
+    axis is dropped. Where classes are recorded (NNX, Equinox), a codec recognises
+    its class whatever the shapes: the arrays, decoded to the Flax layout, are then
+    judged by the Flax codec of the same kind, which reads shapes.
+
+    A Linen stack whose arrays are also layers with the axis (a bias-free Dense
+    stack's `(L, in, out)` kernels read as DenseGeneral or Conv kernels) is a stack
+    when it holds several sublayers (a scanned block). A node that is a stack at
+    several axes (a bias-free RMSNorm + Dense stack reads at axis 0 and at 1) takes
+    its axis from `axes`, else is left open there (see `find_layers`)."""
     if not path:
-        return 0
-    lengths: set[int | None] = {
-        x.shape[0] if x.ndim >= (1 if adapter.records_classes else 2) else None
-        for x in leaves.values()
-    }
-    if len(lengths) != 1 or None in lengths:
-        return 0
-    if _covered(adapter, node, roles, path, lambda x: x):
-        return 0
-    sliced = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-    count = lengths.pop()
-    return count if count and _covered(adapter, node, roles, path, sliced) else 0
+        return 0, 0
+    ranks = {x.ndim for x in leaves.values()}
+    least = 1 if adapter.records_classes else 2
+    if not ranks or min(ranks) < least:
+        return 0, 0
+    whole = _covered(adapter, node, roles, path, lambda x: x)
+    if whole and (
+        adapter.records_classes
+        or _sublayers(node) < 2
+        or _recognise(adapter, kind(node), path, leaves, [])  # one layer (attention)
+    ):
+        return 0, 0
+    found = []
+    for axis in range(min(ranks) if not adapter.records_classes else 1):
+        lengths = {x.shape[axis] for x in leaves.values()}
+        if len(lengths) != 1:
+            continue
+        sliced = lambda x, a=axis: _drop(x, a)  # noqa: E731
+        if _covered(adapter, node, roles, path, sliced):
+            found.append((lengths.pop(), axis))
+    if len(found) > 1:
+        chosen = None if axes is None else axes.get(path)
+        if isinstance(chosen, int):
+            return next((n, a) for n, a in found if a == chosen)
+        if axes is not None:
+            axes[path] = tuple(a for _, a in found)
+            return 0, 0
+        problems.append(
+            _errors.STACK_AXIS.format(
+                where=path_str(path),
+                axes=[a for _, a in found],
+                lengths=[n for n, _ in found],
+            )
+        )
+        return 0, 0
+    return found[0] if found and found[0][0] else (0, 0)
+
+
+def _sublayers(node: Tree) -> int:
+    """How many child modules a node holds (a scanned block holds several)."""
+    return sum(isinstance(child, Tree) for _, child in items(node))
 
 
 def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> bool:
@@ -319,8 +399,54 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool:
     return bool(flax.recognise(None, canonical))
 
 
+def tell_settings(
+    sides: tuple[list[Layer], list[Layer]], problems: list[str]
+) -> list[str]:
+    """Settings a layer lacks (`Layer.unknown`: a part of a model such as
+    `bridge.from_equinox(vit).blocks[0]`, whose modules are not at hand) told by the
+    other side, where every layer of that kind there agrees on it; otherwise a
+    problem naming the setting. Layers left unreadable are dropped from `sides`.
+    Returns a warning per setting told (it is the other side's, not read)."""
+    told: list[str] = []
+    for side, other in ((sides[0], sides[1]), (sides[1], sides[0])):
+        for layer in side:
+            for kind_, name in list(layer.unknown.items()):
+                values = {
+                    repr(x.hyper[name]): x.hyper[name]
+                    for x in other
+                    if kind_ in x.kinds and name in x.hyper
+                }
+                if len(values) == 1:
+                    layer.hyper[name] = next(iter(values.values()))
+                    read_specs(layer, problems)
+                    told.append(
+                        _errors.TOLD.format(
+                            where=layer.where,
+                            kind=kind_,
+                            name=name,
+                            value=layer.hyper[name],
+                        )
+                    )
+                    continue
+                problems.append(
+                    _errors.SETTING.format(
+                        where=layer.where,
+                        kind=kind_,
+                        name=name,
+                        values=sorted(values) or "none",
+                    )
+                )
+                layer.unknown.pop(kind_, None)
+                layer.codecs = tuple(c for c in layer.codecs if c.kind != kind_)
+    for side in sides:
+        side[:] = [x for x in side if x.codecs]
+    return told
+
+
 def read_specs(layer: Layer, problems: list[str]) -> None:
-    """The canonical shapes and dtypes of the layer, for each candidate kind."""
+    """The canonical shapes and dtypes of the layer, for each candidate kind (a
+    kind whose codec needs a setting the layer lacks goes to `layer.unknown`)."""
+    layer.unknown.clear()
     structs = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()
     }
@@ -329,10 +455,22 @@ def read_specs(layer: Layer, problems: list[str]) -> None:
             layer.specs[codec.kind] = jax.eval_shape(
                 lambda leaves, c=codec: c.decode(leaves, layer.hyper), structs
             )
+        except KeyError as error:  # a setting the module did not give
+            name = error.args[0] if error.args else None
+            if isinstance(name, str) and name not in layer.hyper:
+                layer.unknown[codec.kind] = name
+            else:
+                problems.append(
+                    _errors.UNREADABLE.format(
+                        where=layer.where, kind=codec.kind, error=repr(error)
+                    )
+                )
         except Exception as error:  # a codec's own message, reported with the path
             problems.append(
                 _errors.UNREADABLE.format(
                     where=layer.where, kind=codec.kind, error=error
                 )
             )
-    layer.codecs = tuple(c for c in layer.codecs if c.kind in layer.specs)
+    layer.codecs = tuple(
+        c for c in layer.codecs if c.kind in layer.specs or c.kind in layer.unknown
+    )

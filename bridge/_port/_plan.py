@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from .._paths import Path, path_str
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
-from ._layers import ARRAY, Layer, find_layers, read_specs
-from ._pairing import Order, common_kind, normalised, pair
+from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
+from ._pairing import Order, Pair, common_kind, normalised, pair
 from ._trace import Example, Position, first_uses
 
 
@@ -312,24 +313,41 @@ def make_plan(
     passes use them (`_trace`)."""
     source, target = to_neutral(source), to_neutral(target)
     problems: list[str] = []
-    sources = find_layers(source, problems)
-    targets = find_layers(target, problems)
-    orders = (
-        Order(
-            source,
-            {x.stack[0] for x in sources if x.stack},
-            _tracer(source, example, 0, problems),
-        ),
-        Order(
-            target,
-            {x.stack[0] for x in targets if x.stack},
-            _tracer(target, example, 1, problems),
-        ),
+    traces = (
+        _tracer(source, example, 0, problems),
+        _tracer(target, example, 1, problems),
     )
-    rules, sources, dropped = _dropped(rules, sources, problems)
-    pairs, lone_sources, lone_targets = pair(sources, targets, rules, problems, orders)
+    axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
+    first: list[str] = []
+    found = _paired(source, target, rules, first, traces, axes)
+    open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
+    if not open_:
+        problems += first
+    else:  # stacks whose layer axis the shapes leave open: the other side decides
+        fitting = []
+        for choice in itertools.product(*(c for _, _, c in open_)):
+            chosen: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
+            for (side, path, _), axis in zip(open_, choice):
+                chosen[side][path] = axis
+            trial: list[str] = []
+            attempt = _paired(source, target, rules, trial, traces, chosen)
+            if not trial and not attempt[4] and not attempt[5]:
+                fitting.append(attempt)
+        if len(fitting) == 1:
+            found = fitting[0]
+        else:
+            problems += first
+            for side, path, candidates in open_:
+                problems.append(
+                    _errors.STACK_AXIS.format(
+                        where=f"{('source', 'target')[side]} {path_str(path)}",
+                        axes=list(candidates),
+                        lengths="several",
+                    )
+                )
+    sources, targets, told, pairs, lone_sources, lone_targets, dropped = found
     _adopt([(p.source, p.target) for p in pairs], problems)
-    steps, warnings, casts, mismatched = [], [], [], []
+    steps, warnings, casts, mismatched = [], list(told), [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
         kind = common_kind(s, t)
@@ -462,6 +480,31 @@ def _prefix(pairs: list, sources: list[Layer], targets: list[Layer]) -> list[str
     ]
 
 
+def _paired(
+    source: Tree,
+    target: Tree,
+    rules: Mapping[str, str | None] | None,
+    problems: list[str],
+    traces: tuple[Any, Any],
+    axes: tuple[dict[Path, Any], dict[Path, Any]],
+) -> tuple[
+    list[Layer], list[Layer], list[str], list[Pair], list[Layer], list[Layer], list
+]:
+    """Both sides' layers (stacks' layer axes from `axes`), settings told, and
+    their pairing: `(sources, targets, told, pairs, lone sources, lone targets,
+    source layers dropped by rules)`."""
+    sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
+    targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
+    told = tell_settings((sources, targets), problems)
+    orders = (
+        Order(source, {x.stack[0] for x in sources if x.stack}, traces[0]),
+        Order(target, {x.stack[0] for x in targets if x.stack}, traces[1]),
+    )
+    kept, sources, dropped = _dropped(rules, sources, problems)
+    pairs, lone_sources, lone_targets = pair(sources, targets, kept, problems, orders)
+    return sources, targets, told, pairs, lone_sources, lone_targets, dropped
+
+
 def _tracer(
     tree: Tree, example: Example | None, side: int, problems: list[str]
 ) -> Callable[[], Mapping[Path, Position] | None] | None:
@@ -470,7 +513,14 @@ def _tracer(
     if example is None:
         return None
 
+    done: list[Mapping[Path, Position] | None] = []
+
     def trace() -> Mapping[Path, Position] | None:
+        if not done:
+            done.append(_trace_once())
+        return done[0]
+
+    def _trace_once() -> Mapping[Path, Position] | None:
         try:
             return first_uses(tree, example.inputs, example.kwargs[side])
         except Exception as error:  # the model's own error on these inputs

@@ -185,7 +185,8 @@ def run(plan: Plan) -> Tree:
             stack = stacks.get(path)
             if stack is None:
                 stack = _fresh(targets[path])
-            stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), index)
+            at, axis = index
+            stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), at, axis)
     if problems:
         raise _errors.PortError(problems)
 
@@ -205,10 +206,11 @@ def _fresh(leaf: Any) -> jax.Array:
     return jnp.array(leaf, copy=True)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write(stack: jax.Array, layer: jax.Array, index: Any) -> jax.Array:
-    """`stack` with layer `index` replaced, in place (the old `stack` is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(stack, layer, index, 0)
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _write(stack: jax.Array, layer: jax.Array, index: Any, axis: int) -> jax.Array:
+    """`stack` with layer `index` (along `axis`) replaced, in place (the old
+    `stack` is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, layer, index, axis)
 
 
 def _reading_order(step: PlanRow) -> int:
@@ -220,15 +222,16 @@ def _reading_order(step: PlanRow) -> int:
 
 def _move(
     step: PlanRow, problems: list[str], fused: dict[Any, Any]
-) -> list[tuple[Path, int | None, Any]]:
-    """The target arrays of one row: `(path, index in a stack or None, array)`."""
+) -> list[tuple[Path, tuple[int, int] | None, Any]]:
+    """The target arrays of one row: `(path, (index, axis) in a stack or None,
+    array)`."""
     s, t = step._source, step._target
     assert s is not None and t is not None
     leaves = _fused(step, fused)
     if leaves is None:
         leaves = _converted(step, problems)
     if t.index is not None:
-        return [(t.real + t.paths[k], t.index, v) for k, v in leaves.items()]
+        return [(t.real + t.paths[k], (t.index, t.axis), v) for k, v in leaves.items()]
     return [
         (
             t.path + t.paths[k],
@@ -253,6 +256,7 @@ def _fused(step: PlanRow, cache: dict[Any, Any]) -> dict[str, Any] | None:
     like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.leaves.items()}
     key = (
         id(s.arrays),
+        s.axis,
         id(step.source_codec),
         id(step.target_codec),
         tuple((k, v.shape, str(v.dtype)) for k, v in like.items()),
@@ -263,7 +267,7 @@ def _fused(step: PlanRow, cache: dict[Any, Any]) -> dict[str, Any] | None:
 
         def one(arrays: dict[str, Any], index: Any) -> dict[str, Any]:
             leaves = {
-                k: jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False)
+                k: jax.lax.dynamic_index_in_dim(v, index, s.axis, keepdims=False)
                 for k, v in arrays.items()
             }
             return _encoded(step, _decoded(step, leaves), like)

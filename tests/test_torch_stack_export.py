@@ -1,0 +1,106 @@
+"""Stacks written in PyTorch layout: a Linen `nn.scan` stack (bias-free, layer axis 0
+or 1, MaxText's) saved with `layout="torch"` is per-layer names and 2-D `Linear`
+weights, read by `load_state_dict(strict=True)` with equal outputs; a tensor that is
+not what its layer kind is in PyTorch is refused and nothing is written."""
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+import bridge
+
+from .helpers import skip_unless
+from .test_port_stacked import BiasFreeLooped, BiasFreeScanned, X
+
+
+torch = pytest.importorskip("torch")
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(4, eps=1e-6)
+        self.up = torch.nn.Linear(4, 4, bias=False)
+        self.down = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class TorchStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([TorchBlock() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.RMSNorm(4, rngs=rngs)
+        self.up = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+
+
+class NNXStack(nnx.Module):
+    """Blocks made under `nnx.vmap`: one block whose Variables have a layer axis."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NNXBlock(rngs)
+
+        self.layers = make(rngs)
+
+
+def _torch_outputs(state):
+    model = TorchStack()
+    model.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(X))).numpy()
+
+
+def test_an_nnx_stack_saved_in_torch_layout_loads_strictly(tmp_path):
+    skip_unless("NNX")
+    stack = NNXStack(nnx.Rngs(0))
+    path = tmp_path / "model.safetensors"
+    bridge.save(path, stack, layout="torch")
+    state = safetensors.numpy.load_file(str(path))
+    assert state["layers.2.up.weight"].shape == (4, 4)
+    assert state["layers.0.norm.weight"].shape == (4,)
+    per_layer = bridge.port(stack, BiasFreeLooped(nnx.Rngs(1)))
+    assert np.max(np.abs(_torch_outputs(state) - np.asarray(per_layer(X)))) < 1e-5
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_bias_free_scan_export_is_refused_until_a_torch_model_decides(axis, tmp_path):
+    """A bias-free stack reads at axis 0 and at 1: with no other side, the export is
+    refused naming the axes (nothing written); ported into the PyTorch model, its
+    layers decide, and the state dict loads strictly with equal outputs."""
+    module = BiasFreeScanned(axis=axis)
+    variables = module.init(jax.random.key(0), X)
+    path = tmp_path / "model.safetensors"
+    with pytest.raises(ValueError, match=r"stack: \.layers reads as a stack"):
+        bridge.save(path, (module, variables), layout="torch")
+    assert list(tmp_path.iterdir()) == []
+    state = bridge.port((module, variables), TorchStack())
+    state = {k: v.numpy() for k, v in state.items()}
+    assert state["layers.2.up.weight"].shape == (4, 4)
+    want = np.asarray(module.apply(variables, X))
+    assert np.max(np.abs(_torch_outputs(state) - want)) < 1e-5
+
+
+def test_a_tensor_that_is_no_torch_layer_is_refused_and_nothing_written(tmp_path):
+    """A norm scanned alone: its `(L, D)` scale reads as a Flax norm, but a 2-D
+    `weight` is no PyTorch norm."""
+    variables = {"params": {"norm": {"scale": np.ones((3, 4), np.float32)}}}
+    path = tmp_path / "model.safetensors"
+    with pytest.raises(ValueError, match=r"\.norm would be written as 'norm' with"):
+        bridge.save(path, variables, layout="torch")
+    assert list(tmp_path.iterdir()) == []
