@@ -319,7 +319,7 @@ def make_plan(
     )
     axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     first: list[str] = []
-    found = _paired(source, target, rules, first, traces, axes)
+    read = _paired(source, target, rules, first, traces, axes)
     open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
     if not open_:
         problems += first
@@ -334,7 +334,7 @@ def make_plan(
             if not trial and not attempt[4] and not attempt[5]:
                 fitting.append(attempt)
         if len(fitting) == 1:
-            found = fitting[0]
+            read = fitting[0]
         else:
             problems += first
             for side, path, candidates in open_:
@@ -345,7 +345,7 @@ def make_plan(
                         lengths="several",
                     )
                 )
-    sources, targets, told, pairs, lone_sources, lone_targets, dropped = found
+    sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
     _adopt([(p.source, p.target) for p in pairs], problems)
     steps, warnings, casts, mismatched = [], list(told), [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
