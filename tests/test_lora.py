@@ -276,3 +276,41 @@ def test_stacked_layers_take_one_adapter_per_layer(tmp_path):
     np.testing.assert_allclose(
         bridge.to_neutral(back).layers.lora_b, tree.layers.lora_b, atol=0, rtol=0
     )
+
+
+@pytest.mark.parametrize("framework", ["linen", "equinox"])
+def test_port_carries_the_adapters(framework):
+    """An NNX model with adapters ported into a plain model of another framework:
+    the adapters follow their layers, orientation converted; same outputs."""
+    tree = _nonzero(bridge.lora(models()["nnx"], TARGETS, rank=2, key=KEY))
+    tree = bridge.to_neutral(tree)
+    ported = bridge.port(tree, models()[framework])
+    np.testing.assert_allclose(
+        run(ported, IDS), run(bridge.to_native(tree), IDS), atol=1e-5, rtol=0
+    )
+
+
+def test_port_into_pytorch_layout_refuses_to_drop_adapters():
+    tree = bridge.lora(models()["nnx"], ["q"], rank=2, key=KEY)
+    target = {  # the PyTorch model's state dict (tests/test_lora_peft.py)
+        "emb.weight": np.zeros((VOCAB, WIDTH), np.float32),
+        "q.weight": np.zeros((WIDTH, WIDTH), np.float32),
+        "q.bias": np.zeros((WIDTH,), np.float32),
+        "conv.weight": np.zeros((WIDTH, WIDTH, 3), np.float32),
+        "conv.bias": np.zeros((WIDTH,), np.float32),
+        "head.weight": np.zeros((OUT, WIDTH), np.float32),
+    }
+    with pytest.raises(ValueError, match=r"LoRA adapters \(\.q\)(.|\n)*merge_lora"):
+        bridge.port(tree, target)
+
+
+def test_save_and_load_a_model_with_adapters(tmp_path):
+    tree = _nonzero(
+        bridge.to_neutral(bridge.lora(models()["nnx"], ["q"], rank=2, key=KEY))
+    )
+    bridge.save(tmp_path / "m.safetensors", tree)
+    back = bridge.load(tmp_path / "m.safetensors", like=tree)
+    assert np.array_equal(back.q.lora_b, tree.q.lora_b)
+    np.testing.assert_allclose(
+        run(bridge.to_native(back), IDS), run(bridge.to_native(tree), IDS), atol=0
+    )

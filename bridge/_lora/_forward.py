@@ -61,5 +61,5 @@ def conv_flax(
         dtype=a.dtype,
         parent=None,
     )
-    h = conv.apply({"params": {"kernel": a}}, x.astype(a.dtype))
+    h: Any = conv.apply({"params": {"kernel": a}}, x.astype(a.dtype))
     return (h @ b) * jnp.asarray(scaling, a.dtype)

@@ -75,17 +75,21 @@ def names(
 ) -> list[tuple[str, Target, int | None]]:
     """Each target's PyTorch layer name(s), one per layer of a stack."""
     backwards = reverse_rules(rules or {})
-    out = []
-    for target in found:
-        if not target.stack:
-            where = path_str(target.path)
-            out.append((prefix + _name(where, backwards), target, None))
-            continue
-        root = _stack_root(tree, target)
-        for i in range(target.stack[0]):
-            path = root + (i,) + target.path[len(root) :]
-            out.append((prefix + _name(path_str(path), backwards), target, i))
-    return out
+    return [
+        (prefix + _name(where, backwards), target, index)
+        for target in found
+        for where, index in layer_paths(tree, target)
+    ]
+
+
+def layer_paths(tree: Tree, target: Target) -> list[tuple[str, int | None]]:
+    """The `keystr` path of each layer of `target` with its index in the stack
+    (`.layers[0].q_proj`, ...), or the target's own path and None."""
+    if not target.stack:
+        return [(path_str(target.path), None)]
+    root = _stack_root(tree, target)
+    rest = target.path[len(root) :]
+    return [(path_str(root + (i,) + rest), i) for i in range(target.stack[0])]
 
 
 def _stack_root(tree: Tree, target: Target) -> Path:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._adapters._native import like, placeholders
 from .._lazy import materialise
+from .._lora._port import join as lora_join, split as lora_split
 from .._paths import Path, path_str
 from .._placement import place, sharding_of
 from .._tree import Tree, map_with_path
@@ -123,7 +124,8 @@ def port(
     """
     abstract = placeholders(target)
     given = examples(example, example_kwargs, check, check_kwargs)
-    plan, problems = make_plan(source, abstract, rules, strict, dtype, given)
+    plain, adapters = lora_split(source)  # LoRA adapters follow their layers
+    plan, problems = make_plan(plain, abstract, rules, strict, dtype, given)
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
@@ -137,6 +139,8 @@ def port(
             stacklevel=2,
         )
     ported = like(target, tree)
+    if adapters is not None:
+        ported = lora_join(adapters, plan.steps, ported)
     if check is not None:
         _check(source, ported, check, check_kwargs)
     return ported
