@@ -58,11 +58,8 @@ NEWEST = next(
     ((v, path) for v in ("3.13", "3.12", "3.11") if (path := _interpreter(v))),
     (f"{sys.version_info[0]}.{sys.version_info[1]}", sys.executable),
 )
-# The fast suite: the tests and the docstring examples of the package, on as many
-# workers as the machine has cores (pytest-xdist), each test file on one worker (its
-# models compiled once).
-PYTEST = ["pytest", "-q", "-n", "auto", "--dist", "loadfile"]
-PYTEST += ["tests", "bridge", "--doctest-modules"]
+# The fast suite: the tests and the docstring examples of the package.
+PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [

@@ -127,6 +127,8 @@ def cell_text(cell: dict, *, short: bool) -> str:
             text += f" ({shown}{', ...' if cell['failed'] > 5 else ''})"
     else:
         text = f"**passes**: {cell['passed']} passed"
+    if "note" in cell:
+        text += f" ({cell['note']})"
     if cell["skipped"]:
         text += "; " + _skips(cell["skipped"], short=short)
     return text
@@ -189,12 +191,12 @@ def matrix_table(results: dict, *, short: bool) -> str:
         label = f"{flax} (jax {jax})" if jax else flax
         lines.append("| " + " | ".join([python, label, *texts]) + " |")
     if short:
-        cannot = ", ".join(f"{_SUPERSCRIPTS[i]} {n}" for i, n in enumerate(notes))
+        why = ", ".join(f"{_SUPERSCRIPTS[i]} {n}" for i, n in enumerate(notes))
         lines += [
             "",
             "✅ the fast suite passes (a test of a feature the release lacks is "
             "skipped); ✗ N: N tests fail; "
-            + (f"✗ cannot run: {cannot}; " if notes else "")
+            + (f"✗ cannot run, or fails, because: {why}; " if notes else "")
             + f"optax {newest_optax} where no other is named; "
             "blank: not in the matrix.",
         ]
@@ -210,12 +212,13 @@ _SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
 def _mark(cell: dict, notes: list[str]) -> str:
     """✅, `✗ N` (N tests failed) or ✗ with the footnote of why the cell cannot run
     (appended to `notes` when new)."""
-    if "declared_skip" in cell:
-        note = cell.get("short", cell["declared_skip"])
-        if note not in notes:
-            notes.append(note)
-        return "✗" + _SUPERSCRIPTS[notes.index(note)]
-    return f"**✗ {cell['failed']}**" if cell["failed"] else "✅"
+    if "declared_skip" not in cell and "short" not in cell:
+        return f"**✗ {cell['failed']}**" if cell["failed"] else "✅"
+    note = cell.get("short", cell.get("declared_skip"))
+    if note not in notes:
+        notes.append(note)
+    mark = f"**✗ {cell['failed']}**" if cell.get("failed") else "✗"
+    return mark + _SUPERSCRIPTS[notes.index(note)]
 
 
 def _version_key_eo(eo: tuple[str, str]) -> tuple:

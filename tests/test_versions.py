@@ -111,7 +111,8 @@ def test_a_table_says_what_each_cell_found():
     )
     assert row == "| 3.11 | 0.11.2 (jax 0.7.2) | ✗¹ |  | ✅ | **✗ 1** |"
     assert row313 == "| 3.13 | 0.11.2 (jax 0.6.0) | ✅ | ✗² | ✗¹ |  |"
-    assert "✗ cannot run: ¹ needs jaxlib.foo, ² needs x.y;" in footnotes
+    because = "✗ cannot run, or fails, because: ¹ needs jaxlib.foo, ² needs x.y;"
+    assert because in footnotes
     assert "optax 0.2.8 where no other is named" in footnotes
     long = matrix_table.matrix_table(results, short=False)
     assert "150 `NNX` (flax >= 0.12.1)" in long and "`tests/test_x.py::test_y`" in long
