@@ -8,6 +8,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.tree_util as jtu
+import numpy as np
+
+
+def is_array(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
 
 def type_error(argument: str, expected: str, value: Any) -> TypeError:
     return TypeError(f"`{argument}` must be {expected}, got {type(value).__name__}.")
@@ -76,6 +83,95 @@ def check_names(value: Any, argument: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"`{argument}` names a part twice: {names!r}.")
     return names
+
+
+def check_dtype(value: Any, argument: str = "dtype") -> None:
+    """None, or anything `numpy.dtype` understands (`jnp.bfloat16`, `"float16"`)."""
+    if value is None:
+        return
+    try:
+        np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"`{argument}` must be a dtype (jnp.bfloat16, 'float32', ...) or None, "
+            f"got {value!r}."[:300]
+        ) from None
+
+
+def check_callable(value: Any, argument: str, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not callable(value):
+        raise type_error(argument, "a function", value)
+
+
+def check_pair(value: Any, argument: str, expected: str, item: Any) -> None:
+    """None, or a pair `(a, b)` whose members pass `item(member, name)`."""
+    if value is None:
+        return
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise type_error(argument, expected, value)
+    for i, member in enumerate(value):
+        item(member, f"{argument}[{i}]")
+
+
+def check_mapping(value: Any, argument: str, *, optional: bool = True) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise type_error(argument, "a dict" + (" or None" if optional else ""), value)
+
+
+def check_pair_or_mapping(value: Any, argument: str) -> None:
+    """None, keyword arguments for both sides, or a pair (one side's, the other's)."""
+    if isinstance(value, tuple):
+        check_pair(value, argument, "a dict or a pair of dicts", check_mapping)
+    else:
+        check_mapping(value, argument)
+
+
+def check_step(step: Any, argument: str = "step") -> None:
+    """None, or a step count: an int (or an integer scalar array) in `[0, 2**31)`,
+    which every optimizer's counter holds (`TrainState`'s int32, NNX's uint32)."""
+    if step is None:
+        return
+    if is_array(step) and np.ndim(step) == 0 and np.issubdtype(step.dtype, np.integer):
+        step = int(step)
+    check_int(step, argument, low=0, high=2**31)
+
+
+def check_hashable(value: Any, argument: str) -> None:
+    """None, or a hashable name (a mesh axis name)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise type_error(argument, "a hashable name (a str) or None", value) from None
+
+
+def check_extra(extra: Any, argument: str = "extra") -> None:
+    """None, or a mapping of non-empty names (str) to arrays."""
+    if extra is None:
+        return
+    if not isinstance(extra, Mapping):
+        raise type_error(argument, "a dict of names to arrays, or None", extra)
+    for name, value in extra.items():
+        if not isinstance(name, str):
+            raise type_error(f"{argument}` key `{name!r}", "a str", name)
+        if not name:
+            raise ValueError(f"`{argument}` names must be non-empty, got ''.")
+        if not is_array(value) and not isinstance(value, int | float | bool):
+            raise type_error(f"{argument}[{name!r}]", "an array", value)
+
+
+def check_opt_state(state: Any, argument: str) -> None:
+    """An optimizer state: a pytree whose leaves are arrays (or numbers)."""
+    for path, leaf in jtu.tree_flatten_with_path(state)[0]:
+        if not is_array(leaf) and not isinstance(leaf, int | float | bool):
+            raise TypeError(
+                f"`{argument}` must be an optimizer state (a pytree of arrays, as "
+                f"`tx.init(params)` makes it), but {argument}{jtu.keystr(path)} is "
+                f"a {type(leaf).__name__}."
+            )
 
 
 def check_int(

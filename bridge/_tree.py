@@ -464,7 +464,7 @@ def source_of(tree: Any, framework: str | None = None) -> Source:
     """The adapter record of a whole-model Tree, checked against `framework`."""
     if not isinstance(tree, Tree):
         raise TypeError(
-            f"Expected a bridge.Tree, got {type(tree).__name__}. Make one with "
+            f"`tree` must be a bridge.Tree, got {type(tree).__name__}. Make one with "
             "bridge.to_neutral(model)."
         )
     src = tree._info.source
@@ -649,7 +649,7 @@ def roles(tree: Tree) -> Tree:
     ```
     """
     if not isinstance(tree, Tree):
-        raise TypeError(f"Expected a bridge.Tree, got {type(tree).__name__}.")
+        raise TypeError(f"`tree` must be a bridge.Tree, got {type(tree).__name__}.")
     info = tree._info
     children = [
         roles(c) if isinstance(c, Tree) else r

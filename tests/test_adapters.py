@@ -211,9 +211,9 @@ def test_to_native_gives_each_framework_its_own_model():
 
 
 def test_an_unknown_object_is_refused():
-    with pytest.raises(TypeError, match="does not know how to convert a int"):
+    with pytest.raises(TypeError, match="does not know how to convert `obj`, a int"):
         bridge.to_neutral(3)
-    with pytest.raises(TypeError, match="does not know how to convert a tuple"):
+    with pytest.raises(TypeError, match="does not know how to convert `obj`, a tuple"):
         bridge.to_neutral((1, 2))
 
 
@@ -227,7 +227,7 @@ def test_a_subtree_is_refused():
     t = bridge.from_nnx(models.nnx_mlp())
     with pytest.raises(TypeError, match="a part of a model .a subtree."):
         bridge.to_native(t.layers)
-    with pytest.raises(TypeError, match="Expected a bridge.Tree, got dict"):
+    with pytest.raises(TypeError, match="`tree` must be a bridge.Tree, got dict"):
         bridge.to_native({})
 
 

@@ -39,7 +39,11 @@ VARIABLES = {"params": {"a": np.ones(2, np.float32)}}
             r"`path` must be a str.*bytes",
         ),
         (lambda p: bridge.load(3.5), TypeError, r"`path` must be a str.*float"),
-        (lambda p: bridge.save(p, 3), TypeError, r"does not know how to convert a int"),
+        (
+            lambda p: bridge.save(p, 3),
+            TypeError,
+            r"does not know how to convert `obj`, a int",
+        ),
         (
             lambda p: bridge.save(p, VARIABLES, metadata=[("a", "b")]),
             TypeError,
@@ -58,7 +62,7 @@ VARIABLES = {"params": {"a": np.ones(2, np.float32)}}
         (
             lambda p: bridge.load(p, like="model"),
             TypeError,
-            r"does not know how to convert a str",
+            r"does not know how to convert `like`, a str",
         ),
     ],
 )

@@ -203,7 +203,7 @@ def test_surgery_on_running_statistics():
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(TypeError, match="expects an eqx.Module, got list"):
+    with pytest.raises(TypeError, match="expects `model`, an eqx.Module, got list"):
         bridge.from_equinox([jnp.ones(2)])
     model, state = models.equinox_cnn()
     with pytest.raises(TypeError, match="`state` must be an eqx.nn.State, got dict"):

@@ -228,7 +228,7 @@ def test_without_a_module_to_native_gives_the_variables():
 
 
 def test_non_mapping_is_refused():
-    with pytest.raises(TypeError, match="expects the variables dict .* got list"):
+    with pytest.raises(TypeError, match="expects `variables`, the dict .* got list"):
         bridge.from_linen([np.ones(2)])
     with pytest.raises(TypeError, match="`module` must be a flax.linen Module, got"):
         bridge.from_linen({"params": {}}, module=3)

@@ -278,10 +278,10 @@ def test_replace_a_layer_of_another_shape():
 
 
 def test_a_non_module_is_refused():
-    with pytest.raises(TypeError, match="expects an nnx.Module, got dict"):
+    with pytest.raises(TypeError, match="expects `module`, an nnx.Module, got dict"):
         bridge.from_nnx({"kernel": jnp.ones(2)})
     graphdef, state = nnx.split(models.nnx_mlp())
-    with pytest.raises(TypeError, match="expects an nnx.Module, got State"):
+    with pytest.raises(TypeError, match="expects `module`, an nnx.Module, got State"):
         bridge.from_nnx(state)
 
 

@@ -244,7 +244,7 @@ def test_a_codec_that_makes_the_wrong_shape():
 
 
 def test_register_codec_checks_its_argument():
-    with pytest.raises(TypeError, match="Expected a bridge.Codec"):
+    with pytest.raises(TypeError, match="`codecs` must be bridge.Codec records"):
         bridge.register_codec({"kind": "X"})
     codec = bridge.Codec("X", "jittor", None, None, None)  # pyright: ignore
     with pytest.raises(ValueError, match="framework must be one of"):

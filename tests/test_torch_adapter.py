@@ -131,7 +131,7 @@ def test_tied_numpy_arrays_kept_once():
 
 
 def test_not_a_state_dict():
-    with pytest.raises(TypeError, match="expects a state dict"):
+    with pytest.raises(TypeError, match="expects `obj`, a state dict"):
         bridge.from_torch([np.ones(2)])
     with pytest.raises(TypeError, match="'a' is a str"):
         bridge.from_torch({"a": "x"})

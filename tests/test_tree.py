@@ -142,7 +142,7 @@ def test_roles_repr_and_errors():
     assert "Conv_0" in t and "nope" not in t and len(t) == 3
     with pytest.raises(TypeError, match="made by an adapter"):
         bridge.Tree()
-    with pytest.raises(TypeError, match="Expected a bridge.Tree, got dict"):
+    with pytest.raises(TypeError, match="`tree` must be a bridge.Tree, got dict"):
         bridge.roles({})
     with pytest.raises(KeyError, match="is not an index of this sequence of 3"):
         bridge.from_nnx(models.nnx_mlp()).layers[3]

@@ -107,7 +107,8 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
     """
     if not isinstance(model, eqx.Module):
         raise TypeError(
-            f"bridge.from_equinox expects an eqx.Module, got {type(model).__name__}. "
+            f"bridge.from_equinox expects `model`, an eqx.Module, got "
+            f"{type(model).__name__}. "
             "For NNX modules use bridge.from_nnx, for Linen variables "
             "bridge.from_linen."
         )

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax.tree_util as jtu
 from flax.errors import InvalidRngError
 
+from .._arguments import is_array, type_error
 from .._paths import Key, Path, canonical, natural, path_of, path_str
 from .._tree import (
     Held,
@@ -72,7 +73,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     """
     if not isinstance(variables, Mapping):
         raise TypeError(
-            "bridge.from_linen expects the variables dict that `module.init` returns "
+            "bridge.from_linen expects `variables`, the dict `module.init` returns "
             f"(collection -> nested mapping of arrays), got {type(variables).__name__}."
             " For an NNX module use bridge.from_nnx, for Equinox bridge.from_equinox."
         )
@@ -395,6 +396,9 @@ def bind(tree: Tree, rngs: Any = None) -> Any:
         return variables
     if rngs is not None:
         rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
+        for key in rngs.values():
+            if not is_array(key):
+                raise type_error("rngs", "a dict {stream: JAX key} or one JAX key", key)
     mutable = [c for c in variables if c != "params"]
     return module.bind(variables, rngs=rngs, mutable=mutable)
 

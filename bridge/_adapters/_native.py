@@ -57,12 +57,23 @@ def adapter_of(obj: Any) -> Adapter:
     if adapter is None:
         frameworks = ", ".join(a.display for a in reversed(adapters()))
         raise TypeError(
-            f"bridge.to_neutral does not know how to convert a {type(obj).__name__}: "
+            f"bridge.to_neutral does not know how to convert `obj`, a "
+            f"{type(obj).__name__}: "
             "expected an nnx.Module, an Equinox model or (model, state), Linen "
             "variables or (module, variables), or a bridge.Tree (the registered "
             f"frameworks are {frameworks})."
         )
     return adapter
+
+
+def check_model(obj: Any, argument: str) -> None:
+    """A model some adapter recognises, or a Tree: else a `TypeError` naming the
+    argument (at the public entry points, before any work)."""
+    if not isinstance(obj, Tree):
+        try:
+            adapter_of(obj)
+        except TypeError as error:
+            raise TypeError(str(error).replace("`obj`", f"`{argument}`")) from None
 
 
 _RNGS_NOT_LINEN = """\

@@ -99,7 +99,8 @@ def from_nnx(module: nnx.Module) -> Tree:
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(
-            f"bridge.from_nnx expects an nnx.Module, got {type(module).__name__}. "
+            f"bridge.from_nnx expects `module`, an nnx.Module, got "
+            f"{type(module).__name__}. "
             "For Linen variables use bridge.from_linen, for Equinox models "
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )

@@ -63,11 +63,11 @@ class TorchRecord(NamedTuple):
 
 
 _NOT_A_STATE_DICT = """\
-bridge.from_torch expects a state dict (a mapping of dotted names to numpy arrays or
-torch.Tensors, as `module.state_dict()` gives) or a torch.nn.Module; got {what}."""
+bridge.from_torch expects `obj`, a state dict (a mapping of dotted names to numpy arrays
+or torch.Tensors, as `module.state_dict()` gives) or a torch.nn.Module; got {what}."""
 
 _NOT_ARRAYS = """\
-bridge.from_torch: a state dict maps names to arrays, but {problems}. Pass
+bridge.from_torch: `obj`, a state dict, maps names to arrays, but {problems}. Pass
 `module.state_dict()`, or a flat mapping of arrays."""
 
 _LEAF_AND_NODE = """\

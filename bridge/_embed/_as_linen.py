@@ -8,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 
 from .._adapters._linen import LinenRecord, to_linen
+from .._arguments import check_bool, check_name
 from .._paths import Key, Path, path_str
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
@@ -103,6 +104,11 @@ def as_linen(
 
     ```
     """
+    check_name(stream, "stream")
+    if inference is not None:
+        check_bool(inference, "inference")
+    if name is not None:
+        check_name(name, "name")
     inner, leaves = inner_of(model, "as_linen", "linen")
     return LinenWrapper(inner, Initial(leaves), stream, inference, name=name)
 

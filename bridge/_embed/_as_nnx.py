@@ -9,6 +9,7 @@ from flax import nnx
 from flax.nnx import variablelib
 
 from .._adapters._nnx import check_flax
+from .._arguments import check_name
 from .._paths import Path, path_str
 from .._tree import Tree, items
 from ._inner import Inner, inner_of, run
@@ -85,6 +86,7 @@ def as_nnx(model: Any, *, rngs: nnx.Rngs | None = None, stream: str = "dropout")
 
     ```
     """
+    check_name(stream, "stream")
     inner, leaves = inner_of(model, "as_nnx", "nnx")
     check_flax()  # the wrapper is an NNX module
     return NNXWrapper(inner, leaves, rngs=rngs, stream=stream)

@@ -24,10 +24,10 @@ from ._keys import Keys
 
 
 _NOT_A_MODEL = """\
-bridge.{wrapper} wraps a model of another framework, but got a {kind}. Give it one of:
-an Equinox model, or `(model, state)` with its eqx.nn.State; a Flax Linen module with
-its variables, `(module, variables)` or `module.bind(variables)`; a Flax NNX module;
-or a bridge.Tree made from one of them."""
+bridge.{wrapper} wraps `model`, a model of another framework, but got a {kind}. Give
+it one of: an Equinox model, or `(model, state)` with its eqx.nn.State; a Flax Linen
+module with its variables, `(module, variables)` or `module.bind(variables)`; a Flax
+NNX module; or a bridge.Tree made from one of them."""
 
 _CANNOT_TAKE = """\
 bridge.{wrapper} cannot take this {name} model: {error}"""

@@ -25,12 +25,20 @@ import numpy as np
 
 from .._adapters._linen import from_linen
 from .._adapters._native import (
+    check_model,
     like as like_form,
     placeholders,
     to_neutral,
 )
 from .._adapters._registry import Adapter, registered
 from .._adapters._torch import from_torch
+from .._arguments import (
+    check_dtype,
+    check_extra,
+    check_rules,
+    check_step,
+    check_str,
+)
 from .._paths import Path as TreePath, at, path_of
 from .._placement import place, sharding_of
 from .._port._errors import PortError
@@ -346,6 +354,12 @@ def save(
     ```
     """
     path = _path(path)
+    check_model(obj, "obj")
+    check_str(layout, "layout", optional=True)
+    check_rules(rules)
+    check_str(prefix, "prefix")
+    check_step(step)
+    check_extra(extra)
     training = opt_state is not None or step is not None or extra is not None
     folder = {"max_shard_size": max_shard_size, "config": config}
     folder["generation_config"] = generation_config
@@ -705,6 +719,9 @@ def load(
     ```
     """
     path = _path(path)
+    if like is not None:
+        check_model(like, "like")
+    check_dtype(dtype)
     target = None if like is None else to_neutral(placeholders(like))
     if target is None and opt_state_like is not None:
         raise TypeError("`opt_state_like` needs `like`, the model to load into.")

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._arguments import check_opt_state
 from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
 from .._tree import Path, Tree, path_str
 from . import _checkpoint
@@ -93,6 +94,7 @@ def add(
     record: dict[str, Any] = {"step": None if step is None else int(step)}
     if opt_state is not None:
         state, own_step = unwrap(opt_state)
+        check_opt_state(state, "opt_state")
         if step is None and own_step is not None:
             record["step"] = int(own_step)
         parts = parts_of(state, tree)

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, overload
 import jax.numpy as jnp
 
 from .._adapters._registry import adapter_of_class, names
+from .._arguments import check_str, type_error
 
 
 Leaves = dict[str, Any]
@@ -159,7 +160,7 @@ def register_codec(*codecs: Codec) -> Codec | tuple[Codec, ...]:
     """
     for codec in codecs:
         if not isinstance(codec, Codec):
-            raise TypeError(f"Expected a bridge.Codec, got {type(codec).__name__}.")
+            raise type_error("codecs", "bridge.Codec records", codec)
         if codec.framework not in names():
             raise ValueError(
                 f"Codec {codec.kind!r}: framework must be one of {names()} (the "
@@ -194,6 +195,8 @@ def unregister_codec(kind: str, framework: str | None = None) -> tuple[Codec, ..
 
     `KeyError` when no codec of that kind (and framework) is registered.
     """
+    check_str(kind, "kind")
+    check_str(framework, "framework", optional=True)
     keys = [k for k in _REGISTRY if k[0] == kind and framework in (None, k[1])]
     if not keys:
         registered = sorted({k for k, _ in _REGISTRY})

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._adapters._native import infer
+from .._adapters._native import check_model, infer
+from .._arguments import check_bool, check_mapping, check_pair
 
 
 _OUTPUTS_DIFFER = """\
@@ -84,6 +85,10 @@ def compare(
 
     ```
     """
+    check_model(a, "a")
+    check_model(b, "b")
+    check_pair(channel_first, "channel_first", "a pair (for a, for b)", check_bool)
+    check_pair(per_side, "per_side", "a pair of dicts (for a, for b)", check_mapping)
     leaves_a, leaves_b = outputs(a, b, inputs, channel_first, per_side, call_kwargs)
     return largest_difference(leaves_a, leaves_b)
 

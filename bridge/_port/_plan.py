@@ -11,8 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import placeholders, to_neutral
+from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._torch import ties_of
+from .._arguments import check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
 from .._tree import Tree
@@ -578,6 +579,9 @@ def port_plan(
 
     ```
     """
+    check_model(source, "source")
+    check_model(target, "target")
+    check_rules(rules)
     given = None if example is None else Example(example, example_kwargs)
     plan, _ = make_plan(source, placeholders(target), rules, False, None, given)
     return plan

@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._adapters._native import like, placeholders
+from .._adapters._native import check_model, like, placeholders
+from .._arguments import (
+    check_bool,
+    check_dtype,
+    check_pair_or_mapping,
+    check_rules,
+    is_array,
+    type_error,
+)
 from .._lazy import materialise
 from .._lora._port import join as lora_join, split as lora_split
 from .._paths import Path, path_str
@@ -122,6 +130,14 @@ def port(
 
     ```
     """
+    check_model(source, "source")
+    check_model(target, "target")
+    check_rules(rules)
+    check_bool(strict, "strict")
+    check_dtype(dtype)
+    if check is not None and not isinstance(check, tuple) and not is_array(check):
+        raise type_error("check", "an input array, a tuple of inputs, or None", check)
+    check_pair_or_mapping(check_kwargs, "check_kwargs")
     abstract = placeholders(target)
     given = examples(example, example_kwargs, check, check_kwargs)
     plain, adapters = lora_split(source)  # LoRA adapters follow their layers

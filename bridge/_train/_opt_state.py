@@ -36,7 +36,8 @@ from flax import nnx
 from flax.training import train_state
 
 from .._adapters._linen import from_linen
-from .._adapters._native import to_neutral
+from .._adapters._native import check_model, to_neutral
+from .._arguments import check_bool, check_opt_state, check_rules, check_step
 from .._port._errors import PortWarning
 from .._port._port import port
 from .._tree import Path, Tree, leaf_roles, map_with_path, path_of, path_str
@@ -59,7 +60,7 @@ that keep other shapes (such as `optax.adafactor`'s factored moments) cannot fol
 a layout change: start that optimizer fresh on the target (`tx.init(...)`)."""
 
 _STRUCTURE = """\
-The optimizer states differ in structure: {problems}
+The optimizer states (`opt_state` and `like`) differ in structure: {problems}
 `like` must be the state of the same optimizer (the same `optax` chain, the same
 `multi_transform` labels) for the target's parameters, e.g. `tx.init(params)`,
 `step.init(tree)` or an `nnx.Optimizer(model, tx, wrt=...)`."""
@@ -156,7 +157,14 @@ def port_opt_state(
 
     ```
     """
+    for model, argument in ((source, "source"), (target, "target")):
+        if not isinstance(model, train_state.TrainState):
+            check_model(model, argument)
+    check_step(step)
+    check_rules(rules)
+    check_bool(strict, "strict")
     src_state, src_step = unwrap(opt_state)
+    check_opt_state(src_state, "opt_state")
     if like is None:
         if not isinstance(target, train_state.TrainState):
             raise TypeError(
@@ -166,6 +174,7 @@ def port_opt_state(
             )
         like = target
     like_state, _ = unwrap(like)
+    check_opt_state(like_state, "like")
     if step is None:
         step = src_step
     if step is None and isinstance(like, (nnx.Optimizer, train_state.TrainState)):

@@ -14,12 +14,13 @@ import optax
 from jax.core import Tracer
 
 from .._adapters._native import forward
+from .._arguments import check_bool, check_callable, check_hashable
 from .._paths import Path, path_of, path_str
 from .._tree import Tree, leaf_roles
 
 
 _SPEC_NOT_BOOL = """\
-The spec must hold True or False at every leaf; these leaves are not bools:
+`spec` must hold True or False at every leaf; these leaves are not bools:
 {problems}
 Make a spec with bridge.trainable(tree, where), or with
 eqx.tree_at(where, jax.tree_util.tree_map(lambda _: False, tree), replace=...)."""
@@ -163,6 +164,10 @@ def make_step(
 
     ```
     """
+    check_callable(loss_fn, "loss_fn")
+    check_bool(has_aux, "has_aux")
+    check_bool(donate, "donate")
+    check_hashable(axis_name, "axis_name")
     return TrainStep(loss_fn, optimizer, spec, has_aux, donate, axis_name)
 
 

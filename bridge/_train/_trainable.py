@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .._arguments import check_pattern
 from .._tree import Tree, leaf_roles
 
 
@@ -80,7 +81,7 @@ def trainable(tree: Tree, where: Callable[[Tree], Any] | str | re.Pattern) -> Tr
     """
     if not isinstance(tree, Tree):
         raise TypeError(
-            f"bridge.trainable expects a bridge.Tree, got {type(tree).__name__}: "
+            f"`tree` must be a bridge.Tree, got {type(tree).__name__}: "
             "convert the model first with bridge.to_neutral(model)."
         )
     flat, treedef = jtu.tree_flatten_with_path(tree)
@@ -90,7 +91,7 @@ def trainable(tree: Tree, where: Callable[[Tree], Any] | str | re.Pattern) -> Tr
         selected = _selected_by_callable(where, treedef, len(flat))
         what = "the selected parts"
     else:
-        pattern = re.compile(where)
+        pattern = check_pattern(where, "where")
         selected = {i for i, p in enumerate(paths) if pattern.search(p)}
         what = f"the paths matching r'{pattern.pattern}'"
     flags = [i in selected and roles[i] == "params" for i in range(len(flat))]
