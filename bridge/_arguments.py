@@ -115,6 +115,12 @@ def check_pair(value: Any, argument: str, expected: str, item: Any) -> None:
         item(member, f"{argument}[{i}]")
 
 
+def check_inputs(value: Any, argument: str) -> None:
+    """None, an input array, or a tuple of inputs (call arguments)."""
+    if value is not None and not isinstance(value, tuple) and not is_array(value):
+        raise type_error(argument, "an input array, a tuple of inputs, or None", value)
+
+
 def check_mapping(value: Any, argument: str, *, optional: bool = True) -> None:
     if optional and value is None:
         return

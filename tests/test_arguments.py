@@ -89,6 +89,10 @@ ROWS = [
     Row("port", "check", 5, TypeError),
     Row("port", "check_kwargs", 5, TypeError),
     Row("port", "check_kwargs", ({}, 5), TypeError),
+    Row("port", "example", 5, TypeError),
+    Row("port", "example_kwargs", 5, TypeError),
+    Row("port_plan", "example", "x", TypeError),
+    Row("port_plan", "example_kwargs", ({}, 5), TypeError),
     Row("port_opt_state", "opt_state", 5, ValueError),  # a state of another shape
     Row("port_opt_state", "source", 5, TypeError),
     Row("port_opt_state", "target", 5, TypeError),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._torch import ties_of
-from .._arguments import check_rules
+from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
 from .._tree import Tree
@@ -582,6 +582,8 @@ def port_plan(
     check_model(source, "source")
     check_model(target, "target")
     check_rules(rules)
+    check_inputs(example, "example")
+    check_pair_or_mapping(example_kwargs, "example_kwargs")
     given = None if example is None else Example(example, example_kwargs)
     plan, _ = make_plan(source, placeholders(target), rules, False, None, given)
     return plan

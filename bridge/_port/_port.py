@@ -15,10 +15,9 @@ from .._adapters._native import check_model, like, placeholders
 from .._arguments import (
     check_bool,
     check_dtype,
+    check_inputs,
     check_pair_or_mapping,
     check_rules,
-    is_array,
-    type_error,
 )
 from .._lazy import materialise
 from .._lora._port import join as lora_join, split as lora_split
@@ -135,9 +134,10 @@ def port(
     check_rules(rules)
     check_bool(strict, "strict")
     check_dtype(dtype)
-    if check is not None and not isinstance(check, tuple) and not is_array(check):
-        raise type_error("check", "an input array, a tuple of inputs, or None", check)
+    check_inputs(check, "check")
     check_pair_or_mapping(check_kwargs, "check_kwargs")
+    check_inputs(example, "example")
+    check_pair_or_mapping(example_kwargs, "example_kwargs")
     abstract = placeholders(target)
     given = examples(example, example_kwargs, check, check_kwargs)
     plain, adapters = lora_split(source)  # LoRA adapters follow their layers
