@@ -4,6 +4,7 @@ is a `TypeError`, a wrong value a `ValueError`, and both name the argument (neve
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,16 +55,17 @@ def check_pattern(pattern: Any, argument: str) -> re.Pattern:
 
 
 def check_rules(rules: Any, argument: str = "rules") -> None:
-    """None, or a mapping of regular expressions to replacement strings."""
+    """None, or a mapping of regular expressions to replacement strings (or None:
+    drop what the pattern matches)."""
     if rules is None:
         return
     if not isinstance(rules, Mapping):
         raise type_error(argument, "a dict of regex -> replacement, or None", rules)
     for pattern, replacement in rules.items():
         check_pattern(pattern, f"{argument}[{pattern!r}]")
-        if not isinstance(replacement, str):
+        if replacement is not None and not isinstance(replacement, str):
             raise type_error(
-                f"{argument}[{pattern!r}]", "a replacement string", replacement
+                f"{argument}[{pattern!r}]", "a replacement string or None", replacement
             )
 
 
@@ -178,6 +180,21 @@ def check_opt_state(state: Any, argument: str) -> None:
                 f"`tx.init(params)` makes it), but {argument}{jtu.keystr(path)} is "
                 f"a {type(leaf).__name__}."
             )
+
+
+def check_number(value: Any, argument: str, *, optional: bool = False) -> None:
+    """An int or a float (not a bool), or None when optional."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise type_error(argument, "a number" + (" or None" if optional else ""), value)
+
+
+def check_path(value: Any, argument: str) -> None:
+    if not isinstance(value, str | os.PathLike):
+        raise type_error(argument, "a str or os.PathLike", value)
+    if os.fspath(value) in ("", "."):
+        raise ValueError(f"`{argument}` must name a file or directory, got {value!r}.")
 
 
 def check_int(

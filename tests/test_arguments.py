@@ -73,6 +73,30 @@ ROWS = [
     Row("load", "like", 5, TypeError),
     Row("load", "dtype", "float99", TypeError),
     Row("load", "opt_state_like", 5, TypeError),
+    Row("lora", "model", 5, TypeError),
+    Row("lora", "where", 5, TypeError),
+    Row("lora", "where", "(", ValueError),
+    Row("lora", "rank", "2", TypeError),
+    Row("lora", "rank", 0, ValueError),
+    Row("lora", "alpha", "x", TypeError),
+    Row("lora", "key", "x", TypeError),
+    Row("lora", "use_rslora", "yes", TypeError),
+    Row("lora", "dropout", "x", TypeError),
+    Row("lora", "dropout", 2.0, ValueError),
+    Row("lora", "dtype", "float99", TypeError),
+    Row("merge_lora", "model", 5, TypeError),
+    Row("save_peft", "directory", 5, TypeError),
+    Row("save_peft", "directory", "", ValueError),
+    Row("save_peft", "model", 5, TypeError),
+    Row("save_peft", "rules", 5, TypeError),
+    Row("save_peft", "rules", {"(": "x"}, ValueError),
+    Row("save_peft", "prefix", 5, TypeError),
+    Row("load_peft", "directory", 5, TypeError),
+    Row("load_peft", "directory", "", ValueError),
+    Row("load_peft", "like", 5, TypeError),
+    Row("load_peft", "rules", 5, TypeError),
+    Row("load_peft", "rules", {"(": "x"}, ValueError),
+    Row("load_peft", "prefix", 5, TypeError),
     Row("make_step", "loss_fn", 5, TypeError),
     Row("make_step", "optimizer", 5, TypeError),
     Row("make_step", "spec", 5, TypeError),
@@ -185,6 +209,7 @@ def valid(tmp_path_factory):
     path = directory / "m.safetensors"
     bridge.save(path, linear)
     x = np.ones((1, 2), F)
+    adapted = bridge.lora(linear, ".*", rank=1, key=jax.random.key(0))
     variables = {"params": {"kernel": np.ones((2, 3), F), "bias": np.zeros(3, F)}}
     return {
         "as_equinox": ((linear,), {}),
@@ -196,6 +221,10 @@ def valid(tmp_path_factory):
         "from_nnx": ((linear,), {}),
         "from_torch": ((arrays_sd(),), {}),
         "load": ((path,), {}),
+        "lora": ((linear, ".*"), {"rank": 1, "key": jax.random.key(0)}),
+        "merge_lora": ((adapted,), {}),
+        "save_peft": ((directory / "peft", adapted), {}),
+        "load_peft": ((directory / "peft_in", linear), {}),
         "make_step": (
             (lambda m, x: 0.0, tx, bridge.trainable(tree, "kernel")),
             {},

@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from .._adapters._native import to_neutral
+from .._adapters._native import check_model, to_neutral
+from .._arguments import (
+    check_bool,
+    check_dtype,
+    check_number,
+    check_pattern,
+    is_array,
+    type_error,
+)
 from .._paths import Path, at, path_of, path_str
 from .._train._trainable import _selected_by_callable
 from .._tree import Tree, framework, items, kind, leaf_roles, roles, walk
@@ -125,10 +133,21 @@ def lora(
 
     ```
     """
+    check_model(model, "model")
+    if isinstance(where, str):
+        check_pattern(where, "where")
+    check_number(alpha, "alpha", optional=True)
+    if not is_array(key):
+        raise type_error("key", "a JAX key (jax.random.key(0))", key)
+    check_bool(use_rslora, "use_rslora")
+    check_number(dropout, "dropout")
+    check_dtype(dtype)
     tree = to_neutral(model)
     frame = frame_of(framework(tree))
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"`rank` must be an int, got {type(rank).__name__}.")
+    if rank < 1:
+        raise ValueError(f"`rank` must be at least 1, got {rank}.")
     settings = Settings(
         rank, float(rank if alpha is None else alpha), use_rslora, dropout
     )

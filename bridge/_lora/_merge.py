@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import to_neutral
+from .._adapters._native import check_model, to_neutral
 from .._paths import Path, at
 from .._tree import Tree, framework
 from ._settings import A, B, Target, frame_of
@@ -69,6 +69,7 @@ def merge_lora(model: Any) -> Any:
 
     ```
     """
+    check_model(model, "model")
     tree = to_neutral(model)
     frame = frame_of(framework(tree))
     found = [t for t in frame.targets(tree) if t.settings is not None]

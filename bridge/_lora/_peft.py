@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from .._adapters._native import to_neutral
+from .._adapters._native import check_model, to_neutral
+from .._arguments import check_path, check_rules, check_str
 from .._io._atomic import atomic_dir
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
@@ -192,6 +193,10 @@ def save_peft(
 
     ```
     """
+    check_path(directory, "directory")
+    check_model(model, "model")
+    check_rules(rules)
+    check_str(prefix, "prefix")
     tree = to_neutral(model)
     frame = frame_of(framework(tree))
     found = [t for t in frame.targets(tree) if t.settings is not None]
@@ -305,6 +310,10 @@ def load_peft(
     unsupported config keys, a target module or tensor with no matching layer, a
     layer without its tensors, tensors whose shapes do not fit their layer.
     """
+    check_path(directory, "directory")
+    check_model(like, "like")
+    check_rules(rules)
+    check_str(prefix, "prefix")
     path = FilePath(directory)
     config = json.loads((path / CONFIG).read_text())
     tensors = load_file(str(path / WEIGHTS))
