@@ -39,6 +39,7 @@ def arrays_sd():
 
 
 F = np.float32
+HF = {"layout": "torch", "path": "FOLDER"}  # a Hugging Face folder
 ROWS = [
     Row("as_equinox", "model", 5, TypeError),
     Row("as_linen", "model", 5, TypeError),
@@ -153,6 +154,11 @@ ROWS = [
     Row("save", "extra", {1: np.ones(2, F)}, TypeError, {"opt_state": "OPT"}),
     Row("save", "extra", {"": np.ones(2, F)}, ValueError, {"opt_state": "OPT"}),
     Row("save", "extra", {"a": "text"}, TypeError, {"opt_state": "OPT"}),
+    Row("save", "max_shard_size", [1], TypeError, HF),
+    Row("save", "max_shard_size", -1, ValueError, HF),
+    Row("save", "max_shard_size", "5XB", ValueError, HF),
+    Row("save", "config", 5, TypeError, HF),
+    Row("save", "generation_config", 5, TypeError, HF),
     Row("to_equinox", "tree", 5, TypeError),
     Row("to_linen", "tree", 5, TypeError),
     Row("to_native", "tree", 5, TypeError),
@@ -244,6 +250,7 @@ def valid(tmp_path_factory):
         "trainable": ((tree, "kernel"), {}),
         "unregister_codec": (("Dense",), {}),
         "OPT": nnx.Optimizer(linear, tx, wrt=nnx.Param),
+        "FOLDER": directory / "hf",
         "LINEN": bridge.from_linen(variables, nn.Dense(3)),
     }
 

@@ -76,6 +76,8 @@ def shard_size(value: int | str) -> int:
 
     ```
     """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(_BAD_SIZE.format(value=value))
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str) and value.strip()[-2:].upper() in _UNITS:
