@@ -19,7 +19,7 @@ from .helpers import requires, run_markdown
 @pytest.mark.parametrize("wrap", [bridge.as_nnx, bridge.as_linen, bridge.as_equinox])
 def test_not_a_model(wrap):
     with pytest.raises(
-        TypeError, match=r"wraps a model of another framework, but got a int"
+        TypeError, match=r"wraps `model`, a model of another framework, but got a int"
     ):
         wrap(3)
     with pytest.raises(TypeError, match=r"got a tuple of str, int"):

@@ -83,7 +83,10 @@ def test_hostile_input_is_refused_cleanly(tmp_path, case, warm, capsys):
                 bridge.load(path, like=like)
             message = str(info.value)
             assert path.name in message, message
-        for argv in (["inspect", str(path)], ["convert", str(path), str(out / "x.safetensors")]):
+        for argv in (
+            ["inspect", str(path)],
+            ["convert", str(path), str(out / "x.safetensors")],
+        ):
             assert _cli.main(argv) == 1
             err = capsys.readouterr().err
             assert err.startswith(f"bridge {argv[0]}: error: ") and err.count("\n") == 1
