@@ -189,6 +189,7 @@ TORCH_TESTS = [
     "tests/test_lora_peft.py",
     "tests/test_torch_hf_folder.py",
     "tests/test_torch_stack_export.py",
+    "tests/test_torch_hf_moe.py",
 ]
 
 

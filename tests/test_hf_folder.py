@@ -18,13 +18,14 @@ import pytest
 import safetensors
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import bridge
 from bridge._io import _hf_folder
 from bridge._io._hf_folder import plan_folder, runs, shard_size
 
 from .helpers import requires
+from .hf_common import node
 
 
 pytestmark = requires("NNX")
@@ -261,3 +262,46 @@ def test_convert_writes_a_folder(tmp_path, capsys):
         main(["convert", str(src), str(tmp_path / "x.msgpack"), *more])
     assert usage.value.code == 2
     assert "apply only to a Hugging Face folder" in capsys.readouterr().err
+
+
+class Expert(nnx.Module):
+    def __init__(self, rngs):
+        self.gate_proj = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
+
+
+def MoE():
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def experts(rngs):
+        return Expert(rngs)
+
+    router = nnx.Linear(8, 4, use_bias=False, rngs=nnx.Rngs(1))
+    return node(mlp=node(gate=router, experts=experts(nnx.Rngs(0))))
+
+
+def test_packed_experts_from_sharded_stacks(tmp_path):
+    model = MoE()
+    plain = tmp_path / "plain"
+    bridge.save(plain, model, layout="torch", packed_experts="qwen2_moe")
+    arrays, _ = _folder(plain)
+    stack = model.mlp.experts
+    gate, up = stack.gate_proj.kernel[...], stack.up_proj.kernel[...]  # (E, D, F)
+    packed = np.concatenate([np.swapaxes(gate, 1, 2), np.swapaxes(up, 1, 2)], 1)
+    assert np.array_equal(arrays["mlp.experts.gate_up_proj"], packed)
+    down = np.swapaxes(stack.down_proj.kernel[...], 1, 2)
+    assert np.array_equal(arrays["mlp.experts.down_proj"], down)
+    # the expert axis and a later one sharded: each block written into its place
+    mesh = jax.make_mesh((4, 2), ("e", "x"), axis_types=(AxisType.Auto,) * 2)
+    tree = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("e", "x"))),
+        bridge.from_nnx(model),
+    )
+    sharded = tmp_path / "sharded"
+    _hf_folder.save_folder(sharded, tree, packed_experts="qwen2_moe")
+    assert (sharded / "model.safetensors").read_bytes() == (
+        plain / "model.safetensors"
+    ).read_bytes()
+    with pytest.raises(ValueError, match="`experts` must be one of"):
+        bridge.save(tmp_path / "x", model, layout="torch", packed_experts="gpt")

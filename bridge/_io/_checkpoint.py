@@ -55,6 +55,7 @@ from .._tree import (
     walk,
 )
 from . import (  # noqa: F401  (they register formats)
+    _experts,
     _hf_folder,
     _msgpack,
     _orbax,
@@ -271,6 +272,7 @@ def save(
     max_shard_size: int | str | None = None,
     config: Any = None,
     generation_config: Any = None,
+    packed_experts: str | None = None,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -335,6 +337,10 @@ def save(
       atomically as a whole (a temporary folder swapped in); under
       `jax.distributed`, called in every process, each writes only its own shards'
       bytes.
+    - `packed_experts`: with a Hugging Face folder, a model family (`"qwen2_moe"`,
+      `"mixtral"`) whose per-expert weights (`mlp.experts.{e}.gate_proj.weight`, as
+      a stack of experts is written) are written packed as transformers v5 holds
+      them (`mlp.experts.gate_up_proj` `(E, 2F, D)`, `mlp.experts.down_proj`).
 
     **Returns:**
 
@@ -363,6 +369,7 @@ def save(
     training = opt_state is not None or step is not None or extra is not None
     folder = {"max_shard_size": max_shard_size, "config": config}
     folder["generation_config"] = generation_config
+    folder["packed_experts"] = packed_experts
     if layout is None and any(v is not None for v in folder.values()):
         raise ValueError(_FOLDER_OPTIONS.format(options=_given(folder)))
     if layout is not None or rules is not None or prefix:
@@ -565,7 +572,10 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     """
     if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
         ordered = sorted(contents.tensors, key=lambda s: _natural(s.path))
-        return from_torch({s.key: arrays[s.key] for s in ordered})
+        state = {s.key: arrays[s.key] for s in ordered}
+        if _experts.has_packed(state):  # transformers v5: read per expert
+            state = _experts.unpack(state)
+        return from_torch(state)
     kinds = {p: cls for p, c, _ in contents.modules if (cls := _resolve(c))}
     adapter = registered(contents.framework)
     if adapter is not None and adapter.from_file is not None:

@@ -35,7 +35,9 @@ import jax
 import numpy as np
 
 from .._tree import Tree
+from . import _experts
 from ._atomic import _barrier, atomic_dir
+from ._experts import Place
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
 from ._sharded import INDEX_SUFFIX
 from ._torch_layout import TorchLayer, torch_layers
@@ -250,6 +252,16 @@ def write_block(fd: int, entry: Entry, index: tuple, block: np.ndarray) -> int:
     return done
 
 
+def _inside(place: Place, index: tuple, shape: tuple[int, ...]) -> tuple:
+    """The index in the packed tensor of block `index` of an expert's weight."""
+    (lo, hi), *rest = _bounds(index, shape)
+    return (
+        slice(place.expert, place.expert + 1),
+        slice(place.row + lo, place.row + hi),
+        *(slice(a, b) for a, b in rest),
+    )
+
+
 def _own_blocks(array: Any) -> Iterator[tuple[tuple, Any]]:
     """The blocks of `array` this process writes: `(index, values)` for each shard it
     holds with `replica_id == 0`; a host array whole, by process 0."""
@@ -338,6 +350,7 @@ def write_folder(
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     configs: Mapping[str, str] | None = None,
     metadata: Mapping[str, str] | None = None,
+    places: Mapping[str, Place] | None = None,
 ) -> Written:
     """Write a Hugging Face model folder at `path`, atomically as a whole.
 
@@ -347,8 +360,11 @@ def write_folder(
     once). Arrays may be host arrays or `jax.Array`s, sharded over the processes of
     a `jax.distributed` run: every process calls this, and each writes only the
     bytes of the shards it holds. `configs` are written as they are
-    (`config_files`); the previous folder's other files are kept.
+    (`config_files`); the previous folder's other files are kept. `places` puts
+    arrays into part of another tensor of `tensors` (experts into their packed
+    tensor, `_experts.packing`).
     """
+    places = places or {}
     if os.path.lexists(path) and not (path.is_dir() and is_model_folder(path)):
         raise FileExistsError(_NOT_A_FOLDER.format(path=path))
     plan = plan_folder(tensors, max_shard_size, metadata)
@@ -369,13 +385,16 @@ def write_folder(
                 stack.callback(os.close, fds[file])
             for encode, leaves in layers:
                 for name, array in encode(leaves).items():
-                    entry = plan.entries[name]
+                    place = places.get(name)
+                    entry = plan.entries[name if place is None else place.packed]
                     if entry.code in _PACKED and isinstance(array, jax.Array):
                         if not array.is_fully_addressable:
                             raise ValueError(
                                 _PACKED_SPREAD.format(names=name, dtype=array.dtype)
                             )
                     for index, block in _own_blocks(array):
+                        if place is not None:
+                            index = _inside(place, index, np.shape(array))
                         written += write_block(fds[entry.file], entry, index, block)
                     del array
             for fd in fds.values():
@@ -428,12 +447,19 @@ def save_folder(
     max_shard_size: int | str | None = None,
     config: Any = None,
     generation_config: Any = None,
+    packed_experts: str | None = None,
 ) -> Written:
     """`tree` in PyTorch layout (`torch_layers`) as a Hugging Face model folder
-    (`write_folder`), one layer converted at a time."""
+    (`write_folder`), one layer converted at a time; with `packed_experts` (a model
+    family, `"qwen2_moe"` or `"mixtral"`), that family's per-expert weights written
+    packed (`_experts.packing`)."""
     configs = config_files(config, generation_config)
+    family = None if packed_experts is None else _experts.family(packed_experts)
     layers = torch_layers(tree, rules, prefix)
     tensors = [t for layer in layers for t in _described(layer)]
+    places: dict[str, Place] = {}
+    if family is not None:
+        tensors, places = _experts.packing(tensors, family)
     counts = Counter(name for name, _, _ in tensors)
     twice = sorted(n for n, c in counts.items() if c > 1)
     if twice:
@@ -445,6 +471,7 @@ def save_folder(
         max_shard_size=DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size,
         configs=configs,
         metadata=metadata,
+        places=places,
     )
 
 
