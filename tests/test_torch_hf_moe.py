@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, requires("NNX")]
 
-D, FF, MOE_FF, SHARED_FF, VOCAB, LAYERS, HEADS, KV, E = 16, 32, 8, 16, 64, 2, 4, 2, 4
+D, FF, MOE_FF, SHARED_FF, VOCAB, LAYERS, HEADS, KV, E = 16, 32, 8, 24, 64, 2, 4, 2, 4
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 40]])
 
 
