@@ -52,6 +52,7 @@ def _rss(field: str) -> int:
 
 def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
     import equinox as eqx
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -69,10 +70,25 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
         del flat
         bias = jnp.zeros((layers, n), jnp.float32)
         params = {"blocks": {"Dense_0": {"kernel": kernel, "bias": bias}}}
+    # "traced": names that do not pair (`layer_z`, `layer_y`, ... applied in that
+    # order, the dict sorted as after an optax step): only the trace orders them
+    names = [f"layer_{chr(ord('z') - i)}" for i in range(layers)]
     for i in range(0 if stacked else layers):
         kernel = jnp.asarray(np.arange(n * n, dtype=np.float32).reshape(n, n) + i)
-        params[f"Dense_{i}"] = {"kernel": kernel, "bias": jnp.zeros(n, jnp.float32)}
+        name = names[i] if kind == "traced" else f"Dense_{i}"
+        params[name] = {"kernel": kernel, "bias": jnp.zeros(n, jnp.float32)}
+    if kind == "traced":
+        params = dict(sorted(params.items()))
     variables = {"params": params}
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for name in names[:layers]:
+                x = nn.Dense(n, name=name)(x)
+            return x
+
+    example = jax.ShapeDtypeStruct((1, n), jnp.float32)  # batched, as compare's
     arrays = jax.tree_util.tree_leaves(variables)
     nbytes = sum(a.nbytes for a in arrays)
     target = eqx.filter_eval_shape(
@@ -102,14 +118,22 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
             ]
         else:
             out = [np.ascontiguousarray(np.asarray(a).T) for a in arrays]
+    elif kind == "traced":
+        source = (MLP(), variables)
+        out = jax.block_until_ready(bridge.port(source, target, example=example))
+    elif kind == "named":  # example inputs given, names decide: no trace is made
+        out = jax.block_until_ready(bridge.port(variables, target, example=example))
     else:
         out = jax.block_until_ready(bridge.port(variables, target))
+    if kind != "numpy":
         check = out.layers[1].weight
         # numpy views of the source (a JAX slice would be a copy of one layer)
         first = (
             np.asarray(params["blocks"]["Dense_0"]["kernel"])[1]
             if stacked
-            else np.asarray(params["Dense_1"]["kernel"])
+            else np.asarray(
+                params[names[1] if kind == "traced" else "Dense_1"]["kernel"]
+            )
         )
         assert check.shape == (n, n) and float(check[0, 1]) == float(first[1, 0])
     seconds = time.perf_counter() - start
@@ -148,7 +172,17 @@ def main():
     parser.add_argument(
         "--stacked", action="store_true", help="an nn.scan stack -> per-layer Equinox"
     )
-    parser.add_argument("--worker", choices=["numpy", "port"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also port with example inputs: names that do not pair (the trace "
+        "orders them), and Dense_i names (they decide: no trace)",
+    )
+    parser.add_argument(
+        "--worker",
+        choices=["numpy", "port", "traced", "named"],
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.worker, args.size_mb, args.layers, args.stacked)))
@@ -156,6 +190,8 @@ def main():
     if args.quick:
         args.size_mb, args.repeats = 16, 1
     runs = {"numpy": [], "port": []}
+    if args.trace:
+        runs.update(traced=[], named=[])
     for _ in range(args.repeats):  # interleaved: numpy, port, numpy, port, ...
         for kind in runs:
             runs[kind].append(_run(kind, args))
@@ -180,6 +216,10 @@ def main():
     print(f"port throughput / numpy transpose-copy: {ratio:.2f}  (goal >= 0.5)")
     peak = med["port"]["peak_over_model"]
     print(f"port peak RSS / model size: {peak:.2f}  (goal <= 2.2)")
+    if args.trace:
+        for kind, what in (("traced", "paired by the trace"), ("named", "names")):
+            extra = med[kind]["seconds"] / med["port"]["seconds"] - 1
+            print(f"port with example= ({what}) / port: +{extra:.1%}  (goal <= 10%)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def resnet():
     return linen_resnet()
 
 
+@pytest.mark.slow  # a ResNet-18 built and run eagerly: minutes on a shared CPU
 @pytest.mark.parametrize("framework", ["equinox", "nnx"])
 def test_flax_imagenet_resnet_fresh_init_ports_without_rules(resnet, framework):
     """Fresh `module.init` variables: each block's dict (`Conv_0, BatchNorm_0,
@@ -66,6 +67,7 @@ def test_flax_imagenet_resnet_fresh_init_ports_without_rules(resnet, framework):
     assert bridge.compare(resnet, ported, x, per_side=TRAIN_OFF) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["equinox", "nnx"])
 def test_flax_imagenet_resnet_after_an_optax_step_pairs_by_the_forward_pass(
     resnet, framework
@@ -92,6 +94,7 @@ def test_flax_imagenet_resnet_after_an_optax_step_pairs_by_the_forward_pass(
     assert bridge.compare(source, checked, x, per_side=TRAIN_OFF) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_forward_pass_that_fails_on_the_example_is_reported(resnet):
     module, variables = resnet
     source = (module, {**variables, "params": _optax_step(variables["params"])})

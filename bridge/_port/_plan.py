@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import check_model, placeholders, to_neutral
+from .._adapters._native import check_model, placeholders, to_native, to_neutral
 from .._adapters._torch import ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
@@ -522,6 +522,12 @@ def _tracer(
         return done[0]
 
     def _trace_once() -> Mapping[Path, Position] | None:
+        try:
+            native = to_native(tree)
+        except (TypeError, ValueError):  # a part of a model: nothing to run
+            return None
+        if isinstance(native, Mapping):  # arrays without a model to run (Linen
+            return None  # variables alone, a state dict): the order known decides
         try:
             return first_uses(tree, example.inputs, example.kwargs[side])
         except Exception as error:  # the model's own error on these inputs
