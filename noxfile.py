@@ -190,7 +190,10 @@ TORCH_TESTS = [
     "tests/test_torch_hf_folder.py",
     "tests/test_torch_stack_export.py",
     "tests/test_torch_hf_moe.py",
+    "tests/test_quant_torch.py",
+    "tests/test_quant_gguf.py",
 ]
+QUANT = ["gguf", "compressed-tensors"]  # the quantized-checkpoint tests' references
 
 
 @nox.session(python="3.11", venv_backend="virtualenv")
@@ -202,6 +205,7 @@ def tests_torch(session: nox.Session) -> None:
     CUDA build."""
     session.run("python", "-m", "pip", "install", "--quiet", *TORCH)
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
+    session.run("python", "-m", "pip", "install", "--quiet", *QUANT)
     session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)  # slow ones too
 
 

@@ -29,6 +29,7 @@ from ._io._contents import Malformed, decode, encode
 from ._io._format import format_of, formats
 from ._io._hf_folder import write_arrays
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
+from ._quant._read import quantization_summary
 
 
 _DESCRIPTION = """\
@@ -218,7 +219,8 @@ def _totals(found: list[dict[str, Any]]) -> dict[str, int]:
 
 def _inspect(args: argparse.Namespace, console: Console) -> None:
     with open_checkpoint(args.path) as contents:
-        pass  # the header is all inspect shows
+        # the header is all inspect shows, and a quantized weight's dense shape
+        quantized = quantization_summary(contents)
     if args.json:
         found = rows(contents, args.filter)
         report = dict(
@@ -230,6 +232,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
             arrays=found,
             totals=_totals(found),
             training=_training.summary(contents, human),
+            quantized=quantized,
             metadata=contents.metadata,
         )
         print(json.dumps(report, indent=1))
@@ -248,6 +251,8 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
         console.print(f"{len(shards)} shard files", soft_wrap=True)
     console.print(table)
     console.print(totals, soft_wrap=True, markup=False)
+    for line in quantized:
+        console.print(line, markup=False, soft_wrap=True)
     for line in _training.summary(contents, human):
         console.print(printable(line), soft_wrap=True)
     if contents.version:

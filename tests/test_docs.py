@@ -88,7 +88,14 @@ def test_page_code_runs(page, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "guide",
-    ["porting.md", "checkpoints.md", "pytorch.md", "large-models.md", "lora.md"],
+    [
+        "porting.md",
+        "checkpoints.md",
+        "pytorch.md",
+        "large-models.md",
+        "lora.md",
+        "quantized.md",
+    ],
 )
 def test_guide_code_runs(guide, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # guides may write checkpoint files

@@ -43,6 +43,8 @@ from .._paths import Path as TreePath, at, path_of
 from .._placement import place, sharding_of
 from .._port._errors import PortError
 from .._port._port import port
+from .._quant import _gguf, _write as _quant_write
+from .._quant._read import dense, dequantized, lazy_arrays
 from .._tree import (
     Tree,
     build,
@@ -70,6 +72,7 @@ from ._contents import (
     Stored,
     dotted as dotted,
     encode as encode,
+    split,
 )
 from ._errors import CheckpointError
 from ._format import format_named, format_of, formats
@@ -266,6 +269,7 @@ def save(
     layout: str | None = None,
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
+    quantize: str | None = None,
     opt_state: Any = None,
     step: int | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -320,6 +324,12 @@ def save(
       the replacement.
     - `prefix`: with `layout="torch"`, put before every name (`"bert."`), as
       Hugging Face's `base_model_prefix`.
+    - `quantize`: with `layout="torch"` and a `*.safetensors` path, `"fp8-block"`
+      writes each linear layer's weight (but `lm_head`) as `float8_e4m3fn` with a
+      float32 `weight_scale_inv` per 128x128 block, and the matching
+      `quantization_config` into the `config.json` beside the file (DeepSeek-V3's
+      form, read by transformers and serving engines). See the quantized
+      checkpoints guide.
     - `opt_state`: optional, the optimizer state made for `obj`'s parameters: an
       optax state (`tx.init(params)`, `step.init(tree)`), an `nnx.Optimizer` or a
       Linen `TrainState` (their step is saved too). See "Resuming training in
@@ -372,13 +382,14 @@ def save(
     folder["packed_experts"] = packed_experts
     if layout is None and any(v is not None for v in folder.values()):
         raise ValueError(_FOLDER_OPTIONS.format(options=_given(folder)))
-    if layout is not None or rules is not None or prefix:
+    if layout is not None or rules is not None or prefix or quantize is not None:
         if training:
             raise ValueError(
                 "A PyTorch-layout file holds the model's arrays only: save the "
                 "training state (`opt_state`, `step`, `extra`) in bridge's layout."
             )
-        _save_layout(path, to_neutral(obj), metadata, layout, rules, prefix, folder)
+        tree = to_neutral(obj)
+        _save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize)
         return
     tree = to_neutral(obj)
     contents, arrays = describe(tree, metadata)
@@ -407,6 +418,10 @@ def _given(options: Mapping[str, Any]) -> str:
     return ", ".join(f"`{k}`" for k, v in options.items() if v is not None)
 
 
+_QUANTIZE_FOLDER = """\
+{path}: `quantize` writes one *.safetensors file (and the quantization_config into the
+config.json beside it); a Hugging Face folder is not written quantized yet."""
+
 _LAYOUT_OPTIONS = """\
 `layout` must be "torch" (or None for the model's own layout), got {layout!r}; `rules`
 and `prefix` apply only with layout="torch"."""
@@ -420,14 +435,18 @@ def _save_layout(
     rules: Mapping[str, str] | None,
     prefix: str,
     folder: Mapping[str, Any],
+    quantize: str | None = None,
 ) -> None:
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
+    _quant_write.check(quantize)
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not _both_str(k, v)]
     if bad:
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
     if not format_of(path).suffixes:  # a folder: save_pretrained's layout
+        if quantize is not None:
+            raise ValueError(_QUANTIZE_FOLDER.format(path=path))
         if not path.parent.is_dir():
             raise FileNotFoundError(
                 f"{path.parent}: no such directory to save {path.name} in."
@@ -443,13 +462,19 @@ def _save_layout(
         )
     if any(v is not None for v in folder.values()):
         raise ValueError(_FOLDER_OPTIONS.format(options=_given(folder)))
-    state = torch_state(tree, rules, prefix)
+    kinds: dict[str, str] = {}
+    state = torch_state(tree, rules, prefix, kinds=kinds)
+    if quantize is not None:
+        linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
+        state = _quant_write.quantized_state(state, linear)
     tensors = tuple(
         Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))
         for k, v in state.items()
     )
     contents = Contents(path, "safetensors", None, "", None, (), user, tensors)
     _safetensors.save_plain(path, contents, state, {**user, "format": "pt"})
+    if quantize is not None:
+        _quant_write.write_config(path.parent)
 
 
 # --- reading ------------------------------------------------------------------------
@@ -514,17 +539,22 @@ def read(
     return out
 
 
-_LAZY = (_safetensors.NAME, _sharded.NAME)  # the formats read array by array
+_LAZY = (_safetensors.NAME, _sharded.NAME, _gguf.NAME)  # read array by array
 
 
-def _lazy(contents: Contents) -> dict[str, Any]:
+def _lazy(contents: Contents, dtype: Any = None) -> dict[str, Any]:
     """Every array of a safetensors or sharded checkpoint by dotted name, as a
     `LazyArray` that `bridge.port` reads when it converts its layer (then places and
     drops it), so that a port holds the model being filled plus about one array of
     the file. Typed PRNG keys and 64-bit arrays JAX would truncate (small) are read
-    now, as `read` gives them."""
-    arrays: dict[str, Any] = dict(_sharded.lazy(contents))
+    now, as `read` gives them. The tensors of each quantized weight come as one
+    `LazyArray` that dequantizes them into `dtype` (`bridge._quant._read`)."""
+    raw = lazy_arrays(contents)
+    assert raw is not None  # a format in _LAZY
+    arrays: dict[str, Any] = dense(contents, raw, dtype)
     for s in contents.tensors:
+        if s.key not in arrays:  # a part of a quantized weight
+            continue
         if s.prng_impl is not None:
             data = jax.device_put(arrays[s.key].read())
             arrays[s.key] = jax.random.wrap_key_data(data, impl=s.prng_impl)
@@ -571,8 +601,9 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     that dict.
     """
     if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
-        ordered = sorted(contents.tensors, key=lambda s: _natural(s.path))
-        state = {s.key: arrays[s.key] for s in ordered}
+        # (by `arrays`' names: a quantized weight's parts are one array there)
+        ordered = sorted(arrays, key=lambda name: _natural(split(name)))
+        state = {name: arrays[name] for name in ordered}
         if _experts.has_packed(state):  # transformers v5: read per expert
             state = _experts.unpack(state)
         return from_torch(state)
@@ -739,7 +770,9 @@ def load(
     with open_checkpoint(path) as everything:
         contents, training = _training.split(everything)
         if target is None:
-            arrays = {k: _cast(v, dtype) for k, v in read(contents).items()}
+            arrays = dequantized(contents, dtype)  # None: not quantized
+            if arrays is None:
+                arrays = {k: _cast(v, dtype) for k, v in read(contents).items()}
             return file_tree(contents, arrays)
         problems = _problems(contents, target, dtype)
         if not problems:
@@ -754,7 +787,7 @@ def load(
         else:
             try:
                 if contents.format in _LAZY:  # read while porting, array by array
-                    source = file_tree(contents, _lazy(contents))
+                    source = file_tree(contents, _lazy(contents, dtype))
                     model = port(source, like, dtype=dtype)
                 else:
                     source = file_tree(contents, read(contents))

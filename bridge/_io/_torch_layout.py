@@ -64,6 +64,7 @@ def torch_state(
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
     rename: Rename | None = None,
+    kinds: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
@@ -72,15 +73,18 @@ def torch_state(
     paths forwards, as `bridge convert --rename` does; `prefix` is put before every
     name. Raises `ValueError` listing every layer without a PyTorch-layout codec,
     every rule that cannot be read backwards, every unused or malformed rename, and
-    every name two layers would share.
+    every name two layers would share. `kinds`, if given, receives the kind of the
+    layer of each name written (`{"fc.weight": "Dense", ...}`).
     """
     if framework(tree) == "torch":
         return to_torch(tree, prefix=prefix or None)
-    return {
-        name: np.asarray(array)
-        for layer in torch_layers(tree, rules, prefix, rename)
-        for name, array in layer.encode(layer.leaves).items()
-    }
+    out = {}
+    for layer in torch_layers(tree, rules, prefix, rename):
+        encoded = layer.encode(layer.leaves)
+        if kinds is not None:
+            kinds.update(dict.fromkeys(encoded, layer.kind))
+        out.update((name, np.asarray(array)) for name, array in encoded.items())
+    return out
 
 
 class TorchLayer(NamedTuple):
@@ -92,6 +96,7 @@ class TorchLayer(NamedTuple):
 
     leaves: dict[str, Any]
     encode: Callable[[dict[str, Any]], dict[str, Any]]
+    kind: str = ""  # the layer's kind ("Dense", ...)
 
 
 def torch_layers(
@@ -122,7 +127,8 @@ def torch_layers(
     for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
         leaves = layer.leaves if layer.arrays is None else layer.arrays
-        out.append(TorchLayer(dict(leaves), _encoder(layer, kind, name, prefix)))
+        encoder = _encoder(layer, kind, name, prefix)
+        out.append(TorchLayer(dict(leaves), encoder, kind))
         if kind != ARRAY:
             _check(layer, kind, name, problems)
     for name, wheres in owners.items():

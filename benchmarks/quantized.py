@@ -1,0 +1,171 @@
+"""Load a block-scaled FP8 checkpoint (1 GiB once dequantized to bfloat16) into an
+abstract bfloat16 NNX model, against the same model's plain bfloat16 checkpoint:
+`bridge.load(folder, like=nnx.eval_shape(...))` for both.
+
+The FP8 folder is laid out as DeepSeek-V3's: LAYERS `nn.Linear(N, N, bias=False)`
+weights `float8_e4m3fn` `(out, in)` with float32 `weight_scale_inv`
+`(N / 128, N / 128)`, in shards of SHARD_LAYERS layers with a
+`model.safetensors.index.json`, and `config.json`'s `quantization_config` (the FP8
+values are random bytes, NaN codes excluded: the load's cost does not depend on them).
+bridge dequantizes each weight when its layer is ported, then transposes and places
+it.
+
+Each load runs in a fresh subprocess (FP8, bf16, FP8, ...): its time and the peak
+anonymous resident memory above the process's just before the load, as a multiple
+of the target model's bytes; medians over the rounds.
+
+    python benchmarks/quantized.py             # 1 GiB dequantized, 3 rounds
+    python benchmarks/quantized.py --quick     # 64 MiB (a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+import bridge
+
+
+LAYERS, SHARD_LAYERS = 16, 4
+
+
+def width(size_mb: int) -> int:
+    """N for LAYERS bfloat16 (N, N) weights of `size_mb` in all, a multiple of 128."""
+    return int((size_mb * 2**20 / LAYERS / 2) ** 0.5) // 128 * 128
+
+
+def _write(folder: Path, n: int, fp8: bool) -> None:
+    rng = np.random.default_rng(0)
+    weight_map = {}
+    for s in range(0, LAYERS, SHARD_LAYERS):
+        shard = {}
+        for i in range(s, s + SHARD_LAYERS):
+            name = f"layers.{i}.weight"
+            if fp8:
+                codes = rng.integers(0, 0x7F, (n, n), dtype=np.uint8)  # no NaN
+                codes |= rng.integers(0, 2, (n, n), dtype=np.uint8) << 7  # signs
+                shard[name] = codes.view(ml_dtypes.float8_e4m3fn)
+                scale = rng.uniform(1e-4, 1e-3, (n // 128, n // 128))
+                shard[name + "_scale_inv"] = scale.astype(np.float32)
+            else:
+                values = rng.standard_normal((n, n), np.float32) * 0.02
+                shard[name] = values.astype(ml_dtypes.bfloat16)
+        file = f"model-{s // SHARD_LAYERS + 1:05d}.safetensors"
+        safetensors.numpy.save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = {"dtype": "bfloat16"}
+    if fp8:
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+class Model(nnx.Module):
+    def __init__(self, n: int):
+        kw = dict(use_bias=False, param_dtype=jnp.bfloat16)
+        self.layers = nnx.List(
+            [nnx.Linear(n, n, rngs=nnx.Rngs(i), **kw) for i in range(LAYERS)]
+        )
+
+
+def anonymous() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def child(folder: Path, n: int) -> None:
+    abstract = nnx.eval_shape(lambda: Model(n))
+    jax.numpy.zeros(1).block_until_ready()  # the JAX backend, up before measuring
+    before = peak = anonymous()
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, anonymous())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    model = bridge.load(folder, like=abstract)
+    model.layers[-1].kernel[...].block_until_ready()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    extra = max(peak, anonymous()) - before
+    print(json.dumps({"seconds": seconds, "extra": extra}))
+
+
+def run(folder: Path, n: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", str(folder), "--n", str(n)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB dequantized")
+    parser.add_argument("--size-mb", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(Path(args.child), args.n)
+        return
+    n = width(args.size_mb or (64 if args.quick else 1024))
+    target = LAYERS * n * n * 2
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        fp8, bf16 = Path(tmp, "fp8"), Path(tmp, "bf16")
+        for folder, quantized in ((fp8, True), (bf16, False)):
+            folder.mkdir()
+            _write(folder, n, quantized)
+        results: dict[Path, list[dict]] = {fp8: [], bf16: []}
+        for _ in range(args.rounds):
+            for folder in (fp8, bf16):
+                results[folder].append(run(folder, n))
+    print(
+        f"{LAYERS} Linear({n}, {n}) in {LAYERS // SHARD_LAYERS} shards, target "
+        f"{target / 2**20:,.0f} MiB bfloat16; {args.rounds} interleaved rounds, medians"
+    )
+    rows = {}
+    for label, folder in (("FP8 block-scaled", fp8), ("bfloat16", bf16)):
+        seconds = statistics.median(r["seconds"] for r in results[folder])
+        extra = statistics.median(r["extra"] for r in results[folder])
+        rows[label] = seconds
+        print(
+            f"{label:17s} load {seconds:6.2f}s  peak RSS above start "
+            f"{extra / 2**20:,.0f} MiB = {extra / target:4.2f}x the target"
+        )
+    ratio = rows["FP8 block-scaled"] / rows["bfloat16"]
+    print(f"time FP8 / bfloat16: {ratio:4.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The GGUF format (llama.cpp's files: `*.gguf`), read with the `gguf` library.
+
+Its header is read by `gguf.GGUFReader`; each tensor is dequantized by
+`gguf.quants.dequantize` (Q8_0, Q4_0, Q4_K, Q6_K, ... to float32, bit for bit as
+llama.cpp's own reference) when its layer is converted. `F32`, `F16` and `BF16`
+tensors are read as they are. GGUF stores a tensor's dimensions innermost first; read
+in NumPy order, a linear layer's weight is `(out, in)`, PyTorch's layout, so a GGUF
+file is read as a PyTorch-layout checkpoint under its own names (`token_embd.weight`,
+`blk.0.attn_q.weight`, ...). The scalar key-values (`general.architecture`,
+`llama.block_count`, ...) are its metadata; arrays of them (the tokenizer's
+vocabulary) are left out.
+
+Note: llama.cpp's Hugging Face converter permutes the rows of Llama's `q_proj` and
+`k_proj` (`blk.N.attn_q`, `attn_k`) so that each head's rotary pairs are adjacent: a
+model reading them applies the rotary embedding to pairs `(2i, 2i + 1)`, as llama.cpp
+does, not to the two halves of each head as transformers' Llama does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .._io._contents import Contents, Stored, split
+from .._io._errors import unreadable
+from .._io._format import Format, register_format
+from .._lazy import LazyArray
+
+
+NAME = "gguf"
+
+_NO_GGUF = """\
+{path} is a GGUF file; reading it needs the `gguf` package (llama.cpp's reader): \
+pip install gguf"""
+
+_NO_WRITE = """\
+{path}: bridge reads GGUF files but does not write them. Save as safetensors \
+(optionally in PyTorch layout, quantized to FP8: save(..., layout="torch", \
+quantize="fp8-block")), or convert with llama.cpp's convert_hf_to_gguf.py."""
+
+_DENSE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+class Tensor(NamedTuple):
+    """One GGUF tensor: its ggml type's name (`"Q4_K"`), bits per weight, bytes
+    stored, and the reader's array of its bytes (or values)."""
+
+    type: str
+    bits: float
+    nbytes: int
+    data: Any
+
+
+class Source(NamedTuple):
+    """The open reader and each tensor by name."""
+
+    reader: Any
+    tensors: dict[str, Tensor]
+
+    def close(self) -> None:
+        mmap = getattr(self.reader.data, "_mmap", None)
+        if mmap is not None:
+            mmap.close()
+
+
+def _gguf(path: Path) -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise unreadable(path, NAME, _NO_GGUF.format(path=path)) from None
+    return gguf
+
+
+def _scalar(field: Any) -> str | None:
+    """A scalar key-value as text, None for an array."""
+    if len(field.types) != 1:
+        return None
+    value = field.contents()
+    return value if isinstance(value, str) else repr(value)
+
+
+def metadata(path: Path) -> Contents:
+    """The `Contents` of a GGUF file: each tensor's NumPy shape and the dtype it is
+    read as (float32 for a quantized type), the file's scalar key-values."""
+    gguf = _gguf(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise unreadable(path, NAME, f"gguf cannot read its header ({e})") from None
+    tensors: dict[str, Tensor] = {}
+    stored = []
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = Tensor(kind, 8 * size / block, int(t.n_bytes), t.data)
+        dtype = _DENSE.get(kind, "float32")
+        stored.append(Stored(t.name, split(t.name), "params", shape, dtype))
+    meta = {
+        key: text
+        for key, field in reader.fields.items()
+        if not key.startswith("GGUF.") and (text := _scalar(field)) is not None
+    }
+    source = Source(reader, tensors)
+    return Contents(path, NAME, "torch", "torch", None, (), meta, tuple(stored), source)
+
+
+def read_one(contents: Contents, name: str) -> np.ndarray:
+    """Tensor `name`, dequantized to float32 by `gguf` if it is quantized."""
+    import gguf
+
+    tensor: Tensor = contents.source.tensors[name]
+    shape = next(s.shape for s in contents.tensors if s.key == name)
+    if tensor.type == "BF16":
+        return np.array(tensor.data).view(ml_dtypes.bfloat16).reshape(shape)
+    if tensor.type in _DENSE:
+        return np.array(tensor.data).reshape(shape)
+    qtype = gguf.GGMLQuantizationType[tensor.type]
+    return gguf.quants.dequantize(np.asarray(tensor.data), qtype).reshape(shape)
+
+
+def restore(
+    contents: Contents, shardings: Mapping[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Each tensor, dequantized, one at a time."""
+    for s in contents.tensors:
+        yield s.key, read_one(contents, s.key)
+
+
+def lazy(contents: Contents) -> dict[str, LazyArray]:
+    """`{name: LazyArray}`: each tensor read (and dequantized) when used."""
+    return {
+        s.key: LazyArray(s.shape, s.dtype, 0, lambda n=s.key: read_one(contents, n))
+        for s in contents.tensors
+    }
+
+
+def quantized(contents: Contents) -> dict[str, tuple[str, float, int]]:
+    """The quantized tensors of a GGUF checkpoint: `{name: (type, bits per weight,
+    bytes stored)}`."""
+    return {
+        name: (t.type, t.bits, t.nbytes)
+        for name, t in contents.source.tensors.items()
+        if t.type not in _DENSE
+    }
+
+
+def _save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
+    # never reached through `bridge.save`: the format stores no dtype
+    raise ValueError(_NO_WRITE.format(path=path))
+
+
+def dense_nbytes(contents: Contents) -> int:
+    """Bytes of every tensor as read (dequantized)."""
+    return sum(
+        math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in contents.tensors
+    )
+
+
+FORMAT = register_format(
+    Format(
+        NAME,
+        (".gguf",),
+        "*.gguf: a llama.cpp GGUF file, read only, each tensor dequantized when its "
+        "layer is converted",
+        _save,
+        metadata,
+        restore,
+        frozenset(),  # written by no one: bridge reads GGUF only
+    )
+)

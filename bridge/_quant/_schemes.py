@@ -1,0 +1,424 @@
+"""Which tensors of a PyTorch-layout checkpoint are quantized weights, and how.
+
+A quantized weight is stored as several tensors (its companions) and is read as one:
+
+- `fp8-block`: `weight` float8 with `weight_scale_inv` `(ceil(out/128), ceil(in/128))`
+  (`quant_method: fp8`, its `weight_block_size`);
+- `fp8`: `weight` float8 with `weight_scale` `(1,)`, `(out, 1)` or per group;
+- `int`: `weight` int8 with `weight_scale` (and `weight_zero_point`): compressed-tensors
+  `int-quantized`;
+- `int-packed`: `weight_packed` int32, `weight_scale`, `weight_shape` (and
+  `weight_zero_point`): compressed-tensors' `pack-quantized` (its config group's
+  `num_bits`, `symmetric`);
+- `gptq`: `qweight`, `qzeros`, `scales` (and `g_idx`): `quant_method: gptq` (`bits`,
+  `group_size`, `checkpoint_format`).
+
+`recognise` finds them from the tensor names, shapes and dtypes and the folder's
+`quantization_config` (`config.json`), and refuses, naming each tensor and what is
+missing, anything it cannot establish: a quantized tensor is never read as dense.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._io._errors import CheckpointError
+from . import _fp8, _gptq, _packed
+
+
+class Quantized(NamedTuple):
+    """One quantized weight: `name` as a dense model has it (`...q_proj.weight`),
+    its `scheme`, `bits` per value, dequantized `shape`, `parts` (`{part: stored
+    tensor name}`: `weight`, `scale`, `zero`, `shape`, `g_idx`) and `settings`
+    (`block`, `group_size`, `zero_plus_one`)."""
+
+    name: str
+    scheme: str
+    bits: int
+    shape: tuple[int, ...]
+    parts: dict[str, str]
+    settings: dict[str, Any]
+
+    def describe(self) -> str:
+        """`"fp8-block 128x128, 8-bit"`, `"int-packed group 32, 4-bit"`, ..."""
+        extra = ""
+        if "block" in self.settings:
+            extra = " " + "x".join(map(str, self.settings["block"]))
+        elif self.settings.get("group_size"):
+            extra = f" group {self.settings['group_size']}"
+        return f"{self.scheme}{extra}, {self.bits}-bit"
+
+
+class Scan(NamedTuple):
+    """What `recognise` found: the quantized weights by name, and the stored tensors
+    that only describe them and are not read into a dense model (activation scales,
+    KV-cache scales)."""
+
+    quantized: dict[str, Quantized]
+    dropped: frozenset[str]
+
+    def hidden(self) -> set[str]:
+        """Every stored name a dense reading does not show (parts and dropped)."""
+        names = set(self.dropped)
+        for q in self.quantized.values():
+            names.update(q.parts.values())
+        return names
+
+
+class QuantizationError(CheckpointError):
+    """A quantized tensor whose scheme cannot be established: nothing is loaded."""
+
+
+_REFUSED = """\
+{path}: {n} quantized tensor(s) cannot be read, so nothing was loaded (bridge never \
+reads a quantized tensor as a dense one):
+{problems}
+A quantized checkpoint is described by the `quantization_config` of the config.json \
+next to it (as Hugging Face's save_pretrained writes it): load the folder, or the file \
+with its config.json beside it."""
+
+_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+# stored next to a quantized weight, needed by no dense model
+_ACTIVATION = ("input_scale", "activation_scale", "input_zero_point")
+_KV = ("k_scale", "v_scale")
+
+Stored = Mapping[str, tuple[tuple[int, ...], str]]
+"""`{stored name: (shape, dtype name)}`."""
+
+
+def recognise(
+    path: Any,
+    tensors: Stored,
+    config: Mapping[str, Any] | None,
+    read_small: Callable[[str], np.ndarray],
+) -> Scan:
+    """The quantized weights among `tensors`.
+
+    **Arguments:**
+
+    - `path`: the checkpoint, for messages.
+    - `tensors`: `{name: (shape, dtype name)}` as stored.
+    - `config`: the `quantization_config` of the folder's `config.json`, or None.
+    - `read_small`: reads a stored tensor (used for compressed-tensors'
+      `weight_shape`, two integers).
+
+    **Returns:** a `Scan`.
+
+    **Raises:** `QuantizationError` listing every tensor that looks quantized but
+    cannot be read: an FP8 weight without its scale (in a checkpoint that declares
+    quantization), a scale of the wrong shape, a scale without its weight, packed
+    integers without a config saying how they were packed, a scheme not supported.
+    """
+    config = dict(config or {})
+    method = str(config.get("quant_method", ""))
+    modules: dict[str, dict[str, str]] = {}
+    for name in tensors:
+        prefix, _, part = name.rpartition(".")
+        modules.setdefault(prefix, {})[part] = name
+    declared = bool(method) or any(
+        part in ("weight_scale_inv", "weight_scale", "qweight", "weight_packed")
+        for parts in modules.values()
+        for part in parts
+    )
+    problems: list[str] = []
+    found: dict[str, Quantized] = {}
+    dropped: set[str] = set()
+    for prefix, parts in modules.items():
+        q = _module(prefix, parts, tensors, config, method, declared, read_small)
+        if isinstance(q, str):
+            problems.append(q)
+        elif q is not None:
+            found[q.name] = q
+    for prefix, parts in modules.items():
+        weight = _join(prefix, "weight")
+        for part, name in parts.items():
+            if part in _ACTIVATION and weight in found:
+                dropped.add(name)
+            elif part in _KV and declared:
+                dropped.add(name)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise QuantizationError(
+            _REFUSED.format(path=path, n=len(problems), problems=lines)
+        )
+    return Scan(found, frozenset(dropped))
+
+
+def _join(prefix: str, part: str) -> str:
+    return f"{prefix}.{part}" if prefix else part
+
+
+def _module(
+    prefix: str,
+    parts: Mapping[str, str],
+    tensors: Stored,
+    config: Mapping[str, Any],
+    method: str,
+    declared: bool,
+    read_small: Callable[[str], np.ndarray],
+) -> Quantized | str | None:
+    """The quantized weight of one module (its tensors `parts`), None for a dense
+    one, or the problem."""
+    weight = _join(prefix, "weight")
+    if "qweight" in parts:
+        return _gptq_weight(prefix, parts, tensors, config, method)
+    if "weight_packed" in parts:
+        return _packed_weight(prefix, parts, tensors, config, read_small)
+    if "weight" not in parts:
+        orphans = [
+            n for p, n in parts.items() if p in ("weight_scale_inv", "weight_scale")
+        ]
+        if orphans:
+            return f"{orphans[0]}: a scale without its weight (no {weight!r})"
+        return None
+    shape, dtype = tensors[weight]
+    if "weight_scale_inv" in parts:
+        if dtype not in _FP8:
+            return f"{weight}: has a weight_scale_inv but is {dtype}, not FP8"
+        return _fp8_block(weight, parts["weight_scale_inv"], shape, tensors, config)
+    if "weight_scale" in parts:
+        if dtype in _FP8:
+            scheme, bits = "fp8", 8
+        elif dtype == "int8":
+            scheme, bits = "int", 8
+        else:
+            return f"{weight}: has a weight_scale but is {dtype}, not FP8 or int8"
+        scale = parts["weight_scale"]
+        problem = _scale_shape(weight, shape, scale, tensors[scale][0])
+        if problem:
+            return problem
+        out = {"weight": weight, "scale": scale}
+        if "weight_zero_point" in parts:
+            out["zero"] = parts["weight_zero_point"]
+        return Quantized(weight, scheme, bits, shape, out, {})
+    if dtype in _FP8 and declared:
+        return (
+            f"{weight}: {dtype} without its scale (no "
+            f"{_join(prefix, 'weight_scale_inv')!r} or "
+            f"{_join(prefix, 'weight_scale')!r} in the checkpoint)"
+        )
+    return None
+
+
+def _fp8_block(
+    weight: str,
+    scale: str,
+    shape: tuple[int, ...],
+    tensors: Stored,
+    config: Mapping[str, Any],
+) -> Quantized | str:
+    block = config.get("weight_block_size")
+    scale_shape = tensors[scale][0]
+    if block is None:  # no config: the published default, if the grid fits it
+        block = [128, 128]
+        if tuple(scale_shape) != _fp8.grid(shape, (128, 128)):
+            return (
+                f"{weight}: its weight_scale_inv {tuple(scale_shape)} is not a 128x128 "
+                "block grid and there is no quantization_config with weight_block_size"
+            )
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        return f"{weight}: weight_block_size {block!r} is not two positive integers"
+    block = (int(block[0]), int(block[1]))
+    if len(shape) < 2:
+        return f"{weight}: a block-scaled FP8 weight must be 2-D, got shape {shape}"
+    expected = _fp8.grid(shape, block)
+    if tuple(scale_shape) != expected:
+        return (
+            f"{scale}: shape {tuple(scale_shape)}, but a weight {shape} in blocks of "
+            f"{block[0]}x{block[1]} needs {expected}"
+        )
+    parts = {"weight": weight, "scale": scale}
+    return Quantized(weight, "fp8-block", 8, shape, parts, {"block": block})
+
+
+def _scale_shape(
+    weight: str, shape: tuple[int, ...], scale: str, scale_shape: tuple[int, ...]
+) -> str | None:
+    """The problem with a per-tensor, per-row or per-group scale's shape, if any."""
+    scale_shape = tuple(scale_shape)
+    if math.prod(scale_shape) == 1 and len(scale_shape) <= 2:
+        return None
+    if len(shape) == 2 and len(scale_shape) == 2 and scale_shape[0] == shape[0]:
+        if scale_shape[1] and shape[1] % scale_shape[1] == 0:
+            return None
+    return (
+        f"{scale}: shape {scale_shape} does not scale a weight {shape} (per tensor: "
+        f"(1,); per row: ({shape[0] if shape else 1}, 1); per group: (rows, groups) "
+        "with groups dividing the columns)"
+    )
+
+
+def _ct_args(prefix: str, config: Mapping[str, Any]) -> dict[str, Any] | str:
+    """The compressed-tensors weight arguments of module `prefix`, or the problem."""
+    groups = config.get("config_groups")
+    if config.get("quant_method") != "compressed-tensors" or not isinstance(
+        groups, dict
+    ):
+        return "no compressed-tensors quantization_config (with config_groups)"
+    schemes = [g for g in groups.values() if isinstance(g, dict)]
+    by_regex = [
+        g
+        for g in schemes
+        if any(
+            isinstance(t, str) and t.startswith("re:") and re.match(t[3:], prefix)
+            for t in g.get("targets", ())
+        )
+    ]
+    by_class = [
+        g
+        for g in schemes
+        if any(
+            isinstance(t, str) and not t.startswith("re:") for t in g.get("targets", ())
+        )
+    ]
+    chosen = by_regex or by_class
+    if len(chosen) != 1:
+        return (
+            f"{'no' if not chosen else 'several'} config_groups target it "
+            f"({len(schemes)} groups)"
+        )
+    args = chosen[0].get("weights")
+    if not isinstance(args, dict) or args.get("type", "int") != "int":
+        return "its config group has no integer `weights` arguments"
+    return {**args, "format": chosen[0].get("format") or config.get("format")}
+
+
+def _packed_weight(
+    prefix: str,
+    parts: Mapping[str, str],
+    tensors: Stored,
+    config: Mapping[str, Any],
+    read_small: Callable[[str], np.ndarray],
+) -> Quantized | str:
+    packed = parts["weight_packed"]
+    weight = _join(prefix, "weight")
+    missing = [p for p in ("weight_scale", "weight_shape") if p not in parts]
+    if missing:
+        return f"{packed}: packed integers without {' and '.join(missing)}"
+    if tensors[packed][1] != "int32":
+        return (
+            f"{packed}: {tensors[packed][1]} packing (NVFP4/MXFP4) is not supported; "
+            "int32 pack-quantized is"
+        )
+    args = _ct_args(prefix, config)
+    if isinstance(args, str):
+        return f"{packed}: packed integers, but {args}; bits per value unknown"
+    bits = args.get("num_bits")
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        return f"{packed}: num_bits {bits!r} is not 1 to 8"
+    shape = tuple(int(v) for v in np.asarray(read_small(parts["weight_shape"])))
+    packed_shape = tensors[packed][0]
+    if len(shape) != 2 or tuple(packed_shape) != (
+        shape[0],
+        math.ceil(shape[1] * bits / 32),
+    ):
+        return (
+            f"{packed}: shape {tuple(packed_shape)} does not hold a weight {shape} "
+            f"at {bits} bits"
+        )
+    problem = _scale_shape(
+        weight, shape, parts["weight_scale"], tensors[parts["weight_scale"]][0]
+    )
+    if problem:
+        return problem
+    symmetric = args.get("symmetric", True)
+    out = {
+        "weight": packed,
+        "scale": parts["weight_scale"],
+        "shape": parts["weight_shape"],
+    }
+    if not symmetric:
+        if "weight_zero_point" not in parts:
+            return f"{packed}: asymmetric, but no weight_zero_point"
+        out["zero"] = parts["weight_zero_point"]
+    if "weight_g_idx" in parts:
+        return f"{packed}: activation ordering (weight_g_idx) is not supported"
+    settings = {"group_size": args.get("group_size")}
+    return Quantized(weight, "int-packed", bits, shape, out, settings)
+
+
+def _gptq_weight(
+    prefix: str,
+    parts: Mapping[str, str],
+    tensors: Stored,
+    config: Mapping[str, Any],
+    method: str,
+) -> Quantized | str:
+    qweight = parts["qweight"]
+    missing = [p for p in ("qzeros", "scales") if p not in parts]
+    if missing:
+        return f"{qweight}: GPTQ-packed without {' and '.join(missing)}"
+    if method == "awq":
+        return f"{qweight}: AWQ packing is not supported (GPTQ is)"
+    if method != "gptq":
+        return (
+            f"{qweight}: GPTQ-packed integers, but no quantization_config with "
+            "quant_method 'gptq' says how many bits each value has"
+        )
+    bits, group_size = config.get("bits"), config.get("group_size", -1)
+    if bits not in (2, 4, 8):
+        return f"{qweight}: GPTQ with {bits!r} bits is not supported (2, 4, 8 are)"
+    fmt = config.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        return f"{qweight}: GPTQ checkpoint_format {fmt!r} is not supported"
+    (packed_rows, out_features), _ = tensors[qweight]
+    in_features = packed_rows * 32 // bits
+    groups = tensors[parts["scales"]][0]
+    zeros = tensors[parts["qzeros"]][0]
+    if len(groups) != 2 or groups[1] != out_features:
+        expected = f"(groups, {out_features})"
+        return f"{parts['scales']}: shape {tuple(groups)}, expected {expected}"
+    if tuple(zeros) != (groups[0], math.ceil(out_features * bits / 32)):
+        return (
+            f"{parts['qzeros']}: shape {tuple(zeros)} does not match the scales "
+            f"{tuple(groups)}"
+        )
+    out = {"weight": qweight, "zero": parts["qzeros"], "scale": parts["scales"]}
+    if "g_idx" in parts:
+        out["g_idx"] = parts["g_idx"]
+    settings = {"group_size": group_size, "zero_plus_one": fmt == "gptq"}
+    weight = _join(prefix, "weight")
+    return Quantized(weight, "gptq", bits, (out_features, in_features), out, settings)
+
+
+def dequantize(q: Quantized, read: Callable[[str], np.ndarray], dtype) -> np.ndarray:
+    """The dense weight of `q` (PyTorch layout, `q.shape`) as `dtype`, from its parts
+    read by `read(stored name)`, bit for bit as the scheme's own library gives it
+    (see the scheme modules)."""
+    parts = q.parts
+    if q.scheme == "fp8-block":
+        return _fp8.dequantize_blocks(
+            read(parts["weight"]), read(parts["scale"]), q.settings["block"], dtype
+        )
+    if q.scheme == "gptq":
+        g_idx = read(parts["g_idx"]) if "g_idx" in parts else None
+        return _gptq.dequantize(
+            read(parts["weight"]),
+            read(parts["zero"]),
+            read(parts["scale"]),
+            g_idx,
+            q.bits,
+            q.settings["group_size"],
+            q.settings["zero_plus_one"],
+            dtype,
+        )
+    scale = read(parts["scale"])
+    if q.scheme == "int-packed":
+        values = _packed.unpack(read(parts["weight"]), q.bits, q.shape[1])
+    else:
+        values = read(parts["weight"])
+    zero = None
+    if "zero" in parts:
+        zero = read(parts["zero"])
+        if q.scheme == "int-packed" and zero.shape != scale.shape:  # packed by rows
+            zero = _packed.unpack(zero.T, q.bits, scale.shape[0]).T
+    return _packed.dequantize(values, scale, zero, dtype)
