@@ -29,7 +29,12 @@ source layer is sliced and transposed in one XLA computation, and the timed chec
 reads the source through a numpy view: the 2.29x measured before counted a JAX slice
 of one layer made by the check itself (at 512 MiB, with the check fixed, the old and
 the new port both peak at 2.23x). At 256 MiB: ratio 0.70, peak 2.71x (fixed costs
-weigh more). XLA's tiled transpose beats numpy's strided
+weigh more).
+`--trace` (1 GiB, 4 layers, 2 interleaved runs, load above 10): port 9.7 s, with
+example= where names decide 10.7 s (+9.6%: no trace is made, so noise), with
+example= where only the trace pairs 15.1 s (+55%: over the 10% goal, not yet
+explained; the trace is abstract, so it should not grow with the weights' size).
+XLA's tiled transpose beats numpy's strided
 copy; under load a full run takes 1-3 minutes (each subprocess imports JAX and
 builds 1 GiB).
 """
