@@ -5,6 +5,8 @@ JAX LoRA step, stacks, dropout, and every error. (Against PEFT itself:
 
 import json
 
+import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,3 +316,23 @@ def test_save_and_load_a_model_with_adapters(tmp_path):
     np.testing.assert_allclose(
         run(bridge.to_native(back), IDS), run(bridge.to_native(tree), IDS), atol=0
     )
+
+
+def test_a_model_without_adapters_ports_from_linen_variables_alone(tmp_path):
+    """Looking for adapters never asks a model that has none for its Linen module:
+    a Linen file (variables, no module) loads into NNX and Equinox models."""
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.Dense(4)(x))
+
+    variables = Two().init(jax.random.key(0), jnp.ones((1, 2)))
+    path = tmp_path / "two.safetensors"
+    bridge.save(path, bridge.from_linen(variables))
+    mlp = eqx.nn.MLP(2, 3, 4, 1, key=jax.random.key(1))
+    loaded = bridge.load(path, like=mlp)
+    # Linen names by construction: Dense_0 is the outer Dense(3), applied second
+    inner, outer = variables["params"]["Dense_1"], variables["params"]["Dense_0"]
+    assert (loaded.layers[0].weight == inner["kernel"].T).all()
+    assert (loaded.layers[1].weight == outer["kernel"].T).all()

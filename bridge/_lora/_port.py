@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import jax.tree_util as jtu
 
 from .._adapters._native import to_neutral
 from .._adapters._registry import adapter_for
@@ -37,11 +38,25 @@ def split(source: Any) -> tuple[Any, Carried | None]:
         name = framework(tree)
         if name not in _FRAMES:
             return source, None
+        if not _has_adapters(tree):
+            return source, None
         frame = _FRAMES[name]
         found = [t for t in frame.targets(tree) if t.settings is not None]
         if found:
             return frame.strip(tree, {}), Carried(tree, found)
     return source, None
+
+
+def _has_adapters(tree: Tree) -> bool:
+    """Whether any array of `tree` is a LoRA factor (a cheap look at the paths, so a
+    model without adapters is never asked for what only adapters need, e.g. a Linen
+    module)."""
+    leaves = jtu.tree_flatten_with_path(tree)[0]
+    return any(
+        getattr(path[-1], "name", getattr(path[-1], "key", None)) in (A, B)
+        for path, _ in leaves
+        if path
+    )
 
 
 def join(carried: Carried, steps: Any, ported: Any) -> Any:
