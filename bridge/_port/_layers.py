@@ -329,6 +329,7 @@ def _stacked(
     if whole and (
         adapter.records_classes
         or _sublayers(node) < 2
+        or max(ranks) < 3  # 2-D layers as they are: their slices would be vectors
         or _recognise(adapter, kind(node), path, leaves, [])  # one layer (attention)
     ):
         return 0, 0
