@@ -52,10 +52,12 @@ def _interpreter(version: str) -> str | None:
     return str(max(installs, key=patch, default="")) or None
 
 
-# The default session runs on the newest of these the machine has (3.11 has neither
-# jax 0.11+ nor flax 0.12.9+ on the package index).
+# The default session's Python: the first of these the machine has. 3.12 and 3.13 (the
+# only Pythons with jax 0.11+ and flax 0.12.9+ on the package index) still fail part of
+# the fast suite there (issue #27): they run in `tests_matrix`, and join this list
+# (first) once they pass.
 NEWEST = next(
-    ((v, path) for v in ("3.13", "3.12", "3.11") if (path := _interpreter(v))),
+    ((v, path) for v in ("3.11",) if (path := _interpreter(v))),
     (f"{sys.version_info[0]}.{sys.version_info[1]}", sys.executable),
 )
 # The fast suite: the tests and the docstring examples of the package.
@@ -149,7 +151,7 @@ def _scripts(session: nox.Session, folder: str) -> list[Path]:
 def tests(session: nox.Session) -> None:
     """The fast suite (`-m "not slow"`) and the doctests, on the newest releases and
     the newest Python found (3.13, else 3.12, else 3.11)."""
-    session.log(f"Python {NEWEST[0]} ({NEWEST[1]}): the newest of 3.13, 3.12, 3.11")
+    session.log(f"Python {NEWEST[0]} ({NEWEST[1]})")
     session.install("--upgrade", "-e", ".[test]")
     _log_versions(session)
     session.run(*PYTEST, "-m", "not slow", *session.posargs)
