@@ -158,3 +158,52 @@ def test_order_unknown_says_why():
         bridge.port(bridge.from_linen(variables), target)
     assert "keys of a dict" in str(error.value)
     assert "optax" not in str(error.value)
+
+
+@requires("NNX")
+def test_load_strict_false_keeps_the_new_head_and_logs_it(tmp_path, caplog):
+    path = tmp_path / "source.safetensors"
+    bridge.save(path, Source(nnx.Rngs(0)))
+    target = Target(nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"missing \.classifier\.bias"):
+        bridge.load(path, like=target)
+    with caplog.at_level("WARNING", logger="bridge"):
+        with pytest.warns(bridge.PortWarning):
+            out = bridge.load(path, like=target, strict=False)
+    assert "because the shapes did not match:\n- .head -> .classifier" in caplog.text
+    np.testing.assert_array_equal(
+        out.classifier.kernel[...], target.classifier.kernel[...]
+    )
+    np.testing.assert_array_equal(
+        out.body.kernel[...], Source(nnx.Rngs(0)).body.kernel[...]
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="bridge"):
+        bridge.load(path, like=target, rules={r"\.head": None}, strict=False)
+    assert "were not initialized from the checkpoint" in caplog.text
+    assert "['.classifier']" in caplog.text
+
+
+@requires("NNX")
+@pytest.mark.parametrize("layout", ["torch", "nnx"])
+def test_load_with_a_prefix(tmp_path, layout):
+    path = tmp_path / "prefixed.safetensors"
+    source = Prefixed(nnx.Rngs(0))
+    if layout == "torch":
+        from safetensors.numpy import save_file
+
+        save_file(state_dict(source), path, metadata={"format": "pt"})
+    else:
+        bridge.save(path, source)
+    with pytest.raises(ValueError, match="prefix='model.'"):
+        bridge.load(path, like=Mine(nnx.Rngs(1)))
+    out = bridge.load(path, like=Mine(nnx.Rngs(1)), prefix="model.")
+    np.testing.assert_array_equal(
+        out.layers[2].k.kernel[...], source.model.layers[2].k.kernel[...]
+    )
+    np.testing.assert_array_equal(out.lm_head.bias[...], source.lm_head.bias[...])
+    rules = {r"\.model(.*)": r"\1"}
+    again = bridge.load(path, like=Mine(nnx.Rngs(1)), rules=rules)
+    np.testing.assert_array_equal(
+        again.layers[0].q.kernel[...], out.layers[0].q.kernel[...]
+    )

@@ -11,6 +11,8 @@ file can be ported without the model) and the bridge version.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
 import types
@@ -42,7 +44,7 @@ from .._arguments import (
 from .._paths import Path as TreePath, at, path_of
 from .._placement import place, sharding_of
 from .._port._errors import PortError
-from .._port._port import port
+from .._port._port import port_and_plan
 from .._quant import _gguf, _write as _quant_write
 from .._quant._read import dense, dequantized, lazy_arrays
 from .._tree import (
@@ -601,9 +603,11 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     that dict.
     """
     if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
-        # (by `arrays`' names: a quantized weight's parts are one array there)
+        # (by `arrays`' names: a quantized weight's parts are one array there;
+        # a name whose path lost a `prefix=` goes by that path)
+        renamed = {s.key: dotted(s.path) for s in contents.tensors}
         ordered = sorted(arrays, key=lambda name: _natural(split(name)))
-        state = {name: arrays[name] for name in ordered}
+        state = {renamed.get(name, name): arrays[name] for name in ordered}
         if _experts.has_packed(state):  # transformers v5: read per expert
             state = _experts.unpack(state)
         return from_torch(state)
@@ -634,6 +638,77 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         )
     ]
     return build(entries, kinds, "linen", src.record, src.native)
+
+
+def _without_prefix(contents: Contents, prefix: str) -> Contents:
+    """`contents` with `prefix` (dotted: `"model."`) taken off the paths that start
+    with it; the names the arrays are read by stay."""
+    head = tuple(k for k in prefix.split(".") if k)
+    n = len(head)
+    tensors = tuple(
+        dataclasses.replace(s, path=s.path[n:])
+        if tuple(map(str, s.path[:n])) == head and len(s.path) > n
+        else s
+        for s in contents.tensors
+    )
+    modules = tuple(
+        (p[n:], c, f) if tuple(map(str, p[:n])) == head else (p, c, f)
+        for p, c, f in contents.modules
+    )
+    return dataclasses.replace(contents, tensors=tensors, modules=modules)
+
+
+_PREFIX_HINT = """
+Most of the missing arrays are in the file under {prefix!r}: pass prefix={prefix!r}."""
+
+
+def _prefix_hint(contents: Contents, target: Tree) -> str:
+    """A sentence proposing `prefix=` when stripping one would name most of
+    `target`'s arrays, else nothing."""
+    wanted = {dotted(p) for p in source_of(target).paths}
+    names = [dotted(s.path) for s in contents.tensors]
+    heads = {n.split(".")[0] + "." for n in names if "." in n}
+    for head in sorted(heads):
+        hits = sum(n.removeprefix(head) in wanted for n in names if n.startswith(head))
+        if hits and hits >= len(wanted) // 2:
+            return _PREFIX_HINT.format(prefix=head)
+    return ""
+
+
+_LOG = logging.getLogger("bridge")
+
+
+def _report(plan: Any, path: Path, like: Any) -> None:
+    """Log what a non-strict load left as it was, as Hugging Face's
+    `from_pretrained` does."""
+    name = type(like).__name__
+    if plan.unexpected:
+        _LOG.warning(
+            "Some weights of the checkpoint at %s were not used when initializing "
+            "%s: %s",
+            path,
+            name,
+            list(plan.unexpected),
+        )
+    if plan.missing:
+        _LOG.warning(
+            "Some weights of %s were not initialized from the checkpoint at %s and "
+            "keep their values: %s\nYou should probably TRAIN this model.",
+            name,
+            path,
+            list(plan.missing),
+        )
+    if plan.mismatched:
+        _LOG.warning(
+            "Some weights of %s were not initialized from the checkpoint at %s and "
+            "keep their values because the shapes did not match:\n- %s\nYou should "
+            "probably TRAIN this model.",
+            name,
+            path,
+            "\n- ".join(plan.mismatched),
+        )
+    if plan.dropped:
+        _LOG.info("Left out by rules: %s", list(plan.dropped))
 
 
 def _cast(array: Any, dtype: Any) -> Any:
@@ -694,6 +769,9 @@ def load(
     *,
     dtype: Any = None,
     opt_state_like: Any = None,
+    rules: Mapping[str, str | None] | None = None,
+    prefix: str = "",
+    strict: bool = True,
 ) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
@@ -705,7 +783,10 @@ def load(
 
     **Arguments:**
 
-    - `path`: a `*.safetensors` or `*.msgpack` file, or an orbax checkpoint directory.
+    - `path`: a `*.safetensors` or `*.msgpack` file, an orbax checkpoint directory,
+      a `*.safetensors.index.json` file (a sharded checkpoint), or a Hugging Face
+      folder (`save_pretrained`'s: `model.safetensors`, or shards and their
+      `model.safetensors.index.json`).
     - `like`: optional, the model to fill: a `bridge.Tree` or a native model of any
       framework (anything `bridge.to_neutral` takes). Its arrays' shardings are kept.
       When the file has exactly `like`'s arrays (same dotted paths, shapes, dtypes)
@@ -713,6 +794,22 @@ def load(
       arrays go through `bridge.port` (layers paired by kind, shape and order,
       layouts converted), read from a safetensors file as each layer is converted,
       so memory holds the filled model plus about one array of the file.
+    - `dtype`: optional, the dtype every floating-point array is cast to as it is
+      read (`jnp.bfloat16`, ...); default: the file's dtypes (with `like`, cast to
+      `like`'s only where they agree, else an error naming the arrays).
+    - `rules`: with `like`, as in `bridge.port`: `{source regex: target path}`
+      pairs the file's layers with `like`'s by name (`{r"\\.model(.*)": r"\\1"}`),
+      and a rule to `None` leaves the layers it matches out. The file is then
+      always ported.
+    - `prefix`: with `like`, stripped from the file's names that start with it
+      (Hugging Face's `base_model_prefix`: `"model."`, `"transformer."`) before
+      pairing: a file of `LlamaForCausalLM` into a model without the `model.` level.
+    - `strict`: with `False`, as Hugging Face's `from_pretrained(...,
+      ignore_mismatched_sizes=True)`: `like`'s layers the file does not fill, and
+      layers whose shapes differ (a new head), keep `like`'s values; the file's
+      layers that go nowhere are left out; all of them are logged as a warning
+      (logger `"bridge"`) in the form Hugging Face uses. With `True` (the default),
+      each is an error.
     - `opt_state_like`: optional, with `like`: the optimizer state to fill, as the
       target's optimizer makes it (`tx.init(params)`, `step.init(tree)`, an
       `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
@@ -774,21 +871,26 @@ def load(
             if arrays is None:
                 arrays = {k: _cast(v, dtype) for k, v in read(contents).items()}
             return file_tree(contents, arrays)
+        if prefix:
+            contents = _without_prefix(contents, prefix)
         problems = _problems(contents, target, dtype)
-        if not problems:
+        plan = None
+        as_saved = rules is None and not prefix  # else: ported, by the paths
+        if not problems and as_saved:
             # orbax restores into `like`'s shardings only when every array is named
             whole = everything if everything.format == "orbax" else contents
             source = _fill(whole, target, dtype)
             model = like_form(like, source)
-        elif contents.framework == framework(target):
+        elif contents.framework == framework(target) and as_saved and strict:
             raise ValueError(
                 _MISMATCH.format(path=contents.path, problems="\n".join(problems))
+                + _prefix_hint(contents, target)
             )
         else:
             try:
                 if contents.format in _LAZY:  # read while porting, array by array
                     source = file_tree(contents, _lazy(contents, dtype))
-                    model = port(source, like, dtype=dtype)
+                    model, plan = port_and_plan(source, like, rules, strict, dtype)
                 else:
                     source = file_tree(contents, read(contents))
             except PortError as error:
@@ -798,10 +900,12 @@ def load(
             saved = _training.read_state(everything, training)
     if model is None:
         try:
-            model = port(source, like, dtype=dtype)
+            model, plan = port_and_plan(source, like, rules, strict, dtype)
         except PortError as error:
             error.add_note(_PORTING.format(path=contents.path))
             raise
+    if plan is not None:
+        _report(plan, contents.path, like)
     if saved is None:
         return model
     return _training.restore(saved, source, model, opt_state_like)

@@ -138,6 +138,35 @@ def port(
     check_pair_or_mapping(check_kwargs, "check_kwargs")
     check_inputs(example, "example")
     check_pair_or_mapping(example_kwargs, "example_kwargs")
+    ported, _ = port_and_plan(
+        source,
+        target,
+        rules,
+        strict,
+        dtype,
+        check,
+        check_kwargs,
+        example,
+        example_kwargs,
+        stacklevel=3,
+    )
+    return ported
+
+
+def port_and_plan(
+    source: Any,
+    target: Any,
+    rules: Mapping[str, str | None] | None,
+    strict: bool,
+    dtype: Any = None,
+    check: Any = None,
+    check_kwargs: Any = None,
+    example: Any = None,
+    example_kwargs: Any = None,
+    stacklevel: int = 2,
+) -> tuple[Any, Plan]:
+    """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
+    missing, unexpected and mismatched layers)."""
     abstract = placeholders(target)
     given = examples(example, example_kwargs, check, check_kwargs)
     plain, adapters = lora_split(source)  # LoRA adapters follow their layers
@@ -152,14 +181,14 @@ def port(
         warnings.warn(
             "Port warnings:\n  " + "\n  ".join(said),
             _errors.PortWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     ported = like(target, tree)
     if adapters is not None:
         ported = lora_join(adapters, plan.steps, ported)
     if check is not None:
         _check(source, ported, check, check_kwargs)
-    return ported
+    return ported, plan
 
 
 def examples(
