@@ -9,12 +9,14 @@ directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchange
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax.tree_util as jtu
+import numpy as np
 
 from ._adapters._registry import display_name
 from ._paths import Key, Path, check_depth, is_array, path_of, path_str
@@ -297,12 +299,21 @@ def _leaf_repr(leaf: Any) -> str:
 
 
 def _repr_lines(node: Any, label: str, depth: int) -> list[str]:
+    """The lines of a Tree's repr: each node with its kind and, as NNX's repr does,
+    its arrays' sizes per role (`# params: 9 (36 B)`), each leaf's dtype and shape."""
     pad = "  " * depth
     if not isinstance(node, Tree):
         return [f"{pad}{label}{_leaf_repr(node)}"]
     info = node._info
     kind = getattr(info.kind, "__name__", None)
-    lines = [f"{pad}{label}{'(' + kind + ')' if kind else ''}".rstrip()]
+    head = f"{pad}{label}{'(' + kind + ')' if kind else ''}".rstrip()
+    sizes = _sizes(node)
+    if sizes:
+        head += "  # " + ", ".join(
+            f"{role}: {count:,} ({_human(nbytes)})"
+            for role, (count, nbytes) in sizes.items()
+        )
+    lines = [head]
     for entry, child, role in zip(info.entries, node._children, info.roles):
         name = jtu.keystr((entry,))
         plain = isinstance(child, Tree) or role in (None, "params", child)
@@ -311,6 +322,31 @@ def _repr_lines(node: Any, label: str, depth: int) -> list[str]:
         sub[0] += tag
         lines.extend(sub)
     return lines
+
+
+def _sizes(node: Tree) -> dict[str, tuple[int, int]]:
+    """`{role: (elements, bytes)}` of the arrays under `node`, params first."""
+    out: dict[str, tuple[int, int]] = {}
+    for leaf, role in zip(jtu.tree_leaves(node), jtu.tree_leaves(roles(node))):
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype is None:
+            continue
+        count = math.prod(shape)
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:  # a typed PRNG key
+            itemsize = 0
+        n, b = out.get(role, (0, 0))
+        out[role] = (n + count, b + count * itemsize)
+    return dict(sorted(out.items(), key=lambda kv: kv[0] != "params"))
+
+
+def _human(nbytes: int) -> str:
+    """`36 B`, `1.5 KB`, `2.0 MB`, as NNX's repr writes sizes."""
+    size, unit = float(nbytes), 0
+    while size >= 1000 and unit < 4:
+        size, unit = size / 1000, unit + 1
+    return f"{nbytes} B" if unit == 0 else f"{size:.1f} {'BKMGT'[unit]}B"
 
 
 def _flatten_with_keys(t: Tree):

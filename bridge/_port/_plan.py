@@ -58,6 +58,10 @@ class PlanRow:
         return self._target.codec(self.kind)
 
 
+WIDTH = 100
+"""The width a plan's table folds at (`Plan.table`)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What `bridge.port` does: `str(plan)` is a table, one row per layer.
@@ -95,6 +99,12 @@ class Plan:
     dropped: tuple[str, ...] = ()
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, width: int = WIDTH) -> str:
+        """The plan as text: one row per layer, as wide as it needs; wider than
+        `width` columns, each row folds onto two lines (the transform and the shapes
+        on the second), so that nothing is cut."""
         head = ("~", "source", "target", "kind", "by", "transform")
         head += ("shapes (Flax layout)",)
         rows = [head] + _runs(
@@ -111,13 +121,12 @@ class Plan:
                 for s in self.steps
             ]
         )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(head) - 1)]
-        lines = [
-            "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1]
-            for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(head[-1]))
-        lines = [line.rstrip() for line in lines]
+        lines = _columns(rows)
+        if max(map(len, lines)) > width:
+            folded = _columns([r[:5] for r in rows])
+            lines = [folded[0], "    transform; shapes (Flax layout)", folded[1]]
+            for r, line in zip(rows[1:], folded[2:]):
+                lines += [line, f"    {r[5]}; {r[6]}"]
         if any(s.renamed for s in self.steps):
             lines.append("~: the names differ; check that these layers correspond.")
         for title, entries in (
@@ -139,6 +148,18 @@ class Plan:
 
 
 _NUMBER = re.compile(r"\d+")
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as aligned columns, a rule under the first; the last column unpadded."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1]
+        for r in rows
+    ]
+    rule = "  ".join("-" * w for w in widths) + "  " + "-" * len(rows[0][-1])
+    lines.insert(1, rule)
+    return [line.rstrip() for line in lines]
 
 
 def _runs(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
@@ -188,10 +209,23 @@ def _span(first: str, last: str) -> str:
     return _NUMBER.sub(lambda m: f"{m.group()}..{end.group()}", first, 1)
 
 
-def _transform(source: Codec, target: Codec) -> str:
+def _transform(source: Codec, target: Codec, s: Layer, t: Layer) -> str:
     if source.layout == target.layout:
         return "copy"
-    return f"{source.layout or 'Flax'} -> {target.layout or 'Flax'}"
+    return f"{_applied(source, s) or 'Flax'} -> {_applied(target, t) or 'Flax'}"
+
+
+def _applied(codec: Codec, layer: Layer) -> str:
+    """The layout a codec applies to this layer: of a layout that names two (a
+    PyTorch dense weight: `nn.Linear`'s or Hugging Face's `Conv1D`), the one the
+    layer's settings choose."""
+    choices = codec.layout.split(" or ")
+    if len(choices) == 2 and "conv1d" in layer.hyper:
+        conv1d = [c for c in choices if "Conv1D" in c]
+        other = [c for c in choices if "Conv1D" not in c]
+        if conv1d and other:
+            return (conv1d if layer.hyper["conv1d"] else other)[0]
+    return codec.layout
 
 
 def _floating(dtype: Any) -> bool:
@@ -247,7 +281,7 @@ def _check(
                 )
             )
     tcodec = t.codec(kind)
-    transform = _transform(s.codec(kind), tcodec)
+    transform = _transform(s.codec(kind), tcodec, s, t)
     transform += "".join(f", {k} = {v}" for k, v in sorted(fill.items()))
     if fitting:
         like = {
