@@ -4,7 +4,10 @@ and of the getting started page runs."""
 
 import ast
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,71 @@ def test_page_code_runs(page, capsys):
 def test_guide_code_runs(guide, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # guides may write checkpoint files
     assert "import bridge" in run_markdown(ROOT / "docs" / "guides" / guide)
+
+
+GUIDES = sorted(p.name for p in (DOCS / "guides").glob("*.md"))
+
+
+def test_the_home_page_lists_every_guide():
+    home = (DOCS / "index.md").read_text()
+    missing = [g for g in GUIDES if f"(guides/{g})" not in home]
+    assert not missing, f"docs/index.md does not list the guides {missing}"
+
+
+_MARK = "\n--- bridge docs block ---\n"
+
+
+def blocks(path: Path) -> list[tuple[str, str | None]]:
+    """`(code, printed)` for each ```python block of a page; `printed` is the ```text
+    block that follows it (after at most one paragraph), else None."""
+    text = path.read_text()
+    found = list(re.finditer(r"```(python|text)\n(.*?)```", text, re.S))
+    out: list[tuple[str, str | None]] = []
+    for i, m in enumerate(found):
+        if m[1] != "python":
+            continue
+        after = found[i + 1] if i + 1 < len(found) else None
+        between = text[m.end() : after.start()] if after else ""
+        printed = None
+        if after is not None and after[1] == "text" and between.count("\n\n") <= 2:
+            printed = after[2]
+        out.append((m[2], printed))
+    return out
+
+
+def run_pasted(path: Path, cwd: Path) -> list[str]:
+    """Run a page's ```python blocks in order in one fresh Python process, as a
+    reader pastes them; the stdout of each block."""
+    code = [c for c, _ in blocks(path)]
+    script = "".join(
+        f"exec(compile({c!r}, {f'{path.name} block {i + 1}'!r}, 'exec'))\n"
+        f"print({_MARK!r}, end='')\n"
+        for i, c in enumerate(code)
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # as a reader's shell: the page sets what it needs
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=1800,
+    )
+    assert done.returncode == 0, f"{path.name}: {done.stderr[-3000:]}"
+    return done.stdout.split(_MARK)[: len(code)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page",
+    ["README.md", "docs/getting-started.md", *[f"docs/guides/{g}" for g in GUIDES]],
+)
+def test_page_runs_as_pasted_and_prints_what_it_shows(page, tmp_path):
+    path = ROOT / page
+    printed = run_pasted(path, tmp_path)
+    for (code, shown), out in zip(blocks(path), printed):
+        if shown is not None:
+            assert out.strip() == shown.strip(), (
+                f"{page}: printed\n{out}\nshown\n{shown}"
+            )
