@@ -190,10 +190,11 @@ def inspect_table(contents: Contents, where: str | None = None) -> tuple[Table, 
     table.add_column("size", justify="right")
     if sharded:
         table.add_column("shard", overflow="fold")
+    short = _short_shards([r["shard"] for r in found]) if sharded else {}
     for row in found[:_ROWS]:
         cells = [printable(row["name"]), printable(row["role"])]
         cells += [str(tuple(row["shape"])), row["dtype"], human(row["bytes"])]
-        table.add_row(*cells, *([printable(row["shard"])] if sharded else []))
+        table.add_row(*cells, *([printable(short[row["shard"]])] if sharded else []))
     if len(found) > _ROWS:
         more = f"... {len(found) - _ROWS:,} more"
         table.add_row(more, *[""] * (len(table.columns) - 1))
@@ -206,6 +207,19 @@ def inspect_table(contents: Contents, where: str | None = None) -> tuple[Table, 
     if where is not None:
         line += f" whose name matches {where!r} (of {len(contents.tensors):,})"
     return table, line
+
+
+def _short_shards(names: list[str]) -> dict[str, str]:
+    """Shard file names without what they all share (`model-00001-of-00003.safetensors`
+    -> `00001-of-00003`), so the column stays narrow; the title says the rest."""
+    unique = sorted(set(names))
+    if len(unique) < 2:
+        return {n: n for n in unique}
+    head = os.path.commonprefix(unique)
+    head = head[: head.rfind("-") + 1]
+    tail = os.path.commonprefix([n[::-1] for n in unique])[::-1]
+    tail = tail[tail.find(".") :] if "." in tail else ""
+    return {n: n[len(head) : len(n) - len(tail)] or n for n in unique}
 
 
 def _totals(found: list[dict[str, Any]]) -> dict[str, int]:
@@ -247,8 +261,11 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
         soft_wrap=True,
     )
     if contents.format == "sharded":
-        shards = {r["shard"] for r in rows(contents)}
-        console.print(f"{len(shards)} shard files", soft_wrap=True)
+        shards = sorted({r["shard"] for r in rows(contents)})
+        console.print(
+            printable(f"{len(shards)} shard files: " + ", ".join(shards)),
+            soft_wrap=True,
+        )
     console.print(table)
     console.print(totals, soft_wrap=True, markup=False)
     for line in quantized:

@@ -195,11 +195,11 @@ def test_inspect_sharded_folder_has_a_shard_column(tmp_path):
         for line in done.stdout.splitlines()
         if line.startswith("│")
     ]
-    assert [(r[0], r[-1][:11]) for r in rows] == [
-        ("h.0.w", "model-00002"),
-        ("h.1.w", "model-00001"),
-        ("h.2.w", "model-00002"),
-        ("h.10.w", "model-00001"),
+    assert [(r[0], r[-1]) for r in rows] == [
+        ("h.0.w", "00002-of-00002"),
+        ("h.1.w", "00001-of-00002"),
+        ("h.2.w", "00002-of-00002"),
+        ("h.10.w", "00001-of-00002"),
     ]
     assert "shard" in done.stdout and "2 shard files" in done.stdout
     report = json.loads(run("inspect", folder, "--json").stdout)
