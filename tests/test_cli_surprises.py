@@ -4,6 +4,7 @@ message and that nothing was written."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +233,25 @@ def test_training_record_strings_are_escaped(tmp_path):
     done = run("inspect", path)
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout and "\\x1b[2Jname" in done.stdout
+
+
+def test_the_pickle_refusal_command_works_when_pasted(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(config)  # lm_head tied to wte
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    done = run("inspect", folder)
+    refused(done, 1, "pytorch_model.bin is a pickle file")
+    command = re.search(r'python -c "(.*?)"', done.stderr)
+    assert command is not None, done.stderr
+    pasted = subprocess.run(
+        [sys.executable, "-c", command[1]], capture_output=True, text=True, timeout=300
+    )
+    assert pasted.returncode == 0, pasted.stderr
+    done = run("inspect", folder)
+    assert done.returncode == 0, done.stderr
+    assert "lm_head.weight" in done.stdout and "transformer.wte.weight" in done.stdout
+    assert "model.safetensors" in done.stdout

@@ -85,10 +85,21 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _PICKLE = """\
 {path} is a pickle file (PyTorch's torch.save format): loading it can run any code, so
 bridge never unpickles. Convert it to safetensors once, with torch's weights-only
-loader (which refuses code):
-    python -c "import torch, safetensors.torch as st; \\
-st.save_file(torch.load('{path}', weights_only=True), '{stem}.safetensors')"
+loader (which refuses code), by pasting this one line:
+python -c "import torch, safetensors.torch as st; sd = torch.load('{path}', \
+weights_only=True); st.save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, \
+'{out}', metadata={{'format': 'pt'}})"
 or pass the state dict to bridge.from_torch(torch.load(path, weights_only=True))."""
+
+
+def _pickle(path: Path) -> CheckpointError:
+    """The refusal of a pickle file, with the command that converts it: Hugging
+    Face's `pytorch_model.bin` becomes `model.safetensors` beside it, which
+    `bridge inspect FOLDER` and `bridge.load(FOLDER)` then find."""
+    out = path.with_suffix(".safetensors")
+    if path.name == "pytorch_model.bin":
+        out = path.with_name("model.safetensors")
+    return CheckpointError(_PICKLE.format(path=path, out=out))
 
 
 _RESERVED_KEY = """\
@@ -500,13 +511,15 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     """
     path = Path(path)
     if path.suffix in PICKLE_SUFFIXES:
-        raise CheckpointError(_PICKLE.format(path=path, stem=path.with_suffix("")))
+        raise _pickle(path)
     if path.is_dir():  # a Hugging Face save_pretrained directory, or orbax
         index = _sharded.index_of(path)
         if index is not None:
             return _sharded.FORMAT.metadata(index)
         if (path / "model.safetensors").is_file():
             return _safetensors.FORMAT.metadata(path / "model.safetensors")
+        if (path / "pytorch_model.bin").is_file():  # a Hugging Face folder of v4
+            raise _pickle(path / "pytorch_model.bin")
         fmt = next(f for f in formats() if not f.suffixes)
     else:
         fmt = format_of(path)
