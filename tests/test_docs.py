@@ -115,6 +115,7 @@ def test_the_home_page_lists_every_guide():
 
 
 _MARK = "\n--- bridge docs block ---\n"
+_TMP = re.compile(r"/tmp/tmp\w+/")  # tempfile.mkdtemp()'s names differ per run
 
 
 def blocks(path: Path) -> list[tuple[str, str | None]]:
@@ -168,6 +169,7 @@ def test_page_runs_as_pasted_and_prints_what_it_shows(page, tmp_path):
     printed = run_pasted(path, tmp_path)
     for (code, shown), out in zip(blocks(path), printed):
         if shown is not None:
+            out, shown = _TMP.sub("/tmp/.../", out), _TMP.sub("/tmp/.../", shown)
             assert out.strip() == shown.strip(), (
                 f"{page}: printed\n{out}\nshown\n{shown}"
             )
