@@ -104,6 +104,8 @@ def test_every_dtype_a_format_accepts_round_trips(tmp_path):
     from bridge._io._format import formats
 
     for fmt in formats():
+        if fmt.dtypes == frozenset():  # read only (GGUF): nothing to round trip
+            continue
         name = f"m{fmt.suffixes[0]}" if fmt.suffixes else "ckpt"
         accepted = sorted(DTYPE_NAMES if fmt.dtypes is None else fmt.dtypes)
         variables = {"params": {d: np.arange(4).astype(jnp.dtype(d)) for d in accepted}}

@@ -136,7 +136,7 @@ def test_msgpack_holds_no_training_state(tmp_path):
 def test_unsupported_state_node(tmp_path):
     module, variables = linen_mlp(0)
     opt = (optax.adam(1e-2).init(variables["params"]), {"schedule": object()})
-    with pytest.raises(TypeError, match=r"opt_state\[1\]\.schedule is a object"):
+    with pytest.raises(TypeError, match=r"opt_state\[1\]\['schedule'\] is a object"):
         bridge.save(tmp_path / "x.safetensors", variables, opt_state=opt)
     assert not (tmp_path / "x.safetensors").exists()
 
