@@ -36,7 +36,7 @@ def run(*args, cwd=None):
     )
 
 
-def refused(done, code, *words):
+def assert_refused(done, code, *words):
     """The command failed with `code`, one line on stderr naming `words`."""
     assert done.returncode == code, (done.stdout, done.stderr)
     assert done.stderr.count("\n") == 1, done.stderr
@@ -59,7 +59,7 @@ def torch_file(tmp_path):
 @pytest.mark.parametrize("suffix", [".pt", ".bin", ".h5"])
 def test_convert_refuses_an_output_no_format_claims(tmp_path, torch_file, suffix):
     out = tmp_path / f"x{suffix}"
-    refused(
+    assert_refused(
         run("convert", torch_file, out), 1, f"x{suffix}", "writes no", "orbax directory"
     )
     assert not out.exists()
@@ -78,7 +78,7 @@ def test_convert_refuses_an_output_no_format_claims(tmp_path, torch_file, suffix
 )
 def test_flags_that_do_nothing_are_usage_errors(tmp_path, torch_file, flags, words):
     out = tmp_path / "out.safetensors"
-    refused(run("convert", torch_file, out, *flags), 2, *words)
+    assert_refused(run("convert", torch_file, out, *flags), 2, *words)
     assert not out.exists()
 
 
@@ -97,7 +97,7 @@ def test_rename_to_names_load_refuses_writes_nothing(tmp_path, rule):
 
 def test_missing_file_is_one_line_of_prose(tmp_path):
     done = run("inspect", tmp_path / "nosuch.safetensors")
-    refused(done, 1, "nosuch.safetensors: no such file or directory")
+    assert_refused(done, 1, "nosuch.safetensors: no such file or directory")
 
 
 def test_version():
@@ -114,7 +114,7 @@ def test_version():
 def test_misspelt_flag_is_named_with_the_right_one(tmp_path, torch_file, wrong, right):
     out = tmp_path / "out.safetensors"
     done = run("convert", torch_file, out, wrong, "flax")
-    refused(done, 2, f"{wrong} (did you mean {right}?)")
+    assert_refused(done, 2, f"{wrong} (did you mean {right}?)")
     assert not out.exists()
 
 
@@ -128,7 +128,7 @@ def test_misspelt_flag_is_named_with_the_right_one(tmp_path, torch_file, wrong, 
 )
 def test_demo_arguments_checked_before_training(tmp_path, args, words):
     done = run("demo", *args, cwd=tmp_path)
-    refused(done, 2, *words)
+    assert_refused(done, 2, *words)
     assert "training" not in done.stdout and not list(tmp_path.iterdir())
 
 
@@ -177,7 +177,9 @@ def test_inspect_filter_and_json(torch_file):
 
 
 def test_inspect_bad_filter(torch_file):
-    refused(run("inspect", torch_file, "--filter", "h.(["), 1, "--filter", "regular")
+    assert_refused(
+        run("inspect", torch_file, "--filter", "h.(["), 1, "--filter", "regular"
+    )
 
 
 def test_inspect_sharded_folder_has_a_shard_column(tmp_path):
@@ -244,7 +246,7 @@ def test_the_pickle_refusal_command_works_when_pasted(tmp_path):
     folder.mkdir()
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
     done = run("inspect", folder)
-    refused(done, 1, "pytorch_model.bin is a pickle file")
+    assert_refused(done, 1, "pytorch_model.bin is a pickle file")
     command = re.search(r'python -c "(.*?)"', done.stderr)
     assert command is not None, done.stderr
     pasted = subprocess.run(

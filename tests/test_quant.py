@@ -46,7 +46,7 @@ class Net(nnx.Module):
         self.out = nnx.Linear(200, 8, rngs=rngs)
 
 
-def _refused(path, *fragments):
+def assert_refused(path, *fragments):
     with pytest.raises(_schemes.QuantizationError) as info:
         bridge.load(path, like=Net(nnx.Rngs(0)))
     message = str(info.value)
@@ -63,7 +63,7 @@ def test_fp8_without_scale_refused(tmp_path):
         "out.weight": np.ones((8, 200), "f4"),
     }
     state["out.bias"] = np.zeros(8, "f4")
-    _refused(
+    assert_refused(
         _folder(tmp_path, state, FP8_CONFIG),
         "fc.weight: float8_e4m3fn without its scale",
         "'fc.weight_scale_inv'",
@@ -77,7 +77,7 @@ def test_scale_of_the_wrong_shape_refused(tmp_path):
         "out.weight": np.ones((8, 200), "f4"),
         "out.bias": np.zeros(8, "f4"),
     }
-    _refused(
+    assert_refused(
         _folder(tmp_path, state, FP8_CONFIG),
         "fc.weight_scale_inv: shape (3, 3)",
         "needs (2, 2)",
@@ -92,7 +92,7 @@ def test_packed_int4_without_config_refused(tmp_path):
         "out.weight": np.ones((8, 200), "f4"),
         "out.bias": np.zeros(8, "f4"),
     }
-    _refused(
+    assert_refused(
         _folder(tmp_path, state),
         "fc.weight_packed: packed integers, but no compressed-tensors",
         "bits per value unknown",
@@ -108,7 +108,7 @@ def test_every_problem_listed_once(tmp_path):
         "out.bias": np.zeros(8, "f4"),
         "lone.weight_scale_inv": np.ones((1, 1), "f4"),
     }
-    _refused(
+    assert_refused(
         _folder(tmp_path, state),
         "3 quantized tensor(s)",
         "fc.qweight: GPTQ-packed integers, but no quantization_config",
