@@ -80,7 +80,7 @@ def _no_port(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("bridge.load went through bridge.port")
 
-    monkeypatch.setattr(_checkpoint, "port", refuse)
+    monkeypatch.setattr(_checkpoint, "port_and_plan", refuse)
 
 
 # the Equinox CNN has a BatchNorm(mode=...)
