@@ -76,6 +76,27 @@ def test_name_collision_in_nnx_wrapper():
 
 
 @requires("NNX")
+def test_an_equinox_model_called_on_a_batch_is_told_to_map_over_it():
+    wrapper = bridge.as_nnx(eqx.nn.MLP(2, 3, 4, 1, key=jax.random.key(0)))
+    with pytest.raises(TypeError, match="dot_general") as error:
+        wrapper(jnp.ones((5, 2)))
+    notes = "\n".join(error.value.__notes__)
+    assert "The wrapped Equinox model failed on arguments of shapes [(5, 2)]" in notes
+    assert "jax.vmap(self.model)(x)" in notes
+    assert wrapper(jnp.ones(2)).shape == (3,)  # one example is what it takes
+
+
+@requires("NNX")
+def test_a_batched_linen_model_gets_no_equinox_hint():
+    module = nn.Dense(3)
+    variables = module.init(jax.random.key(0), jnp.ones((1, 2)))
+    wrapper = bridge.as_nnx((module, variables))
+    with pytest.raises(Exception, match="shape") as error:  # Flax's own error
+        wrapper(jnp.ones((5, 4)))
+    assert "The wrapped" not in "".join(getattr(error.value, "__notes__", []))
+
+
+@requires("NNX")
 @pytest.mark.slow
 def test_mixing_guide_runs():
     code = run_markdown(Path(__file__).parent.parent / "docs/guides/mixing.md")

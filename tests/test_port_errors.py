@@ -188,6 +188,41 @@ def test_compare_errors():
         bridge.compare((module, variables), other, models.mlp_input())
 
 
+def _notes(error: pytest.ExceptionInfo) -> str:
+    return "\n".join(getattr(error.value, "__notes__", []))
+
+
+@requires("NNX")
+def test_compare_tells_channel_order_and_per_side_on_a_shape_error():
+    """An NNX convolution (channel-last) against an Equinox one (channel-first):
+    JAX's own error stays, and a note names the side, the shapes and the fix."""
+    source = nnx.Conv(3, 4, (3, 3), rngs=nnx.Rngs(0))
+    target = bridge.port(source, eqx.nn.Conv2d(3, 4, 3, padding=1, key=KEY(1)))
+    x = jax.random.normal(KEY(2), (2, 8, 8, 3))
+    with pytest.raises(ValueError, match="conv_general_dilated") as error:
+        bridge.compare(source, target, x)
+    notes = _notes(error)
+    assert "model `b` on inputs of shapes [(2, 8, 8, 3)]" in notes
+    assert "channel_first=(False, True)" in notes and "per_side=" in notes
+    assert bridge.compare(source, target, x, channel_first=(False, True)) < 1e-5
+    with pytest.raises(ValueError) as error:  # the other way round: side a
+        bridge.compare(target, source, x)
+    assert "channel_first=(True, False)" in _notes(error)
+
+
+def test_compare_adds_nothing_to_errors_that_are_not_about_shapes():
+    def broken(x):
+        raise ValueError("the model's own bug")
+
+    class Model(eqx.Module):
+        def __call__(self, x):
+            return broken(x)
+
+    with pytest.raises(ValueError, match="own bug") as error:
+        bridge.compare(Model(), Model(), jnp.ones((2, 3)))
+    assert "bridge.compare" not in _notes(error)  # (JAX may add a note of its own)
+
+
 @requires("NNX")
 def test_attention_entries_without_a_place():
     """NNX attention with `normalize_qk` has LayerNorms Equinox's has not."""

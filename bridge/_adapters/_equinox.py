@@ -374,6 +374,9 @@ ADAPTER = register_adapter(
         rngs_hint="Equinox layers take a `key=` argument: pass the key as a batch "
         "argument, `step(tree, opt_state, x, y, key)`, and give it to the model in "
         "loss_fn.",
+        shape_hint="An Equinox model takes one example, not a batch: wrap a module "
+        "whose __call__ maps it over the batch, `jax.vmap(self.model)(x)` (see "
+        "docs/guides/mixing.md), or call the wrapper under `nnx.vmap` / `nn.vmap`.",
         modules=_model,
         settings=settings,
         from_file=_from_file,

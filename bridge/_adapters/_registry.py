@@ -68,6 +68,9 @@ class Adapter(NamedTuple):
       streams (Linen, whose modules take them when bound). Without it, `rngs` are
       refused with `rngs_hint` as the fix.
     - `rngs_hint`: how this framework's models take random keys instead.
+    - `shape_hint`: what to try when one of this framework's models, run inside a
+      wrapper of another framework, fails on the shapes of its arguments (Equinox:
+      a model takes one example, not a batch); empty when there is nothing to add.
     - `modules`: optional, `modules(tree) -> native model` whose submodules, found
       by path, the codecs read hyperparameters from; `None` when they are not
       available (Linen submodules exist only inside `apply`).
@@ -113,6 +116,7 @@ class Adapter(NamedTuple):
     infer: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
     bind: Callable[[Tree, Any], Any] | None = None
     rngs_hint: str = _RNGS_HINT
+    shape_hint: str = ""
     modules: Callable[[Tree], Any] | None = None
     records_classes: bool = True
     settings: Callable[[Any], dict[str, Any]] | None = None

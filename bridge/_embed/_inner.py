@@ -46,6 +46,9 @@ bridge.{wrapper} cannot run a {name} model inside another framework (its adapter
 no `embed`). Port it into a model of a framework that can be wrapped,
 `model = bridge.port(source, model)`, and wrap that model."""
 
+_FAILED_ON_SHAPES = """\
+The wrapped {name} model failed on arguments of shapes {shapes}. {hint}"""
+
 
 @dataclass(frozen=True, eq=False)
 class Inner:
@@ -143,9 +146,22 @@ def run(
     """Run the wrapped model once on `leaves` (`Adapter.embed`): `(output, {leaf
     index: new value})` for the state leaves the pass wrote. `keys` are the caller's
     random keys, `inference` the mode (None: the model's own)."""
-    embed = adapter_named(inner.framework).embed
-    assert embed is not None  # checked by inner_of
-    out, after, kept = embed(inner.tree(leaves), args, kwargs, keys, inference)
+    adapter = adapter_named(inner.framework)
+    assert adapter.embed is not None  # checked by inner_of
+    try:
+        out, after, kept = adapter.embed(
+            inner.tree(leaves), args, kwargs, keys, inference
+        )
+    except (TypeError, ValueError) as error:
+        if not adapter.shape_hint or "shape" not in str(error).lower():
+            raise
+        shapes = [getattr(x, "shape", type(x).__name__) for x in args]
+        error.add_note(
+            _FAILED_ON_SHAPES.format(
+                name=adapter.display, shapes=shapes, hint=adapter.shape_hint
+            )
+        )
+        raise
     if after is None:
         return out, {}
     new = {path_of(p): leaf for p, leaf in jtu.tree_flatten_with_path(after)[0]}

@@ -17,6 +17,17 @@ _OUTPUTS_DIFFER = """\
 The two models' outputs do not have the same structure: {a} and {b}. Compare models
 that compute the same function (and mind channel order: see `channel_first`)."""
 
+_FAILED = """\
+bridge.compare ran model `{side}` on inputs of shapes {shapes} and it failed (above).
+Both models get the same batched, channel-last inputs, as Flax takes them.{hint}
+If the models take different arguments, give each its own: per_side=({{...}}, {{...}})
+for keyword arguments."""
+
+_CHANNELS = """
+If model `{side}` takes channels first (an Equinox or PyTorch-style convolution, `(C,
+H, W)` per example), say so: channel_first={pair}, or a class attribute
+`channel_first = True` on the model."""
+
 
 def forward(
     model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], channel_first: bool
@@ -108,8 +119,12 @@ def outputs(
             bool(getattr(model_of(b), "channel_first", False)),
         )
     sides = per_side or ({}, {})
-    out_a = forward(a, inputs, {**call_kwargs, **sides[0]}, channel_first[0])
-    out_b = forward(b, inputs, {**call_kwargs, **sides[1]}, channel_first[1])
+    out_a, out_b = (
+        _run(side, model, inputs, {**call_kwargs, **kwargs}, first, channel_first)
+        for side, model, kwargs, first in zip(
+            "ab", (a, b), sides, channel_first, strict=True
+        )
+    )
     leaves_a, leaves_b = (
         jax.tree_util.tree_leaves(out_a),
         jax.tree_util.tree_leaves(out_b),
@@ -119,6 +134,30 @@ def outputs(
     if shapes_a != shapes_b:
         raise ValueError(_OUTPUTS_DIFFER.format(a=shapes_a, b=shapes_b))
     return leaves_a, leaves_b
+
+
+def _run(
+    side: str,
+    model: Any,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    first: bool,
+    channel_first: tuple[bool, bool],
+) -> Any:
+    """`forward` for one side of `compare`, its shape errors told what to try."""
+    try:
+        return forward(model, inputs, kwargs, first)
+    except (TypeError, ValueError) as error:
+        if "shape" not in str(error).lower() and "dimension" not in str(error).lower():
+            raise
+        hint = ""
+        if any(jnp.ndim(x) >= 3 for x in inputs):
+            flipped = list(channel_first)
+            flipped["ab".index(side)] = not first
+            hint = _CHANNELS.format(side=side, pair=tuple(flipped))
+        shapes = [tuple(jnp.shape(x)) for x in inputs]
+        error.add_note(_FAILED.format(side=side, shapes=shapes, hint=hint))
+        raise
 
 
 def largest_difference(leaves_a: list[Any], leaves_b: list[Any]) -> float:
