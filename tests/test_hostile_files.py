@@ -23,7 +23,7 @@ from . import corpus
 from .helpers import skip_unless
 
 
-CASES = corpus.cases()
+CASES = corpus.cases() + corpus.sharded_cases()
 SECONDS = 60  # far above any case (they take milliseconds); a hang fails, not blocks
 
 
@@ -124,8 +124,9 @@ def test_the_corpus_covers_every_category():
         "special",
         "msgpack",
         "orbax",
+        "sharded",
     }
-    assert len(CASES) >= 145
+    assert len(CASES) >= 165
     assert len({(c.category, c.name) for c in CASES}) == len(CASES)
 
 
@@ -223,3 +224,12 @@ def test_a_recorded_class_already_imported_is_found(tmp_path):
     assert _resolve("os:system") is None  # a function, not a class
     assert _resolve("bridge_not_a_module:X") is None
     assert "bridge_not_a_module" not in sys.modules
+
+
+def test_an_index_naming_200000_missing_arrays_gives_a_bounded_message(tmp_path):
+    """The message names a few of the missing arrays and counts the rest."""
+    case = next(c for c in corpus.sharded_cases() if "200,000" in c.name)
+    with pytest.raises(bridge.CheckpointError) as info:
+        bridge.load(case.make(tmp_path))
+    assert len(str(info.value)) < 1_000
+    assert "200000 name(s)" in str(info.value) and "199995 more" in str(info.value)

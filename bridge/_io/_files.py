@@ -1,12 +1,27 @@
-"""Reading a checkpoint file safely: open it once, refuse anything but a regular file
-(a FIFO would block, a device never ends), and read exactly the bytes asked for."""
+"""Reading a checkpoint file safely: refuse anything but a regular file (a FIFO would
+block, a device never ends), read exactly the bytes asked for, and never mix two
+versions of a file: every read checks that the file is the one whose header was read
+(`Identity`: device, inode, size, modification time), before and after.
+
+`Files` holds the open files of one checkpoint being read: each opened when a read
+needs it and kept open while reads use it, at most `Files.limit` open at once (the
+least recently used is closed, and opened again when read again, its identity
+checked), all closed with the checkpoint. A sharded checkpoint of thousands of shards
+loads under the usual 1,024-descriptor limit, and no read ever uses a descriptor
+number closed meanwhile (it may belong to another file by then).
+"""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import os
 import stat
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from ._errors import CheckpointError, unreadable
 
@@ -88,3 +103,121 @@ def read_at(fd: int, offset: int, count: int, into: memoryview | None = None) ->
             raise EOFError(f"the file ended {count - done} bytes early")
         done += n
     return bytes(buffer) if into is None else b""
+
+
+class Identity(NamedTuple):
+    """What tells one version of a file from another: a file replaced (`os.replace`)
+    has another inode, one rewritten in place another size or modification time."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+def identity(fd: int) -> Identity:
+    st = os.fstat(fd)
+    return Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_CHANGED = (
+    "it changed while it was read (its {what} differs from when its header was "
+    "read): another process rewrote or replaced it. Load it again once the writer "
+    "is done"
+)
+
+
+def check_same(fd: int, path: Path, fmt: str, expected: Identity) -> None:
+    """`CheckpointError` naming the file if it is no longer the version `expected`."""
+    now = identity(fd)
+    if now != expected:
+        what = "inode" if now[:2] != expected[:2] else "size or modification time"
+        raise unreadable(path, fmt, _CHANGED.format(what=what))
+
+
+def read_whole(fd: int, path: Path, fmt: str) -> bytes:
+    """The whole file, checked unchanged from before the read to after it."""
+    before = identity(fd)
+    data = read_at(fd, 0, before.size)
+    check_same(fd, path, fmt, before)
+    return data
+
+
+class _File(NamedTuple):
+    path: Path
+    fmt: str
+    identity: Identity
+
+
+class Files:
+    """The open files of one checkpoint being read (see the module's docstring).
+
+    `add(path, fmt, fd, identity)` takes a descriptor whose header was read (the
+    file's identity taken before that read); `reading(key)` gives a descriptor of the
+    file for one read, opening it again if it was closed, and checks its identity
+    before and after the read; `close()` closes every file. Safe from several
+    threads.
+    """
+
+    limit = 64
+
+    def __init__(self, limit: int | None = None):
+        if limit is not None:
+            self.limit = limit
+        self._files: list[_File] = []
+        self._open: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._users: collections.Counter[int] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def add(self, path: Path, fmt: str, fd: int, ident: Identity) -> int:
+        check_same(fd, path, fmt, ident)  # unchanged while its header was read
+        with self._lock:
+            key = len(self._files)
+            self._files.append(_File(path, fmt, ident))
+            self._open[key] = fd
+            self._trim()
+        return key
+
+    @contextlib.contextmanager
+    def reading(self, key: int) -> Iterator[int]:
+        path, fmt, ident = self._files[key]
+        with self._lock:
+            self._users[key] += 1
+            fd = self._open.pop(key, None)
+            if fd is not None:
+                self._open[key] = fd  # the most recently used
+        try:
+            if fd is None:
+                fd = self._reopen(key)
+            check_same(fd, path, fmt, ident)
+            yield fd
+            check_same(fd, path, fmt, ident)
+        finally:
+            with self._lock:
+                self._users[key] -= 1
+                self._trim()
+
+    def _reopen(self, key: int) -> int:
+        path, fmt, ident = self._files[key]
+        try:
+            fd = open_regular(path, fmt)
+        except CheckpointError:
+            raise unreadable(path, fmt, _CHANGED.format(what="path")) from None
+        with self._lock:
+            other = self._open.pop(key, None)  # another thread opened it meanwhile
+            self._open[key] = fd
+        if other is not None:
+            os.close(other)
+        return fd
+
+    def _trim(self) -> None:
+        """Close the least recently used files no read is using, down to `limit`."""
+        idle = [k for k in self._open if not self._users[k]]
+        for key in idle[: max(0, len(self._open) - self.limit)]:
+            os.close(self._open.pop(key))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._open.values():
+                os.close(fd)
+            self._open.clear()

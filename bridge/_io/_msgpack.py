@@ -28,7 +28,7 @@ from .._paths import MAX_DEPTH
 from ._atomic import atomic_file
 from ._contents import DTYPE_NAMES, Contents, Malformed, Stored, dotted
 from ._errors import unreadable
-from ._files import open_regular, read_at, size
+from ._files import open_regular, read_whole
 from ._format import Format, register_format
 
 
@@ -162,7 +162,7 @@ def metadata(path: Path) -> Contents:
     header); the arrays wait in `Contents.source`."""
     fd = open_regular(path, NAME)
     try:
-        data = read_at(fd, 0, size(fd))
+        data = read_whole(fd, path, NAME)
         variables = msgpack.unpackb(
             data, ext_hook=_extension, raw=False, strict_map_key=False
         )

@@ -25,7 +25,7 @@ import numpy as np
 from ._atomic import atomic_dir
 from ._contents import DTYPE_NAMES, Contents, Malformed, decode, encode
 from ._errors import CheckpointError, unreadable
-from ._files import missing, open_regular, read_at, size
+from ._files import missing, open_regular, read_whole, size
 from ._format import Format, formats, register_format
 
 
@@ -140,7 +140,7 @@ def _metadata_text(path: Path) -> bytes:
             raise Malformed(f"'{METADATA}/{_METADATA_FILE}' is not a regular file")
         if size(fd) > _METADATA_LIMIT:
             raise Malformed(f"'{METADATA}/{_METADATA_FILE}' is over 100 MB")
-        return read_at(fd, 0, size(fd))
+        return read_whole(fd, path, NAME)
     except (Malformed, EOFError) as e:
         raise unreadable(path, NAME, str(e)) from None
     finally:

@@ -1,11 +1,13 @@
 """The safetensors format: one file, flat name -> array, plus string metadata.
 
-The file is opened once: the header is read and checked from that handle (every
-dtype known, every byte count matching its shape, the arrays tiling the data
-exactly), and each array is then read from the same handle, one at a time, so a file
-replaced while it is loaded (`os.replace`, what `bridge.save` does) is never mixed
-with its successor. Reads are plain `pread`s of the declared sizes: no memory map (a
-file truncated in place cannot kill the process), never more than the file holds.
+The header is read and checked from one handle (every dtype known, every byte count
+matching its shape, the arrays tiling the data exactly), and each array is then read
+one at a time from the same file (`_files.Files`: kept open while reads use it, its
+identity checked before and after each read), so a file replaced (`os.replace`, what
+`bridge.save` does) or rewritten in place while it is loaded is an error naming it,
+never mixed with its successor. Reads are plain `pread`s of the declared sizes: no
+memory map (a file truncated in place cannot kill the process), never more than the
+file holds.
 
 Every dtype safetensors stores is supported, including `complex64`, the 8-bit floats
 and `float4_e2m1fn` (stored packed, two per byte, the first in the low nibble).
@@ -27,7 +29,7 @@ import numpy as np
 from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode, encode
 from ._errors import unreadable
-from ._files import open_regular, read_at, size
+from ._files import Files, identity, open_regular, read_at, size
 from ._format import Format, register_format
 
 
@@ -144,18 +146,19 @@ class Entry(NamedTuple):
 
 
 class Source(NamedTuple):
-    """The open file a header was read from: its descriptor, where the data starts,
-    and each array's entry."""
+    """The file a header was read from: `files` holds it (as `key`), `start` is
+    where the data starts, `entries` each array's. `owner`: closing this source
+    closes `files` (False for a shard: its checkpoint's `files` hold every shard)."""
 
-    fd: int
+    files: Files
+    key: int
     start: int
     entries: dict[str, Entry]
+    owner: bool
 
     def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:  # closed already
-            pass
+        if self.owner:
+            self.files.close()
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -240,21 +243,34 @@ def _header(fd: int) -> tuple[dict[str, str], dict[str, Entry], int]:
     return meta, entries, 8 + length
 
 
-def metadata(path: Path) -> Contents:
-    """The `Contents` of the file at `path`, from its header (the file stays open in
-    `Contents.source` for `restore`)."""
+def metadata(path: Path, files: Files | None = None) -> Contents:
+    """The `Contents` of the file at `path`, from its header (the file is held in
+    `Contents.source` for `restore`: by `files`, when given, else by its own)."""
     fd = open_regular(path, NAME)
-    source = None
+    owner = files is None
+    files = Files() if files is None else files
     try:
+        ident = identity(fd)
         meta, entries, start = _header(fd)
-        source = Source(fd, start, entries)
-        shapes = {n: (e.shape, DTYPES[e.code]) for n, e in entries.items()}
-        return decode(path, NAME, meta, shapes, source)
+        key = files.add(path, NAME, fd, ident)  # `files` closes it from here on
     except (Malformed, EOFError) as e:
+        os.close(fd)
         raise unreadable(path, NAME, str(e)) from None
-    finally:
-        if source is None:
-            os.close(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        shapes = {n: (e.shape, DTYPES[e.code]) for n, e in entries.items()}
+        source = Source(files, key, start, entries, owner)
+        return decode(path, NAME, meta, shapes, source)
+    except Malformed as e:
+        if owner:
+            files.close()
+        raise unreadable(path, NAME, str(e)) from None
+    except BaseException:
+        if owner:
+            files.close()
+        raise
 
 
 def restore(
@@ -280,7 +296,8 @@ def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarr
     else:
         data = np.empty(size, np.uint8)
     try:
-        read_at(source.fd, source.start + entry.begin, data.size, data.data)
+        with source.files.reading(source.key) as fd:
+            read_at(fd, source.start + entry.begin, data.size, data.data)
     except EOFError as e:
         raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
     return _from_bytes(data, entry.code, entry.shape)

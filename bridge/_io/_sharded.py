@@ -1,13 +1,18 @@
 """The sharded Hugging Face format: `model.safetensors.index.json` maps each array's
 name to the shard file holding it (`model-00001-of-00003.safetensors`, ...), all in
-one directory. Opening reads every shard's header (no array); arrays are read shard
-after shard, each shard's file closed once its arrays are read. Saving to a
-`*.safetensors.index.json` path writes one shard and its index.
+one directory. Opening reads the index (a regular file of bounded size, checked as a
+shard is) and every shard's header (no array); arrays are then read shard after
+shard. The shards are held by one `_files.Files`: at most `Files.limit` open at once,
+each opened again when read again and checked to be the file whose header was read,
+all closed with the checkpoint (never after "its last name": a stacked array is read
+again for each layer it is sliced into). Saving to a `*.safetensors.index.json` path
+writes one shard and its index.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -17,18 +22,24 @@ import numpy as np
 from .._lazy import LazyArray
 from . import _safetensors
 from ._atomic import atomic_file
-from ._contents import Contents, Malformed, decode
-from ._errors import CheckpointError, unreadable
+from ._contents import Contents, Malformed, decode, encode
+from ._errors import unreadable
+from ._files import Files, open_regular, read_whole
 from ._format import Format, register_format
 
 
 NAME = "sharded"
 INDEX_SUFFIX = ".safetensors.index.json"
+INDEX_LIMIT = 100_000_000  # bytes, as a safetensors header's
 
 _SEVERAL = "{path} holds several index files ({names}): point at the one to load."
 _BAD_INDEX = "its 'weight_map' does not map array names to shard file names"
-_OUTSIDE = "shard {name!r} is not a file name in the index's directory"
-_NOT_IN_SHARD = "the index maps {names} to {shard}, which does not hold them"
+_OUTSIDE = "shard {name} is not a file name in the index's directory"
+_NOT_IN_SHARD = (
+    "the index maps {count} name(s) to {shard}, which does not hold them: {names}"
+)
+_TWICE = "the index maps {names} more than once"
+_TOO_BIG = "the index is {size} bytes, more than the {limit} an index may have"
 
 
 def index_of(path: Path) -> Path | None:
@@ -40,12 +51,48 @@ def index_of(path: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _some(names: list[str], most: int = 5) -> str:
+    """At most `most` names (each shortened), and how many more: a bounded message."""
+    shown = ", ".join(_short(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _short(value: str) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = [k for k, _ in pairs if k in seen or seen.add(k)]
+        raise Malformed(_TWICE.format(names=_some(sorted(set(twice)))))
+    return out
+
+
+def _read_index(index: Path) -> Any:
+    """The index's JSON, read as a shard is (a regular file, opened without
+    blocking, of bounded size, unchanged while read)."""
+    fd = open_regular(index, NAME)
+    try:
+        size = os.fstat(fd).st_size
+        if size > INDEX_LIMIT:
+            raise Malformed(_TOO_BIG.format(size=size, limit=INDEX_LIMIT))
+        text = read_whole(fd, index, NAME)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(text.decode("utf-8"), object_pairs_hook=_unique)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: not JSON, or an integer of more digits than Python converts
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise Malformed(f"the index is not JSON ({reason[:200]})") from None
+
+
 def _weight_map(index: Path) -> dict[Path, list[str]]:
     """Each shard with the names the index maps to it, in order of first mention."""
-    try:
-        data = json.loads(index.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise Malformed(f"the index is not JSON ({e})") from None
+    data = _read_index(index)
     mapping = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(mapping, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()
@@ -53,91 +100,78 @@ def _weight_map(index: Path) -> dict[Path, list[str]]:
         raise Malformed(_BAD_INDEX)
     out: dict[Path, list[str]] = {}
     for name, shard in mapping.items():
-        if Path(shard).name != shard or shard in ("", ".", ".."):
-            raise Malformed(_OUTSIDE.format(name=shard))
+        if (
+            "\x00" in shard
+            or "/" in shard
+            or shard in ("", ".", "..")
+            or Path(shard).name != shard
+        ):
+            raise Malformed(_OUTSIDE.format(name=_short(shard)))
         out.setdefault(index.parent / shard, []).append(name)
     return out
 
 
 class Source(NamedTuple):
-    """Each shard's `Contents` (its file open) with the names read from it, and the
-    positions of the shards closed already (each file is closed once: a closed
-    descriptor's number may belong to another file by then)."""
+    """Each shard's `Contents` with the names read from it; `files` holds every
+    shard (closed with the checkpoint)."""
 
     shards: tuple[tuple[Contents, tuple[str, ...]], ...]
-    closed: set[int]
-
-    def close_shard(self, i: int) -> None:
-        if i not in self.closed:
-            self.closed.add(i)
-            self.shards[i][0].close()
+    files: Files
 
     def close(self) -> None:
-        for i in range(len(self.shards)):
-            self.close_shard(i)
+        self.files.close()
 
 
 def metadata(path: Path) -> Contents:
     """The `Contents` of the sharded checkpoint whose index is `path`: every shard's
-    header read, every shard open (closed by `Contents.close`)."""
-    opened: list[tuple[Contents, tuple[str, ...]]] = []
+    header read (at most `Files.limit` shards open at once; closed by
+    `Contents.close`). A shard written by `bridge.save` keeps its metadata (roles,
+    framework, modules, training state)."""
+    files = Files()
     try:
         weight_map = _weight_map(path)
-        meta: dict[str, str] = {}
+        opened: list[tuple[Contents, tuple[str, ...]]] = []
+        meta: dict[str, str] | None = None
         shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         for shard, names in weight_map.items():
-            contents = _safetensors.metadata(shard)
+            contents = _safetensors.metadata(shard, files)
             opened.append((contents, tuple(names)))
             held = {s.key: s for s in contents.tensors}
             missing = [n for n in names if n not in held]
             if missing:
-                raise Malformed(_NOT_IN_SHARD.format(names=missing, shard=shard.name))
-            if not meta:
-                meta = dict(contents.metadata)
+                raise Malformed(
+                    _NOT_IN_SHARD.format(
+                        count=len(missing), shard=shard.name, names=_some(missing)
+                    )
+                )
+            if meta is None:
+                meta = encode(contents) if contents.version else dict(contents.metadata)
             shapes.update({n: (held[n].shape, held[n].dtype) for n in names})
-        return decode(path, NAME, meta, shapes, Source(tuple(opened), set()))
+        return decode(path, NAME, meta or {}, shapes, Source(tuple(opened), files))
     except Malformed as e:
-        Source(tuple(opened), set()).close()
+        files.close()
         raise unreadable(path, NAME, str(e)) from None
-    except CheckpointError:
-        Source(tuple(opened), set()).close()
+    except BaseException:
+        files.close()
         raise
 
 
 def restore(
     contents: Contents, shardings: Mapping[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Each array, shard after shard; a shard's file is closed once it is read."""
+    """Each array, shard after shard."""
     wanted = {s.key for s in contents.tensors}
     source: Source = contents.source
-    for i, (shard, names) in enumerate(source.shards):
+    for shard, names in source.shards:
         for name in names:
             if name in wanted:
                 yield name, _safetensors.read_one(shard, name)
-        source.close_shard(i)
-
-
-class _Pending:
-    """One shard's file, closed once each of its arrays has been read (a single file
-    stays open: its `Contents` closes it)."""
-
-    def __init__(self, contents: Contents, names: tuple[str, ...], close):
-        self.contents = contents
-        self.pending = set(names)
-        self.close = close
-
-    def read(self, name: str) -> np.ndarray:
-        array = _safetensors.read_one(self.contents, name, own_pages=True)
-        self.pending.discard(name)
-        if not self.pending and self.close is not None:
-            self.close()
-        return array
 
 
 def lazy(contents: Contents) -> dict[str, LazyArray]:
     """`{name: LazyArray}` for a safetensors or sharded checkpoint: each array read
-    from its file when used, shard by shard (`LazyArray.order` is the shard's
-    position)."""
+    from its file when used (as often as it is used), shard by shard
+    (`LazyArray.order` is the shard's position)."""
     source = contents.source if contents.format == NAME else None
     if source is not None:
         shards = source.shards
@@ -146,12 +180,13 @@ def lazy(contents: Contents) -> dict[str, LazyArray]:
     stored = {s.key: s for s in contents.tensors}
     out = {}
     for order, (shard, names) in enumerate(shards):
-        close = None if source is None else lambda i=order: source.close_shard(i)
-        pending = _Pending(shard, names, close)
         for name in names:
             s = stored[name]
             out[name] = LazyArray(
-                s.shape, s.dtype, order, lambda p=pending, n=name: p.read(n)
+                s.shape,
+                s.dtype,
+                order,
+                lambda c=shard, n=name: _safetensors.read_one(c, n, own_pages=True),
             )
     return out
 

@@ -154,7 +154,8 @@ def _module(tree: Tree) -> nn.Module:
 
 
 def targets(tree: Tree) -> list[Target]:
-    table = _settings_table(_module(tree))
+    module = linen_module(tree)  # None for a file's Tree: no adapter settings
+    table = {} if module is None else _settings_table(module)
     found = (_target(path, node, table) for path, node in walk(tree))
     return [t for t in found if t is not None]
 

@@ -721,3 +721,80 @@ def _meta_plain(key: str, value: str):
         },
         bytes(4),
     )
+
+
+# --- sharded folders: hostile index files -------------------------------------------------
+
+INDEX = "model.safetensors.index.json"
+
+
+def _shard_bytes(names: list[str]) -> bytes:
+    header = {
+        n: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i, n in enumerate(names)
+    }
+    return safetensors_bytes(header, bytes(4 * len(names)))
+
+
+def _index(text: str | bytes, shards: tuple[str, ...] = ("s.safetensors",)):
+    """An index file (`text`, JSON unless bytes) next to valid shards holding `a`."""
+
+    def make(directory: Path) -> Path:
+        for name in shards:
+            (directory / name).write_bytes(_shard_bytes(["a"]))
+        path = directory / INDEX
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return path
+
+    return make
+
+
+def _weight_map(mapping: dict[str, str]):
+    return _index(json.dumps({"metadata": {}, "weight_map": mapping}))
+
+
+def _index_over_limit(directory: Path) -> Path:
+    path = directory / INDEX
+    with open(path, "wb") as f:  # sparse: no disk used
+        f.truncate(100_000_001)
+    return path
+
+
+def sharded_cases() -> list[Case]:
+    many = {f"missing.{i}": "s.safetensors" for i in range(200_000)}
+    digits = "1" + "0" * 5_000
+    return [
+        Case("sharded", "index a FIFO", _fifo(INDEX)),
+        Case("sharded", "index a link to /dev/zero", _link(INDEX, "/dev/zero")),
+        Case("sharded", "index a directory", _mkdir(INDEX)),
+        Case("sharded", "index empty", _index(b"")),
+        Case("sharded", "index not JSON", _index("{not json")),
+        Case("sharded", "index not utf-8", _index(b"\xff\xfe{}")),
+        Case("sharded", "index a list", _index("[1, 2]")),
+        Case("sharded", "index nested 100k deep", _index(_nested_list(100_000))),
+        Case("sharded", "index over 100 MB", _index_over_limit),
+        Case("sharded", "no weight_map", _index("{}")),
+        Case("sharded", "weight_map a list", _index('{"weight_map": ["a"]}')),
+        Case("sharded", "shard name an int", _index('{"weight_map": {"a": 1}}')),
+        Case("sharded", "NUL in a shard name", _weight_map({"a": "s\x00.safetensors"})),
+        Case("sharded", "shard in the parent", _weight_map({"a": "../s.safetensors"})),
+        Case("sharded", "shard an absolute path", _weight_map({"a": "/etc/passwd"})),
+        Case("sharded", "shard name empty", _weight_map({"a": ""})),
+        Case("sharded", "shard name '..'", _weight_map({"a": ".."})),
+        Case(
+            "sharded",
+            "5,000-digit integer",
+            _index('{"metadata": {"total_size": ' + digits + '}, "weight_map": {}}'),
+        ),
+        Case(
+            "sharded",
+            "one name twice",
+            _index('{"weight_map": {"a": "s.safetensors", "a": "s.safetensors"}}'),
+        ),
+        Case(
+            "sharded",
+            "200,000 names missing",
+            _weight_map({"a": "s.safetensors", **many}),
+        ),
+        Case("sharded", "a name its shard lacks", _weight_map({"b": "s.safetensors"})),
+    ]

@@ -1,0 +1,216 @@
+"""Reads verify what they read (issue 22, items 1, 2, 6, 11): a file read again (a
+stacked array sliced per layer, statistics after the weights) is read from the same
+file, never from a closed descriptor or another file's bytes; at most `Files.limit`
+shards are open at once; a file rewritten in place while it is read is an error
+naming it, for every kind of read (single file, shards, lazy, msgpack); bridge's own
+sharded checkpoints keep their metadata."""
+
+import json
+import os
+import resource
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import bridge
+from bridge._io import _files, _sharded
+from bridge._io._checkpoint import open_checkpoint
+
+from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
+
+
+def write_sharded(folder, arrays: dict, per_shard: int = 1):
+    """A Hugging Face sharded folder: `per_shard` arrays a shard, and its index."""
+    names = list(arrays)
+    weight_map = {}
+    count = -(-len(names) // per_shard)
+    for s in range(count):
+        file = f"model-{s + 1:05d}-of-{count:05d}.safetensors"
+        part = names[s * per_shard : (s + 1) * per_shard]
+        safetensors.numpy.save_file({k: arrays[k] for k in part}, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def values(n: int) -> dict:
+    return {f"layers.{i}.w": np.full(3, i, np.float32) for i in range(n)}
+
+
+# --- item 1: a file read again is the same file --------------------------------------
+
+
+def test_an_array_read_again_after_another_file_was_opened(tmp_path):
+    """A lazy array read, its shard's every name read once, then a new file opened
+    (which may get the shard's old descriptor number), then the array read again:
+    the same bytes, never the new file's and never EBADF."""
+    index = write_sharded(tmp_path, values(2))
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\xff" * 4096)
+    with open_checkpoint(index) as contents:
+        lazy = _sharded.lazy(contents)
+        first = lazy["layers.0.w"].read()
+        with open(other, "rb"):  # takes the lowest free descriptor number
+            again = lazy["layers.0.w"].read()
+            np.testing.assert_array_equal(again, first)
+            np.testing.assert_array_equal(lazy["layers.1.w"].read(), [1, 1, 1])
+
+
+def test_a_stacked_sharded_file_ports_into_per_layer_layers(tmp_path):
+    """`load(folder, like=per-layer model)` of an `nn.scan` model's sharded file:
+    each stacked array is read once per layer slice, all from the open shard."""
+    source = _randomised(_linen(Scanned(), 0))
+    index = tmp_path / "model.safetensors.index.json"
+    bridge.save(index, source)
+    target = bridge.load(index, like=EqxLooped(jax.random.key(1)))
+    module, variables = source
+    np.testing.assert_allclose(
+        jax.vmap(target)(X), module.apply(variables, X), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_sharded_training_checkpoint_resumes(tmp_path):
+    """The optimizer state is read after the model's arrays, from the same shards."""
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    index = tmp_path / "model.safetensors.index.json"
+    bridge.save(index, model, opt_state=optimizer, step=7)
+    like = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+    state = bridge.load(
+        index,
+        like=like,
+        opt_state_like=nnx.Optimizer(like, optax.adam(1e-3), wrt=nnx.Param),
+    )
+    assert state.step == 7
+    np.testing.assert_array_equal(state.model.kernel[...], model.kernel[...])
+
+
+# --- item 6: bridge's own sharded checkpoints keep their metadata ---------------------
+
+
+def test_bridge_sharded_checkpoints_keep_roles_and_framework(tmp_path):
+    from flax import nnx
+
+    model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    index = tmp_path / "m.safetensors.index.json"
+    bridge.save(index, model)
+    tree = bridge.load(index)
+    assert bridge.roles(tree).mean == "batch_stats"
+    back = bridge.load(index, like=nnx.BatchNorm(3, rngs=nnx.Rngs(1)))
+    assert isinstance(back, nnx.BatchNorm)
+
+
+# --- item 11: descriptors bounded ----------------------------------------------------
+
+
+def test_many_shards_load_under_a_low_descriptor_limit(tmp_path):
+    """200 shards with room for 80 more descriptors than the process holds: at most
+    `Files.limit` (64) shards are open at once (every shard was kept open before)."""
+    index = write_sharded(tmp_path, values(200))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 80, hard))
+    try:
+        tree = bridge.load(index)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert float(tree.layers[199].w[0]) == 199
+    assert len(os.listdir("/proc/self/fd")) <= held + 1  # every shard closed
+
+
+@pytest.mark.slow
+def test_1100_shards_under_1024_descriptors(tmp_path):
+    """The issue's case: a valid 1,100-shard checkpoint under the usual limit."""
+    index = write_sharded(tmp_path, values(1100))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        tree = bridge.load(index)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert float(tree.layers[1099].w[0]) == 1099
+
+
+def test_a_closed_shard_reopened_is_checked(tmp_path, monkeypatch):
+    """With room for one open shard, each is closed and opened again: a shard
+    replaced meanwhile (another inode) is an error naming it."""
+    monkeypatch.setattr(_files.Files, "limit", 1)
+    index = write_sharded(tmp_path, values(3))
+    assert float(bridge.load(index).layers[2].w[0]) == 2
+    with open_checkpoint(index) as contents:
+        lazy = _sharded.lazy(contents)
+        lazy["layers.0.w"].read()
+        lazy["layers.1.w"].read()  # shard 1 closed
+        shard = tmp_path / "model-00001-of-00003.safetensors"
+        replacement = tmp_path / "new.safetensors"
+        safetensors.numpy.save_file(
+            {"layers.0.w": np.full(3, 9, np.float32)}, replacement
+        )
+        os.replace(replacement, shard)
+        with pytest.raises(
+            bridge.CheckpointError, match=r"model-00001-of-00003.*changed"
+        ):
+            lazy["layers.0.w"].read()
+
+
+# --- item 2: a file changed while it is read -----------------------------------------
+
+
+def rewrite_after_first_read(monkeypatch, path):
+    """After the first array read, rewrite `path` in place (same size, other bytes,
+    a later modification time): what `cp v2 ckpt/model.safetensors` does."""
+    real = _files.read_at
+    calls = []
+
+    def read_at(fd, offset, count, into=None):
+        out = real(fd, offset, count, into)
+        calls.append(offset)
+        if len(calls) == 1:
+            data = bytearray(path.read_bytes())
+            data[-4:] = b"\x01\x02\x03\x04"
+            stat = os.stat(path)
+            with open(path, "r+b") as f:  # in place: the same inode
+                f.write(bytes(data))
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        return out
+
+    monkeypatch.setattr(_files, "read_at", read_at)
+    for module in ("_safetensors", "_msgpack"):
+        mod = __import__(f"bridge._io.{module}", fromlist=["x"])
+        if hasattr(mod, "read_at"):
+            monkeypatch.setattr(mod, "read_at", read_at)
+
+
+@pytest.mark.parametrize("kind", ["single file", "sharded", "lazy"])
+def test_a_file_rewritten_while_read_is_an_error_naming_it(tmp_path, monkeypatch, kind):
+    arrays = values(4)
+    if kind == "sharded":
+        index = write_sharded(tmp_path, arrays, per_shard=4)
+        path, changed = index, tmp_path / "model-00001-of-00001.safetensors"
+    else:
+        path = changed = tmp_path / "model.safetensors"
+        safetensors.numpy.save_file(arrays, path)
+    with open_checkpoint(path) as contents:
+        rewrite_after_first_read(monkeypatch, changed)
+        with pytest.raises(bridge.CheckpointError, match=rf"{changed.name}.*changed"):
+            if kind == "lazy":
+                for array in _sharded.lazy(contents).values():
+                    array.read()
+            else:
+                from bridge._io._checkpoint import read
+
+                read(contents)
+
+
+def test_a_msgpack_file_rewritten_while_read_is_an_error(tmp_path, monkeypatch):
+    path = tmp_path / "m.msgpack"
+    bridge.save(path, {"params": {"a": np.ones(4096, np.float32)}})
+    rewrite_after_first_read(monkeypatch, path)
+    with pytest.raises(bridge.CheckpointError, match=r"m\.msgpack.*changed"):
+        bridge.load(path)
