@@ -60,11 +60,16 @@ def test_an_array_read_again_after_another_file_was_opened(tmp_path):
 
 
 def test_a_stacked_sharded_file_ports_into_per_layer_layers(tmp_path):
-    """`load(folder, like=per-layer model)` of an `nn.scan` model's sharded file:
-    each stacked array is read once per layer slice, all from the open shard."""
+    """`load(folder, like=per-layer model)` of an `nn.scan` model's folder (names
+    only, no metadata), one array a shard: each stacked array is read once per layer
+    slice, all from its shard (closing a shard once each name was read once failed
+    the second slice with EBADF, or read another file's bytes)."""
     source = _randomised(_linen(Scanned(), 0))
-    index = tmp_path / "model.safetensors.index.json"
-    bridge.save(index, source)
+    single = tmp_path / "single.safetensors"
+    bridge.save(single, source)
+    index = write_sharded(tmp_path, safetensors.numpy.load_file(single))
+    single.unlink()
+    assert bridge.load(index).blocks.Dense_0.kernel.shape[0] == 3  # stacked
     target = bridge.load(index, like=EqxLooped(jax.random.key(1)))
     module, variables = source
     np.testing.assert_allclose(
