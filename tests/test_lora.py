@@ -4,6 +4,7 @@ JAX LoRA step, stacks, dropout, and every error. (Against PEFT itself:
 `tests/test_lora_peft.py`.)"""
 
 import json
+import os
 
 import equinox as eqx
 import flax.linen as nn
@@ -341,3 +342,77 @@ def test_a_model_without_adapters_ports_from_linen_variables_alone(tmp_path):
     inner, outer = variables["params"]["Dense_1"], variables["params"]["Dense_0"]
     assert (loaded.layers[0].weight == inner["kernel"].T).all()
     assert (loaded.layers[1].weight == outer["kernel"].T).all()
+
+
+def _in_thread(fn, seconds=60):
+    """`fn()`'s error, from a thread given `seconds` (a read that blocks fails the
+    test instead of hanging the session)."""
+    import threading
+
+    out = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001  (the error is the result)
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the read blocked"
+    return out.get("error")
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_load_peft_refuses_a_fifo_without_waiting(tmp_path, name):
+    """A FIFO in place of either file is refused by name at once (read with
+    `read_text` or safetensors' own loader it blocked until a writer came)."""
+    _, directory = _saved(tmp_path)
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    error = _in_thread(lambda: bridge.load_peft(directory, models()["nnx"]))
+    assert isinstance(error, ValueError), error
+    assert f"{name} is not a readable PEFT adapter" in str(error) or (
+        f"{name} is not a readable safetensors" in str(error)
+    )
+    assert "a FIFO (named pipe), not a regular file" in str(error)
+
+
+def test_load_peft_refuses_a_huge_or_malformed_config(tmp_path):
+    _, directory = _saved(tmp_path)
+    config_file = directory / "adapter_config.json"
+    good = config_file.read_text()
+    with open(config_file, "a") as f:  # sparse: 11 MB of nothing, no disk used
+        f.truncate(11_000_000)
+    with pytest.raises(ValueError, match=r"it is 11000000 bytes, more than the 1000"):
+        bridge.load_peft(directory, models()["nnx"])
+    for text, reason in [
+        ("[1, 2]", "it holds a JSON list, not an object"),
+        ('{"r": 2, "r": 4}', r"it is not JSON \(it names \['r'\] more than once"),
+        ("{" * 100_000, "it is not JSON"),
+        ("\xff", "it is not JSON"),
+    ]:
+        config_file.write_bytes(text.encode("latin-1"))
+        with pytest.raises(ValueError, match=reason):
+            bridge.load_peft(directory, models()["nnx"])
+    (directory / "adapter_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        bridge.load_peft(directory, models()["nnx"])
+    config = json.loads(good)
+    config.update(r="8", lora_dropout=2, target_modules=[1], rank_pattern={"(": 2})
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        bridge.load_peft(directory, models()["nnx"])
+    message = str(info.value)
+    for line in [
+        "r is '8', not a positive integer",
+        "lora_dropout is 2, not a number from 0 to 1",
+        "target_modules is [1], not a regular expression or a list of names",
+    ]:
+        assert line in message
+    config = json.loads(good)
+    config["rank_pattern"] = {"q(": 2}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"rank_pattern 'q\(' is no regular express"):
+        bridge.load_peft(directory, models()["nnx"])

@@ -24,11 +24,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from .._adapters._native import check_model, to_neutral
 from .._arguments import check_path, check_rules, check_str
+from .._io import _safetensors
 from .._io._atomic import atomic_dir
+from .._io._errors import unreadable
+from .._io._files import open_regular, read_at, size
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
@@ -38,6 +41,10 @@ from ._settings import A, B, Injection, Settings, Target, frame_of
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 MODEL = "base_model.model."
+CONFIG_LIMIT = 10_000_000
+"""The most bytes an `adapter_config.json` may have (PEFT's are a few kilobytes; a
+`rank_pattern` over thousands of layers stays far below)."""
+_FORMAT = "PEFT adapter"
 
 _KNOWN = {
     # read and honoured
@@ -315,11 +322,16 @@ def load_peft(
     check_rules(rules)
     check_str(prefix, "prefix")
     path = FilePath(directory)
-    config = json.loads((path / CONFIG).read_text())
-    tensors = load_file(str(path / WEIGHTS))
+    config = read_config(path / CONFIG)
+    tensors = read_tensors(path / WEIGHTS)
     tree = to_neutral(like)
     frame = frame_of(framework(tree))
     problems = _unsupported_settings(config)
+    wrong = _wrong_types(config)
+    if wrong:  # nothing below can read such a config
+        lines = "\n".join(f"  - {p}" for p in problems + wrong)
+        n = len(problems) + len(wrong)
+        raise ValueError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
     found = frame.targets(tree)
     named = names(tree, found, rules, prefix)
     target_modules = config.get("target_modules") or []
@@ -385,6 +397,118 @@ def load_peft(
         injections.append(Injection(target, a, b, settings[tpath], None))
     out = frame.inject(tree, injections)
     return out if isinstance(like, Tree) else frame.native(like, out)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    twice = sorted(
+        k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1
+    )
+    if twice:
+        raise ValueError(f"it names {twice[:5]} more than once")
+    return dict(pairs)
+
+
+def read_config(file: FilePath) -> dict[str, Any]:
+    """The JSON object in `adapter_config.json`, read as bridge reads a checkpoint's
+    header: a regular file (opened without blocking: a FIFO or a device is refused,
+    never waited on), at most `CONFIG_LIMIT` bytes, one value per key. Raises
+    `CheckpointError` (a `ValueError`; `FileNotFoundError` when missing) naming the
+    file."""
+    fd = open_regular(file, _FORMAT)
+    try:
+        n = size(fd)
+        if n > CONFIG_LIMIT:
+            raise unreadable(
+                file, _FORMAT,
+                f"it is {n} bytes, more than the {CONFIG_LIMIT} an {CONFIG} may have",
+            )  # fmt: skip
+        data = read_at(fd, 0, n)
+    except EOFError as e:
+        raise unreadable(file, _FORMAT, f"{e} (changed while read)") from None
+    finally:
+        os.close(fd)
+    try:
+        config = json.loads(data.decode("utf-8"), object_pairs_hook=_unique)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: not JSON, a key twice, an integer of too many digits
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise unreadable(file, _FORMAT, f"it is not JSON ({reason[:200]})") from None
+    if not isinstance(config, dict):
+        what = type(config).__name__
+        raise unreadable(file, _FORMAT, f"it holds a JSON {what}, not an object")
+    return config
+
+
+def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
+    """Every tensor of `adapter_model.safetensors`, read by bridge's safetensors
+    reader (a regular file, its header checked before any array is read)."""
+    with _safetensors.metadata(file) as contents:
+        return {s.key: _safetensors.read_one(contents, s.key) for s in contents.tensors}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_TYPES: dict[str, tuple[str, Any]] = {
+    "r": ("a positive integer", lambda v: type(v) is int and v > 0),
+    "lora_alpha": ("a number", _number),
+    "use_rslora": ("true or false", lambda v: isinstance(v, bool)),
+    "lora_dropout": ("a number from 0 to 1", lambda v: _number(v) and 0 <= v < 1),
+    "target_modules": (
+        "a regular expression or a list of names",
+        lambda v: (
+            v is None
+            or isinstance(v, str)
+            or (isinstance(v, list) and all(isinstance(t, str) for t in v))
+        ),
+    ),
+    "rank_pattern": (
+        "a map of names to positive integers",
+        lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and all(type(x) is int and x > 0 for x in v.values())
+            )
+        ),
+    ),
+    "alpha_pattern": (
+        "a map of names to numbers",
+        lambda v: v is None or (isinstance(v, dict) and all(map(_number, v.values()))),
+    ),
+}
+
+
+def _wrong_types(config: Mapping[str, Any]) -> list[str]:
+    """The config values bridge reads that are not of PEFT's types."""
+    wrong = [
+        f"{CONFIG}: {key} is {_short(config[key])}, not {what}"
+        for key, (what, ok) in _TYPES.items()
+        if key in config and not ok(config[key])
+    ]
+    if wrong:
+        return wrong
+    patterns = [
+        (key, p)
+        for key in ("rank_pattern", "alpha_pattern")
+        for p in config.get(key) or {}
+    ]
+    if isinstance(config.get("target_modules"), str):
+        patterns.append(("target_modules", config["target_modules"]))
+    for key, pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            wrong.append(
+                f"{CONFIG}: {key} {_short(pattern)} is no regular expression ({e})"
+            )
+    return wrong
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unsupported_settings(config: Mapping[str, Any]) -> list[str]:
