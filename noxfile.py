@@ -52,12 +52,12 @@ def _interpreter(version: str) -> str | None:
     return str(max(installs, key=patch, default="")) or None
 
 
-# The default session's Python: the first of these the machine has. 3.12 and 3.13 (the
-# only Pythons with jax 0.11+ and flax 0.12.9+ on the package index) still fail part of
-# the fast suite there (issue #27): they run in `tests_matrix`, and join this list
-# (first) once they pass.
+# The default session's Python: the first of these the machine has. Only 3.12 and 3.13
+# get the newest releases from the package index (jax 0.11+ and flax 0.12.9+ need
+# Python >= 3.12); 3.11 is the fallback, and the session says so.
+NEWEST_PYTHONS = ("3.13", "3.12", "3.11")
 NEWEST = next(
-    ((v, path) for v in ("3.11",) if (path := _interpreter(v))),
+    ((v, path) for v in NEWEST_PYTHONS if (path := _interpreter(v))),
     (f"{sys.version_info[0]}.{sys.version_info[1]}", sys.executable),
 )
 # The fast suite: the tests and the docstring examples of the package.
@@ -151,10 +151,21 @@ def _scripts(session: nox.Session, folder: str) -> list[Path]:
 def tests(session: nox.Session) -> None:
     """The fast suite (`-m "not slow"`) and the doctests, on the newest releases and
     the newest Python found (3.13, else 3.12, else 3.11)."""
-    session.log(f"Python {NEWEST[0]} ({NEWEST[1]})")
+    version, path = NEWEST
+    session.log(f"Python {version} ({path}): the newest of {', '.join(NEWEST_PYTHONS)}")
+    if version != NEWEST_PYTHONS[0]:
+        newer = [v for v in NEWEST_PYTHONS if _version(v) > _version(version)]
+        session.log(
+            f"no Python {' or '.join(newer)} found (on PATH or under pyenv): the "
+            f"newest releases Python {version} gets are installed, not the newest ones"
+        )
     session.install("--upgrade", "-e", ".[test]")
     _log_versions(session)
     session.run(*PYTEST, "-m", "not slow", *session.posargs)
+
+
+def _version(version: str) -> tuple[int, ...]:
+    return tuple(map(int, version.split(".")))
 
 
 def _log_versions(session: nox.Session) -> None:
