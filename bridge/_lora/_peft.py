@@ -35,7 +35,9 @@ from .._io._files import open_regular, read_at, size
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
+from .._port.codecs._torch import CONV1D_NAMES
 from .._tree import Tree, framework
+from ._fused import Part, Split, check_split, fuse, part_of, parts_of, split_b
 from ._settings import A, B, Injection, Settings, Target, frame_of
 
 
@@ -161,6 +163,7 @@ def save_peft(
     *,
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
+    split: Split | None = None,
 ) -> None:
     """Write a model's LoRA adapters as a PEFT adapter directory.
 
@@ -179,11 +182,19 @@ def save_peft(
       takes), read backwards to name the layers.
     - `prefix`: put before every layer name (`"model."` for a model that is the
       inner `model` of a Hugging Face `...ForCausalLM`).
+    - `split`: fused PyTorch layers whose parts are separate layers of this model,
+      as `bridge.from_torch` takes it (`{r"h\\.\\d+\\.attn\\.c_attn": ("query",
+      "key", "value")}` for GPT-2): the parts' adapters are written as one adapter
+      of the fused layer (named by the pattern's literal end, `c_attn`), exactly:
+      PEFT's `lora_A` and `lora_B` stacked when the parts share `lora_A` and
+      settings (rank `r`), else of the parts' ranks together, `lora_B`
+      block-diagonal (a part without adapter: zero rows).
 
     **Config:** `r` and `lora_alpha` are the most common rank and alpha;
     `rank_pattern`/`alpha_pattern` name the layers that differ; `target_modules` the
     adapted layers' last names; `use_rslora`, `lora_dropout`; `fan_in_fan_out`
-    false and `bias` `"none"` (bridge adapters have no bias).
+    (true when every layer is a Hugging Face `Conv1D`, GPT-2's `c_attn`, `c_proj`,
+    `c_fc`, as PEFT sets it) and `bias` `"none"` (bridge adapters have no bias).
 
     **Example:**
 
@@ -204,6 +215,7 @@ def save_peft(
     check_model(model, "model")
     check_rules(rules)
     check_str(prefix, "prefix")
+    split = check_split(split)
     tree = to_neutral(model)
     frame = frame_of(framework(tree))
     found = [t for t in frame.targets(tree) if t.settings is not None]
@@ -217,23 +229,43 @@ def save_peft(
         problems.append(str(error))
     tensors: dict[str, np.ndarray] = {}
     owners: dict[str, str] = {}
+    written: list[tuple[str, Settings]] = []
+    fused: dict[str, tuple[Part, dict[int, Any]]] = {}
     for name, target, index in named:
+        node = at(tree, target.path)
+        a, b = getattr(node, A), getattr(node, B)
+        if index is not None:
+            a, b = a[index], b[index]
+        part = part_of(name, split, prefix, problems)
+        if part is not None:
+            pieces = fused.setdefault(part.fused, (part, {}))[1]
+            pieces[part.position] = (*to_peft(target, a, b), target)
+            continue
         if name in owners:
             problems.append(
                 f"names: layers {owners[name]} and {target.where} would both be "
                 f"written as {name!r}"
             )
         owners[name] = target.where
-        node = at(tree, target.path)
-        a, b = getattr(node, A), getattr(node, B)
-        if index is not None:
-            a, b = a[index], b[index]
         ka, kb = _keys(name, target)
         tensors[ka], tensors[kb] = to_peft(target, a, b)
+        written.append((name, target.settings))  # pyright: ignore[reportArgumentType]
+    if fused:
+        every = {n: t for n, t, _ in names(tree, frame.targets(tree), rules, prefix)}
+        for name, (part, pieces) in fused.items():
+            done = _fuse(name, part, pieces, every, problems)
+            if done is not None and name in owners:
+                problems.append(f"names: {name!r} is a layer and a fused layer")
+            elif done is not None:
+                a, b, settings = done
+                tensors[f"{MODEL}{name}.lora_A.weight"] = a
+                tensors[f"{MODEL}{name}.lora_B.weight"] = b
+                written.append((name, settings))
+    problems = list(dict.fromkeys(problems))  # a split pattern's problem, once
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(_CANNOT_SAVE.format(n=len(problems), problems=lines))
-    config = _config([(name, t.settings) for name, t, _ in named])  # pyright: ignore
+    config = _config(written)
     path = FilePath(directory)
     with atomic_dir(path, lambda p: (p / CONFIG).exists()) as tmp:
         tmp.mkdir()
@@ -243,6 +275,37 @@ def save_peft(
             metadata={"format": "pt"},
         )
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _fuse(
+    name: str,
+    part: Part,
+    pieces: dict[int, Any],
+    every: dict[str, Target],
+    problems: list[str],
+) -> tuple[np.ndarray, np.ndarray, Settings] | None:
+    """The adapter of fused layer `name` from its parts' (`{position: (lora_A,
+    lora_B, target)}`), or None with the problems noted."""
+    missing = [p for p in part.parts if p not in every]
+    targets = [every.get(p) for p in part.parts]
+    kinds = {t.kind for t in targets if t is not None}
+    ins = {a.shape[1:] for a, _, _ in pieces.values()}
+    if missing or kinds != {"linear"} or len(ins) != 1:
+        why = (
+            f"the model has no layer {missing}"
+            if missing
+            else "its parts are not dense layers of one input size"
+        )
+        problems.append(f"{name} (split into {list(part.parts)}): {why}")
+        return None
+    sizes = [t.fan_out for t in targets if t is not None]
+    return fuse(
+        [
+            (pieces[i][0], pieces[i][1], pieces[i][2].settings) if i in pieces else None
+            for i in range(len(part.parts))
+        ],
+        sizes,
+    )
 
 
 def _config(named: list[tuple[str, Settings]]) -> dict[str, Any]:
@@ -260,7 +323,11 @@ def _config(named: list[tuple[str, Settings]]) -> dict[str, Any]:
         "lora_dropout": first.dropout,
         "rank_pattern": {n: s.rank for n, s in named if s.rank != r},
         "alpha_pattern": {n: s.alpha for n, s in named if s.alpha != alpha},
-        "fan_in_fan_out": False,
+        # PEFT's own value for Hugging Face Conv1D layers (GPT-2's), whose weights
+        # are (in, out); it sets the same itself, with a warning, if told otherwise
+        "fan_in_fan_out": all(
+            name.rsplit(".", 1)[-1] in CONV1D_NAMES for name, _ in named
+        ),
         "bias": "none",
         "task_type": None,
         "base_model_name_or_path": None,
@@ -291,6 +358,7 @@ def load_peft(
     *,
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
+    split: Split | None = None,
 ) -> Any:
     """Put a PEFT LoRA adapter (trained in PyTorch, or written by `bridge.save_peft`)
     on a model of any framework.
@@ -306,6 +374,9 @@ def load_peft(
       `adapter_model.safetensors`).
     - `like`: the base model (Linen, NNX, Equinox; a Tree or native).
     - `rules`, `prefix`: as for `bridge.save_peft`.
+    - `split`: as for `bridge.save_peft`: the adapter of a fused PyTorch layer
+      (GPT-2's `c_attn`, `lora_B (3E, r)`) goes to its parts, each with the whole
+      `lora_A` and its rows of `lora_B`.
 
     **Returns:**
 
@@ -321,6 +392,7 @@ def load_peft(
     check_model(like, "like")
     check_rules(rules)
     check_str(prefix, "prefix")
+    split = check_split(split)
     path = FilePath(directory)
     config = read_config(path / CONFIG)
     tensors = read_tensors(path / WEIGHTS)
@@ -332,47 +404,77 @@ def load_peft(
         lines = "\n".join(f"  - {p}" for p in problems + wrong)
         n = len(problems) + len(wrong)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
-    found = frame.targets(tree)
-    named = names(tree, found, rules, prefix)
+    named = names(tree, frame.targets(tree), rules, prefix)
+    by_name = {n: (t, i) for n, t, i in named}
+    modules = {k.removeprefix(MODEL).rsplit(".lora_", 1)[0] for k in tensors}
+    # the layers PEFT names: one layer, or the parts of a fused layer (`split`)
+    units: dict[str, list[tuple[str, Target, int | None]]] = {}
+    for module in sorted(modules):
+        parts = parts_of(module, split, prefix) if split else None
+        if parts is None or module in by_name:
+            continue
+        missing = [p for p in parts if p not in by_name]
+        if missing:
+            problems.append(
+                f"{module} (split into {parts}): the model has no {missing}"
+            )
+            continue
+        units[module] = [(p, *by_name[p]) for p in parts]
+    inside = {p for unit in units.values() for p, _, _ in unit}
+    units.update({n: [(n, t, i)] for n, t, i in named if n not in inside})
     target_modules = config.get("target_modules") or []
     r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
-    chosen = [(n, t, i) for n, t, i in named if _targeted(n, target_modules)]
-    by_name = {n: (t, i) for n, t, i in named}
+    chosen = {n: unit for n, unit in units.items() if _targeted(n, target_modules)}
     used: set[str] = set()
     stacks: dict[Path, dict[int | None, tuple[np.ndarray, np.ndarray]]] = {}
     settings: dict[Path, Settings] = {}
-    for name, target, index in chosen:
-        ka, kb = _keys(name, target)
+    targets: dict[Path, Target] = {}
+    for name, unit in chosen.items():
+        where = ", ".join(t.where for _, t, _ in unit)
+        ka, kb = _keys(name, unit[0][1])
         if ka not in tensors or kb not in tensors:
-            problems.append(f"{name} ({target.where}): no {ka} / {kb} in {WEIGHTS}")
+            problems.append(f"{name} ({where}): no {ka} / {kb} in {WEIGHTS}")
             continue
         used.update((ka, kb))
         a, b = tensors[ka], tensors[kb]
         rank = int(_pattern(name, config.get("rank_pattern") or {}, r))
-        want = _peft_shapes(target, rank)
-        if [a.shape, b.shape] != want:
+        want = [_peft_shapes(t, rank) for _, t, _ in unit]
+        fits = len({w[0] for w in want}) == 1 and {t.kind for _, t, _ in unit} == {
+            unit[0][1].kind
+        }
+        want_b = (sum(w[1][0] for w in want),) + want[0][1][1:]
+        if not fits or (a.shape, b.shape) != (want[0][0], want_b):
+            cls = ", ".join(sorted({t.cls for _, t, _ in unit}))
             problems.append(
-                f"{name} ({target.where}, {target.cls}): the adapter's shapes "
-                f"{a.shape} and {b.shape} do not fit the layer, which takes "
-                f"{want[0]} and {want[1]} at rank {rank}"
+                f"{name} ({where}, {cls}): the adapter's shapes {a.shape} and "
+                f"{b.shape} do not fit the layer, which takes {want[0][0]} and "
+                f"{want_b} at rank {rank}"
             )
             continue
-        stacks.setdefault(target.path, {})[index] = (a, b)
-        settings[target.path] = Settings(
+        layer_settings = Settings(
             rank,
             float(_pattern(name, config.get("alpha_pattern") or {}, alpha)),
             bool(config.get("use_rslora", False)),
             float(config.get("lora_dropout", 0.0)),
         )
-    modules = {k.removeprefix(MODEL).rsplit(".lora_", 1)[0] for k in tensors}
+        bs = split_b(b, [w[1][0] for w in want]) if len(unit) > 1 else [b]
+        for (_, target, index), part_b in zip(unit, bs):
+            old = settings.setdefault(target.path, layer_settings)
+            if old != layer_settings:
+                problems.append(
+                    f"{name} ({target.where}): a stack of layers takes one rank and "
+                    f"alpha, but its layers have {old[:2]} and {layer_settings[:2]}"
+                )
+            stacks.setdefault(target.path, {})[index] = (a, part_b)
+            targets[target.path] = target
     for key in sorted(set(tensors) - used):
         module = key.removeprefix(MODEL).rsplit(".lora_", 1)[0]
-        if module not in by_name:
+        if module not in units:
             problems.append(f"{key}: no layer of the model is named {module!r}")
     if isinstance(target_modules, list):
         for t in target_modules:
-            if not any(_targeted(n, [t]) for n in modules | set(by_name)) or not any(
-                _targeted(n, [t]) for n, _, _ in named
+            if not any(_targeted(n, [t]) for n in modules | set(units)) or not any(
+                _targeted(n, [t]) for n in units
             ):
                 problems.append(
                     f"target module {t!r}: no layer of the model matches it"
@@ -385,11 +487,13 @@ def load_peft(
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=len(problems), problems=lines))
     injections = []
-    targets = {t.path: t for _, t, _ in chosen}
     for tpath, per in stacks.items():
         target = targets[tpath]
-        if target.stack:
-            pairs = [from_peft(target, *per[i]) for i in range(target.stack[0])]
+        if target.stack:  # a layer PEFT has no adapter for: a zero one
+            zero = [np.zeros_like(x) for x in next(iter(per.values()))]
+            pairs = [
+                from_peft(target, *per.get(i, zero)) for i in range(target.stack[0])
+            ]
             a = jnp.stack([p[0] for p in pairs])
             b = jnp.stack([p[1] for p in pairs])
         else:
