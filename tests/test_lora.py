@@ -416,3 +416,87 @@ def test_load_peft_refuses_a_huge_or_malformed_config(tmp_path):
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"rank_pattern 'q\(' is no regular express"):
         bridge.load_peft(directory, models()["nnx"])
+
+
+class WithFlaxLoRA(nnx.Module):
+    """Flax's own LoRA modules: an nnx.LoRALinear, and an nnx.LoRA around an
+    nnx.Linear inside an nnx.List."""
+
+    def __init__(self, rngs):
+        self.up = nnx.LoRALinear(4, 6, lora_rank=2, rngs=rngs)
+        self.blocks = nnx.List(
+            [nnx.LoRA(6, 3, 2, base_module=nnx.Linear(6, 2, rngs=rngs), rngs=rngs)]
+        )
+
+    def __call__(self, x):
+        return self.blocks[0](jax.nn.relu(self.up(x)))
+
+
+def test_from_nnx_lora_reads_flax_lora_modules(tmp_path):
+    """nnx.LoRALinear and nnx.LoRA(base_module=Linear) become bridge adapters (scaling
+    1): the model's own forward pass, bit for bit; then written for PEFT and read
+    into an Equinox model, and merged, with the same output."""
+    model = WithFlaxLoRA(nnx.Rngs(0))
+    model.up.lora.lora_b[...] = jax.random.normal(jax.random.key(1), (2, 6))
+    model.blocks[0].lora_b[...] = jax.random.normal(jax.random.key(2), (3, 2))
+    x = jax.random.normal(jax.random.key(3), (5, 4))
+    want = model(x)
+    read = bridge.from_nnx_lora(model)
+    assert type(model.up) is nnx.LoRALinear  # the model given is unchanged
+    assert type(model.blocks[0]) is nnx.LoRA
+    assert (
+        not hasattr(read.up, "lora")
+        and read.up.lora_a[...] is model.up.lora.lora_a[...]
+    )
+    assert (read.up.lora_settings.rank, read.up.lora_settings.scaling) == (2, 1.0)
+    assert read.blocks[0].lora_b.shape == (3, 2)
+    assert bridge.trainable(bridge.from_nnx(read), "lora").blocks[0].lora_b is True
+    np.testing.assert_array_equal(read(x), want)
+    bridge.save_peft(tmp_path / "adapter", read)
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    ranks = {"up": 2, "blocks.0": 3}  # the most common rank is `r`, the other a pattern
+    assert {**dict.fromkeys(ranks, config["r"]), **config["rank_pattern"]} == ranks
+    assert {
+        **dict.fromkeys(ranks, config["lora_alpha"]),
+        **config["alpha_pattern"],
+    } == ranks
+    plain = bridge.merge_lora(read)
+    np.testing.assert_allclose(plain(x), want, atol=1e-5, rtol=0)
+
+    class Eqx(eqx.Module):
+        up: eqx.nn.Linear
+        blocks: list
+
+        def __call__(self, x):
+            return self.blocks[0](jax.nn.relu(self.up(x)))
+
+    k = jax.random.split(jax.random.key(4), 2)
+    target = Eqx(eqx.nn.Linear(4, 6, key=k[0]), [eqx.nn.Linear(6, 2, key=k[1])])
+    base = bridge.port(_base_of(bridge.from_nnx(read)), target)
+    loaded = bridge.load_peft(tmp_path / "adapter", base)
+    np.testing.assert_allclose(jax.vmap(loaded)(x), want, atol=1e-5, rtol=0)
+
+
+def test_from_nnx_lora_refuses_what_it_cannot_read():
+    class Odd(nnx.Module):
+        def __init__(self, rngs):
+            self.alone = nnx.LoRA(4, 2, 4, rngs=rngs)
+            self.conv = nnx.LoRA(
+                4, 2, 4, base_module=nnx.Conv(4, 4, (3,), rngs=rngs), rngs=rngs
+            )
+            self.half = nnx.LoRA(
+                4, 2, 4, base_module=nnx.Linear(4, 4, rngs=rngs), dtype=jnp.bfloat16,
+                rngs=rngs,
+            )  # fmt: skip
+
+    with pytest.raises(ValueError) as info:
+        bridge.from_nnx_lora(Odd(nnx.Rngs(0)))
+    message = str(info.value)
+    assert "3 problem(s), nothing was changed" in message
+    assert "alone: an nnx.LoRA without base_module" in message
+    assert "conv: nnx.LoRA around a Conv" in message
+    assert "half: the nnx.LoRA computes in <class 'jax.numpy.bfloat16'>" in message
+    with pytest.raises(ValueError, match="holds no nnx.LoRA or nnx.LoRALinear"):
+        bridge.from_nnx_lora(models()["nnx"])
+    with pytest.raises(TypeError, match="reads Flax NNX models"):
+        bridge.from_nnx_lora(models()["equinox"])

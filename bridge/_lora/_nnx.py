@@ -18,10 +18,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from .._adapters._native import like
+from .._adapters._native import check_model, like, to_neutral
 from .._adapters._nnx import from_nnx, to_nnx
-from .._paths import Path, at
-from .._tree import Tree, kind, walk
+from .._paths import Path, at, path_str
+from .._tree import Tree, framework, kind, walk
 from . import _forward
 from ._settings import A, B, Frame, Injection, Settings, Target, register_frame
 
@@ -161,3 +161,130 @@ def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
 
 
 register_frame("nnx", Frame(targets, inject, strip, like))
+
+
+# --- Flax's own LoRA modules, read as bridge adapters ---------------------------------
+
+_STANDALONE = (
+    "{where}: an nnx.LoRA without base_module is a low-rank layer with no weight of "
+    "its own; bridge's adapters sit on a layer (nnx.LoRA(..., base_module="
+    "nnx.Linear(...)) or nnx.LoRALinear)"
+)
+_BASE = (
+    "{where}: nnx.LoRA around a {cls}: bridge reads an nnx.LoRA whose base_module is "
+    "an nnx.Linear (its x @ lora_a @ lora_b is a dense layer's adapter)"
+)
+_DTYPE = (
+    "{where}: the nnx.LoRA computes in {dtype} while its lora_a is {a}: bridge's "
+    "adapters compute in lora_a's dtype (as PEFT's); cast lora_a or set dtype=None"
+)
+_NOT_NNX = (
+    "bridge.from_nnx_lora reads Flax NNX models (nnx.LoRA, nnx.LoRALinear); got a "
+    "{framework} model."
+)
+_CANNOT_READ = """\
+bridge.from_nnx_lora cannot read this model's LoRA modules: {n} problem(s), nothing \
+was changed.
+{problems}"""
+
+
+def from_nnx_lora(model: Any) -> Any:
+    """Flax's own LoRA modules as bridge adapters.
+
+    Every `nnx.LoRALinear` becomes an `nnx.Linear` holding its `lora.lora_a` and
+    `lora.lora_b` as bridge's `lora_a` and `lora_b`; every `nnx.LoRA(...,
+    base_module=linear)` becomes `linear` with them. Flax's LoRA has no scaling:
+    the adapters get `alpha = rank` (a scaling of 1), so the model computes what it
+    computed (`x W + b + (x A) B`). Then `bridge.save_peft`, `bridge.merge_lora`,
+    `bridge.port` and the training step work on them as on any bridge adapter.
+
+    **Arguments:**
+
+    - `model`: an `nnx.Module`, or a `bridge.Tree` of one.
+
+    **Returns:**
+
+    The model with bridge adapters, in the form it was given; the given model is not
+    changed and shares its arrays with the result.
+
+    **Raises:**
+
+    `ValueError` listing every `nnx.LoRA` that cannot be read (no `base_module`, a
+    base that is not an `nnx.Linear`, a `dtype` other than `lora_a`'s), or when the
+    model holds no Flax LoRA module.
+
+    **Example:**
+
+    ```python
+    >>> import jax.numpy as jnp, bridge
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.LoRALinear(4, 3, lora_rank=2, rngs=nnx.Rngs(0)))
+    >>> model.layers[0].lora.lora_b[...] = jnp.ones((2, 3))
+    >>> read = bridge.from_nnx_lora(model)
+    >>> read.layers[0].lora_a.shape, read.layers[0].lora_settings.scaling
+    ((4, 2), 1.0)
+    >>> x = jnp.ones((1, 4))
+    >>> bool(jnp.allclose(read(x), model(x)))
+    True
+
+    ```
+    """
+    check_model(model, "model")
+    tree = to_neutral(model)
+    if framework(tree) != "nnx":
+        raise TypeError(_NOT_NNX.format(framework=framework(tree) or "partial-Tree"))
+    native = to_nnx(tree)
+    kinds = {path: kind(node) for path, node in walk(tree)}
+    problems: list[str] = []
+    read: list[tuple[Path, Any]] = []  # (path of the layer, its nnx.LoRA)
+    for path, cls in kinds.items():
+        if not isinstance(cls, type) or not issubclass(cls, (nnx.LoRA, nnx.LoRALinear)):
+            continue
+        where = path_str(path) or "(root)"
+        if issubclass(cls, nnx.LoRALinear):
+            layer = at(native, path)
+            lora = layer.lora
+            del layer.lora
+            object.__setattr__(layer, "__class__", nnx.Linear)
+        elif path and _is(kinds.get(path[:-1]), nnx.LoRALinear):
+            continue  # a LoRALinear's own `lora`: read with it
+        else:
+            lora = at(native, path)
+            layer = lora.base_module
+            if layer is None or type(layer) is not nnx.Linear:
+                cls_name = "None" if layer is None else type(layer).__name__
+                text = _STANDALONE if layer is None else _BASE
+                problems.append(text.format(where=where, cls=cls_name))
+                continue
+            _set_child(at(native, path[:-1]), path[-1], layer)
+        a = lora.lora_a[...]
+        if lora.dtype is not None and jax.numpy.dtype(lora.dtype) != a.dtype:
+            problems.append(_DTYPE.format(where=where, dtype=lora.dtype, a=a.dtype))
+        read.append((path, lora))
+    if not read and not problems:
+        problems.append("the model holds no nnx.LoRA or nnx.LoRALinear")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(_CANNOT_READ.format(n=len(problems), problems=lines))
+    plain = from_nnx(native)
+    found = {t.path: t for t in targets(plain)}
+    injections = []
+    for path, lora in read:
+        a, b = lora.lora_a[...], lora.lora_b[...]
+        rank = a.shape[-1]
+        injections.append(
+            Injection(found[path], a, b, Settings(rank, float(rank)), None)
+        )
+    out = inject(plain, injections)
+    return out if isinstance(model, Tree) else like(model, out)
+
+
+def _is(cls: Any, base: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _set_child(parent: Any, key: Any, child: Any) -> None:
+    if isinstance(key, int):
+        parent[key] = child
+    else:
+        setattr(parent, key, child)
