@@ -72,6 +72,12 @@ def _number(key: Key) -> tuple[tuple, int] | None:
     return normalised((match.group(1),)), int(match.group(2))
 
 
+def _sortable(words: tuple) -> tuple:
+    """Normalised words made comparable whatever their types (`("decoder", 0, "key")`
+    beside `("decoder", "key")`): numbers before words at one position."""
+    return tuple((isinstance(w, str), w) for w in words)
+
+
 def _counted(path: Path | tuple) -> bool:
     """Whether a path (or its normalised words) holds a number (an index, `Dense_3`,
     `layers_2`): a count of positions more than a name."""
@@ -338,8 +344,8 @@ class _Pairing:
         )
 
     def _unordered(self, a: list[Layer], b: list[Layer], side: int) -> None:
-        a = sorted(a, key=lambda x: normalised(x.path))
-        b = sorted(b, key=lambda x: normalised(x.path))
+        a = sorted(a, key=lambda x: _sortable(normalised(x.path)))
+        b = sorted(b, key=lambda x: _sortable(normalised(x.path)))
         self.ambiguous.update(map(id, a + b))
         example = ", ".join(
             f"r'{re.escape(s.where)}': '{t.where}'" for s, t in zip(a, b)
