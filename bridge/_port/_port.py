@@ -53,9 +53,11 @@ def port(
     arrays a module holds next to its sublayers are one-array layers (kind
     `"Array"`, same layout everywhere). Layers are paired by `rules`, then by
     identical paths, then by names equal after normalisation (`layers_3` =
-    `layers[3]`), then by kind and shapes, in creation order only where the order
-    is known to be it (see the porting guide); a choice left open is an error, never
-    a guess. They are converted between
+    `layers[3]`), then by kind and shapes, in the order the forward passes use them
+    (given `example=` inputs: pass them when the two models name their layers
+    differently), else in creation order only where the order is known to be it
+    (see the porting guide); a choice left open is an error, never a guess. They
+    are converted between
     layouts: Dense kernel `(in, out)` <-> Equinox weight `(out, in)`, conv HWIO <->
     OIHW, attention heads split <-> fused, BatchNorm statistics <-> `eqx.nn.State`.
     Every problem is collected first and raised once, as a `PortError`: nothing is
