@@ -6,6 +6,7 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import bridge
@@ -105,3 +106,35 @@ def test_linen_dense_general_without_bias_into_fused_nnx():
     source = (module, module.init(jax.random.key(0), X))
     ported = bridge.port(source, Fused(nnx.Rngs(1)), check=X)
     assert bridge.compare(source, ported, X) < 1e-5
+
+
+class EinsumQuery(nn.Module):
+    """An Einsum kernel `(H, D, hd)` (heads first, Gemma's einsum order): its input
+    axis is 1, not the first."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Einsum((H2, H2, HD), "btd,ndh->btnh", use_bias=False)(x)
+        return y.reshape(*y.shape[:2], H2 * HD)
+
+
+H2 = 4  # heads = features: the per-head reading's shapes fit the fused kernel's
+
+
+class FusedQuery(nnx.Module):
+    def __init__(self, rngs):
+        self.q_proj = nnx.Linear(H2, H2 * HD, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.q_proj(x)
+
+
+def test_a_per_head_kernel_whose_trace_contracts_another_axis_is_refused():
+    """The trace says which kernel axes meet the input: axis 1 here, so reading
+    the kernel with its first axis as the input (a reshape to `(H, D * hd)`, shapes
+    that fit) would port a wrong model; with example inputs it is refused."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, H2))
+    module = EinsumQuery()
+    source = (module, module.init(jax.random.key(1), x))
+    with pytest.raises(bridge.PortError, match=r"layout: \.Einsum_0 .* axes \(1,\)"):
+        bridge.port(source, FusedQuery(nnx.Rngs(0)), example=x)

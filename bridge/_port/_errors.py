@@ -116,6 +116,12 @@ STACK_AXIS = (
     "fit one reading (a per-layer model, or a stack of known axis), or port the "
     "stack's layers with rules."
 )
+CONTRACTED = (
+    "layout: {where} (per-head kernel {shape}, read as a Dense kernel with its first "
+    "{inputs} axis(es) as inputs): the forward pass on the example inputs contracts "
+    "its axes {axes} with the input, so that reshape would be wrong. Register a "
+    "codec for this layer (bridge.register_codec) that puts its input axes first."
+)
 UNREADABLE = "unreadable: {where} ({kind}): {error}"
 TOLD = (
     "{where} ({kind}): its setting `{name}` is not recorded (a part of a model or a "

@@ -58,6 +58,14 @@ def dense_view(framework: str, inputs: int) -> Codec:
     return _VIEWS[key]
 
 
+def view_inputs(codec: Codec) -> int | None:
+    """The input axes a `Dense` view assumes (None: `codec` is not a view)."""
+    for (_, inputs), view in _VIEWS.items():
+        if view is codec:
+            return inputs
+    return None
+
+
 def with_views(codecs: tuple[Codec, ...], leaves: Leaves, module: Any) -> tuple:
     """`codecs` with the `Dense` view of a `DenseGeneral` candidate whose kernel has
     three axes or more (where no `Dense` candidate is there already)."""

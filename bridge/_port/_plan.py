@@ -19,6 +19,7 @@ from .._paths import Path, path_str
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
+from ._general import view_inputs
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
 from ._pairing import Order, Pair, common_kind, normalised, pair
 from ._trace import Example, Position, first_uses
@@ -382,6 +383,7 @@ def make_plan(
                 )
     sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
     _adopt([(p.source, p.target) for p in pairs], problems)
+    problems += _contractions(pairs, traces)
     steps, warnings, casts, mismatched = [], list(told), [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
@@ -540,6 +542,32 @@ def _paired(
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
 
 
+def _contractions(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
+    """Per-head kernels read as `Dense` (`_general.dense_view`) whose forward pass,
+    traced on the example inputs, contracts other axes than the view assumed (an
+    Einsum kernel `(H, D, hd)` contracting `D`): the reshape would be wrong."""
+    out = []
+    for s, t, _ in pairs:
+        kind = common_kind(s, t)
+        for side, x in ((0, s), (1, t)):
+            codec = next((c for c in x.codecs if c.kind == kind), None)
+            inputs = None if codec is None else view_inputs(codec)
+            if inputs is None or traces[side] is None or x.index is not None:
+                continue
+            kernel = x.path + x.paths.get("kernel", ("kernel",))
+            axes = traces[side].contractions().get(kernel)
+            if axes is not None and axes != tuple(range(inputs)):
+                out.append(
+                    _errors.CONTRACTED.format(
+                        where=x.where,
+                        shape=tuple(x.leaves["kernel"].shape),
+                        axes=axes,
+                        inputs=inputs,
+                    )
+                )
+    return out
+
+
 def _tracer(
     tree: Tree, example: Example | None, side: int, problems: list[str]
 ) -> Callable[[], Mapping[Path, Position] | None] | None:
@@ -549,11 +577,19 @@ def _tracer(
         return None
 
     done: list[Mapping[Path, Position] | None] = []
+    contracted: dict[Path, tuple[int, ...]] = {}
 
     def trace() -> Mapping[Path, Position] | None:
         if not done:
             done.append(_trace_once())
         return done[0]
+
+    def contractions() -> Mapping[Path, tuple[int, ...]]:
+        """`{leaf path: axes the forward pass contracts}` (see `first_uses`)."""
+        trace()
+        return contracted
+
+    trace.contractions = contractions  # pyright: ignore[reportFunctionMemberAccess]
 
     def _trace_once() -> Mapping[Path, Position] | None:
         try:
@@ -563,7 +599,7 @@ def _tracer(
         if isinstance(native, Mapping):  # arrays without a model to run (Linen
             return None  # variables alone, a state dict): the order known decides
         try:
-            return first_uses(tree, example.inputs, example.kwargs[side])
+            return first_uses(tree, example.inputs, example.kwargs[side], contracted)
         except Exception as error:  # the model's own error on these inputs
             problems.append(
                 _errors.TRACE.format(

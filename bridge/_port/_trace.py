@@ -68,16 +68,23 @@ class Example:
 
 
 def first_uses(
-    tree: Tree, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]
+    tree: Tree,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    contracted: dict[Path, tuple[int, ...]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
-    traced abstractly; leaves the pass never reads are absent.
+    traced abstractly; leaves the pass never reads are absent. With `contracted`,
+    also fills it with `{leaf path: its axes contracted}` for every leaf whose first
+    use is a `dot_general` on the leaf as it is stored (a kernel's input axes: the
+    layout the computation gives it).
 
     **Arguments:**
 
     - `tree`: a whole-model Tree (its adapter runs it: `bridge.compare`'s way).
     - `inputs`: batched example inputs (arrays or `jax.ShapeDtypeStruct`s).
     - `kwargs`: keyword arguments of the call (`{"train": False}`).
+    - `contracted`: optional, filled as said above.
 
     **Raises:**
 
@@ -105,15 +112,28 @@ def first_uses(
     jaxpr = closed.jaxpr
     tracked = {v: (i, ()) for i, v in enumerate(jaxpr.invars[: len(structs)])}
     found: dict[int, Position] = {}
-    _visit(jaxpr, tracked, found)
+    axes: dict[int, tuple[int, ...]] = {}
+    _visit(jaxpr, tracked, found, set(tracked), axes)
+    if contracted is not None:
+        contracted.update({paths[i]: a for i, a in axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
 
 
+_SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "device_put"})
+"""Seen-through primitives that keep an array's axes as they are."""
+
+
 def _visit(
-    jaxpr: Any, tracked: dict[Any, tuple[int, Position]], found: dict[int, Position]
+    jaxpr: Any,
+    tracked: dict[Any, tuple[int, Position]],
+    found: dict[int, Position],
+    stored: set[Any],
+    axes: dict[int, tuple[int, ...]],
 ) -> None:
     """Record in `found` the first use of every leaf a `tracked` variable holds
-    (`{var: (leaf, its prefix)}`), in equation order, entering sub-computations."""
+    (`{var: (leaf, its prefix)}`), in equation order, entering sub-computations;
+    in `axes`, the contracted axes of a leaf first used by a `dot_general` on a
+    variable of `stored` (the leaf with its stored axes)."""
     for n, eqn in enumerate(jaxpr.eqns):
         used = [
             (i, tracked[v])
@@ -127,7 +147,14 @@ def _visit(
             others = [v for v in eqn.invars if not _literal(v)]
             if len(others) == 1:
                 tracked[eqn.outvars[0]] = used[0][1]
+                if name in _SAME_LAYOUT and others[0] in stored:
+                    stored.add(eqn.outvars[0])
                 continue
+        if name == "dot_general":
+            for i, (leaf, _) in used:
+                if leaf not in found and eqn.invars[i] in stored and i < 2:
+                    (contracting, _batch) = eqn.params["dimension_numbers"]
+                    axes.setdefault(leaf, tuple(sorted(contracting[i])))
         scanned = (
             eqn.params.get("num_consts", 0) + eqn.params.get("num_carry", 0)
             if name == "scan"
@@ -146,7 +173,12 @@ def _visit(
                 if scanned is not None and j >= scanned:
                     where += (ITER,)
                 inner[sub.invars[j]] = (leaf, where)
-            _visit(sub, inner, found)
+            inner_stored = {
+                sub.invars[i - skip]
+                for i, v in enumerate(eqn.invars)
+                if i >= skip and not _literal(v) and v in stored and scanned is None
+            }
+            _visit(sub, inner, found, inner_stored, axes)
         for _, (leaf, prefix) in used:
             found.setdefault(leaf, prefix + (n,))
 
