@@ -500,3 +500,74 @@ def test_from_nnx_lora_refuses_what_it_cannot_read():
         bridge.from_nnx_lora(models()["nnx"])
     with pytest.raises(TypeError, match="reads Flax NNX models"):
         bridge.from_nnx_lora(models()["equinox"])
+
+
+def test_port_opt_state_of_a_lora_step_continues_training():
+    """Adam's state of an NNX LoRA step, ported with the model to Equinox (adapters
+    transposed, their moments too): two more steps there equal two more steps in NNX
+    then a port, and the moments are the NNX ones transposed, bit for bit."""
+    ms = models()
+    tree = bridge.to_neutral(bridge.lora(ms["nnx"], ["q", "head"], rank=2, key=KEY))
+    y = jax.random.normal(jax.random.key(5), IDS.shape + (OUT,))
+    tx = optax.adam(1e-2)
+    step = bridge.make_step(_loss, tx, bridge.trainable(tree, "lora"), donate=False)
+    state = step.init(tree)
+    for _ in range(3):
+        tree, state, _ = step(tree, state, IDS, y)
+    target = bridge.to_neutral(bridge.port(tree, ms["equinox"]))
+    eqx_step = bridge.make_step(
+        _loss, tx, bridge.trainable(target, "lora"), donate=False
+    )
+    ported = bridge.port_opt_state(state, tree, target, like=eqx_step.init(target))
+    mu, eqx_mu = state[0].mu, ported[0].mu
+    np.testing.assert_array_equal(eqx_mu[".q.lora_a"], mu[".q.lora_a"].T)
+    np.testing.assert_array_equal(eqx_mu[".head.lora_b"], mu[".head.lora_b"].T)
+    for _ in range(2):
+        tree, state, _ = step(tree, state, IDS, y)
+        target, ported, _ = eqx_step(target, ported, IDS, y)
+    want = bridge.to_neutral(bridge.port(tree, ms["equinox"]))
+    for layer in ("q", "head"):
+        for name in ("lora_a", "lora_b"):
+            np.testing.assert_allclose(
+                target[layer][name], want[layer][name], atol=1e-6, rtol=0
+            )
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_dropout_is_peft_lora_dropout(framework):
+    """PEFT's `lora_dropout` is `nn.Dropout(p)` on the adapter's input in training
+    (dropped elements 0, kept ones scaled by 1/(1-p)) and nothing in eval mode. With
+    identity adapters the adapter's output is its dropped input: every element is 0
+    or 2x at p=0.5, about half of each; at inference it is the input itself."""
+    x = jax.random.normal(jax.random.key(0), (64, 8)) + 4.0  # no element near 0
+    if framework == "nnx":
+        layer = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+        base = layer(x)
+    elif framework == "linen":
+        layer = (nn.Dense(8), nn.Dense(8).init(jax.random.key(0), x))
+        base = layer[0].apply(layer[1], x)
+    else:
+        layer = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+        base = jax.vmap(layer)(x)
+    tree = bridge.to_neutral(
+        bridge.lora(layer, lambda t: t, rank=8, key=KEY, dropout=0.5)
+    )
+    tree = eqx.tree_at(lambda t: (t.lora_a, t.lora_b), tree, (jnp.eye(8), jnp.eye(8)))
+    native = bridge.to_native(tree)
+    keys = jax.random.split(jax.random.key(9), x.shape[0])
+    if framework == "nnx":
+        train = native(x)
+        native.eval()
+        infer = native(x)
+    elif framework == "linen":
+        module, variables = native.unbind()
+        train = module.apply(variables, x, rngs={"dropout": jax.random.key(9)})
+        infer = module.apply(variables, x)
+    else:
+        train = jax.vmap(lambda row, k: native(row, key=k))(x, keys)
+        infer = jax.vmap(native)(x)
+    np.testing.assert_allclose(infer - base, x, atol=1e-5, rtol=0)
+    ratio = np.asarray((train - base) / x)
+    dropped = np.isclose(ratio, 0.0, atol=1e-4)
+    assert np.all(dropped | np.isclose(ratio, 2.0, atol=1e-4))
+    assert 0.4 < dropped.mean() < 0.6

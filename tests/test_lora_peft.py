@@ -64,8 +64,10 @@ FRAMEWORKS = ["nnx", "linen", "equinox"]
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("rslora", [False, True])
 def test_load_peft_forward_equals_peft(tmp_path, framework, rslora):
+    """(With rslora, also lora_dropout=0.5: PEFT's eval mode drops nothing, and
+    load_peft gives the adapters in inference mode, as from_pretrained does.)"""
     base = _base()
-    model = _peft(base, use_rslora=rslora)
+    model = _peft(base, use_rslora=rslora, lora_dropout=0.5 if rslora else 0.0).eval()
     model.save_pretrained(tmp_path)
     jax_model = bridge.port(base, models()[framework])
     adapted = bridge.load_peft(tmp_path, jax_model)

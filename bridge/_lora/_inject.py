@@ -100,7 +100,10 @@ def lora(
     - `use_rslora`: scale by `alpha / sqrt(rank)` (rank-stabilised LoRA).
     - `dropout`: PEFT's `lora_dropout`: dropout on the adapter's input in training
       (NNX: while the model is in `.train()` mode; Linen: when a `"dropout"`
-      random stream is given; Equinox: when the layer is called with a `key`).
+      random stream is given; Equinox: when the layer is called with a `key`);
+      kept elements scaled by `1 / (1 - dropout)`, nothing at inference, none on
+      an embedding's adapter, as PEFT's. Adapters read by `bridge.load_peft` start
+      in inference mode (NNX: `.train()` turns their dropout on).
     - `dtype`: the adapters' dtype (default: the weight's, float32 for a weight of
       fewer than 32 bits, as PEFT keeps adapters of half-precision models).
 

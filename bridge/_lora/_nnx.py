@@ -127,7 +127,7 @@ adapters on the layers before stacking them."""
 
 def inject(tree: Tree, adapters: list[Injection]) -> Tree:
     native = to_nnx(tree)
-    for target, a, b, settings, key in adapters:
+    for n, (target, a, b, settings, key) in enumerate(adapters):
         layer = at(native, target.path)
         base = getattr(type(layer), "_lora_base", type(layer))
         layer.lora_a = nnx.Param(a)
@@ -138,7 +138,12 @@ def inject(tree: Tree, adapters: list[Injection]) -> Tree:
         if settings.dropout:
             if target.stack:
                 raise ValueError(_STACKED_DROPOUT.format(where=target.where))
-            layer.lora_dropout = nnx.Dropout(settings.dropout, rngs=nnx.Rngs(key))
+            # no key: read (load_peft) or carried (port) adapters, in inference mode
+            # as PEFT's from_pretrained gives them (`.train()` turns dropout on)
+            stream = jax.random.fold_in(jax.random.key(0), n) if key is None else key
+            layer.lora_dropout = nnx.Dropout(
+                settings.dropout, deterministic=key is None, rngs=nnx.Rngs(stream)
+            )
         object.__setattr__(layer, "__class__", lora_class(base))
     return from_nnx(native)
 

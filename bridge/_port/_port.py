@@ -169,9 +169,10 @@ def port_and_plan(
 ) -> tuple[Any, Plan]:
     """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
     missing, unexpected and mismatched layers)."""
-    abstract = placeholders(target)
-    given = examples(example, example_kwargs, check, check_kwargs)
     plain, adapters = lora_split(source)  # LoRA adapters follow their layers
+    # and replace the target's own (port_opt_state ports into a LoRA model)
+    abstract = placeholders(lora_split(target)[0] if adapters else target)
+    given = examples(example, example_kwargs, check, check_kwargs)
     plan, problems = make_plan(plain, abstract, rules, strict, dtype, given)
     if problems:
         raise _errors.PortError(problems)
