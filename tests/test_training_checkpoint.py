@@ -193,6 +193,43 @@ def test_recorded_classes_outside_optax_are_not_looked_up(tmp_path):
     assert tree_equal_bits(loaded.opt_state, state)
 
 
+def test_recorded_classes_reached_through_optax_imports_are_never_built(
+    tmp_path, monkeypatch
+):
+    """`optax.tree_utils._random` imports `inspect`, so the name
+    `optax.tree_utils._random:inspect.Arguments` starts with an optax module yet walks
+    to another module's class: only the allow-list of optax's own state classes is
+    looked up, so it is never constructed."""
+    import inspect
+
+    import optax.tree_utils._random  # noqa: F401  (the module the walk starts from)
+
+    built = []
+    original = inspect.Arguments.__new__
+    monkeypatch.setattr(
+        inspect.Arguments,
+        "__new__",
+        lambda cls, *a: built.append(a) or original(cls, *a),
+    )
+    tx = optax.adam(1e-2)
+    module, variables = linen_mlp(0)
+    path = tmp_path / "linen.safetensors"
+    state = tx.init(variables["params"])
+    bridge.save(path, variables, opt_state=state)
+
+    def walk(record):
+        node = record["opt_state"]["c"][0]
+        node["cls"] = "optax.tree_utils._random:inspect.Arguments"
+        node["fields"] = ["args", "varargs", "varkw"]
+        return json.dumps(record)
+
+    _rewrite_training(path, walk)
+    # read as a dict of the recorded fields, which are not adam's
+    with pytest.raises(ValueError, match=r"opt_state\[0\]\.varargs has no counterpart"):
+        bridge.load(path, like=variables, opt_state_like=state)
+    assert not built
+
+
 def test_inspect_shows_the_optimizer_state(tmp_path, capsys):
     tx = OPTIMIZERS["freeze"]()
     model = nnx_mlp(0)

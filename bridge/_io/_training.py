@@ -7,16 +7,20 @@ under `extra.`. The state's structure is recorded as JSON in the metadata key
 `training`, never pickled: tuples, lists, dicts, `None`, named tuples by class name
 and fields, and each per-parameter part as the list of its leaves' model paths (with
 `null` for an `optax.MaskedNode`). On load a named tuple becomes its class only when
-that class belongs to an `optax` module already imported; otherwise it is a dict of
-its fields, which matches the same paths. A per-parameter part comes back as a dict
-keyed by model path (the form of `bridge.make_step`), and `bridge.port_opt_state`
+the name is in the allow-list of optax's state classes (every named tuple that an
+imported `optax` module defines, looked up by exact name: never an attribute walk,
+which could reach other modules' classes through optax's imports); otherwise it is a
+dict of its fields, which matches the same paths. A per-parameter part comes back as a
+dict keyed by model path (the form of `bridge.make_step`), and `bridge.port_opt_state`
 puts it into the form of the optimizer state given as `opt_state_like`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -244,17 +248,31 @@ def _build(rec: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
 
 
 def _optax_class(name: str, fields: list[str]) -> type | None:
-    """The named tuple class `module:qualname` if it belongs to an optax module that
-    is already imported and has these fields (found as `bridge.load` finds module
-    classes: nothing is imported, no module attribute hook runs)."""
-    module = name.partition(":")[0]
-    if module != "optax" and not module.startswith("optax."):
-        return None
-    cls = _checkpoint._resolve(name)
-    if cls is not None and issubclass(cls, tuple):
-        if tuple(cls.__dict__.get("_fields", ())) == tuple(fields):
-            return cls
+    """The optax named tuple class recorded as `module:qualname`, if it is in the
+    allow-list and has these fields; else None."""
+    cls = _optax_classes(len(sys.modules)).get(name)
+    if cls is not None and tuple(cls.__dict__["_fields"]) == tuple(fields):
+        return cls
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _optax_classes(modules: int) -> dict[str, type]:
+    """The allow-list: `{"module:qualname": class}` of every named tuple class defined
+    by an imported `optax` module (`optax._src.transform:ScaleByAdamState`), read
+    from the modules' `__dict__`s (no attribute hook runs). `modules`, the number of
+    imported modules, renews it when more are imported."""
+    found: dict[str, type] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name != "optax" and not module_name.startswith("optax."):
+            continue
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if not isinstance(value, type) or not issubclass(value, tuple):
+                continue
+            home = value.__dict__.get("__module__", "")
+            if "_fields" in value.__dict__ and home == module_name:
+                found[f"{home}:{value.__qualname__}"] = value
+    return found
 
 
 # --- inspect --------------------------------------------------------------------------
