@@ -56,6 +56,10 @@ def test_inspect_subprocess(tmp_path):
     assert "(safetensors, nnx, flax layout)" in out and "step: 100" in out
 
 
+# slow (a second process imports jax and converts): test_convert_msgpack_keeps_roles
+# runs the same command through `main` by default; test_error_subprocess_is_one_line and
+# test_inspect_subprocess run the command as a process.
+@pytest.mark.slow
 def test_convert_subprocess_keeps_roles(tmp_path, cnn_file):
     done = run("convert", cnn_file, tmp_path / "ckpt")
     assert done.returncode == 0, done.stderr

@@ -215,6 +215,9 @@ def test_unrecognised_layers_one_line_naming_each(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["odd.safetensors"]
 
 
+# slow (another process): test_unrecognised_layers_one_line_naming_each runs the same
+# refusal through `main` by default.
+@pytest.mark.slow
 @requires("NNX")
 def test_unrecognised_layers_subprocess(tmp_path):
     src, dst = tmp_path / "odd.safetensors", tmp_path / "e.safetensors"

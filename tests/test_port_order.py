@@ -314,22 +314,34 @@ def _trained_resnet(seed):
     }
 
 
-def test_resnet_after_an_optax_step_linen_to_nnx_and_back():
+# An abstract target by default; concrete and nnx.jit-called targets (their attributes
+# sorted) in `tests_slow`, as test_nnx_after_nnx_jit_into_equinox_and_back runs them by
+# default on a smaller model.
+@pytest.mark.parametrize(
+    "target_kind",
+    [
+        "eval_shape",
+        pytest.param("concrete", marks=pytest.mark.slow),
+        pytest.param("nnx_jit", marks=pytest.mark.slow),
+    ],
+)
+def test_resnet_after_an_optax_step_linen_to_nnx_and_back(target_kind):
     x = jax.random.normal(KEY(1), (2, 6, 6, 2))
     source = _trained_resnet(0)
     call = ({"train": False}, {})
-    for target in (
-        NNXResNet(nnx.Rngs(1)),
-        nnx.eval_shape(lambda: NNXResNet(nnx.Rngs(1))),
-        _nnx_jit_call(NNXResNet(nnx.Rngs(1)), x),
-    ):
-        plan = bridge.port_plan(source, target)
-        assert not plan.problems, plan
-        rows = {s.source: s.target for s in plan.steps}
-        assert rows[".conv_init"] == ".conv_init"
-        assert rows[".ResNetBlock_1.conv_proj"] == ".blocks[1].conv_proj"
-        ported = bridge.port(source, target, check=x, check_kwargs=call)
-        assert bridge.compare(source, ported, x, per_side=call) < 1e-5
+    targets = {
+        "concrete": lambda: NNXResNet(nnx.Rngs(1)),
+        "eval_shape": lambda: nnx.eval_shape(lambda: NNXResNet(nnx.Rngs(1))),
+        "nnx_jit": lambda: _nnx_jit_call(NNXResNet(nnx.Rngs(1)), x),
+    }
+    target = targets[target_kind]()
+    plan = bridge.port_plan(source, target)
+    assert not plan.problems, plan
+    rows = {s.source: s.target for s in plan.steps}
+    assert rows[".conv_init"] == ".conv_init"
+    assert rows[".ResNetBlock_1.conv_proj"] == ".blocks[1].conv_proj"
+    ported = bridge.port(source, target, check=x, check_kwargs=call)
+    assert bridge.compare(source, ported, x, per_side=call) < 1e-5
     # back into a Linen ResNet that went through its own optax step
     back = bridge.port(ported, _trained_resnet(5), check=x, check_kwargs=call[::-1])
     assert bridge.compare(source, back, x, train=False) < 1e-6

@@ -71,9 +71,17 @@ def _vit(framework, variant, seed):
     "source_fw, target_fw",
     [("linen", "equinox"), pytest.param("equinox", "linen", marks=pytest.mark.slow)],
 )
+# A trained Linen source (sorted params after an optax step) into Equinox is slow (an
+# eager Adam step and a ViT init, minutes on 2 shared cores): the abstract target runs
+# the same plan, port and compare by default, and test_port_order's
+# test_twelve_same_shape_linen_dense_after_an_optax_step ports a trained Linen source.
 @pytest.mark.parametrize(
     "variant",
-    ["trained", pytest.param("concrete", marks=pytest.mark.slow), "abstract"],
+    [
+        pytest.param("trained", marks=pytest.mark.slow),
+        pytest.param("concrete", marks=pytest.mark.slow),
+        "abstract",
+    ],
 )
 def test_vit_with_loose_parameters(source_fw, target_fw, variant):
     x = pm.image()
@@ -103,10 +111,15 @@ def _vit_like(framework, abstract, seed, scan=False):
 
 
 def _vit_cases():
+    """By default: both layouts into an abstract Equinox ViT, the looped one into an
+    abstract NNX ViT too (the stack into per-layer NNX layers is test_port_stacked's
+    test_a_bias_free_stack_at_either_axis_into_per_layer_nnx_and_back); the other
+    cases run in `tests_slow` (30-50 s each on 2 shared cores)."""
     for layout in ("scan", "loop"):
         for target in ("nnx", "equinox"):
             for abstract in (False, True):
-                slow = layout == "loop" and not abstract
+                fast = abstract and (layout == "loop" or target == "equinox")
+                slow = not fast
                 yield pytest.param(
                     layout,
                     target,
@@ -159,9 +172,15 @@ def _gemma(framework, variant, seed):
     "source_fw, target_fw",
     [("nnx", "equinox"), pytest.param("equinox", "nnx", marks=pytest.mark.slow)],
 )
+# trained: slow (an NNX Adam step); the abstract target runs the same pairing by
+# default, and test_gemma_nnx_after_training_into_its_own_eval_shape a trained source.
 @pytest.mark.parametrize(
     "variant",
-    ["trained", pytest.param("concrete", marks=pytest.mark.slow), "abstract"],
+    [
+        pytest.param("trained", marks=pytest.mark.slow),
+        pytest.param("concrete", marks=pytest.mark.slow),
+        "abstract",
+    ],
 )
 def test_gemma_style_norms_pair_by_name(source_fw, target_fw, variant):
     ids = pm.tokens()
