@@ -60,8 +60,11 @@ NEWEST = next(
     ((v, path) for v in NEWEST_PYTHONS if (path := _interpreter(v))),
     (f"{sys.version_info[0]}.{sys.version_info[1]}", sys.executable),
 )
+# Test workers (pytest-xdist): one per core, at most 4 (each imports its own jax, about
+# 2 GB at its peak); each test file runs in one worker, its module fixtures built once.
+WORKERS = ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
 # The fast suite: the tests and the docstring examples of the package.
-PYTEST = ["pytest", "-q", "tests", "bridge", "--doctest-modules"]
+PYTEST = ["pytest", "-q", *WORKERS, "tests", "bridge", "--doctest-modules"]
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [
@@ -227,7 +230,7 @@ def tests_torch(session: nox.Session) -> None:
 def tests_slow(session: nox.Session) -> None:
     """The tests marked `slow`, on the newest releases."""
     session.install("--upgrade", "-e", ".[test]")
-    session.run("pytest", "-q", "tests", "-m", "slow", *session.posargs)
+    session.run("pytest", "-q", *WORKERS, "tests", "-m", "slow", *session.posargs)
 
 
 @nox.session(python="3.11")
