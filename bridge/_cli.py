@@ -24,11 +24,12 @@ from rich.text import Text
 from . import __version__
 from ._demo import demo
 from ._io import _training
-from ._io._checkpoint import Contents, open_checkpoint, read, write
-from ._io._contents import Malformed, decode, encode
-from ._io._format import format_of, formats
+from ._io._contents import Contents, Malformed, decode, encode
+from ._io._format import format_named, format_of, formats
 from ._io._hf_folder import write_arrays
+from ._io._read import open_checkpoint, read
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
+from ._io._write import write
 from ._quant._read import quantization_summary
 
 
@@ -147,11 +148,10 @@ def _natural(name: str) -> tuple:
 
 
 def _shards(contents: Contents) -> dict[str, str]:
-    """`{array name: shard file name}` for a sharded checkpoint, else empty."""
-    shards = getattr(contents.source, "shards", None)
-    if contents.format != "sharded" or not shards:
-        return {}
-    return {name: shard.path.name for shard, names in shards for name in names}
+    """`{array name: shard file name}` for a checkpoint of several files (its
+    format's `Format.files`), else empty."""
+    files = format_named(contents.format).files
+    return {} if files is None else dict(files(contents))
 
 
 def rows(contents: Contents, where: str | None = None) -> list[dict[str, Any]]:
@@ -260,7 +260,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
         ),
         soft_wrap=True,
     )
-    if contents.format == "sharded":
+    if _shards(contents):
         shards = sorted({r["shard"] for r in rows(contents)})
         console.print(
             printable(f"{len(shards)} shard files: " + ", ".join(shards)),

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import bridge
-from bridge._io import _checkpoint, _safetensors
+from bridge._io import _contents, _model, _safetensors
 from bridge._tree import kind
 
 from . import models
@@ -348,9 +348,7 @@ def test_garbage_safetensors(tmp_path):
 
 def test_metadata_disagreeing_with_tensors(tmp_path):
     path = tmp_path / "m.safetensors"
-    meta = _checkpoint.encode(
-        _checkpoint.describe(bridge.from_nnx(models.nnx_mlp()), None)[0]
-    )
+    meta = _contents.encode(_model.describe(bridge.from_nnx(models.nnx_mlp()), None)[0])
     safetensors.numpy.save_file({"x": np.ones(2, np.float32)}, path, metadata=meta)
     with pytest.raises(ValueError, match="describes other arrays than the file holds"):
         bridge.load(path)
@@ -375,8 +373,8 @@ def test_corrupted_orbax(tmp_path):
 def test_nothing_is_imported_on_load(tmp_path):
     path = tmp_path / "m.safetensors"
     tree = bridge.from_equinox(models.equinox_mlp())
-    contents, arrays = _checkpoint.describe(tree, None)
-    meta = _checkpoint.encode(contents)
+    contents, arrays = _model.describe(tree, None)
+    meta = _contents.encode(contents)
     modules = [[[], "antigravity:Module", {}], [["layers"], "os:system", {}]]
     meta["modules"] = json.dumps(modules)
     safetensors.numpy.save_file(

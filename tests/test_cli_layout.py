@@ -16,7 +16,7 @@ from flax import nnx
 import bridge
 from bridge._cli import main
 from bridge._io import _checkpoint
-from bridge._io._checkpoint import open_checkpoint, read
+from bridge._io._read import open_checkpoint, read
 from bridge._io._relayout import relayout
 
 from . import models

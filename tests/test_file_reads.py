@@ -15,8 +15,8 @@ import pytest
 import safetensors.numpy
 
 import bridge
-from bridge._io import _files, _sharded
-from bridge._io._checkpoint import open_checkpoint
+from bridge._io import _files, _safetensors, _sharded
+from bridge._io._read import open_checkpoint
 
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
 
@@ -51,7 +51,7 @@ def test_an_array_read_again_after_another_file_was_opened(tmp_path):
     other = tmp_path / "other.bin"
     other.write_bytes(b"\xff" * 4096)
     with open_checkpoint(index) as contents:
-        lazy = _sharded.lazy(contents)
+        lazy = _sharded.FORMAT.lazy(contents)
         first = lazy["layers.0.w"].read()
         with open(other, "rb"):  # takes the lowest free descriptor number
             again = lazy["layers.0.w"].read()
@@ -149,7 +149,7 @@ def test_a_closed_shard_reopened_is_checked(tmp_path, monkeypatch):
     index = write_sharded(tmp_path, values(3))
     assert float(bridge.load(index).layers[2].w[0]) == 2
     with open_checkpoint(index) as contents:
-        lazy = _sharded.lazy(contents)
+        lazy = _sharded.FORMAT.lazy(contents)
         lazy["layers.0.w"].read()
         lazy["layers.1.w"].read()  # shard 1 closed
         shard = tmp_path / "model-00001-of-00003.safetensors"
@@ -205,10 +205,10 @@ def test_a_file_rewritten_while_read_is_an_error_naming_it(tmp_path, monkeypatch
         rewrite_after_first_read(monkeypatch, changed)
         with pytest.raises(bridge.CheckpointError, match=rf"{changed.name}.*changed"):
             if kind == "lazy":
-                for array in _sharded.lazy(contents).values():
+                for array in _safetensors.FORMAT.lazy(contents).values():
                     array.read()
             else:
-                from bridge._io._checkpoint import read
+                from bridge._io._read import read
 
                 read(contents)
 

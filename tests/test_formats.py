@@ -13,11 +13,13 @@ from flax import serialization
 
 import bridge
 from bridge import _cli
-from bridge._io import _format, _safetensors
+from bridge._io import _format, _read, _safetensors
 from bridge._io._contents import Contents, encode
+from bridge._lazy import LazyArray
 from bridge._paths import canonical
 from bridge._tree import native_order
 
+from . import models
 from .helpers import requires
 
 
@@ -193,6 +195,56 @@ def test_a_format_is_one_registration(tmp_path, registry, capsys):
     assert _cli.main(["inspect", str(path)]) == 0
     assert "*.toy.json: JSON lists" in " ".join(_cli.parser().format_help().split())
     assert _format.format_of(tmp_path / "m.json").name == "orbax"  # suffix is whole
+
+
+def _capable_toy_format(reads: list[str]) -> _format.Format:
+    """The toy format with capabilities of its own: it reads lazily (each read
+    recorded in `reads`), finds `model.toy.json` in a directory, holds no training
+    state."""
+
+    def lazy(contents):
+        def read(s):
+            reads.append(s.key)
+            return np.asarray(contents.source[s.key], s.dtype).reshape(s.shape)
+
+        return {
+            s.key: LazyArray(s.shape, s.dtype, 0, lambda s=s: read(s))
+            for s in contents.tensors
+        }
+
+    def probe(directory):
+        path = directory / "model.toy.json"
+        return path if path.is_file() else None
+
+    return _toy_format()._replace(lazy=lazy, probe=probe, training=False)
+
+
+def test_a_format_states_what_it_can_do(tmp_path, registry, capsys):
+    reads: list[str] = []
+    _format.register_format(_capable_toy_format(reads))
+    source, x = models.nnx_mlp(seed=3), models.mlp_input()
+    path = tmp_path / "model.toy.json"
+    bridge.save(path, source)
+    # another framework's model filled from it: ported, read array by array
+    model = bridge.load(path, like=models.equinox_mlp())
+    expected = bridge.port(source, models.equinox_mlp())
+    assert all(map(same_bits, jax.tree.leaves(model), jax.tree.leaves(expected)))
+    assert sorted(reads) == sorted(s.key for s in _read.open_checkpoint(path).tensors)
+    # a directory holding its file is a checkpoint of it
+    assert _read.open_checkpoint(tmp_path).format == "toy"
+    kernel = source.layers[0].kernel[...]
+    assert same_bits(bridge.load(tmp_path).layers[0].kernel, kernel)
+    assert _cli.main(["inspect", str(tmp_path)]) == 0
+    assert "(toy, nnx, flax layout)" in " ".join(capsys.readouterr().out.split())
+    assert _cli.main(["convert", str(path), str(tmp_path / "m.msgpack")]) == 0
+    back = bridge.load(tmp_path / "m.msgpack", like=models.nnx_mlp())
+    assert same_bits(back(x), source(x))
+    # no training state, and no plain PyTorch-layout file
+    with pytest.raises(ValueError, match="a toy checkpoint holds arrays only"):
+        bridge.save(tmp_path / "t.toy.json", source, step=3)
+    with pytest.raises(ValueError, match="a PyTorch-layout checkpoint is a"):
+        bridge.save(tmp_path / "t.toy.json", source, layout="torch")
+    assert not (tmp_path / "t.toy.json").exists()
 
 
 def test_registry_refuses_clashes(registry):

@@ -218,7 +218,7 @@ def test_class_names_are_matched_without_touching_modules(tmp_path, monkeypatch)
 
 
 def test_a_recorded_class_already_imported_is_found(tmp_path):
-    from bridge._io._checkpoint import _resolve
+    from bridge._io._classes import resolve as _resolve
 
     assert _resolve("flax.nnx:Linear") is nnx.Linear
     assert _resolve("os:system") is None  # a function, not a class

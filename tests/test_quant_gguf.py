@@ -13,7 +13,7 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bridge  # noqa: E402
-from bridge._io._checkpoint import open_checkpoint  # noqa: E402
+from bridge._io._read import open_checkpoint  # noqa: E402
 
 from . import quant_llama as ql  # noqa: E402
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 import bridge
 from bridge._cli import main
-from bridge._io._checkpoint import open_checkpoint, read
+from bridge._io._read import open_checkpoint, read
 from bridge._io._relayout import relayout
 
 from .helpers import requires, skip_unless

@@ -108,6 +108,12 @@ def key_info(impl: str) -> tuple[tuple[int, ...], str]:
     return jax.random.key_data(key).shape, str(key.dtype)
 
 
+def is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (stored as its key data)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def dotted(path: TreePath) -> str:
     """`('layers', 0, 'kernel')` -> `'layers.0.kernel'`."""
     return ".".join(map(str, path))

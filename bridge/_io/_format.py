@@ -6,8 +6,13 @@ framework: `_safetensors.py`, `_msgpack.py` and `_orbax.py` each register theirs
 path's format is chosen by its file name's suffix (the longest registered suffix
 that ends it); a path no suffix claims is a directory checkpoint (orbax).
 
-Adding a format is one module that builds a `Format` and calls `register_format`,
-imported by `bridge._io._checkpoint`.
+A format states what it can do in its record (reads lazily, places arrays itself,
+holds a training state, writes plain files, finds itself in a directory), and
+`save`, `load`, `bridge inspect` and `bridge convert` ask it: no code outside a
+format's module names a format. Adding a format is one module that builds a `Format`
+and calls `register_format`, imported by `bridge._io._checkpoint`; or a
+`register_format` call anywhere before use (`tests/test_formats.py` registers a toy
+format from inside a test).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .._lazy import LazyArray
 from ._contents import Contents
 
 
@@ -36,6 +42,29 @@ class Format(NamedTuple):
       from `contents.source` (a host `numpy` array, or a `jax.Array` already placed
       with `shardings[name]` where the format places arrays itself).
     - `dtypes`: the dtype names it stores and reads back exactly; `None`: any.
+
+    Its capabilities, asked by `save` and `load` (the defaults: a format that reads
+    every array when asked, places none, holds a training state, writes no plain
+    file and finds nothing in a directory):
+
+    - `lazy(contents)`: `{name: LazyArray}` reading each array from
+      `contents.source` only when used (a load of another framework's file then
+      ports layer by layer, holding about one array of the file); `None`: the
+      arrays are read whole by `restore`.
+    - `places`: `restore` gives arrays already placed by `shardings` and reads the
+      whole checkpoint at once (orbax): a load into `like` passes it every array,
+      the training state's too.
+    - `training`: whether it holds a training checkpoint (the optimizer state's
+      structure is recorded in its metadata); `False`: arrays only (msgpack).
+    - `save_plain(path, contents, arrays, meta)`: write with `meta` as the whole
+      metadata, no bridge keys (a file as another library writes it: `save(...,
+      layout="torch")`); `None`: it writes no such file.
+    - `probe(directory)`: the file of this format inside a directory given as a
+      checkpoint (a Hugging Face `save_pretrained` folder's `model.safetensors`),
+      else None. Formats are probed longest suffix first, as `format_of` chooses.
+    - `files(contents)`: `{array name: file name}` for a checkpoint of several
+      files (the shards of a sharded folder; `bridge inspect` shows the column);
+      `None`: one file.
     """
 
     name: str
@@ -45,6 +74,12 @@ class Format(NamedTuple):
     metadata: Callable[[Path], Contents]
     restore: Callable[[Contents, Mapping[str, Any]], Iterable[tuple[str, Any]]]
     dtypes: frozenset[str] | None = None
+    lazy: Callable[[Contents], Mapping[str, LazyArray]] | None = None
+    places: bool = False
+    training: bool = True
+    save_plain: Callable[[Path, Contents, Mapping[str, Any], dict], None] | None = None
+    probe: Callable[[Path], Path | None] | None = None
+    files: Callable[[Contents], Mapping[str, str]] | None = None
 
 
 _FORMATS: dict[str, Format] = {}
@@ -79,6 +114,13 @@ def register_format(fmt: Format) -> Format:
 def formats() -> tuple[Format, ...]:
     """Every registered format, in registration order."""
     return tuple(_FORMATS.values())
+
+
+def probing() -> tuple[Format, ...]:
+    """The formats that find themselves inside a directory (`probe`), in the order a
+    directory is probed: longest suffix first."""
+    found = [f for f in _FORMATS.values() if f.probe is not None]
+    return tuple(sorted(found, key=lambda f: -max(map(len, f.suffixes), default=0)))
 
 
 def format_named(name: str) -> Format:

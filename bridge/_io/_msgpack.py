@@ -194,5 +194,6 @@ FORMAT = register_format(
         metadata,
         restore,
         DTYPE_NAMES,
+        training=False,
     )
 )

@@ -251,5 +251,6 @@ FORMAT = register_format(
         metadata,
         restore,
         DTYPE_NAMES - {"float8_e4m3", "uint2", "uint4"},  # tensorstore has not these
+        places=True,
     )
 )

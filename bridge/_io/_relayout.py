@@ -34,15 +34,9 @@ from .._port._layers import NOT_PORTED, Layer, find_layers
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, native_rank
 from . import _training
-from ._checkpoint import (
-    VERSION,
-    Contents,
-    Stored,
-    _resolve,
-    describe,
-    dotted,
-    file_tree,
-)
+from ._classes import resolve
+from ._contents import VERSION, Contents, Stored, dotted
+from ._model import describe, file_tree
 from ._torch_layout import torch_state
 
 
@@ -129,7 +123,7 @@ def relayout(
     ```python
     >>> import bridge, tempfile, os
     >>> from flax import nnx
-    >>> from bridge._io._checkpoint import open_checkpoint, read
+    >>> from bridge._io._read import open_checkpoint, read
     >>> path = os.path.join(tempfile.mkdtemp(), "linear.safetensors")
     >>> bridge.save(path, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     >>> contents = open_checkpoint(path)
@@ -214,7 +208,7 @@ def _unknown_classes(
         name = recorded.get(layer.path)
         if name is None:
             continue
-        cls = _resolve(name)
+        cls = resolve(name)
         if cls is None or not any(c.recognise(cls, layer.leaves) for c in codecs(fw)):
             problems.append(
                 _UNKNOWN_CLASS.format(where=layer.where, cls=name, framework=fw)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from .._lazy import LazyArray
 from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode, encode
 from ._errors import unreadable
@@ -303,6 +304,35 @@ def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarr
     return _from_bytes(data, entry.code, entry.shape)
 
 
+def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
+    """`{name: LazyArray}` for a safetensors checkpoint, or a sharded one (`source`:
+    its shards, `bridge._io._sharded.Source`): each array read from its file when
+    used (as often as it is used), shard by shard (`LazyArray.order` is the shard's
+    position)."""
+    if source is not None:
+        shards = source.shards
+    else:
+        shards = ((contents, tuple(s.key for s in contents.tensors)),)
+    stored = {s.key: s for s in contents.tensors}
+    out = {}
+    for order, (shard, names) in enumerate(shards):
+        for name in names:
+            s = stored[name]
+            out[name] = LazyArray(
+                s.shape,
+                s.dtype,
+                order,
+                lambda c=shard, n=name: read_one(c, n, own_pages=True),
+            )
+    return out
+
+
+def _probe(directory: Path) -> Path | None:
+    """The `model.safetensors` of a Hugging Face `save_pretrained` folder."""
+    path = directory / "model.safetensors"
+    return path if path.is_file() else None
+
+
 FORMAT = register_format(
     Format(
         NAME,
@@ -312,5 +342,8 @@ FORMAT = register_format(
         metadata,
         restore,
         frozenset(DTYPES.values()),
+        lazy=lazy,
+        save_plain=save_plain,
+        probe=_probe,
     )
 )

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._lazy import LazyArray
 from . import _safetensors
 from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode, encode
@@ -168,27 +167,10 @@ def restore(
                 yield name, _safetensors.read_one(shard, name)
 
 
-def lazy(contents: Contents) -> dict[str, LazyArray]:
-    """`{name: LazyArray}` for a safetensors or sharded checkpoint: each array read
-    from its file when used (as often as it is used), shard by shard
-    (`LazyArray.order` is the shard's position)."""
-    source = contents.source if contents.format == NAME else None
-    if source is not None:
-        shards = source.shards
-    else:
-        shards = ((contents, tuple(s.key for s in contents.tensors)),)
-    stored = {s.key: s for s in contents.tensors}
-    out = {}
-    for order, (shard, names) in enumerate(shards):
-        for name in names:
-            s = stored[name]
-            out[name] = LazyArray(
-                s.shape,
-                s.dtype,
-                order,
-                lambda c=shard, n=name: _safetensors.read_one(c, n, own_pages=True),
-            )
-    return out
+def files(contents: Contents) -> dict[str, str]:
+    """`{array name: its shard's file name}`."""
+    source: Source = contents.source
+    return {name: shard.path.name for shard, names in source.shards for name in names}
 
 
 def _save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
@@ -216,5 +198,8 @@ FORMAT = register_format(
         metadata,
         restore,
         _safetensors.FORMAT.dtypes,
+        lazy=lambda contents: _safetensors.lazy(contents, contents.source),
+        probe=index_of,
+        files=files,
     )
 )

@@ -31,9 +31,9 @@ import optax
 from .._arguments import check_opt_state
 from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
 from .._tree import Path, Tree, path_str
-from . import _checkpoint
-from ._contents import Stored, dotted
+from ._contents import Stored, dotted, is_key
 from ._errors import CheckpointError
+from ._read import read
 
 
 KEY = "training"
@@ -85,7 +85,7 @@ def add(
     def put(path: Path, role: str, value: Any) -> str:
         name = dotted(path)
         impl = None
-        if _checkpoint._is_key(value):
+        if is_key(value):
             impl = str(jax.random.key_impl(value))
             value = jax.random.key_data(value)
         value = value if hasattr(value, "dtype") else jnp.asarray(value)
@@ -178,7 +178,7 @@ def read_state(contents: Any, training: Any) -> tuple[Any, int | None, dict]:
     record = _json(contents.training, contents.path)
     if OPT not in record:
         raise ValueError(_NO_OPT_STATE.format(path=contents.path))
-    arrays = _checkpoint.read(training)
+    arrays = read(training)
     try:
         state = _build(record[OPT], arrays)
         step = record.get("step")

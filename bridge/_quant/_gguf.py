@@ -172,5 +172,7 @@ FORMAT = register_format(
         metadata,
         restore,
         frozenset(),  # written by no one: bridge reads GGUF only
+        lazy=lazy,
+        training=False,
     )
 )

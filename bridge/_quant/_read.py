@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._io._contents import Contents
+from .._io._format import format_named
 from .._lazy import LazyArray
 from . import _gguf, _schemes
 from ._schemes import Quantized, Scan
@@ -49,18 +50,6 @@ def quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
         found = config.get(key)
         if isinstance(found, dict):
             return found
-    return None
-
-
-def lazy_arrays(contents: Contents) -> Mapping[str, LazyArray] | None:
-    """`{name: LazyArray}` of a checkpoint read array by array (safetensors, a
-    sharded folder, GGUF), else None."""
-    from .._io import _safetensors, _sharded
-
-    if isinstance(contents.source, _gguf.Source):
-        return _gguf.lazy(contents)
-    if contents.format in (_safetensors.NAME, _sharded.NAME):
-        return _sharded.lazy(contents)
     return None
 
 
@@ -129,9 +118,10 @@ def dequantized(contents: Contents, dtype: Any = None) -> dict[str, Any] | None:
     `dtype` if given, as every other floating-point array), read now: what `load`
     without `like` gives. None for a checkpoint that holds no quantized weight
     (read it as usual). A 64-bit array JAX would truncate stays a NumPy array."""
-    arrays = lazy_arrays(contents)
-    if arrays is None or not applies(contents):
+    fmt = format_named(contents.format)
+    if fmt.lazy is None or not applies(contents):
         return None
+    arrays = fmt.lazy(contents)
     found = scan(contents, arrays)
     if not found.quantized:
         return None
@@ -165,10 +155,10 @@ def quantization_summary(contents: Contents) -> list[str]:
     few small tensors a scheme needs, such as compressed-tensors' `weight_shape`)."""
     if isinstance(contents.source, _gguf.Source):
         return _gguf_summary(contents)
-    arrays = lazy_arrays(contents)
-    if arrays is None or not applies(contents):
+    fmt = format_named(contents.format)
+    if fmt.lazy is None or not applies(contents):
         return []
-    found = scan(contents, arrays)
+    found = scan(contents, fmt.lazy(contents))
     if not found.quantized:
         return []
     dtype = dense_dtype(contents, found)

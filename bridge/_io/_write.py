@@ -1,0 +1,159 @@
+"""Writing a checkpoint: the checks before anything is written (the format stores
+the dtypes, holds a training state, is one file, the arrays are addressable here),
+and the plain PyTorch-layout file (`save(..., layout="torch")`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._quant import _write as _quant_write
+from .._tree import Tree
+from . import _hf_folder
+from ._contents import Contents, Stored, is_key
+from ._format import format_of, formats
+from ._model import _NOT_STRINGS, both_str
+from ._torch_layout import torch_state
+
+
+_DTYPES_NOT_STORED = """\
+The {format} format cannot store {problems}. Convert these arrays (e.g. with
+jax.tree.map and .astype), or save to a format that stores them: {others}."""
+
+_TRAINING_NO_METADATA = """\
+{path}: a {format} checkpoint holds arrays only, with no metadata to record the
+optimizer state's structure. Save a training checkpoint as *.safetensors or as an
+orbax directory."""
+_NOT_ADDRESSABLE = """\
+{path}: a {format} checkpoint is one file, written by one process, but arrays of this
+model are sharded over the devices of {processes} processes (this process cannot read
+their other shards): {names}. Save to an orbax checkpoint directory (a path without a
+file suffix), which every process writes its own shards to, e.g.
+`bridge.save("ckpt/step_100", model)` called in every process."""
+
+
+def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
+    """Write `arrays` (by dotted name; typed PRNG keys as their key data) with
+    `contents`' metadata, atomically, in the format `path` names."""
+    fmt = format_of(path)
+    if contents.training and not fmt.training:
+        raise ValueError(_TRAINING_NO_METADATA.format(path=path, format=fmt.name))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            f"{path.parent}: no such directory to save {path.name} in."
+        )
+    if fmt.suffixes and path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a directory: a {fmt.name} checkpoint is one file; pick a "
+            "file name."
+        )
+    if fmt.dtypes is not None:
+        bad = [
+            f"{s.key} ({s.dtype})"
+            for s in contents.tensors
+            if s.dtype not in fmt.dtypes
+        ]
+        if bad:
+            dtypes = {s.dtype for s in contents.tensors}
+            others = [
+                f.name for f in formats() if f.dtypes is None or dtypes <= f.dtypes
+            ]
+            raise ValueError(
+                _DTYPES_NOT_STORED.format(
+                    format=fmt.name,
+                    problems=", ".join(bad),
+                    others=", ".join(others) or "none",
+                )
+            )
+    spread = [
+        k
+        for k, v in arrays.items()
+        if isinstance(v, jax.Array) and not v.is_fully_addressable
+    ]
+    if fmt.suffixes and spread:
+        raise ValueError(
+            _NOT_ADDRESSABLE.format(
+                path=path,
+                format=fmt.name,
+                processes=jax.process_count(),
+                names=", ".join(spread[:5]) + (", ..." if len(spread) > 5 else ""),
+            )
+        )
+    arrays = {k: jax.random.key_data(v) if is_key(v) else v for k, v in arrays.items()}
+    fmt.save(path, contents, arrays)
+
+
+FOLDER_OPTIONS = """\
+{options} apply to a Hugging Face folder only: pass layout="torch" and a folder path
+(no .safetensors suffix): bridge.save("out/model", model, layout="torch", ...)."""
+
+
+def given(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"`{k}`" for k, v in options.items() if v is not None)
+
+
+_QUANTIZE_FOLDER = """\
+{path}: `quantize` writes one *.safetensors file (and the quantization_config into the
+config.json beside it); a Hugging Face folder is not written quantized yet."""
+
+_LAYOUT_OPTIONS = """\
+`layout` must be "torch" (or None for the model's own layout), got {layout!r}; `rules`
+and `prefix` apply only with layout="torch"."""
+
+
+def save_layout(
+    path: Path,
+    tree: Tree,
+    metadata: Mapping[str, str] | None,
+    layout: str | None,
+    rules: Mapping[str, str] | None,
+    prefix: str,
+    folder: Mapping[str, Any],
+    quantize: str | None = None,
+) -> None:
+    """Write `tree` as a plain PyTorch-layout checkpoint (`save(..., layout=...)`):
+    one file in a format that writes plain files (`Format.save_plain`), or a Hugging
+    Face folder for a path no suffix claims."""
+    if layout != "torch":
+        raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
+    _quant_write.check(quantize)
+    user = dict(metadata or {})
+    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
+    if bad:
+        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    fmt = format_of(path)
+    if not fmt.suffixes:  # a folder: save_pretrained's layout
+        if quantize is not None:
+            raise ValueError(_QUANTIZE_FOLDER.format(path=path))
+        if not path.parent.is_dir():
+            raise FileNotFoundError(
+                f"{path.parent}: no such directory to save {path.name} in."
+            )
+        _hf_folder.save_folder(
+            path, tree, rules=rules, prefix=prefix, metadata=user, **folder
+        )
+        return
+    if fmt.save_plain is None:
+        raise ValueError(
+            f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
+            "*.safetensors) or a Hugging Face folder (a path without a suffix)."
+        )
+    if any(v is not None for v in folder.values()):
+        raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
+    kinds: dict[str, str] = {}
+    state = torch_state(tree, rules, prefix, kinds=kinds)
+    if quantize is not None:
+        linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
+        state = _quant_write.quantized_state(state, linear)
+    tensors = tuple(
+        Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))
+        for k, v in state.items()
+    )
+    contents = Contents(path, fmt.name, None, "", None, (), user, tensors)
+    fmt.save_plain(path, contents, state, {**user, "format": "pt"})
+    if quantize is not None:
+        _quant_write.write_config(path.parent)
