@@ -30,6 +30,7 @@ from ._io._hf_folder import write_arrays
 from ._io._read import open_checkpoint, read
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
 from ._io._write import write
+from ._lora._summary import lora_summary
 from ._quant._read import quantization_summary
 
 
@@ -235,6 +236,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
     with open_checkpoint(args.path) as contents:
         # the header is all inspect shows, and a quantized weight's dense shape
         quantized = quantization_summary(contents)
+        lora = lora_summary(contents)
     if args.json:
         found = rows(contents, args.filter)
         report = dict(
@@ -247,6 +249,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
             totals=_totals(found),
             training=_training.summary(contents, human),
             quantized=quantized,
+            lora=lora,
             metadata=contents.metadata,
         )
         print(json.dumps(report, indent=1))
@@ -268,7 +271,7 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
         )
     console.print(table)
     console.print(totals, soft_wrap=True, markup=False)
-    for line in quantized:
+    for line in quantized + lora:
         console.print(line, markup=False, soft_wrap=True)
     for line in _training.summary(contents, human):
         console.print(printable(line), soft_wrap=True)

@@ -571,3 +571,35 @@ def test_dropout_is_peft_lora_dropout(framework):
     dropped = np.isclose(ratio, 0.0, atol=1e-4)
     assert np.all(dropped | np.isclose(ratio, 2.0, atol=1e-4))
     assert 0.4 < dropped.mean() < 0.6
+
+
+@pytest.mark.parametrize("framework", ["nnx", "equinox"])
+def test_inspect_shows_the_adapters(tmp_path, capsys, framework):
+    """`bridge inspect` on a model saved with its adapters (rank from either
+    orientation, parameter share) and on a PEFT adapter file (alpha from its config,
+    ranks that differ)."""
+    from bridge._cli import main
+
+    tree = bridge.lora(models()[framework], ["q", "head"], rank=2, alpha=4, key=KEY)
+    tree = bridge.lora(tree, ["conv"], rank=3, alpha=5, key=KEY)
+    bridge.save(tmp_path / "m.safetensors", tree)
+    assert main(["inspect", str(tmp_path / "m.safetensors"), "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    adapters = (8 * 2 + 2 * 8) + (8 * 2 + 2 * 4) + (3 * 8 * 3 + 3 * 8)  # q, head, conv
+    base = VOCAB * WIDTH + (WIDTH + 1) * WIDTH + (3 * WIDTH + 1) * WIDTH + WIDTH * OUT
+    total = adapters + base
+    assert lora == [
+        "LoRA adapters on 3 layer(s), targets conv, head, q",
+        "ranks 2 to 3",
+        f"{adapters} adapter parameters, {adapters / total:.2%} of the {total} in "
+        "this file",
+    ]
+    bridge.save_peft(tmp_path / "adapter", tree)
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    assert main(["inspect", str(weights)]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA adapters on 3 layer(s), targets conv, head, q" in out
+    assert "ranks 2 to 3, alpha 4, 5 (config r 2)" in out
+    assert "(the base model is not in this file)" in out
+    assert main(["inspect", str(tmp_path / "adapter" / "x.safetensors")]) != 0
+    capsys.readouterr()
