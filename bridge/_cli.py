@@ -12,12 +12,19 @@ import re
 import sys
 import threading
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -283,12 +290,15 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
 
 class _Slow:
     """A progress display (on stderr) that shows itself once an operation has taken
-    a second: one line per phase with a spinner and the time taken."""
+    a second: one line per phase with a spinner, a bar with the share done (for a
+    phase that counts its bytes) and the time taken."""
 
     def __init__(self, console: Console):
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
             TimeElapsedColumn(),
             console=console,
             transient=True,
@@ -299,12 +309,16 @@ class _Slow:
         self.task = None
 
     @contextlib.contextmanager
-    def phase(self, description: str) -> Iterator[None]:
+    def phase(
+        self, description: str, total: int | None = None
+    ) -> Iterator[Callable[[int], None]]:
+        """A phase of the operation; of `total` bytes, counted by calling what it
+        yields with each part's size (without `total`, a pulsing bar)."""
         if self.task is not None:
             self.progress.update(self.task, total=1, completed=1)
-        self.task = self.progress.add_task(description, total=None)
-        yield
-        self.progress.update(self.task, total=1, completed=1)
+        task = self.task = self.progress.add_task(description, total=total or None)
+        yield lambda done: self.progress.advance(task, done)
+        self.progress.update(task, total=1, completed=1)
 
     def _start(self) -> None:
         self.started = True
@@ -391,9 +405,10 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     dst = Path(args.dst)
     with _Slow(Console(stderr=True)) as slow:
         with open_checkpoint(args.src) as contents:
-            size = human(sum(s.nbytes for s in contents.tensors))
-            with slow.phase(f"reading {contents.path.name} ({size})"):
-                arrays = read(contents)
+            total = sum(s.nbytes for s in contents.tensors)
+            name = f"reading {contents.path.name} ({human(total)})"
+            with slow.phase(name, total) as advance:
+                arrays = read(contents, progress=advance)
         if args.weights_only and contents.training:
             count = len(contents.tensors)
             contents, arrays = model_only(contents, arrays)

@@ -284,11 +284,22 @@ class Tree:
     def __repr__(self) -> str:
         return "\n".join(_repr_lines(self, "Tree", 0))
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a Tree holds a model's arrays, not its computation."""
+        raise TypeError(_NOT_CALLABLE)
+
     def __copy__(self):
         return self
 
     def __deepcopy__(self, memo):
         return self
+
+
+_NOT_CALLABLE = """\
+A bridge.Tree holds a model's arrays, not its computation, so it cannot be called.
+Run it as its framework's model: `bridge.to_native(tree)(x)` (NNX, Equinox), or
+`module.apply(bridge.to_native(tree), x)` (Linen variables); or load a checkpoint
+straight into your model: `model = bridge.load(path, like=model)`."""
 
 
 def _leaf_repr(leaf: Any) -> str:

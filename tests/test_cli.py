@@ -248,3 +248,28 @@ def test_two_names_of_one_index_are_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'l.01.weight' and 'l.1.weight' name the same array" in err
     assert err.count("\n") == 1 and not out.exists()
+
+
+def test_convert_shows_the_share_of_bytes_read(tmp_path):
+    """The reading phase's bar counts every array's bytes, once each, up to the
+    checkpoint's total (what `convert` shows after a second)."""
+    import io
+
+    from rich.console import Console
+
+    from bridge._cli import _Slow
+    from bridge._io._read import open_checkpoint, read
+
+    path = tmp_path / "m.safetensors"
+    bridge.save(path, {"params": {"a": jnp.ones((3, 4)), "b": jnp.ones(5, jnp.int8)}})
+    counted: list[int] = []
+    with open_checkpoint(path) as contents:
+        total = sum(s.nbytes for s in contents.tensors)
+        read(contents, progress=counted.append)
+    assert sorted(counted) == [5, 48] and sum(counted) == total
+    with _Slow(Console(file=io.StringIO())) as slow:
+        with slow.phase("reading", total) as advance:
+            for n in counted:
+                advance(n)
+            task = slow.progress.tasks[0]
+            assert (task.total, task.completed) == (total, total)

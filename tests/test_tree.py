@@ -171,3 +171,27 @@ def test_grad_through_the_native_model_matches_the_frameworks_own():
     grads = jax.jit(jax.grad(lambda s: jax.vmap(bridge.to_equinox(s))(x).sum()))(t)
     want = eqx.filter_grad(lambda m: jax.vmap(m)(x).sum())(model)
     assert tree_equal_bits(grads.layers[0].weight, want.layers[0].weight)
+
+
+def test_calling_a_tree_says_how_to_run_its_model():
+    """`bridge.load(path)(x)`, a user's first guess: refused with the way to run it,
+    while a Tree of bools still works as optax's and Equinox's mask (they ask
+    `callable` of its leaves, not of the Tree)."""
+    import jax.numpy as jnp
+    import optax
+
+    model = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+    tree = bridge.from_equinox(model)
+    with pytest.raises(TypeError, match=r"cannot be called\.\n.*bridge\.to_native"):
+        tree(jnp.ones(2))
+    assert bridge.to_native(tree)(jnp.ones(2)).shape == (3,)  # the way it names
+    spec = bridge.trainable(tree, r"\.weight$")
+    grads = jax.tree.map(jnp.ones_like, tree)
+    updates, _ = optax.masked(optax.sgd(1.0), spec).update(
+        grads, optax.masked(optax.sgd(1.0), spec).init(tree)
+    )
+    assert float(updates.weight[0, 0]) == -1.0 and float(updates.bias[0]) == 1.0
+    params, frozen = eqx.partition(tree, spec)
+    assert params.bias is None and frozen.weight is None
+    with pytest.raises(TypeError, match="where"):  # a Tree is no `where` either
+        bridge.trainable(tree, spec)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +78,13 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
 
 
 def read(
-    contents: Contents, shardings: Mapping[str, Any] | None = None
+    contents: Contents,
+    shardings: Mapping[str, Any] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:
     """Every array of a checkpoint as a JAX array, by dotted name, one at a time
-    (typed PRNG keys re-wrapped). `shardings` places arrays (by name).
+    (typed PRNG keys re-wrapped). `shardings` places arrays (by name); `progress`,
+    when given, is called with each array's size in bytes once it is read.
 
     A 64-bit array (`int64`, `uint64`, `float64`, `complex128`) while
     `jax_enable_x64` is off stays a NumPy array: JAX would truncate it silently."""
@@ -89,20 +92,25 @@ def read(
     by_name = {s.key: s for s in contents.tensors}
     out = {}
     for name, array in format_named(contents.format).restore(contents, shardings):
-        impl, sharding = by_name[name].prng_impl, shardings.get(name)
-        if isinstance(array, np.ndarray) and not fits_jax(array.dtype):
-            out[name] = np.array(array)  # 64-bit with x64 off: kept whole, in NumPy
-            continue
-        if isinstance(array, np.ndarray):  # host memory the format made: moved once,
-            # each device taking only its own shard
-            if impl is None and sharding is not None:
-                array = place(array, sharding)
-            else:
-                array = jax.device_put(array)
-        if impl is not None:
-            array = jax.random.wrap_key_data(array, impl=impl)
-        out[name] = place(array, sharding)
+        out[name] = _placed(array, by_name[name].prng_impl, shardings.get(name))
+        if progress is not None:
+            progress(by_name[name].nbytes)
     return out
+
+
+def _placed(array: Any, impl: str | None, sharding: Any) -> Any:
+    """An array as a format restored it, as `read` gives it: on its devices."""
+    if isinstance(array, np.ndarray) and not fits_jax(array.dtype):
+        return np.array(array)  # 64-bit with x64 off: kept whole, in NumPy
+    if isinstance(array, np.ndarray):  # host memory the format made: moved once,
+        # each device taking only its own shard
+        if impl is None and sharding is not None:
+            array = place(array, sharding)
+        else:
+            array = jax.device_put(array)
+    if impl is not None:
+        array = jax.random.wrap_key_data(array, impl=impl)
+    return place(array, sharding)
 
 
 def lazy(contents: Contents, dtype: Any = None) -> dict[str, Any] | None:

@@ -212,7 +212,7 @@ def select(
     """The targets `where` selects; layers it selects that cannot take an adapter
     are reported in `problems`."""
     by_path = {t.path: t for t in found}
-    if callable(where) and not isinstance(where, re.Pattern):
+    if callable(where) and not isinstance(where, (re.Pattern, Tree)):
         flat, treedef = jtu.tree_flatten_with_path(tree)
         picked = _selected_by_callable(where, treedef, len(flat))
         roles = leaf_roles(tree)

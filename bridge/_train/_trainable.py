@@ -87,7 +87,7 @@ def trainable(tree: Tree, where: Callable[[Tree], Any] | str | re.Pattern) -> Tr
     flat, treedef = jtu.tree_flatten_with_path(tree)
     paths = [jtu.keystr(p) for p, _ in flat]
     roles = leaf_roles(tree)
-    if callable(where):
+    if callable(where) and not isinstance(where, Tree):
         selected = _selected_by_callable(where, treedef, len(flat))
         what = "the selected parts"
     else:
