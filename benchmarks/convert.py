@@ -33,7 +33,7 @@ from flax import nnx
 
 import bridge
 from bridge._adapters import _linen
-from bridge._tree import Recent
+from bridge._adapters._build import Recent
 
 
 WIDTH = 4

@@ -10,16 +10,14 @@ directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchange
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax.tree_util as jtu
 import numpy as np
 
-from ._adapters._registry import display_name
-from ._paths import Key, Path, check_depth, is_array, path_of, path_str
+from ._paths import Key, Path, path_of
 
 
 def _key_entry(key: Key, sequence: bool) -> Any:
@@ -84,8 +82,11 @@ class NativeOrder:
         return f"NativeOrder({self.value!r})"
 
 
+R = TypeVar("R", bound=Hashable)
+
+
 @dataclass(frozen=True, eq=False)
-class Source:
+class Source(Generic[R]):
     """What an adapter needs to rebuild the native model from a Tree's leaves.
 
     `paths` are the leaf paths in Tree order, `order[i]` is the position of Tree leaf
@@ -99,7 +100,7 @@ class Source:
     framework: str
     paths: tuple[Path, ...]
     order: tuple[int, ...]
-    record: Hashable
+    record: R
     native: Mapping[Path, tuple[Key, ...]] = field(default_factory=dict, repr=False)
     _hash: int = field(init=False, repr=False)
     # the last Tree structure checked to fit (see `native_leaves`): a cache
@@ -130,7 +131,7 @@ class _Info:
     keys: tuple[Key, ...] | None
     roles: tuple[str | None, ...]
     kind: Any
-    source: Source | None
+    source: Source[Any] | None
     entries: tuple[Any, ...] = field(init=False, repr=False)
     _hash: int = field(init=False, repr=False)
 
@@ -373,211 +374,6 @@ def _unflatten(info: _Info, children) -> Tree:
 
 
 jtu.register_pytree_with_keys(Tree, _flatten_with_keys, _unflatten, _flatten)
-
-
-# --- building and reading Trees: used by the adapters -------------------------------
-
-
-def build(
-    entries: Sequence[tuple[Path, str, Any, int]],
-    kinds: dict[Path, Any],
-    framework: str,
-    record: Hashable,
-    native: Mapping[Path, tuple[Key, ...]] | None = None,
-) -> Tree:
-    """Build a whole-model Tree from `(path, role, leaf, native_position)` entries.
-
-    Nodes come in the order their first leaf comes in `entries`; `native` is the
-    native child order of the nodes where it differs (`Source.native`). `kinds[path]`
-    is the native class of the node at `path` (`()` is the root); a node whose keys are
-    exactly `0..n-1` is a sequence. `native_position` is the leaf's index among the
-    native leaves that `record` rebuilds the model from (see `native_leaves`).
-    """
-    root: dict[Key, Any] = {}
-    for entry in entries:
-        path = entry[0]
-        node = root
-        for key in path[:-1]:
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            elif type(child) is not dict:
-                raise ValueError(f"{path_str(path)} is both a leaf and a node.")
-            node = child
-        if path[-1] in node:
-            raise ValueError(f"{path_str(path)} appears twice.")
-        node[path[-1]] = entry
-
-    maker = Maker(kinds)
-
-    def make(node: dict[Key, Any], prefix: Path) -> tuple[tuple[Key, ...], list, list]:
-        roles, children = [], []
-        for key, value in node.items():
-            if type(value) is dict:
-                here = prefix + (key,)
-                children.append(maker.node(here, *make(value, here)))
-                roles.append(None)
-            else:
-                path, role, leaf, position = value
-                children.append(maker.leaf(path, leaf, position))
-                roles.append(role)
-        return tuple(node), roles, children
-
-    return maker.root(*make(root, ()), framework, record, native)
-
-
-class Maker:
-    """Makes the nodes of one whole-model Tree, children before parents.
-
-    `leaf` records a leaf's path and native position (call it in Tree order),
-    `node` makes an inner node, `root` the Tree with its `Source`. Nodes with the same
-    keys, roles and kind share one static record: cheap to make, hash and compare.
-    """
-
-    def __init__(self, kinds: dict[Path, Any]):
-        self.kinds = kinds
-        self.paths: list[Path] = []
-        self.order: list[int] = []
-        self.infos: dict[Any, _Info] = {}
-
-    def leaf(self, path: Path, leaf: Any, position: int) -> Any:
-        check_depth(path)
-        self.paths.append(path)
-        self.order.append(position)
-        return leaf
-
-    def _data(
-        self, path: Path, keys: tuple[Key, ...], roles: list
-    ) -> tuple[tuple[Key, ...] | None, tuple[str | None, ...], Any]:
-        seq = bool(keys) and type(keys[0]) is int and keys == tuple(range(len(keys)))
-        return (None if seq else keys, tuple(roles), self.kinds.get(path))
-
-    def node(
-        self, path: Path, keys: tuple[Key, ...], roles: list, children: list
-    ) -> Tree:
-        check_depth(path)
-        data = self._data(path, keys, roles)
-        info = self.infos.get(data)
-        if info is None:
-            info = self.infos[data] = _Info(data[0], data[1], data[2], None)
-        return Tree._make(info, children)
-
-    def root(
-        self,
-        keys: tuple[Key, ...],
-        roles: list,
-        children: list,
-        framework: str,
-        record: Hashable,
-        native: Mapping[Path, tuple[Key, ...]] | None = None,
-    ) -> Tree:
-        paths, order = tuple(self.paths), tuple(self.order)
-        source = Source(framework, paths, order, record, native or {})
-        keys_, roles_, kind_ = self._data((), keys, roles)
-        tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
-        object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
-        return tree
-
-
-class Recent:
-    """The last few structures an adapter converted: `key -> value`, at most `size`
-    of them, the oldest dropped first. A second conversion of a same-structured model
-    looks its Tree structure up here instead of walking the model in Python again.
-    Safe to use from several threads at once (a lookup is one `dict.get`; changes
-    hold a lock)."""
-
-    def __init__(self, size: int = 32):
-        self.size = size
-        self.items: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> Any:
-        return None if key is None else self.items.get(key)
-
-    def put(self, key: Hashable, value: Any) -> None:
-        if key is None:
-            return
-        with self._lock:
-            while len(self.items) >= self.size and key not in self.items:
-                del self.items[next(iter(self.items))]
-            self.items[key] = value
-
-    def clear(self) -> None:
-        with self._lock:
-            self.items.clear()
-
-
-def source_of(tree: Any, framework: str | None = None) -> Source:
-    """The adapter record of a whole-model Tree, checked against `framework`."""
-    if not isinstance(tree, Tree):
-        raise TypeError(
-            f"`tree` must be a bridge.Tree, got {type(tree).__name__}. Make one with "
-            "bridge.to_neutral(model)."
-        )
-    src = tree._info.source
-    if src is None:
-        raise TypeError(
-            "This Tree is a part of a model (a subtree), not a whole model, so it "
-            "cannot be turned back into a native model. Pass the whole Tree."
-        )
-    if framework is not None and src.framework != framework:
-        raise TypeError(
-            f"This Tree came from a {display_name(src.framework)} model, not a "
-            f"{display_name(framework)} one: use bridge.to_native(tree), or "
-            "bridge.port(tree, target) to move its weights into a "
-            f"{display_name(framework)} model."
-        )
-    return src
-
-
-_STRUCTURE_CHANGED = """\
-This Tree no longer fits the {framework} model it came from:
-{problems}
-A Tree rebuilds its model only with the same leaves at the same paths. Change values
-(or shapes) with eqx.tree_at, don't remove leaves (eqx.combine a partitioned Tree
-first); to move weights into a model of another structure, use bridge.port."""
-
-
-def native_leaves(tree: Tree, framework: str) -> tuple[Source, list[Any]]:
-    """The Tree's leaves in the native order of the model it came from, checked.
-
-    Raises `ValueError` naming every path that is missing, unexpected, or not an array.
-    """
-    src = source_of(tree, framework)
-    flat, treedef = jtu.tree_flatten(tree)
-    # Fast path: the structure this Source was last rebuilt from (so the same paths),
-    # and array leaves. Otherwise compare paths, and remember the structure if it fits.
-    if src._treedef is None or treedef != src._treedef or not all(map(is_array, flat)):
-        _check_paths(tree, src, framework)
-        object.__setattr__(src, "_treedef", treedef)
-    leaves: list[Any] = [None] * len(flat)
-    for leaf, pos in zip(flat, src.order):
-        leaves[pos] = leaf
-    return src, leaves
-
-
-def _check_paths(tree: Tree, src: Source, framework: str) -> None:
-    flat, _ = jtu.tree_flatten_with_path(tree)
-    paths = tuple(path_of(p) for p, _ in flat)
-    problems = []
-    if paths != src.paths:
-        have, want = set(paths), set(src.paths)
-        problems += [f"  missing {path_str(p)}" for p in src.paths if p not in have]
-        problems += [f"  unexpected {path_str(p)}" for p in paths if p not in want]
-        if not problems:
-            problems.append("  the leaves are in another order")
-    for path, (_, leaf) in zip(paths, flat):
-        if not is_array(leaf):
-            problems.append(
-                f"  {path_str(path)} is a {type(leaf).__name__}, not an array "
-                "(a filter spec or a partitioned half cannot become a model)"
-            )
-    if problems:
-        raise ValueError(
-            _STRUCTURE_CHANGED.format(
-                framework=display_name(framework), problems="\n".join(problems)
-            )
-        )
 
 
 def native_order(tree: Tree) -> Mapping[Path, tuple[Key, ...]]:

@@ -26,8 +26,9 @@ from flax import nnx
 
 import bridge
 from bridge._adapters import _registry
+from bridge._adapters._build import build, native_leaves
 from bridge._cli import main
-from bridge._tree import Tree, build, framework, native_leaves
+from bridge._tree import Tree, framework
 
 from . import models
 from .helpers import (

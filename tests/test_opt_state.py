@@ -20,7 +20,7 @@ from flax import nnx
 from flax.training import train_state
 
 import bridge
-from bridge._train._opt_state import as_pure
+from bridge._adapters._nnx import as_pure
 
 from .helpers import tree_allclose, tree_equal_bits
 from .models import (

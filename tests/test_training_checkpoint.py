@@ -12,8 +12,8 @@ import safetensors.numpy
 from flax import nnx
 
 import bridge
+from bridge._adapters._nnx import as_pure
 from bridge._cli import main
-from bridge._train._opt_state import as_pure
 
 from .helpers import tree_allclose, tree_equal_bits
 from .models import equinox_mlp, linen_mlp, nnx_mlp

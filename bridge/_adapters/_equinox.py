@@ -12,7 +12,8 @@ import jax.tree_util as jtu
 
 from .._paths import Path, child, is_array, key_of, path_of
 from .._placement import placeholder
-from .._tree import Held, Tree, build, native_leaves, source_of
+from .._tree import Held, Tree
+from ._build import build, native_leaves, source_of
 from ._registry import Adapter, register_adapter
 from ._skeleton import settings, skeleton
 
@@ -196,8 +197,8 @@ def to_equinox(tree: Tree) -> Any:
     The model's arrays are the Tree's leaves (not copied); its other leaves and
     static fields are those of the source model.
     """
-    src, leaves = native_leaves(tree, "equinox")
-    record: EquinoxRecord = src.record  # pyright: ignore[reportAssignmentType]
+    src, leaves = native_leaves(tree, "equinox", EquinoxRecord)
+    record = src.record
     model_leaves: list[Any] = [None] * record.model_def.num_leaves
     for i, static in record.statics:
         model_leaves[i] = static.value
@@ -236,7 +237,7 @@ def _to_tree(obj: Any) -> Tree:
 def _has_state(tree: Tree) -> bool:
     """Whether `to_equinox(tree)` gives `(model, state)` (a model may be a tuple
     itself: an `nn.Sequential` read from a file, numbered `0`, `1`, ...)."""
-    record: EquinoxRecord = source_of(tree, "equinox").record  # pyright: ignore
+    record = source_of(tree, "equinox", EquinoxRecord).record
     return record.state_def is not None
 
 
@@ -346,15 +347,16 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _from_file(
-    tensors: list[tuple[Path, str, Any]],
+    tensors: list[tuple[str, Path, str, Any]],
     modules: dict[Path, tuple[str, dict[str, Any]]],
     kinds: dict[Path, Any],
+    empty: list[tuple[str, Path]],
 ) -> Tree:
     """The Tree of an Equinox checkpoint read without the model: its native model is
     a skeleton holding the arrays and each module's recorded settings."""
-    paths = [path for path, _, _ in tensors]
+    paths = [path for _, path, _, _ in tensors]
     model_def, position = skeleton(paths, modules)
-    entries = [(path, role, array, position[path]) for path, role, array in tensors]
+    entries = [(path, role, array, position[path]) for _, path, role, array in tensors]
     record = EquinoxRecord(model_def, (), tuple(range(len(paths))), None)
     return build(entries, kinds, "equinox", record)
 

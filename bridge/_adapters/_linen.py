@@ -6,22 +6,16 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
+import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax.errors import InvalidRngError
+from flax.training import train_state
 
 from .._arguments import is_array, type_error
 from .._paths import Key, Path, canonical, natural, path_of, path_str
-from .._tree import (
-    Held,
-    Maker,
-    NativeOrder,
-    Recent,
-    Tree,
-    items,
-    native_leaves,
-    source_of,
-)
-from ._registry import Adapter, register_adapter
+from .._tree import Held, NativeOrder, Tree, items, leaf_roles
+from ._build import Maker, Recent, build, native_leaves, source_of
+from ._registry import Adapter, Optimizer, register_adapter
 
 
 if TYPE_CHECKING:
@@ -326,8 +320,8 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     The variables, in the container types given to `from_linen` (`dict` stays
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
-    src, leaves = native_leaves(tree, "linen")
-    record: LinenRecord = src.record  # pyright: ignore[reportAssignmentType]
+    src, leaves = native_leaves(tree, "linen", LinenRecord)
+    record = src.record
     orders = dict(record.orders.value)
     if record.plain is not None:  # the Tree's dicts, in canonical order
         variables = _dicts(tree)
@@ -373,7 +367,7 @@ def _reorder(node: Any, path: Path, orders: dict[Path, tuple]) -> Any:
 def linen_module(tree: Tree) -> nn.Module | None:
     """The Linen module given to `bridge.from_linen`, if any."""
     src = tree._info.source
-    return None if src is None else src.record.module.value  # pyright: ignore
+    return None if src is None else src.record.module.value
 
 
 _RNGS_WITHOUT_MODULE = """\
@@ -458,7 +452,7 @@ def _like(target: Any, tree: Tree) -> Any:
 def _empty(tree: Tree) -> list[tuple[str, Path]]:
     """The variables' empty mappings (`{"params": {"a": {}}}` -> `("params",
     ("a",))`), read from the structure `to_linen` rebuilds."""
-    record: LinenRecord = source_of(tree, "linen").record  # pyright: ignore[reportAssignmentType]
+    record = source_of(tree, "linen", LinenRecord).record
     treedef = record.treedef
     variables = jtu.tree_unflatten(treedef, [None] * treedef.num_leaves)
     out: list[tuple[str, Path]] = []
@@ -504,6 +498,58 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise TypeError(_NO_MODULE)
 
 
+def _from_file(
+    tensors: list[tuple[str, Path, str, Any]],
+    modules: dict[Path, tuple[str, dict[str, Any]]],
+    kinds: dict[Path, Any],
+    empty: list[tuple[str, Path]],
+) -> Tree:
+    """The Tree of a Flax file (Linen, NNX, or of no known framework) as Linen-style
+    variables, `{role: {module: {name: array}}}`, with the recorded classes."""
+    variables: dict[str, Any] = {}
+    for _, path, role, array in tensors:
+        node = variables.setdefault(role, {})
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = array
+    for role, path in empty:  # checked: none holds or is inside an array
+        node = variables.setdefault(role, {})
+        for key in path:
+            node = node.setdefault(key, {})
+    plain = from_linen(variables)
+    # the same Tree, with the recorded classes (NNX's): they tell bridge.port each
+    # layer's kind
+    src = source_of(plain)
+    entries = [
+        (path, str(role), leaf, position)
+        for path, position, role, leaf in zip(
+            src.paths, src.order, leaf_roles(plain), jtu.tree_leaves(plain)
+        )
+    ]
+    return build(entries, kinds, "linen", src.record, src.native)
+
+
+def _unwrap_train_state(obj: Any) -> tuple[Any, Any] | None:
+    if isinstance(obj, train_state.TrainState):
+        return obj.opt_state, obj.step
+    return None
+
+
+def _wrap_train_state(like: Any, state: Any, step: Any) -> Any:
+    dtype = jnp.result_type(like.step)
+    return like.replace(opt_state=state, step=jnp.array(step, dtype))
+
+
+def _train_state_model(obj: Any) -> Tree | None:
+    """The Tree of a TrainState's parameters (with its module when `apply_fn` is a
+    Linen module's bound method)."""
+    if not isinstance(obj, train_state.TrainState):
+        return None
+    module = getattr(obj.apply_fn, "__self__", None)
+    variables = {"params": obj.params}
+    return from_linen(variables, module if isinstance(module, nn.Module) else None)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="linen",
@@ -520,5 +566,7 @@ ADAPTER = register_adapter(
         records_classes=False,
         empty=_empty,
         embed=_embed,
+        from_file=_from_file,
+        optimizer=Optimizer(_unwrap_train_state, _wrap_train_state, _train_state_model),
     )
 )

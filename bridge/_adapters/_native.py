@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._tree import Tree, source_of
+from .._tree import Tree
 from . import (  # noqa: F401  (they register the built-in adapters)
     _equinox,
     _linen,
     _nnx,
     _torch,
 )
+from ._build import source_of
 from ._registry import Adapter, adapter_for, adapter_named, adapters
 
 

@@ -7,13 +7,15 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax.numpy as jnp
 from flax import __version__ as flax_version, nnx
 from flax.nnx import variablelib
 from flax.nnx.graph import Static
 
 from .._paths import Key, Path, canonical, natural
-from .._tree import Held, NativeOrder, Tree, build, native_leaves
-from ._registry import Adapter, register_adapter
+from .._tree import Held, NativeOrder, Tree
+from ._build import build, native_leaves
+from ._registry import Adapter, Optimizer, register_adapter
 
 
 if TYPE_CHECKING:
@@ -213,9 +215,9 @@ def to_nnx(tree: Tree) -> nnx.Module:
 
     An `nnx.Module`.
     """
-    src, leaves = native_leaves(tree, "nnx")
+    src, leaves = native_leaves(tree, "nnx", NNXRecord)
     check_flax()
-    record: NNXRecord = src.record  # pyright: ignore[reportAssignmentType]
+    record = src.record
     graphdef = record.graphdef.value
     if record.mutable:  # give the new module its own copies
         attributes = list(graphdef.attributes)
@@ -293,6 +295,24 @@ def _infer(model: nnx.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
     return model(*inputs, **kwargs)
 
 
+# an NNX state with its Variables replaced by their arrays: `nnx.as_pure` in newer
+# flax, `nnx.pure` in flax 0.12.1
+as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure
+
+
+def _unwrap_optimizer(obj: Any) -> tuple[Any, Any] | None:
+    if isinstance(obj, nnx.Optimizer):
+        return as_pure(obj.opt_state), obj.step[...]
+    return None
+
+
+def _wrap_optimizer(like: Any, state: Any, step: Any) -> Any:
+    new = nnx.clone(like)
+    nnx.update(new.opt_state, nnx.state(state))
+    new.step[...] = jnp.asarray(step, new.step[...].dtype)
+    return new
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="nnx",
@@ -308,5 +328,6 @@ ADAPTER = register_adapter(
         "bridge.make_step carries it from step to step: drop `rngs`.",
         modules=to_nnx,
         embed=_embed,
+        optimizer=Optimizer(_unwrap_optimizer, _wrap_optimizer),
     )
 )

@@ -17,7 +17,7 @@ model also runs inside NNX, Linen and Equinox models through `bridge.as_*`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 
@@ -82,16 +82,27 @@ class Adapter(NamedTuple):
       settings (`in_features`, `eps`, ...), recorded in checkpoints with its class, so
       that a layer can be ported from the file without the model (Equinox, whose
       codecs read settings from the module). Requires `modules`.
-    - `from_file`: optional, `from_file(tensors, modules, kinds) -> Tree`: a Tree of
-      this framework made from a checkpoint without the model, from its arrays
-      `[(path, role, array), ...]`, its recorded modules `{path: (class name,
-      settings)}` and the classes already imported `{path: class}` (Equinox: a
-      skeleton model, `_skeleton.py`). Without it, a file of this framework is read
-      as Flax variables, `{role: {module: {name: array}}}`.
+    - `from_file`: optional, `from_file(tensors, modules, kinds, empty) -> Tree`: a
+      Tree of this framework made from a checkpoint without the model, from its
+      arrays `[(name in the file, path, role, array), ...]`, its recorded modules
+      `{path: (class name, settings)}`, the classes already imported `{path:
+      class}` and its empty mappings `[(role, path), ...]` (Equinox: a skeleton
+      model, `_skeleton.py`; Linen: variables; PyTorch: a state dict). Without it,
+      a file of this framework is read by the adapter of its layout that has one
+      (an NNX file as Flax variables, `file_reader`).
     - `empty`: optional, `empty(tree) -> [(role, path), ...]`: the native model's
       empty mappings, which a Tree of arrays cannot show (Linen's `{"params": {"a":
       {}}}` gives `("params", ("a",))`); checkpoints record them, so `load` without
       `like` gives them back.
+    - `ties`: optional, `ties(tree) -> ((name, same as), ...)`: the arrays the
+      native model holds once under two names (a state dict's tied embedding), for
+      the port plan.
+    - `plain_file`: optional, `plain_file(meta, names) -> bool`: whether a file
+      without bridge metadata (its metadata strings, its array names) is in this
+      framework's layout (a PyTorch state dict: `{"format": "pt"}`, `weight`s).
+    - `role_of`: optional, `role_of(name) -> role`: the role of an array of such a
+      file by its dotted name (`running_mean`: `batch_stats`); `params` otherwise.
+    - `optimizer`: optional, an `Optimizer`: the framework's optimizer container.
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
@@ -123,6 +134,28 @@ class Adapter(NamedTuple):
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
     embed: Callable[..., tuple[Any, Tree | None, tuple[str, ...]]] | None = None
+    ties: Callable[[Tree], tuple[tuple[str, str], ...]] | None = None
+    plain_file: Callable[[Mapping[str, str], Iterable[str]], bool] | None = None
+    role_of: Callable[[str], str] | None = None
+    optimizer: Optimizer | None = None
+
+
+class Optimizer(NamedTuple):
+    """A framework's optimizer container (`nnx.Optimizer`, Linen's `TrainState`), for
+    `bridge.port_opt_state` and training checkpoints.
+
+    - `unwrap(obj) -> (optax state, step) | None`: the state (array leaves) and step
+      a container of this framework holds; None when `obj` is not one.
+    - `wrap(like, state, step) -> container`: a new container of `like`'s kind
+      holding `state` and `step`.
+    - `model(obj) -> Tree | None`: the Tree of the parameters a container holds
+      (a `TrainState`'s), None when it holds none (an `nnx.Optimizer`) or `obj` is
+      not one of its containers.
+    """
+
+    unwrap: Callable[[Any], tuple[Any, Any] | None]
+    wrap: Callable[[Any, Any, Any], Any]
+    model: Callable[[Any], Tree | None] = lambda obj: None
 
 
 _ADAPTERS: dict[str, Adapter] = {}
@@ -198,6 +231,59 @@ def adapter_of_class(cls: Any) -> Adapter | None:
     if not isinstance(cls, type):
         return None
     return next((a for a in adapters() if issubclass(cls, a.module_types)), None)
+
+
+CANONICAL_LAYOUT = "flax"
+"""The layout codecs decode to and encode from (Linen and NNX agree on it): a Tree
+that is a part of a model, and a file of no known layout, are read in it."""
+
+
+def canonical_adapter() -> Adapter:
+    """The first registered adapter of the canonical layout that reads files: the one
+    that reads a model part's layers and a file of no known framework."""
+    return next(
+        a
+        for a in _ADAPTERS.values()
+        if a.layout == CANONICAL_LAYOUT and a.from_file is not None
+    )
+
+
+def file_reader(framework: str | None, layout: str) -> Callable[..., Tree]:
+    """The `from_file` that reads a file saved from `framework` in `layout`: the
+    framework's own adapter's when it reads files, else that of the first adapter of
+    that layout that does, else the canonical adapter's."""
+    candidates = [registered(framework)]
+    candidates += [a for a in _ADAPTERS.values() if a.layout == layout]
+    for adapter in [*candidates, canonical_adapter()]:
+        if adapter is not None and adapter.from_file is not None:
+            return adapter.from_file
+    raise LookupError("no registered adapter reads files")
+
+
+def of_layout(layout: str) -> Adapter:
+    """The first registered adapter that stores arrays in `layout`."""
+    return next(a for a in _ADAPTERS.values() if a.layout == layout)
+
+
+def plain_reader(meta: Mapping[str, str], names: Iterable[str]) -> Adapter | None:
+    """The adapter whose layout a file without bridge metadata is in, or None."""
+    names = list(names)
+    return next(
+        (
+            a
+            for a in adapters()
+            if a.plain_file is not None and a.plain_file(meta, names)
+        ),
+        None,
+    )
+
+
+def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
+    """The tied names `(name, same as)` of a whole-model Tree, from its adapter
+    (empty for a part, or a framework without ties)."""
+    src = tree._info.source
+    adapter = None if src is None else registered(src.framework)
+    return () if adapter is None or adapter.ties is None else adapter.ties(tree)
 
 
 def _unregister(name: str) -> None:

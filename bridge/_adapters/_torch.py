@@ -15,15 +15,17 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
+from .._families import _experts
 from .._paths import Path
-from .._tree import Held, Tree, build, native_leaves, source_of
+from .._tree import Held, Tree
+from ._build import build, native_leaves, source_of
 from ._registry import Adapter, register_adapter
 
 
@@ -525,8 +527,8 @@ def to_torch(tree: Tree, *, tensors: bool = False, prefix: str | None = None) ->
     """
     check_bool(tensors, "tensors")
     check_str(prefix, "prefix", optional=True)
-    src, leaves = native_leaves(tree, "torch")
-    record: TorchRecord = src.record  # pyright: ignore[reportAssignmentType]
+    src, leaves = native_leaves(tree, "torch", TorchRecord)
+    record = src.record
     out: dict[str, Any] = {}
     for name, leaf in zip(record.names, leaves):
         out[name] = leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
@@ -576,7 +578,7 @@ def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
     src = tree._info.source
     if src is None or src.framework != "torch":
         return ()
-    return src.record.ties  # pyright: ignore[reportAttributeAccessIssue]
+    return src.record.ties
 
 
 class TorchNode(Mapping):
@@ -609,7 +611,7 @@ class TorchNode(Mapping):
 
 def modules(tree: Tree) -> TorchNode:
     """The root `TorchNode` of a PyTorch-layout Tree."""
-    record: TorchRecord = source_of(tree, "torch").record  # pyright: ignore
+    record = source_of(tree, "torch", TorchRecord).record
     split = frozenset(p for s in record.splits for p in s.parts)
     return TorchNode(record.module.value, record.prefix, split, "")
 
@@ -627,6 +629,46 @@ def wants_tensors(obj: Any) -> bool:
     )
 
 
+TORCH_NAMES = frozenset(
+    {"weight", "running_mean", "running_var", "in_proj_weight", "num_batches_tracked"}
+)
+"""Last names that make a file without bridge metadata a PyTorch-layout one."""
+
+
+def is_torch_layout(meta: Mapping[str, str], shapes: Iterable[str]) -> bool:
+    """A file without bridge metadata is in PyTorch layout when its metadata says
+    `{"format": "pt"}` (as torch's and Hugging Face's writers add) or one of its
+    arrays has a PyTorch-only last name (`weight`, `running_mean`, ...)."""
+    return meta.get("format") == "pt" or any(
+        name.rsplit(".", 1)[-1] in TORCH_NAMES for name in shapes
+    )
+
+
+def role_of(name: str) -> str:
+    """The role of a state dict entry by its dotted name (`ROLE_OF`)."""
+    return ROLE_OF.get(name.rsplit(".", 1)[-1], "params")
+
+
+def _from_file(
+    tensors: list[tuple[str, Path, str, Any]],
+    modules: dict[Path, tuple[str, dict[str, Any]]],
+    kinds: dict[Path, Any],
+    empty: list[tuple[str, Path]],
+) -> Tree:
+    """The Tree of a PyTorch-layout file: its state dict named by the arrays' paths
+    (a `prefix=` taken off), in natural name order (2 before 10, as PyTorch), packed
+    experts tensors (transformers v5's `mlp.experts.gate_up_proj`) read per expert."""
+    ordered = sorted(tensors, key=lambda t: _natural(t[1]))
+    state = {".".join(map(str, path)): array for _, path, _, array in ordered}
+    if _experts.has_packed(state):
+        state = _experts.unpack(state)
+    return from_torch(state)
+
+
+def _natural(path: tuple) -> tuple:
+    return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="torch",
@@ -640,5 +682,9 @@ ADAPTER = register_adapter(
         rngs_hint="A state dict has no random streams: drop `rngs`.",
         modules=modules,
         records_classes=False,
+        from_file=_from_file,
+        ties=ties_of,
+        plain_file=is_torch_layout,
+        role_of=role_of,
     )
 )

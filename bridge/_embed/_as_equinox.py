@@ -7,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax.tree_util as jtu
 
+from .._paths import Path
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
 from ._keys import same_key
@@ -96,6 +97,10 @@ class EquinoxWrapper(eqx.Module):
     model: Tree
     inference: bool | None
     inner: Inner = eqx.field(static=True)
+
+    def _bridge_wrapped(self) -> tuple[Inner, Path]:
+        """The wrapped model and where its arrays are under the wrapper: `model`."""
+        return self.inner, ("model",)
 
     def __call__(self, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """`y = wrapper(*args)`, or `y, state = wrapper(*args, state)` when the

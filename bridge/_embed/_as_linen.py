@@ -121,6 +121,10 @@ class LinenWrapper(nn.Module):
     stream: str = "dropout"
     inference: bool | None = None
 
+    def _bridge_wrapped(self) -> tuple[Inner, Path]:
+        """The wrapped model and where its arrays are under the wrapper: here."""
+        return self.inner, ()
+
     @nn.compact
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.inner

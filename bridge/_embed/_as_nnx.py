@@ -118,6 +118,10 @@ class NNXWrapper(nnx.Module):
         for key, child in items(tree):
             setattr(self, str(key), _node(child, (key,), roles))
 
+    def _bridge_wrapped(self) -> tuple[Inner, Path]:
+        """The wrapped model and where its arrays are under the wrapper: here."""
+        return self._bridge_inner, ()
+
     def __call__(self, *args: Any, rngs: Any = None, **kwargs: Any) -> Any:
         """Run the wrapped model: `wrapper(*args, **kwargs)`, its output.
 

@@ -15,9 +15,7 @@ from typing import Any
 
 from .._paths import Path, at
 from .._tree import Tree, walk
-from ._as_equinox import EquinoxWrapper
 from ._as_linen import linen_wrappers
-from ._as_nnx import NNXWrapper
 from ._inner import Inner
 
 
@@ -31,24 +29,26 @@ def embedded(tree: Tree, native: Any) -> dict[Path, tuple[Path, Tree]]:
         node = _at(tree, path)
         if not isinstance(node, Tree):
             continue
-        if isinstance(wrapper, EquinoxWrapper):
-            inner, prefix, base = wrapper.inner, path + ("model",), node["model"]
-        elif isinstance(wrapper, NNXWrapper):
-            inner, prefix, base = wrapper._bridge_inner, path, node
-        else:  # a LinenWrapper
-            inner, prefix, base = wrapper.inner, path, node
-        inside = _rebuilt(inner, base)
+        inner, field = wrapper._bridge_wrapped()
+        inside = _rebuilt(inner, _at(node, field))
         if inside is not None:
-            found[path] = prefix, inside
+            found[path] = path + field, inside
     return found
+
+
+def is_wrapper(module: Any) -> bool:
+    """Whether `module` is a wrapper made by `bridge.as_nnx`, `as_linen` or
+    `as_equinox`: each tells what it wraps and where (`_bridge_wrapped`)."""
+    return callable(getattr(type(module), "_bridge_wrapped", None))
 
 
 def _wrappers(tree: Tree, native: Any) -> Iterator[tuple[Path, Any]]:
     if native is not None:
         for path, node in walk(tree):
             module = _module_at(native, path)
-            if isinstance(module, (NNXWrapper, EquinoxWrapper)):
-                if not isinstance(module, EquinoxWrapper) or "model" in node:
+            if is_wrapper(module):
+                _, field = module._bridge_wrapped()
+                if _at(node, field) is not None:
                     yield path, module
     yield from linen_wrappers(tree)
 

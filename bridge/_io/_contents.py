@@ -14,14 +14,14 @@ import functools
 import importlib.metadata
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
-from .._adapters._torch import ROLE_OF
+from .._adapters._registry import plain_reader
 from .._paths import MAX_DEPTH, Path as TreePath
 
 
@@ -341,25 +341,16 @@ def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
     return tuple(entry[0]), entry[1], entry[2]
 
 
-TORCH_NAMES = frozenset(
-    {"weight", "running_mean", "running_var", "in_proj_weight", "num_batches_tracked"}
-)
-"""Last names that make a file without bridge metadata a PyTorch-layout one."""
-
-
-def is_torch_layout(
+def _plain_reader(
     meta: Mapping[str, str], shapes: Mapping[str, tuple[tuple[int, ...], str]]
-) -> bool:
-    """A file without bridge metadata is in PyTorch layout when its metadata says
-    `{"format": "pt"}` (as torch's and Hugging Face's writers add) or one of its
-    arrays has a PyTorch-only last name (`weight`, `running_mean`, ...)."""
-    return meta.get("format") == "pt" or any(
-        name.rsplit(".", 1)[-1] in TORCH_NAMES for name in shapes
-    )
-
-
-def _role(name: str) -> str:
-    return ROLE_OF.get(name.rsplit(".", 1)[-1], "params")
+) -> tuple[str | None, str, Callable[[str], str]]:
+    """`(framework, layout, role of a name)` of a file without bridge metadata: the
+    adapter whose layout it is in says (a PyTorch state dict), else unknown and every
+    array `params`."""
+    adapter = plain_reader(meta, shapes)
+    if adapter is None:
+        return None, "", lambda name: "params"
+    return adapter.name, adapter.layout, adapter.role_of or (lambda name: "params")
 
 
 def decode(
@@ -380,13 +371,12 @@ def decode(
         if shapes is None:
             raise Malformed("no bridge metadata")
         paths = _plain_paths(list(shapes))
-        torch = is_torch_layout(meta, shapes)
+        fw, layout, role = _plain_reader(meta, shapes)
         tensors = tuple(
-            Stored(name, paths[name], _role(name) if torch else "params", shape, dtype)
+            Stored(name, paths[name], role(name), shape, dtype)
             for name, (shape, dtype) in shapes.items()
         )
         _check_paths(tensors)
-        fw, layout = ("torch", "torch") if torch else (None, "")
         return Contents(path, fmt, fw, layout, None, (), dict(meta), tensors, source)
     entries = _json(meta, "tensors")
     if not isinstance(entries, dict):

@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from .._families import _experts
+from .._families._experts import Place
 from .._tree import Tree
-from . import _experts
 from ._atomic import _barrier, atomic_dir
-from ._experts import Place
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
 from ._sharded import INDEX_SUFFIX
 from ._torch_layout import TorchLayer, torch_layers

@@ -10,22 +10,17 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
-from .._adapters._linen import from_linen
-from .._adapters._registry import Adapter, registered
-from .._adapters._torch import from_torch
+from .._adapters._registry import Adapter, file_reader, registered
 from .._paths import Path as TreePath, at, path_of
 from .._tree import (
     Tree,
-    build,
     framework,
     kind,
     leaf_roles,
     native_order,
     native_paths,
-    source_of,
     walk,
 )
-from . import _experts
 from ._classes import resolve
 from ._contents import RESERVED, VERSION, Contents, Stored, dotted, is_key, split
 
@@ -116,53 +111,27 @@ def both_str(key: Any, value: Any) -> bool:
     return isinstance(key, str) and isinstance(value, str)
 
 
-def _natural(path: tuple) -> tuple:
-    return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
-
-
 def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     """The Tree of a checkpoint's arrays, with their roles.
 
-    From a file of a framework whose adapter reads files itself (`from_file`:
-    Equinox, whose native model is then a skeleton, `bridge._adapters._skeleton`):
-    that framework's Tree. Each module's class is its kind where that class is
-    already imported. From any other file: the Tree of Linen-style variables
-    (`{role: {module: {name: array}}}`, Flax's layout), so `bridge.to_native` gives
-    that dict.
+    The adapter that reads the file's framework and layout makes it
+    (`Adapter.from_file`, chosen by `file_reader`): from an Equinox file, an Equinox
+    Tree whose native model is a skeleton (`bridge._adapters._skeleton`); from a
+    PyTorch-layout file, its state dict; from a Flax file (Linen, NNX) or any other,
+    the Tree of Linen-style variables (`{role: {module: {name: array}}}`, Flax's
+    layout), so `bridge.to_native` gives that dict. Each module's class is its kind
+    where that class is already imported.
     """
-    if contents.layout == "torch":  # files sort names: 2 before 10, as PyTorch
-        # (by `arrays`' names: a quantized weight's parts are one array there;
-        # a name whose path lost a `prefix=` goes by that path)
-        renamed = {s.key: dotted(s.path) for s in contents.tensors}
-        ordered = sorted(arrays, key=lambda name: _natural(split(name)))
-        state = {renamed.get(name, name): arrays[name] for name in ordered}
-        if _experts.has_packed(state):  # transformers v5: read per expert
-            state = _experts.unpack(state)
-        return from_torch(state)
     kinds = {p: cls for p, c, _ in contents.modules if (cls := resolve(c))}
-    adapter = registered(contents.framework)
-    if adapter is not None and adapter.from_file is not None:
-        tensors = [(s.path, s.role, arrays[s.key]) for s in contents.tensors]
-        modules = {p: (c, f) for p, c, f in contents.modules}
-        return adapter.from_file(tensors, modules, kinds)
-    variables: dict[str, Any] = {}
-    for s in contents.tensors:
-        node = variables.setdefault(s.role, {})
-        for key in s.path[:-1]:
-            node = node.setdefault(key, {})
-        node[s.path[-1]] = arrays[s.key]
-    for role, path in contents.empty:  # checked: none holds or is inside an array
-        node = variables.setdefault(role, {})
-        for key in path:
-            node = node.setdefault(key, {})
-    plain = from_linen(variables)
-    # the same Tree, with the recorded classes (NNX's): they tell bridge.port each
-    # layer's kind
-    src = source_of(plain)
-    entries = [
-        (path, str(role), leaf, position)
-        for path, position, role, leaf in zip(
-            src.paths, src.order, leaf_roles(plain), jtu.tree_leaves(plain)
-        )
+    read = file_reader(contents.framework, contents.layout)
+    stored = {s.key: s for s in contents.tensors}
+    # by `arrays`' names: a quantized weight's tensors are one array there, under
+    # the weight's name (`bridge._quant._read.dense`)
+    tensors = [
+        (name, s.path, s.role, array)
+        if (s := stored.get(name)) is not None
+        else (name, split(name), "params", array)
+        for name, array in arrays.items()
     ]
-    return build(entries, kinds, "linen", src.record, src.native)
+    modules = {p: (c, f) for p, c, f in contents.modules}
+    return read(tensors, modules, kinds, list(contents.empty))

@@ -18,7 +18,7 @@ import numpy as np
 from .._paths import path_of
 from .._placement import place, sharding_of
 from .._quant._read import dense
-from .._tree import Tree, source_of
+from .._tree import Tree
 from ._contents import Contents, dotted
 from ._errors import CheckpointError
 from ._format import format_named, format_of, formats, probing
@@ -213,7 +213,7 @@ Most of the missing arrays are in the file under {prefix!r}: pass prefix={prefix
 def prefix_hint(contents: Contents, target: Tree) -> str:
     """A sentence proposing `prefix=` when stripping one would name most of
     `target`'s arrays, else nothing."""
-    wanted = {dotted(p) for p in source_of(target).paths}
+    wanted = {dotted(path_of(p)) for p, _ in jtu.tree_flatten_with_path(target)[0]}
     names = [dotted(s.path) for s in contents.tensors]
     heads = {n.split(".")[0] + "." for n in names if "." in n}
     for head in sorted(heads):

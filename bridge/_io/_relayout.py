@@ -26,8 +26,7 @@ import jax
 import numpy as np
 
 from .._adapters._native import to_native, to_neutral
-from .._adapters._registry import adapter_named, names
-from .._adapters._torch import ROLE_OF
+from .._adapters._registry import adapter_named, names, of_layout
 from .._paths import Path, parse
 from .._port._codec import codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
@@ -242,11 +241,12 @@ def _to_torch(
         return _renamed(paths, rename, problems)
 
     arrays = torch_state(tree, rename=renamed if rename else None)
+    role_of = of_layout("torch").role_of or (lambda name: "params")
     tensors = [
         Stored(
             name,
             parse(name, "."),
-            ROLE_OF.get(name.rsplit(".", 1)[-1], "params"),
+            role_of(name),
             tuple(a.shape),
             str(a.dtype),
         )

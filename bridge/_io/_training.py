@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import optax
 
 from .._arguments import check_opt_state
+from .._paths import Path, path_str
 from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
-from .._tree import Path, Tree, path_str
+from .._tree import Tree
 from ._contents import Stored, dotted, is_key
 from ._errors import CheckpointError
 from ._read import read

@@ -9,7 +9,12 @@ from typing import Any
 
 import jax
 
-from .._adapters._registry import Adapter, adapter_named, adapter_of_class
+from .._adapters._registry import (
+    Adapter,
+    adapter_named,
+    adapter_of_class,
+    canonical_adapter,
+)
 from .._embed._inside import embedded
 from .._lazy import materialise
 from .._paths import Path, at, path_str
@@ -166,7 +171,8 @@ def find_layers(
     tries each against the other side: `_plan.make_plan`), or is a problem without
     `axes`. With `views`, a per-head `DenseGeneral` layer is a `Dense` candidate
     too (`_general.py`)."""
-    adapter = adapter_named(framework(tree) or "linen")  # a part: as Flax variables
+    name = framework(tree)  # a part: read in the canonical layout (Flax variables)
+    adapter = canonical_adapter() if name is None else adapter_named(name)
     all_roles = roles(tree)
     role_nodes = dict(walk(all_roles))
     native = None if adapter.modules is None else adapter.modules(tree)
@@ -389,7 +395,7 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool:
     """Whether a layer's arrays (shapes), decoded to the Flax layout by its codec,
     are what the Flax (Linen) codec of its kind recognises; False where there is no
     such codec, or the arrays do not decode."""
-    flax = codec_of(codec.kind, "linen")
+    flax = codec_of(codec.kind, canonical_adapter().name)
     if flax is None:
         return False
     structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .._adapters._native import check_model, placeholders, to_native, to_neutral
-from .._adapters._torch import ties_of
+from .._adapters._registry import ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str

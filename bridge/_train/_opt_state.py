@@ -23,24 +23,22 @@ matched by order: parts by their path in the optimizer state, parameters by name
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
-from flax import nnx
-from flax.training import train_state
 
-from .._adapters._linen import from_linen
 from .._adapters._native import check_model, to_neutral
+from .._adapters._registry import Optimizer, adapters
 from .._arguments import check_bool, check_opt_state, check_rules, check_step
+from .._paths import Path, path_of, path_str
 from .._port._errors import PortWarning
 from .._port._port import port
-from .._tree import Path, Tree, leaf_roles, map_with_path, path_of, path_str
+from .._tree import Tree, leaf_roles, map_with_path
 
 
 _NOT_THE_SOURCE = """\
@@ -158,7 +156,7 @@ def port_opt_state(
     ```
     """
     for model, argument in ((source, "source"), (target, "target")):
-        if not isinstance(model, train_state.TrainState):
+        if not _holds_model(model):
             check_model(model, argument)
     check_step(step)
     check_rules(rules)
@@ -166,7 +164,7 @@ def port_opt_state(
     src_state, src_step = unwrap(opt_state)
     check_opt_state(src_state, "opt_state")
     if like is None:
-        if not isinstance(target, train_state.TrainState):
+        if not _holds_model(target):
             raise TypeError(
                 "`like` is required: the target's optimizer state as its optimizer "
                 "makes it (e.g. `tx.init(params)` or `step.init(tree)`), which gives "
@@ -177,7 +175,7 @@ def port_opt_state(
     check_opt_state(like_state, "like")
     if step is None:
         step = src_step
-    if step is None and isinstance(like, (nnx.Optimizer, train_state.TrainState)):
+    if step is None and _container(like) is not None:
         raise ValueError(_NO_STEP.format(kind=f"an {type(like).__name__}"))
     src_tree, tgt_tree = _model(source), _model(target)
     src_parts, _ = _parts(src_state, _Index(src_tree), "opt_state")
@@ -198,40 +196,42 @@ def port_opt_state(
 # --- the containers -------------------------------------------------------------------
 
 
-# an NNX state with its Variables replaced by their arrays: `nnx.as_pure` in newer
-# flax, `nnx.pure` in flax 0.12.1
-as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure
+def _containers() -> list[Optimizer]:
+    return [a.optimizer for a in adapters() if a.optimizer is not None]
+
+
+def _container(obj: Any) -> Optimizer | None:
+    """The adapter hooks of the optimizer container `obj` is, or None."""
+    return next((c for c in _containers() if c.unwrap(obj) is not None), None)
 
 
 def unwrap(obj: Any) -> tuple[Any, Any]:
-    """`(optax state with array leaves, step or None)` of a state or its container."""
-    if isinstance(obj, nnx.Optimizer):
-        return as_pure(obj.opt_state), obj.step[...]
-    if isinstance(obj, train_state.TrainState):
-        return obj.opt_state, obj.step
+    """`(optax state with array leaves, step or None)` of a state or its container
+    (the framework's own, `Adapter.optimizer`: `nnx.Optimizer`, `TrainState`)."""
+    for container in _containers():
+        found = container.unwrap(obj)
+        if found is not None:
+            return found
     return obj, None
 
 
 def _wrap(like: Any, state: Any, step: Any) -> Any:
-    if isinstance(like, nnx.Optimizer):
-        new = nnx.clone(like)
-        nnx.update(new.opt_state, nnx.state(state))
-        new.step[...] = jnp.asarray(step, new.step[...].dtype)
-        return new
-    if isinstance(like, train_state.TrainState):
-        dtype = jnp.result_type(like.step)
-        return like.replace(opt_state=state, step=jnp.array(step, dtype))
-    return state
+    container = _container(like)
+    return state if container is None else container.wrap(like, state, step)
 
 
 def _model(obj: Any) -> Tree:
-    """The Tree of a model, or of a TrainState's parameters (with its module when
-    `apply_fn` is a Linen module's bound method)."""
-    if isinstance(obj, train_state.TrainState):
-        module = getattr(obj.apply_fn, "__self__", None)
-        variables = {"params": obj.params}
-        return from_linen(variables, module if isinstance(module, nn.Module) else None)
+    """The Tree of a model, or of the parameters an optimizer container holds (a
+    TrainState's)."""
+    for container in _containers():
+        tree = container.model(obj)
+        if tree is not None:
+            return tree
     return to_neutral(obj)
+
+
+def _holds_model(obj: Any) -> bool:
+    return any(c.model(obj) is not None for c in _containers())
 
 
 # --- the parts of a state -------------------------------------------------------------

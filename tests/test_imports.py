@@ -1,0 +1,210 @@
+"""The import layers of `bridge`, read from its source (no module is imported).
+
+The package is layered; a module imports only modules of its own layer or below:
+
+    7  bridge (the public API), _cli, _demo, __main__
+    6  _io        checkpoints: save/load, formats, training state, relayout;
+       _quant     quantized weights: schemes, dequantized reads, GGUF format;
+       _lora      LoRA adapters: inject, merge, PEFT files
+    5  _train     trainable specs, make_step, optimizer states
+    4  _port      layers, pairing, plan, port, compare; codecs/
+    3  _embed     one framework's model inside another's (as_nnx, as_linen, ...)
+    2  _adapters  one adapter per framework, the registry, the build kit
+    1  _tree      the neutral Tree
+    0  _paths, _arguments, _lazy, _placement, _families (model families' names)
+
+Checked here: no import cycle between modules, no import pointing up a layer, the
+framework packages (flax, equinox, torch, transformers) imported only where a module
+is of one framework (an adapter, a codec, a wrapper, a module named for its framework
+such as `_lora/_nnx.py`, flax's msgpack format, the demo),
+and the adapter modules imported from outside `_adapters/` only by the public API.
+Imports under `if TYPE_CHECKING:` are not imports at run time and are left out.
+What the code still does against these rules is listed in `DEBTS`, each with its
+reason; an entry that no longer happens fails the test, so the list only shrinks.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent / "bridge"
+
+LAYERS = {
+    "bridge": 7,
+    "bridge._cli": 7,
+    "bridge._demo": 7,
+    "bridge.__main__": 7,
+    "bridge._io": 6,
+    "bridge._lora": 6,
+    "bridge._quant": 6,
+    "bridge._train": 5,
+    "bridge._port": 4,
+    "bridge._embed": 3,
+    "bridge._adapters": 2,
+    "bridge._tree": 1,
+    "bridge._paths": 0,
+    "bridge._arguments": 0,
+    "bridge._lazy": 0,
+    "bridge._placement": 0,
+    "bridge._families": 0,
+}
+FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
+ADAPTERS = {f"bridge._adapters._{n}" for n in ("linen", "nnx", "equinox", "torch")}
+
+# (importer, imported): what is still done against the rules, and why
+DEBTS = {
+    # NNX and Equinox keep attribute order, a dict does not: to become an adapter hook
+    ("bridge._port._pairing", "flax"): "creation order known for nnx.Pytree classes",
+    ("bridge._port._pairing", "equinox"): "creation order known for eqx.Module",
+    # the Linen wrapper reads the Linen record to find wrappers declared in setup
+    ("bridge._embed._as_linen", "bridge._adapters._linen"): "LinenRecord, to_linen",
+    ("bridge._embed._as_nnx", "bridge._adapters._nnx"): "check_flax",
+    ("bridge._demo", "bridge._adapters._nnx"): "check_flax",
+    # writing PyTorch-layout files: to become the torch adapter's file writer
+    ("bridge._io._torch_layout", "bridge._adapters._torch"): "TorchNode, to_torch",
+    # GPT-2's Conv1D names: to move with the Hugging Face families
+    ("bridge._port.codecs._torch", "bridge._adapters._torch"): "CONV1D_NAMES",
+    # LoRA per framework: the public converters, to be imported through _native
+    ("bridge._lora._linen", "bridge._adapters._linen"): "bind, from_linen, ...",
+    ("bridge._lora._nnx", "bridge._adapters._nnx"): "from_nnx, to_nnx",
+    ("bridge._lora._equinox", "bridge._adapters._equinox"): "from_equinox, ...",
+    ("bridge._lora._forward", "flax"): "the LoRA forward pass as a Linen module",
+    # port carries LoRA adapters itself: to become a hook _lora registers with port
+    ("bridge._port._port", "bridge._lora._port"): "split, join",
+}
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules `name` imports (absolute names; `from . import _x` gives the
+    submodule), leaving out imports under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                full = ".".join(base + ([node.module] if node.module else []))
+            else:
+                full = node.module or ""
+            for a in node.names:
+                sub = f"{full}.{a.name}"
+                out.add(sub if sub in known else full)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {n: _imports(n, p, set(modules)) for n, p in modules.items()}
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:n]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def _frameworks_allowed(name: str) -> bool:
+    """A module of one framework: an adapter, a codec, a wrapper, flax's msgpack
+    format, the demo."""
+    return (
+        (name.startswith("bridge._adapters._") and name not in _NEUTRAL_ADAPTERS)
+        or name.startswith("bridge._port.codecs.")
+        or name.startswith("bridge._embed._as_")
+        or name.rpartition(".")[2] in ("_linen", "_nnx", "_equinox", "_torch")
+        or name in ("bridge._io._msgpack", "bridge._demo")
+    )
+
+
+_NEUTRAL_ADAPTERS = {
+    "bridge._adapters._registry",
+    "bridge._adapters._build",
+    "bridge._adapters._native",
+}
+
+
+def _violations() -> set[tuple[str, str]]:
+    found = set()
+    for name, imported in _graph().items():
+        for other in imported:
+            if other.startswith("bridge"):
+                here, there = _layer(name), _layer(other)
+                if here is not None and there is not None and there > here:
+                    found.add((name, other))
+                if other in ADAPTERS and not (
+                    name.startswith("bridge._adapters") or name == "bridge"
+                ):
+                    found.add((name, other))
+            elif _top(other) in FRAMEWORKS and not _frameworks_allowed(name):
+                found.add((name, _top(other)))
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert [n for n in _modules() if _layer(n) is None] == []
+
+
+def test_no_import_cycles():
+    known = set(_modules())
+    graph = {n: imported & known for n, imported in _graph().items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles = []
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph[n]):
+            if m == n or _is_package_of(m, n):
+                continue
+            if state.get(m) == 1:
+                cycles.append(path[path.index(m) :] + [m])
+            elif m not in state:
+                visit(m, path + [m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert cycles == []
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    """Importing a submodule runs its package's `__init__` first: not a cycle."""
+    return module.startswith(package + ".")
+
+
+def test_no_import_points_up_and_frameworks_stay_in_their_modules():
+    new = _violations() - set(DEBTS)
+    assert sorted(new) == [], "imports against the layers (see this file's docstring)"
+
+
+@pytest.mark.parametrize("debt", sorted(DEBTS))
+def test_each_listed_debt_still_happens(debt):
+    assert debt in _violations(), f"{debt} no longer happens: remove it from DEBTS"
