@@ -243,7 +243,9 @@ def auto_name(kinds, names, created, i):
 REFUSALS = ("ambiguous", "missing", "unexpected")
 
 
-def _ports_by_the_computation(case, shuffled):
+def assert_ports_or_is_refused(case, shuffled):
+    """Asserts that the port with example inputs gives the source's outputs, or is
+    refused with only ambiguous/missing/unexpected problems; True when it ported."""
     kinds, widths, linen, variables, target_names, target_created = case
     params = {k: variables["params"][k] for k in shuffled}  # any dict order
     source = (linen, {"params": params})
@@ -268,12 +270,12 @@ def test_example_inputs_port_whatever_the_names_and_orders_a_few_cases():
     widths = (3, 3, 3, 3, 3, 2)
     names = (None, "proj", None, None, None, "mix")
     case = _chain(kinds, widths, names, (4, 2, 0, 5, 3, 1), 0, TARGET_WORDS, range(6))
-    assert _ports_by_the_computation(case, tuple(sorted(case[3]["params"])))
+    assert assert_ports_or_is_refused(case, tuple(sorted(case[3]["params"])))
     target = NNXChain(*case[:2], *case[4:], nnx.Rngs(1))
     with pytest.raises(bridge.PortError, match="ambiguous"):  # the example decided
         bridge.port(case[2:4], target)
     case = _chain(kinds, widths, names, range(6), 1, None, (5, 4, 3, 2, 1, 0))
-    assert _ports_by_the_computation(case, tuple(reversed(case[3]["params"])))
+    assert assert_ports_or_is_refused(case, tuple(reversed(case[3]["params"])))
 
 
 @requires("NNX")
@@ -283,4 +285,4 @@ def test_example_inputs_port_whatever_the_names_and_orders_a_few_cases():
 def test_example_inputs_port_whatever_the_names_and_orders(chain):
     """Both sides' names, creation orders, dict and attribute orders drawn at
     random: with example inputs, a port gives the source's outputs, or is refused."""
-    _ports_by_the_computation(*chain)
+    assert_ports_or_is_refused(*chain)
