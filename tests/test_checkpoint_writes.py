@@ -143,24 +143,70 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _convert(capsys, *command: str, own_process: bool) -> tuple[int, str]:
+    """`bridge convert`'s exit code and whole stderr. In a process of its own, orbax's
+    writer threads' logs are seen too (absl writes past pytest's capture), and the
+    process must exit."""
+    if not own_process:
+        from bridge import _cli
+
+        return _cli.main(["convert", *command]), capsys.readouterr().err
+    done = subprocess.run(
+        [sys.executable, "-m", "bridge", "convert", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    return done.returncode, done.stderr
+
+
+def _big(tmp_path):
+    """A 2.6 MB file of noise (orbax compresses) that does not fit a small disk."""
+    big = params(2.0, n=800)
+    big["params"]["Dense_0"]["kernel"] += np.random.default_rng(0).random((800, 800))
+    bridge.save(tmp_path / "big.safetensors", big)
+    return tmp_path / "big.safetensors"
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_disk_full_keeps_the_old_checkpoint(small_disk, name, capsys):
     path = small_disk / name
     bridge.save(path, params(1.0))
-    big = params(2.0, n=800)  # 2.6 MB of noise (orbax compresses)
-    big["params"]["Dense_0"]["kernel"] += np.random.default_rng(0).random((800, 800))
+    source = _big(small_disk.parent)
     with pytest.raises(OSError, match="No space left on device"):
-        bridge.save(path, big)
+        bridge.save(path, bridge.load(source))
     assert value_of(path) == 1.0
     only(small_disk, name)
-    from bridge import _cli
-
-    source = small_disk.parent / "a.safetensors"
-    bridge.save(source, big)
-    assert _cli.main(["convert", str(source), str(path)]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "No space left on device" in err
+    code, err = _convert(capsys, str(source), str(path), own_process=name == "ckpt")
+    assert (code, err) == (
+        1,
+        f"bridge convert: error: {path}: No space left on device\n",
+    )
     assert value_of(path) == 1.0
+    only(small_disk, name)
+
+
+def test_disk_full_keeps_the_old_hugging_face_folder(small_disk, capsys):
+    path = small_disk / "hf"
+    bridge.save(path, params(1.0), layout="torch")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    source = _big(small_disk.parent)
+    command = [
+        str(source),
+        str(path),
+        "--to-layout",
+        "torch",
+        "--max-shard-size",
+        "1MB",
+    ]
+    code, err = _convert(capsys, *command, own_process=False)
+    assert (code, err) == (
+        1,
+        f"bridge convert: error: {path}: No space left on device\n",
+    )
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    only(small_disk, "hf")
 
 
 # --- kill -9 in the middle of a save --------------------------------------------------

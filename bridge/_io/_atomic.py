@@ -105,6 +105,19 @@ def _mode(path: Path) -> int | None:
 
 
 @contextlib.contextmanager
+def _naming(path: Path, tmp: Path) -> Iterator[None]:
+    """Re-raise a write's `OSError` that names no file (a full disk: `write()` knows
+    no name) or only the temporary, or a file inside it, as one naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        name = None if e.filename is None else str(e.filename)
+        if not e.strerror or not (name is None or name.startswith(str(tmp))):
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+@contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path` (an empty file, which the writer
     overwrites); on success, flush it and rename it to `path`. On any exception the
@@ -116,7 +129,8 @@ def atomic_file(path: Path) -> Iterator[Path]:
             tmp.touch(exist_ok=False)
             mode = _mode(path)
             mode = _mode(tmp) if mode is None else mode
-            yield tmp
+            with _naming(path, tmp):
+                yield tmp
             os.chmod(tmp, 0o644 if mode is None else mode)  # the writer's may differ
             _fsync(tmp)
             os.replace(tmp, path)
@@ -162,7 +176,8 @@ def atomic_dir(path: Path, is_checkpoint: Callable[[Path], bool]) -> Iterator[Pa
         _barrier(f"bridge.save {path}: cleared")
         tmp = temporary(path)
         try:
-            yield tmp  # returns after the writer's own barrier (orbax's)
+            with _naming(path, tmp):
+                yield tmp  # returns after the writer's own barrier (orbax's)
             if primary:
                 mode = _mode(path)
                 if mode is not None:

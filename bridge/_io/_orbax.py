@@ -9,8 +9,10 @@ followed, bounded in size); the arrays by orbax, after checking that nothing in
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import stat
@@ -70,13 +72,39 @@ def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     items: dict[str, Any] = {METADATA: ocp.args.JsonSave(encode(contents))}
     if nested:
         items[ARRAYS] = ocp.args.StandardSave(nested)
-    with atomic_dir(path, is_checkpoint) as tmp, _ORBAX:
+    with atomic_dir(path, is_checkpoint) as tmp, _ORBAX, _held_orbax_errors():
         try:
             with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
                 checkpointer.save(tmp.absolute(), ocp.args.Composite(**items))
         except ValueError as e:  # orbax reports write failures (a full disk) so
             raise _write_error(path, e) from e
         (tmp / ARRAYS).mkdir(exist_ok=True)
+
+
+@contextlib.contextmanager
+def _held_orbax_errors() -> Iterator[None]:
+    """Hold back the errors orbax's writer threads log (through absl, each with a
+    traceback) while a save runs: when the save fails, its `OSError` says it once (a
+    full disk printed two tracebacks above `bridge convert`'s one-line error); when it
+    succeeds, they are logged as they came."""
+    logger = logging.getLogger("absl")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in (
+            record.pathname
+        ):
+            held.append(record)
+            return False
+        return True
+
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
+    for record in held:  # reached only when the save succeeded
+        logger.handle(record)
 
 
 def _write_error(path: Path, error: ValueError) -> OSError:
