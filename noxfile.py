@@ -204,6 +204,7 @@ TORCH_TESTS = [
     "tests/test_torch_llama.py",
     "tests/test_lora_peft.py",
     "tests/test_lora_gpt2.py",
+    "tests/test_lora_torch.py",
     "tests/test_torch_hf_folder.py",
     "tests/test_torch_stack_export.py",
     "tests/test_torch_hf_moe.py",

@@ -13,7 +13,7 @@ from ._io._checkpoint import load as load, save as save
 from ._io._errors import CheckpointError as CheckpointError
 from ._lora._inject import lora as lora
 from ._lora._merge import merge_lora as merge_lora
-from ._lora._nnx import from_nnx_lora as from_nnx_lora
+from ._lora._nnx import from_nnx_lora as from_nnx_lora, to_nnx_lora as to_nnx_lora
 from ._lora._peft import load_peft as load_peft, save_peft as save_peft
 from ._port._codec import (
     Codec as Codec,

@@ -76,3 +76,15 @@ def run(model: object, ids: jax.Array) -> jax.Array:
         module, variables = model
         return module.apply(variables, ids)
     return model(ids)  # pyright: ignore[reportCallIssue]
+
+
+def nonzero(tree: object) -> object:
+    """Adapters as after training: lora_a and lora_b both nonzero."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            x + 0.3 * jax.random.normal(jax.random.key(len(p)), x.shape)
+            if "lora" in jax.tree_util.keystr(p)
+            else x
+        ),
+        tree,
+    )

@@ -103,6 +103,7 @@ ROWS = [
     Row("load_peft", "split", {"fc": "ab"}, TypeError),
     Row("load_peft", "split", {"fc": ("a",)}, ValueError),
     Row("from_nnx_lora", "model", 5, TypeError),
+    Row("to_nnx_lora", "model", 5, TypeError),
     Row("make_step", "loss_fn", 5, TypeError),
     Row("make_step", "optimizer", 5, TypeError),
     Row("make_step", "spec", 5, TypeError),
@@ -243,6 +244,7 @@ def valid(tmp_path_factory):
         "save_peft": ((directory / "peft", adapted), {}),
         "load_peft": ((directory / "peft_in", linear), {}),
         "from_nnx_lora": ((linear,), {}),
+        "to_nnx_lora": ((adapted,), {}),
         "make_step": (
             (lambda m, x: 0.0, tx, bridge.trainable(tree, "kernel")),
             {},

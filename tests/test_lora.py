@@ -17,25 +17,13 @@ from flax import nnx
 
 import bridge
 
-from .lora_models import LENGTH, OUT, VOCAB, WIDTH, models, run
+from .lora_models import LENGTH, OUT, VOCAB, WIDTH, models, nonzero, run
 
 
 KEY = jax.random.key(7)
 IDS = jnp.array([[1, 2, 3, 4, 5], [9, 0, 8, 7, 1]])
 assert IDS.shape[1] == LENGTH
 TARGETS = ["emb", "q", "conv", "head"]
-
-
-def _nonzero(tree):
-    """Adapters as after training: lora_a and lora_b both nonzero."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: (
-            x + 0.3 * jax.random.normal(jax.random.key(len(p)), x.shape)
-            if "lora" in jax.tree_util.keystr(p)
-            else x
-        ),
-        tree,
-    )
 
 
 SHAPES = {  # (lora_a, lora_b) per layer at rank 2, in each framework's orientation
@@ -66,7 +54,7 @@ def test_adapters_shapes_init_and_unchanged_output(framework):
 @pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
 def test_merge_equals_the_adapted_forward(framework):
     model = models()[framework]
-    tree = _nonzero(bridge.lora(bridge.to_neutral(model), TARGETS, rank=2, key=KEY))
+    tree = nonzero(bridge.lora(bridge.to_neutral(model), TARGETS, rank=2, key=KEY))
     merged = bridge.merge_lora(tree)
     assert "lora" not in str(merged)
     adapted, plain = (
@@ -102,7 +90,7 @@ def test_step_equals_a_hand_written_lora_step():
     bit-identical."""
     model = models()["nnx"]
     tree = bridge.lora(bridge.from_nnx(model), ["q", "head"], rank=2, alpha=4, key=KEY)
-    tree = _nonzero(tree)
+    tree = nonzero(tree)
     y = jax.random.normal(jax.random.key(3), IDS.shape + (OUT,))
     opt = optax.adam(1e-2)
     step = bridge.make_step(_loss, opt, bridge.trainable(tree, "lora"), donate=False)
@@ -186,7 +174,7 @@ def test_the_model_given_is_not_changed_and_nothing_half_applied():
 
 def _saved(tmp_path, framework="nnx", rank=2):
     tree = bridge.lora(models()[framework], TARGETS, rank=rank, alpha=4, key=KEY)
-    tree = _nonzero(bridge.to_neutral(tree))
+    tree = nonzero(bridge.to_neutral(tree))
     bridge.save_peft(tmp_path / "adapter", tree)
     return tree, tmp_path / "adapter"
 
@@ -262,7 +250,7 @@ def test_stacked_layers_take_one_adapter_per_layer(tmp_path):
             return body(self.layers, x)
 
     model = Stack()
-    tree = _nonzero(bridge.lora(bridge.from_nnx(model), ["layers"], rank=2, key=KEY))
+    tree = nonzero(bridge.lora(bridge.from_nnx(model), ["layers"], rank=2, key=KEY))
     assert tree.layers.lora_a.shape == (3, 4, 2)
     x = jnp.ones((2, 4))
     y = bridge.to_native(tree)(x)
@@ -290,7 +278,7 @@ def test_stacked_layers_take_one_adapter_per_layer(tmp_path):
 def test_port_carries_the_adapters(framework):
     """An NNX model with adapters ported into a plain model of another framework:
     the adapters follow their layers, orientation converted; same outputs."""
-    tree = _nonzero(bridge.lora(models()["nnx"], TARGETS, rank=2, key=KEY))
+    tree = nonzero(bridge.lora(models()["nnx"], TARGETS, rank=2, key=KEY))
     tree = bridge.to_neutral(tree)
     ported = bridge.port(tree, models()[framework])
     np.testing.assert_allclose(
@@ -313,7 +301,7 @@ def test_port_into_pytorch_layout_refuses_to_drop_adapters():
 
 
 def test_save_and_load_a_model_with_adapters(tmp_path):
-    tree = _nonzero(
+    tree = nonzero(
         bridge.to_neutral(bridge.lora(models()["nnx"], ["q"], rank=2, key=KEY))
     )
     bridge.save(tmp_path / "m.safetensors", tree)

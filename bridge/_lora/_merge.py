@@ -19,7 +19,7 @@ def delta_weight(target: Target, a: jax.Array, b: jax.Array, shape: tuple) -> ja
     `"flax"`: `a (*stack, *fan_in, r)`, `b (*stack, r, out)` give `(*stack, *fan_in,
     out)` reshaped to the kernel's (per-head) shape. `"peft"`: `b @ a` gives `(out,
     *fan_in)` (a convolution's `(out, in, *window)`), transposed for an embedding,
-    whose weight is `(num, dim)`."""
+    whose weight is `(num, dim)`, and for a `"conv1d"` weight `(in, out)`."""
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     stack = target.stack
     if target.layout == "flax":
@@ -27,7 +27,7 @@ def delta_weight(target: Target, a: jax.Array, b: jax.Array, shape: tuple) -> ja
         return (a.reshape(stack + (-1, rank)) @ b).reshape(shape)
     rank = a.shape[len(stack)]
     d = b @ a.reshape(stack + (rank, -1))
-    if target.kind == "embed":
+    if target.kind == "embed" or target.layout == "conv1d":  # weight (num|in, ...)
         d = jnp.swapaxes(d, -1, -2)
     return d.reshape(shape)
 

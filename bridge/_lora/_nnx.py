@@ -293,3 +293,122 @@ def _set_child(parent: Any, key: Any, child: Any) -> None:
         parent[key] = child
     else:
         setattr(parent, key, child)
+
+
+# --- back to Flax's own LoRA modules ----------------------------------------------
+
+_NOT_LINEAR = (
+    "{where} ({cls}): nnx.LoRALinear is an nnx.Linear with an adapter; Flax has no "
+    "LoRA module for this kind of layer (keep bridge's, from bridge.to_native, or fold "
+    "it in with bridge.merge_lora)"
+)
+_STACKED = (
+    "{where}: a stack of layers (made under nnx.vmap) holds one adapter per layer; "
+    "nnx.LoRALinear holds one (keep bridge's layers, or build the stack of "
+    "nnx.LoRALinear yourself)"
+)
+_DROPOUT = (
+    "{where}: the adapter has dropout {rate}; nnx.LoRA has none (make the adapter "
+    "with dropout=0.0, or keep bridge's layers)"
+)
+_MIXED = (
+    "{where}: the adapters are {a}, the kernel {kernel}: nnx.LoRALinear adds the "
+    "adapter's output in its own dtype ({a}) where bridge casts it to the layer's "
+    "({kernel}); cast the adapters to {kernel} first"
+)
+_CANNOT_WRITE = """\
+bridge.to_nnx_lora cannot give these adapters to Flax's LoRA modules: {n} \
+problem(s), nothing was changed.
+{problems}"""
+
+
+def to_nnx_lora(model: Any) -> Any:
+    """An NNX model whose adapted layers are Flax's own `nnx.LoRALinear`.
+
+    The way back from `bridge.from_nnx_lora`: every `nnx.Linear` holding a bridge
+    adapter (from `bridge.lora`, `bridge.load_peft`, `bridge.port`) becomes an
+    `nnx.LoRALinear` with the same `kernel` and `bias` and `lora.lora_a (in, rank)`,
+    `lora.lora_b (rank, out)` as `nnx.LoRAParam`s. Flax's LoRA has no scaling: the
+    adapter's `alpha / rank` (or `alpha / sqrt(rank)`) is folded into `lora_b`, so
+    the model computes what it computed, up to rounding (`x A (s B)` for `s (x A)
+    B`). Then `nnx.LoRAParam` filters select the adapters (`nnx.Optimizer(model, tx,
+    wrt=nnx.LoRAParam)`), and `bridge.from_nnx_lora` reads them again.
+
+    Only adapters that fit Flax's modules are written: each on an `nnx.Linear` (not
+    `LinearGeneral`, `Conv`, `Embed`), not in a stack, without dropout, in the
+    kernel's dtype. Others are refused by name (`bridge.to_native` runs every
+    adapter in bridge's own layer classes).
+
+    **Arguments:**
+
+    - `model`: an NNX model with adapters, or a `bridge.Tree` of one.
+
+    **Returns:**
+
+    The model with `nnx.LoRALinear` layers, in the form it was given; the given
+    model is not changed.
+
+    **Raises:**
+
+    `ValueError` listing every adapter that does not fit, or when the model holds
+    none; `TypeError` for a model of another framework.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, bridge
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)))
+    >>> adapted = bridge.lora(model, ["layers.0"], rank=2, alpha=4,
+    ...                       key=jax.random.key(0))
+    >>> flax_lora = bridge.to_nnx_lora(adapted)
+    >>> type(flax_lora.layers[0]).__name__, flax_lora.layers[0].lora.lora_a.shape
+    ('LoRALinear', (4, 2))
+
+    ```
+    """
+    check_model(model, "model")
+    tree = to_neutral(model)
+    if framework(tree) != "nnx":
+        raise TypeError(
+            _NOT_NNX.replace("reads", "writes")
+            .format(framework=framework(tree) or "partial-Tree")
+            .replace("from_nnx_lora", "to_nnx_lora")
+        )
+    found = [t for t in targets(tree) if t.settings is not None]
+    problems: list[str] = []
+    if not found:
+        problems.append("the model holds no LoRA adapter (bridge.lora puts them on)")
+    native = to_nnx(tree)
+    for t in found:
+        layer = at(native, t.path)
+        settings: Settings = layer.lora_settings
+        if type(layer)._lora_base is not nnx.Linear:
+            problems.append(_NOT_LINEAR.format(where=t.where, cls=t.cls))
+        elif t.stack:
+            problems.append(_STACKED.format(where=t.where))
+        elif settings.dropout:
+            problems.append(_DROPOUT.format(where=t.where, rate=settings.dropout))
+        elif layer.lora_a[...].dtype != layer.kernel[...].dtype:
+            a, kernel = layer.lora_a[...].dtype, layer.kernel[...].dtype
+            problems.append(_MIXED.format(where=t.where, a=a, kernel=kernel))
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(_CANNOT_WRITE.format(n=len(problems), problems=lines))
+    for t in found:
+        layer = at(native, t.path)
+        a, b = layer.lora_a[...], layer.lora_b[...]
+        scaling = layer.lora_settings.scaling
+        for attr in (A, B, "lora_settings", "lora_dropout"):
+            if attr in vars(layer):
+                delattr(layer, attr)
+        object.__setattr__(layer, "__class__", nnx.LoRALinear)
+        lora = nnx.LoRA(
+            a.shape[0], a.shape[1], b.shape[1], dtype=a.dtype, param_dtype=a.dtype,
+            rngs=nnx.Rngs(0),
+        )  # fmt: skip
+        lora.lora_a = nnx.LoRAParam(a)
+        lora.lora_b = nnx.LoRAParam(b * jax.numpy.asarray(scaling, b.dtype))
+        layer.lora = lora
+    out = from_nnx(native)
+    return out if isinstance(model, Tree) else like(model, out)

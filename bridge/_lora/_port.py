@@ -26,8 +26,10 @@ class Carried(NamedTuple):
 
 _NO_LORA_TARGET = """\
 bridge.port: the source model has LoRA adapters ({layers}) but the target is a \
-{framework} model, which cannot hold them. Fold them into the weights first \
-(bridge.merge_lora(source)), or write them for PEFT (bridge.save_peft)."""
+{framework} model, whose arrays would then no longer fit its plain model. Fold them \
+into the weights first (bridge.merge_lora(source)), or write them for PEFT \
+(bridge.save_peft); for a PyTorch-layout Tree with adapters, port the plain model \
+and put them on with bridge.lora or bridge.load_peft."""
 
 
 def split(source: Any) -> tuple[Any, Carried | None]:
@@ -64,7 +66,7 @@ def join(carried: Carried, steps: Any, ported: Any) -> Any:
     their layers with."""
     tree = to_neutral(ported)
     name = framework(tree)
-    if name not in _FRAMES:
+    if name not in _FRAMES or not _FRAMES[name].carried:
         layers = ", ".join(t.where for t in carried.found)
         raise ValueError(_NO_LORA_TARGET.format(layers=layers, framework=name))
     frame = frame_of(name)

@@ -12,6 +12,8 @@ Each framework stores the pair in its own orientation, the one of its weights:
 - `"peft"` (Equinox, PyTorch layout): `lora_a (rank, fan_in)`, `lora_b (fan_out,
   rank)`, as PEFT's `lora_A.weight` and `lora_B.weight`; a convolution's `lora_a` is
   `(rank, in, *window)`.
+- `"conv1d"` (PyTorch layout, Hugging Face's `Conv1D`, weight `(in, out)`): the
+  adapter as `"peft"`; only `A B` is transposed to fit the weight.
 
 Per-head kernels (`DenseGeneral`, `LinearGeneral`) take one adapter over their
 flattened feature axes; a stack of layers (`nn.scan`, `nnx.vmap`,
@@ -64,7 +66,7 @@ class Target(NamedTuple):
     - `kind`: `"linear"` (dense and per-head kernels), `"conv"` or `"embed"`.
     - `weight`: the name of the adapted array under the layer (`"kernel"`,
       `"weight"`, `"embedding"`).
-    - `layout`: `"flax"` or `"peft"` (module docstring).
+    - `layout`: `"flax"`, `"peft"` or `"conv1d"` (module docstring).
     - `stack`: the leading axes of a stack of layers (`()` for one layer).
     - `fan_in`: the dimensions `lora_a` maps from, without `rank`: `(in,)` for a
       dense layer, its flattened input features for a per-head kernel, the window
@@ -128,12 +130,16 @@ class Frame(NamedTuple):
     - `native`: `native(model, tree) -> model`: `tree` in the form `model` was
       given in, with the native model the Tree holds (Linen: its module, whose
       class runs the adapters).
+    - `carried`: whether `bridge.port` into a model of this framework carries the
+      source's adapters (a PyTorch-layout target does not: its state dict would
+      no longer load into the plain PyTorch model; `merge_lora` or `save_peft`).
     """
 
     targets: Callable[[Any], list[Target]]
     inject: Callable[[Any, list[Injection]], Any]
     strip: Callable[[Any, dict[Path, Any]], Any]
     native: Callable[[Any, Any], Any]
+    carried: bool = True
 
 
 _FRAMES: dict[str, Frame] = {}
@@ -150,8 +156,8 @@ def register_frame(framework: str, frame: Frame) -> Frame:
 
 
 _NO_FRAME = """\
-LoRA is not supported for {framework} models; it is for Flax Linen, Flax NNX and \
-Equinox models. Port the model to one of them first (bridge.port)."""
+LoRA is not supported for {framework} models; it is for Flax Linen, Flax NNX, \
+Equinox and PyTorch-layout models. Port the model to one of them first (bridge.port)."""
 
 
 def frame_of(framework: str | None) -> Frame:
