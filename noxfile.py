@@ -210,6 +210,7 @@ TORCH_TESTS = [
     "tests/test_torch_hf_moe.py",
     "tests/test_quant_torch.py",
     "tests/test_quant_gguf.py",
+    "tests/test_opt_state_torch.py",
 ]
 QUANT = ["gguf", "compressed-tensors"]  # the quantized-checkpoint tests' references
 

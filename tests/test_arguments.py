@@ -136,6 +136,7 @@ ROWS = [
     Row("port_opt_state", "rules", 5, TypeError),
     Row("port_opt_state", "rules", {"(": "x"}, ValueError),
     Row("port_opt_state", "strict", "yes", TypeError),
+    Row("port_opt_state", "tx", "adamw", TypeError),
     Row("port_plan", "source", 5, TypeError),
     Row("port_plan", "target", 5, TypeError),
     Row("port_plan", "rules", 5, TypeError),

@@ -451,5 +451,12 @@ def test_step_needed_for_an_optimizer_container():
     like = nnx.Optimizer(nnx_mlp(1), tx, wrt=nnx.Param)
     with pytest.raises(ValueError, match=r"step=1000"):
         bridge.port_opt_state(opt, tree, nnx_mlp(1), like=like)
-    with pytest.raises(TypeError, match=r"`like` is required"):
-        bridge.port_opt_state(opt, tree, nnx_mlp(1))
+    # without `like`: an nnx.Optimizer at the optax state's count (Adam's)
+    started = bridge.port_opt_state(opt, tree, nnx_mlp(1), tx=tx)
+    assert int(started.step[...]) == 0
+    sgd = optax.sgd(1e-2, 0.9)  # counts nothing
+    counted_nothing = _make_step(tree, sgd).init(tree)
+    with pytest.raises(ValueError, match=r"step=1000"):
+        bridge.port_opt_state(counted_nothing, tree, nnx_mlp(1), tx=sgd)
+    started = bridge.port_opt_state(counted_nothing, tree, nnx_mlp(1), tx=sgd, step=3)
+    assert int(started.step[...]) == 3

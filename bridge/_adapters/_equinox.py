@@ -14,7 +14,7 @@ from .._paths import Path, child, is_array, key_of, path_of
 from .._placement import placeholder
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
-from ._registry import Adapter, register_adapter
+from ._registry import Adapter, Optimizer, register_adapter
 from ._skeleton import settings, skeleton
 
 
@@ -361,6 +361,10 @@ def _from_file(
     return build(entries, kinds, "equinox", record)
 
 
+def _optimizer_params(tree: Tree) -> Any:
+    return eqx.filter(_model(tree), eqx.is_array)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="equinox",
@@ -383,5 +387,8 @@ ADAPTER = register_adapter(
         settings=settings,
         from_file=_from_file,
         embed=_embed,
+        optimizer=Optimizer(
+            lambda obj: None, lambda like, state, step: state, params=_optimizer_params
+        ),
     )
 )

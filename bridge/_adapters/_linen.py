@@ -550,6 +550,10 @@ def _train_state_model(obj: Any) -> Tree | None:
     return from_linen(variables, module if isinstance(module, nn.Module) else None)
 
 
+def _optimizer_params(tree: Tree) -> Any:
+    return to_linen(tree).get("params", {})
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="linen",
@@ -567,6 +571,11 @@ ADAPTER = register_adapter(
         empty=_empty,
         embed=_embed,
         from_file=_from_file,
-        optimizer=Optimizer(_unwrap_train_state, _wrap_train_state, _train_state_model),
+        optimizer=Optimizer(
+            _unwrap_train_state,
+            _wrap_train_state,
+            _train_state_model,
+            params=_optimizer_params,
+        ),
     )
 )

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._tree import Tree
+import jax
+
+from .._tree import Tree, leaf_roles
 from . import (  # noqa: F401  (they register the built-in adapters)
     _equinox,
     _linen,
@@ -181,3 +183,27 @@ def infer(
     if adapter.infer is None:
         return model(*inputs, **kwargs)
     return adapter.infer(model, inputs, kwargs)
+
+
+def optimizer_params(tree: Tree) -> Any:
+    """The parameters of a whole-model Tree in the form its framework's optimizers are
+    initialised with (`tx.init(...)` of them is that framework's usual state); a
+    dict keyed by `keystr` path for a framework without that hook."""
+    hooks = adapter_of_tree(tree).optimizer
+    if hooks is not None and hooks.params is not None:
+        return hooks.params(tree)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        jax.tree_util.keystr(k): x
+        for (k, x), role in zip(flat, leaf_roles(tree))
+        if role == "params"
+    }
+
+
+def optimizer_start(tree: Tree, tx: Any) -> Any:
+    """The framework's usual optimizer container for a Tree trained by `tx`
+    (`nnx.Optimizer`), or None where that is a bare optax state."""
+    hooks = adapter_of_tree(tree).optimizer
+    if hooks is None or hooks.start is None:
+        return None
+    return hooks.start(tree, tx)

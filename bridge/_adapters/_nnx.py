@@ -313,6 +313,14 @@ def _wrap_optimizer(like: Any, state: Any, step: Any) -> Any:
     return new
 
 
+def _optimizer_params(tree: Tree) -> Any:
+    return as_pure(nnx.state(to_nnx(tree), nnx.Param))
+
+
+def _start_optimizer(tree: Tree, tx: Any) -> Any:
+    return nnx.Optimizer(to_nnx(tree), tx, wrt=nnx.Param)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="nnx",
@@ -328,6 +336,11 @@ ADAPTER = register_adapter(
         "bridge.make_step carries it from step to step: drop `rngs`.",
         modules=to_nnx,
         embed=_embed,
-        optimizer=Optimizer(_unwrap_optimizer, _wrap_optimizer),
+        optimizer=Optimizer(
+            _unwrap_optimizer,
+            _wrap_optimizer,
+            params=_optimizer_params,
+            start=_start_optimizer,
+        ),
     )
 )

@@ -151,11 +151,20 @@ class Optimizer(NamedTuple):
     - `model(obj) -> Tree | None`: the Tree of the parameters a container holds
       (a `TrainState`'s), None when it holds none (an `nnx.Optimizer`) or `obj` is
       not one of its containers.
+    - `params(tree) -> pytree`: optional, the parameters of a Tree of this framework
+      in the form its optimizers are initialised with (Linen's `params` dict,
+      `eqx.filter(model, eqx.is_array)`, `nnx.state(model, nnx.Param)`), for a state
+      `port_opt_state` builds without `like`; by default a dict keyed by path.
+    - `start(tree, tx) -> container | None`: optional, the framework's usual
+      container for a Tree of this framework trained by the optax `tx`
+      (`nnx.Optimizer(model, tx, wrt=nnx.Param)`); None or absent: a bare optax state.
     """
 
     unwrap: Callable[[Any], tuple[Any, Any] | None]
     wrap: Callable[[Any, Any, Any], Any]
     model: Callable[[Any], Tree | None] = lambda obj: None
+    params: Callable[[Tree], Any] | None = None
+    start: Callable[[Tree, Any], Any] | None = None
 
 
 _ADAPTERS: dict[str, Adapter] = {}

@@ -32,13 +32,20 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from .._adapters._native import check_model, to_neutral
+from .._adapters._native import (
+    check_model,
+    optimizer_params,
+    optimizer_start,
+    to_neutral,
+)
 from .._adapters._registry import Optimizer, adapters
 from .._arguments import check_bool, check_opt_state, check_rules, check_step
 from .._paths import Path, path_of, path_str
 from .._port._errors import PortWarning
 from .._port._port import port
 from .._tree import Tree, leaf_roles, map_with_path
+from . import _torch as torch_opt
+from ._torch import is_torch_state
 
 
 _NOT_THE_SOURCE = """\
@@ -77,6 +84,24 @@ _NO_STEP = """\
 `like` is {kind}, which counts steps, but the step to resume at is unknown: the source
 state is a bare optax state. Pass it, e.g. `step=1000`."""
 
+_BOTH_TORCH = """\
+`opt_state` and `like` are both PyTorch optimizer states: between two PyTorch models
+load the state with `optimizer.load_state_dict`. port_opt_state moves a PyTorch
+optimizer state into an optax state (`like`: the target's optax state, or None) or an
+optax state into a PyTorch one (`like`: the torch optimizer or its state_dict())."""
+
+_MOMENTS = """\
+`{side}` holds {n} `optax.{cls}` records where one is needed: a PyTorch optimizer's
+state fills the one optax record of the same update. {fix}"""
+
+_FIX = """Pass like=None for the state of the optax optimizer that updates as the
+PyTorch one does (`optax.adamw(lr, b1, b2, eps, weight_decay=...)`,
+`optax.sgd(lr, momentum)`), or a `like` of such an optimizer, possibly inside an
+optax.chain."""
+
+_FIX_TORCH = """Train with the optax optimizer that updates as the PyTorch one does
+(`optax.adamw` for AdamW, `optax.sgd(lr, momentum)` for SGD with momentum)."""
+
 _ID0 = 1024.0  # source entry i is marked 1024 + i: exact in float32, above defaults
 
 
@@ -87,11 +112,12 @@ def port_opt_state(
     *,
     like: Any = None,
     step: Any = None,
+    tx: Any = None,
     rules: Mapping[str, str] | None = None,
     strict: bool = True,
 ) -> Any:
     """Convert an optimizer state made for `source`'s parameters into the state for
-    `target`'s parameters, whatever their frameworks.
+    `target`'s parameters, whatever their frameworks, PyTorch included.
 
     Every part of the state that holds one array per parameter (Adam's `mu` and
     `nu`, momentum traces, the inner states of `optax.masked` and
@@ -108,33 +134,65 @@ def port_opt_state(
     fresh entries, with a `bridge.PortWarning` listing them; entries only the source
     has are an error unless `strict=False`.
 
+    **PyTorch optimizers.** A `torch.optim.AdamW`, `Adam` or `SGD` (or its
+    `state_dict()`) with `source` the `torch.nn.Module` it trains becomes the state of
+    the optax optimizer that makes the same updates (`optax.adamw(lr, b1, b2, eps,
+    weight_decay=...)`; `optax.sgd(lr, momentum, nesterov)`; a coupled weight decay
+    as `optax.chain(optax.add_decayed_weights(w), ...)`): `exp_avg`, `exp_avg_sq`,
+    `step` and `momentum_buffer` are `mu`, `nu`, `count` and `trace`. A state dict
+    numbers the parameters: the optimizer's tensors are found in `source` by
+    identity; a bare state dict indexes `source.parameters()` in order. The other
+    way, an optax state with `target` a `torch.nn.Module` and `like` its torch
+    optimizer (or `state_dict()`) gives a state dict for `optimizer.load_state_dict`
+    (the parameter groups and settings are `like`'s). `amsgrad`, `maximize`,
+    dampening and parameter groups with different settings are refused.
+
     **Arguments:**
 
     - `opt_state`: the source's optimizer state: an optax state (`tx.init(params)`,
-      `step.init(tree)` of `bridge.make_step`), an `nnx.Optimizer`, or a Linen
-      `flax.training.train_state.TrainState` (its `opt_state` and `step`).
+      `step.init(tree)` of `bridge.make_step`), an `nnx.Optimizer`, a Linen
+      `flax.training.train_state.TrainState` (its `opt_state` and `step`), or a
+      `torch.optim.Optimizer` or its `state_dict()`.
     - `source`: the model the state was made for: anything `bridge.to_neutral`
-      takes, or a `TrainState` (its `params`).
+      takes, or a `TrainState` (its `params`); the `torch.nn.Module` for a PyTorch
+      optimizer.
     - `target`: the model the new state is for, in any framework, likewise.
     - `like`: the target's optimizer state as its optimizer makes it, giving the
       structure and the trainable set: `tx.init(eqx.filter(model, eqx.is_array))`,
-      `step.init(tree)`, `tx.init(params)`, an `nnx.Optimizer(model, tx, wrt=...)`
-      or a `TrainState` (default: `target` when it is a `TrainState`).
+      `step.init(tree)`, `tx.init(params)`, an `nnx.Optimizer(model, tx, wrt=...)`,
+      a `TrainState`, or for a PyTorch target its torch optimizer (or its
+      `state_dict()`). Default (None): `target` when it is a `TrainState`, else the
+      target framework's usual state built from the source state's structure:
+      `tx.init(params)` for Linen, `tx.init(eqx.filter(model, eqx.is_array))` for
+      Equinox, and for NNX `nnx.Optimizer(model, tx, wrt=nnx.Param)` when the optax
+      optimizer is known (`tx`, the source's `nnx.Optimizer` or `TrainState`, or the
+      one a PyTorch optimizer corresponds to), else `tx.init(nnx.state(model,
+      nnx.Param))`.
     - `step`: the step count for an `nnx.Optimizer` or `TrainState` result
-      (default: the source's, when `opt_state` is one of these).
+      (default: the source's, when `opt_state` is one of these or a PyTorch Adam;
+      without `like`, also the optax state's `count` when its records agree).
+    - `tx`: the optax optimizer the JAX side trains with (default: the one an
+      `nnx.Optimizer` or `TrainState` holds). It makes the `nnx.Optimizer` of an
+      NNX target without `like`; and with a PyTorch optimizer on the other side,
+      its updates are compared with PyTorch's on a probe of a few steps: a
+      learning rate, betas, eps or weight decay that changes the updates is
+      reported as a `bridge.PortWarning` naming the optax optimizer that matches.
     - `rules`, `strict`: as for `bridge.port` (`strict=False` also leaves out
       entries that the target does not train).
 
     **Returns:**
 
-    The new state, of `like`'s kind: an optax state, a new `nnx.Optimizer`, or
-    `like.replace(opt_state=..., step=...)` for a `TrainState`.
+    The new state, of `like`'s kind: an optax state, a new `nnx.Optimizer`,
+    `like.replace(opt_state=..., step=...)` for a `TrainState`, or a PyTorch
+    optimizer state dict (`{"state": ..., "param_groups": ...}`).
 
     **Raises:**
 
     `ValueError` naming the first path where `opt_state` does not match the source's
-    parameters, the parts of an unsupported optimizer structure, or where `like`'s
-    structure differs; `bridge.PortError` as `bridge.port`.
+    parameters, the parts of an unsupported optimizer structure, where `like`'s
+    structure differs, or what a PyTorch optimizer state has that cannot be ported;
+    `TypeError` for a PyTorch optimizer state without its `torch.nn.Module`;
+    `bridge.PortError` as `bridge.port`.
 
     **Example:**
 
@@ -161,23 +219,58 @@ def port_opt_state(
     check_step(step)
     check_rules(rules)
     check_bool(strict, "strict")
-    src_state, src_step = unwrap(opt_state)
-    check_opt_state(src_state, "opt_state")
-    if like is None:
-        if not _holds_model(target):
-            raise TypeError(
-                "`like` is required: the target's optimizer state as its optimizer "
-                "makes it (e.g. `tx.init(params)` or `step.init(tree)`), which gives "
-                "the structure and the trainable parameters."
-            )
-        like = target
-    like_state, _ = unwrap(like)
-    check_opt_state(like_state, "like")
+    if tx is not None and not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            "`tx` must be an optax optimizer (an optax.GradientTransformation such "
+            f"as optax.adamw(1e-3)) or None, got a {type(tx).__name__}."
+        )
+    from_torch, into_torch = is_torch_state(opt_state), is_torch_state(like)
+    if from_torch and into_torch:
+        raise ValueError(_BOTH_TORCH)
+    if into_torch:
+        return _into_torch(opt_state, source, target, like, step, tx, rules, strict)
+    update = None
+    if from_torch:
+        read = torch_opt.read(opt_state, source, "source")
+        update = read.update
+        src_state, src_step = torch_opt.to_optax(read)
+        src_tree = to_neutral(source)
+        _check_update(tx if tx is not None else _tx_of(like), update)
+        tx = update.tx()
+    else:
+        src_state, src_step = unwrap(opt_state)
+        check_opt_state(src_state, "opt_state")
+        src_tree = _model(source)
+        tx = tx if tx is not None else _tx_of(opt_state)
+    tgt_tree = _model(target)
     if step is None:
         step = src_step
+    if like is None and _holds_model(target):
+        like = target
+    if like is None:
+        like_state = _fresh(src_state, src_tree, tgt_tree, rules, strict)
+        started = None if tx is None else optimizer_start(tgt_tree, tx)
+        like = like_state if started is None else started
+        if started is not None and step is None:
+            # the optax count; torch's SGD counts no steps
+            step = 0 if from_torch else _count(src_state)
+    else:
+        like_state, _ = unwrap(like)
+        check_opt_state(like_state, "like")
+        if update is not None:
+            src_state = _relocate(src_state, like_state, update.moments(), step)
     if step is None and _container(like) is not None:
         raise ValueError(_NO_STEP.format(kind=f"an {type(like).__name__}"))
-    src_tree, tgt_tree = _model(source), _model(target)
+    state, _ = _port_state(src_state, src_tree, like_state, tgt_tree, rules, strict)
+    return _wrap(like, state, step)
+
+
+def _port_state(
+    src_state: Any, src_tree: Tree, like_state: Any, tgt_tree: Tree, rules, strict
+) -> tuple[Any, _Porter]:
+    """The optax state of `like_state`'s structure holding `src_state`'s entries,
+    ported from `src_tree`'s parameters to `tgt_tree`'s; and the porter (which
+    target entries started fresh)."""
     src_parts, _ = _parts(src_state, _Index(src_tree), "opt_state")
     tgt_parts, tgt_def = _parts(like_state, _Index(tgt_tree), "like")
     _check_structure(src_parts, tgt_parts)
@@ -189,8 +282,136 @@ def port_opt_state(
         for where, part in tgt_parts.items()
     ]
     porter.report()
-    state = jtu.tree_unflatten(tgt_def, new)
-    return _wrap(like, state, step)
+    return jtu.tree_unflatten(tgt_def, new), porter
+
+
+def _count(state: Any) -> Any:
+    """The step an optax state has counted (its records' `count`), when they agree;
+    else None."""
+    counts = set()
+
+    def visit(node: Any) -> None:
+        fields = getattr(node, "_fields", None)
+        if isinstance(node, tuple) and fields is not None and "count" in fields:
+            count = getattr(node, "count")
+            if np.ndim(count) == 0:
+                counts.add(int(count))
+        if isinstance(node, (tuple, list)):
+            for x in node:
+                visit(x)
+        elif isinstance(node, dict):
+            for x in node.values():
+                visit(x)
+
+    visit(state)
+    return counts.pop() if len(counts) == 1 else None
+
+
+def _tx_of(obj: Any) -> Any:
+    """The optax optimizer an optimizer container holds (`nnx.Optimizer.tx`,
+    `TrainState.tx`), or None."""
+    tx = getattr(obj, "tx", None) if _container(obj) is not None else None
+    return tx if isinstance(tx, optax.GradientTransformation) else None
+
+
+def _check_update(tx: Any, update: torch_opt.Update) -> None:
+    if tx is None:
+        return
+    problem = torch_opt.hyperparameter_problem(tx, update)
+    if problem:
+        warnings.warn(problem, PortWarning, stacklevel=3)
+
+
+def _fresh(
+    src_state: Any, src_tree: Tree, tgt_tree: Tree, rules: Any, strict: bool
+) -> Any:
+    """The target's state of the source state's structure, with no `like`: each
+    per-parameter part holds the target's parameters in the form its framework's
+    optimizers take them (`optimizer_params`), zeros where a source entry arrives
+    and `optax.MaskedNode` where none does and the source part masks some; the
+    scalars are the source's."""
+    form = optimizer_params(tgt_tree)
+    index = _Index(tgt_tree)
+    parts, treedef = _parts(src_state, _Index(src_tree), "opt_state")
+    porter = _Porter(src_tree, tgt_tree, rules, strict)
+    every = tuple(index.shapes)
+    new = []
+    for part in parts.values():
+        if not isinstance(part, Params):
+            new.append(part)
+            continue
+        have = part.arrays()
+        masks = len(have) < len(part.leaves)
+        marks, _ = porter._marks(tuple(have), every)
+        dtype = jnp.result_type(*have.values()) if have else jnp.float32
+
+        def entry(keypath: Any, leaf: Any, marks=marks, masks=masks, dtype=dtype):
+            path = index.resolve(keypath)
+            if path is not None and masks and not bool(marks[path].any()):
+                return optax.MaskedNode()
+            return jnp.zeros(np.shape(leaf), dtype)
+
+        new.append(jtu.tree_map_with_path(entry, form))
+    return jtu.tree_unflatten(treedef, new)
+
+
+def _relocate(src_state: Any, like_state: Any, moments: Any, step: Any) -> Any:
+    """`like_state` with its optimizer record of type `moments` (Adam's moments, a
+    momentum trace) replaced by the one `src_state` holds, and its other counts
+    set to `step`: the source state in the structure of the target's optimizer
+    (`optax.adamw` or a chain around it), for a PyTorch optimizer's state."""
+    if moments is None:
+        return torch_opt.replace_record(like_state, None, None, step)
+    found = torch_opt.records(src_state, moments)
+    into = torch_opt.records(like_state, moments)
+    if len(into) != 1:
+        raise ValueError(
+            _MOMENTS.format(cls=moments.__name__, n=len(into), side="like", fix=_FIX)
+        )
+    return torch_opt.replace_record(like_state, moments, found[0], step)
+
+
+def _into_torch(
+    opt_state: Any,
+    source: Any,
+    target: Any,
+    like: Any,
+    step: Any,
+    tx: Any,
+    rules: Any,
+    strict: bool,
+) -> dict[str, Any]:
+    """An optax state (or container) as a PyTorch optimizer state dict for `target`,
+    a torch.nn.Module, with `like`'s parameter groups."""
+    read = torch_opt.read(like, target, "target")
+    update = read.update
+    src_state, src_step = unwrap(opt_state)
+    check_opt_state(src_state, "opt_state")
+    _check_update(tx if tx is not None else _tx_of(opt_state), update)
+    if step is None:
+        step = src_step
+    src_tree, tgt_tree = _model(source), to_neutral(target)
+    like_state = update.tx().init(torch_opt.params_of(read, target))
+    moments = update.moments()
+    if moments is None:
+        return torch_opt.from_optax(read, like_state, set())
+    found = torch_opt.records(src_state, moments)
+    if len(found) != 1:
+        raise ValueError(
+            _MOMENTS.format(
+                cls=moments.__name__, n=len(found), side="opt_state", fix=_FIX_TORCH
+            )
+        )
+    record = found[0]
+    if step is not None and "count" in record._fields:
+        record = record._replace(count=jnp.asarray(step, jnp.result_type(record.count)))
+    src_state = torch_opt.replace_record(like_state, moments, record, None)
+    state, porter = _port_state(
+        src_state, src_tree, like_state, tgt_tree, rules, strict
+    )
+    fresh = {p.split(": ", 1)[1] for p in porter.missing}
+    kept = {path_str(p) for p in _Index(tgt_tree).shapes} - fresh
+    return torch_opt.from_optax(read, state, kept)
 
 
 # --- the containers -------------------------------------------------------------------
