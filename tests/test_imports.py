@@ -64,8 +64,6 @@ DEBTS = {
     ("bridge._demo", "bridge._adapters._nnx"): "check_flax",
     # writing PyTorch-layout files: to become the torch adapter's file writer
     ("bridge._io._torch_layout", "bridge._adapters._torch"): "TorchNode, to_torch",
-    # GPT-2's Conv1D names: to move with the Hugging Face families
-    ("bridge._port.codecs._torch", "bridge._adapters._torch"): "CONV1D_NAMES",
     # LoRA per framework: the public converters, to be imported through _native
     ("bridge._lora._linen", "bridge._adapters._linen"): "bind, from_linen, ...",
     ("bridge._lora._nnx", "bridge._adapters._nnx"): "from_nnx, to_nnx",

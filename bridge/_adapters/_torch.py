@@ -23,6 +23,7 @@ import numpy as np
 
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
+from .._families._gpt2 import CONV1D_NAMES
 from .._paths import Path
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
@@ -485,12 +486,6 @@ def _split(
         if name not in removed:
             out[name] = array
     return out, splits
-
-
-CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
-"""The names Hugging Face's GPT-2 family gives its `Conv1D` layers (weight `(in,
-out)`): a state dict or a file records no classes, so a square weight under one of
-these names is read as `Conv1D`."""
 
 
 def to_torch(tree: Tree, *, tensors: bool = False, prefix: str | None = None) -> dict:

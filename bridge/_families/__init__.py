@@ -1,3 +1,3 @@
 """Model families: what a family of Hugging Face models names and packs its weights as
-(Qwen2-MoE's and Mixtral's experts), as data, below every layer that reads or writes
-them."""
+(`_experts.py`: Qwen2-MoE's and Mixtral's experts; `_gpt2.py`: GPT-2's `Conv1D`
+names), as data, below every layer that reads or writes them."""

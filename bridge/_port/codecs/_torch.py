@@ -32,7 +32,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ..._adapters._torch import CONV1D_NAMES
+from ..._families._gpt2 import CONV1D_NAMES
 from .._codec import Codec, Leaves, register_codec
 from ._attention import (
     _eqx_decode as _attention_eqx_decode,
