@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ._adapters._native import to_native, to_neutral
-from ._adapters._nnx import check_flax
+from ._adapters._registry import require
 from ._io._checkpoint import load, save
 from ._port._compare import compare
 from ._port._port import port
@@ -118,7 +118,7 @@ class Result:
 def run(steps: int, directory: Path, console: Console) -> Result:
     """Run the demo, writing the checkpoint in `directory`; returns the figures."""
     start = time.perf_counter()
-    check_flax()  # the demo starts from an NNX model
+    require("nnx")  # the demo starts from an NNX model: flax new enough for it
     x, y = task()
     model = DemoNNX(nnx.Rngs(0))
     tree = to_neutral(model)

@@ -548,3 +548,31 @@ def test_a_user_codec_converts_a_file_to_the_equinox_layout(tmp_path, capsys):
     loaded = bridge.load(target, like=EqxScale(jnp.zeros(3)))
     assert np.array_equal(loaded.weight, jnp.arange(1.0, 4.0))
     assert bridge.compare(_scale(), loaded, jnp.ones((2, 3))) == 0.0
+
+
+def test_require_runs_the_adapters_check():
+    """`_registry.require` (what `bridge.as_nnx` and the demo call first) runs the
+    adapter's `check`: a framework too old for its adapter is an ImportError that
+    says so, before any of its models is built."""
+
+    def too_old() -> None:
+        raise ImportError("toy 0.1 is installed; the toy adapter needs toy >= 0.2")
+
+    _registry.register_adapter(
+        _registry.Adapter(
+            name="toy_old",
+            display="Toy (old)",
+            recognise=lambda obj: False,
+            to_tree=lambda obj: obj,
+            to_native=lambda tree: tree,
+            module_types=(),
+            layout="toy_old",
+            check=too_old,
+        )
+    )
+    try:
+        with pytest.raises(ImportError, match=r"needs toy >= 0\.2"):
+            _registry.require("toy_old")
+    finally:
+        _registry._unregister("toy_old")
+    assert _registry.require("nnx").name == "nnx"  # the installed flax is new enough

@@ -55,15 +55,6 @@ ADAPTERS = {f"bridge._adapters._{n}" for n in ("linen", "nnx", "equinox", "torch
 
 # (importer, imported): what is still done against the rules, and why
 DEBTS = {
-    # NNX and Equinox keep attribute order, a dict does not: to become an adapter hook
-    ("bridge._port._pairing", "flax"): "creation order known for nnx.Pytree classes",
-    ("bridge._port._pairing", "equinox"): "creation order known for eqx.Module",
-    # the Linen wrapper reads the Linen record to find wrappers declared in setup
-    ("bridge._embed._as_linen", "bridge._adapters._linen"): "LinenRecord, to_linen",
-    ("bridge._embed._as_nnx", "bridge._adapters._nnx"): "check_flax",
-    ("bridge._demo", "bridge._adapters._nnx"): "check_flax",
-    # writing PyTorch-layout files: to become the torch adapter's file writer
-    ("bridge._io._torch_layout", "bridge._adapters._torch"): "TorchNode, to_torch",
     # LoRA per framework: the public converters, to be imported through _native
     ("bridge._lora._linen", "bridge._adapters._linen"): "bind, from_linen, ...",
     ("bridge._lora._nnx", "bridge._adapters._nnx"): "from_nnx, to_nnx",

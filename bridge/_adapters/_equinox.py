@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._paths import Path, child, is_array, key_of, path_of
+from .._paths import Key, Path, child, is_array, key_of, path_of
 from .._placement import placeholder
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
@@ -365,6 +365,11 @@ def _optimizer_params(tree: Tree) -> Any:
     return eqx.filter(_model(tree), eqx.is_array)
 
 
+def _creation_order(cls: Any, keys: Sequence[Key]) -> bool | None:
+    """An Equinox module's fields come in class order: its creation order."""
+    return True if isinstance(cls, type) and issubclass(cls, eqx.Module) else None
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="equinox",
@@ -390,5 +395,6 @@ ADAPTER = register_adapter(
         optimizer=Optimizer(
             lambda obj: None, lambda like, state, step: state, params=_optimizer_params
         ),
+        creation_order=_creation_order,
     )
 )

@@ -554,6 +554,38 @@ def _optimizer_params(tree: Tree) -> Any:
     return to_linen(tree).get("params", {})
 
 
+def _declared(
+    tree: Tree, wanted: Callable[[Any], bool]
+) -> list[tuple[Path, Any]] | None:
+    """The submodules of a Linen model's Tree that `wanted` accepts (not looking
+    inside them), with their paths: those its module (given to `bridge.from_linen`,
+    or as `(module, variables)`) declares as fields or in `setup`, at any depth. A
+    submodule made inside a compact `__call__` exists only while the model runs: it
+    is not found. None without the module (Linen variables record no module
+    classes); empty when the module itself is wanted."""
+    module = source_of(tree, "linen", LinenRecord).record.module.value
+    if module is None:
+        return None
+    if wanted(module):
+        return []
+    try:  # best effort: a module whose setup fails outside apply has none found
+        bound = module.clone(parent=None).bind(to_linen(tree))
+        return list(_declared_in(bound, wanted))
+    except Exception:
+        return []
+
+
+def _declared_in(module: nn.Module, wanted: Callable[[Any], bool]):
+    module._try_setup()
+    for child in module._state.children.values():
+        if not isinstance(child, nn.Module) or child.scope is None:
+            continue
+        if wanted(child):
+            yield tuple(child.scope.path), child
+        else:
+            yield from _declared_in(child, wanted)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="linen",
@@ -577,5 +609,6 @@ ADAPTER = register_adapter(
             _train_state_model,
             params=_optimizer_params,
         ),
+        declared=_declared,
     )
 )

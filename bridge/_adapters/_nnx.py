@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax.numpy as jnp
@@ -321,6 +321,18 @@ def _start_optimizer(tree: Tree, tx: Any) -> Any:
     return nnx.Optimizer(to_nnx(tree), tx, wrt=nnx.Param)
 
 
+def _creation_order(cls: Any, keys: Sequence[Key]) -> bool | None:
+    """An NNX module (an `nnx.Pytree`) keeps its attributes in creation order
+    unless NNX sorted them (`nnx.jit`, `nnx.eval_shape`, `nnx.clone`): unsorted
+    attributes are in creation order, sorted ones say nothing."""
+    # nnx.Pytree: flax >= 0.12 (older flax has no NNX adapter, and no NNX trees)
+    pytree = getattr(nnx, "Pytree", None)
+    if pytree is None or not (isinstance(cls, type) and issubclass(cls, pytree)):
+        return None
+    names = [str(k) for k in keys]
+    return names != sorted(names) and tuple(keys) != canonical(keys)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="nnx",
@@ -342,5 +354,7 @@ ADAPTER = register_adapter(
             params=_optimizer_params,
             start=_start_optimizer,
         ),
+        creation_order=_creation_order,
+        check=check_flax,
     )
 )

@@ -17,11 +17,12 @@ model also runs inside NNX, Linen and Equinox models through `bridge.as_*`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 
 if TYPE_CHECKING:
+    from .._paths import Key, Path
     from .._tree import Tree
 
 
@@ -103,6 +104,23 @@ class Adapter(NamedTuple):
     - `role_of`: optional, `role_of(name) -> role`: the role of an array of such a
       file by its dotted name (`running_mean`: `batch_stats`); `params` otherwise.
     - `optimizer`: optional, an `Optimizer`: the framework's optimizer container.
+    - `creation_order`: optional, `creation_order(cls, keys) -> bool | None`, for
+      pairing: whether a node of class `cls` (a module class recorded in a Tree)
+      whose children come in the order of `keys` (its native order) lists them in
+      the order they were created: True (Equinox: fields in class order), False
+      when its classes keep that order but this node lost it (an NNX module's
+      attributes sorted by `nnx.jit`, `nnx.eval_shape`); None when `cls` is not of
+      this framework. Without it (Linen's dicts), the order is never trusted.
+    - `declared`: optional, `declared(tree, wanted) -> [(path, module), ...] |
+      None`: the submodules of the Tree's native model that `wanted(module)`
+      accepts (not looking inside them), for a framework whose `modules` cannot
+      give them (Linen: those its module declares as fields or in `setup`, found
+      by binding it); None when the Tree records no module. `bridge.port` finds
+      the `bridge.as_*` wrappers inside such a model with it.
+    - `check`: optional, `check()`: raise `ImportError` naming the versions when
+      the installed framework is too old for this adapter (`require`).
+    - `writer`: optional, a `LayoutWriter`: how a Tree of any framework is written
+      in this adapter's layout and names (`bridge.save(..., layout="torch")`).
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
@@ -138,6 +156,30 @@ class Adapter(NamedTuple):
     plain_file: Callable[[Mapping[str, str], Iterable[str]], bool] | None = None
     role_of: Callable[[str], str] | None = None
     optimizer: Optimizer | None = None
+    creation_order: Callable[[Any, Sequence[Key]], bool | None] | None = None
+    declared: (
+        Callable[[Tree, Callable[[Any], bool]], list[tuple[Path, Any]] | None] | None
+    ) = None
+    check: Callable[[], None] | None = None
+    writer: LayoutWriter | None = None
+
+
+class LayoutWriter(NamedTuple):
+    """How a Tree of any framework is written in one adapter's layout and names,
+    without a native model (the PyTorch adapter's: a state dict).
+
+    - `own(tree, prefix) -> {name: array}`: one of this adapter's own Trees, by the
+      names its files hold them under (`prefix` before each; `""`: the Tree's own).
+    - `node(name) -> node`: what this adapter's codecs' `hyperparameters` read for a
+      layer known by its name alone (no module: GPT-2's `c_attn` is a `Conv1D`).
+    - `fresh`: `{kind: {entry: array}}`, the entries a layer of `kind` has in this
+      layout that no other framework keeps, written fresh (BatchNorm's
+      `num_batches_tracked`).
+    """
+
+    own: Callable[[Tree, str], dict[str, Any]]
+    node: Callable[[str], Any]
+    fresh: Mapping[str, Mapping[str, Any]]
 
 
 class Optimizer(NamedTuple):
@@ -293,6 +335,49 @@ def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
     src = tree._info.source
     adapter = None if src is None else registered(src.framework)
     return () if adapter is None or adapter.ties is None else adapter.ties(tree)
+
+
+def creation_order(cls: Any, keys: Sequence[Key]) -> bool | None:
+    """Whether a node of class `cls` lists its children (in the order of `keys`) in
+    creation order, as the adapter whose classes `cls` is of says
+    (`Adapter.creation_order`); None when no adapter knows `cls`."""
+    for adapter in adapters():
+        if adapter.creation_order is not None:
+            known = adapter.creation_order(cls, keys)
+            if known is not None:
+                return known
+    return None
+
+
+def declared(tree: Tree, wanted: Callable[[Any], bool]) -> list[tuple[Path, Any]]:
+    """The submodules `wanted` accepts that the native model of `tree` declares,
+    from its adapter's `declared` (empty for a framework without one, or a Tree
+    that records no module)."""
+    src = tree._info.source
+    adapter = None if src is None else registered(src.framework)
+    if adapter is None or adapter.declared is None:
+        return []
+    return adapter.declared(tree, wanted) or []
+
+
+def records_no_module(tree: Tree) -> bool | None:
+    """For a Tree of a framework with `declared`: whether it records no module to
+    find declared submodules in (Linen variables given alone); None for another
+    framework's Tree."""
+    src = tree._info.source
+    adapter = None if src is None else registered(src.framework)
+    if adapter is None or adapter.declared is None:
+        return None
+    return adapter.declared(tree, lambda _: True) is None  # the root: no walk
+
+
+def require(name: str) -> Adapter:
+    """The adapter of framework `name`, after its `check` (an `ImportError` naming
+    the versions when the installed framework is too old for it)."""
+    adapter = adapter_named(name)
+    if adapter.check is not None:
+        adapter.check()
+    return adapter
 
 
 def _unregister(name: str) -> None:

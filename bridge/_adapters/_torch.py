@@ -27,7 +27,7 @@ from .._families._gpt2 import CONV1D_NAMES
 from .._paths import Path
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
-from ._registry import Adapter, register_adapter
+from ._registry import Adapter, LayoutWriter, register_adapter
 
 
 ROLE_OF = {
@@ -664,6 +664,23 @@ def _natural(path: tuple) -> tuple:
     return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
 
 
+COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
+"""Entries a PyTorch layer has that no other framework keeps: written fresh."""
+
+
+def _named(name: str) -> TorchNode:
+    """A layer known by its dotted name alone, as the codecs' `hyperparameters` see
+    it: no module, so the name decides (GPT-2's `c_attn` is a `Conv1D`)."""
+    return TorchNode(None, "", frozenset(), name)
+
+
+WRITER = LayoutWriter(
+    own=lambda tree, prefix: to_torch(tree, prefix=prefix or None),
+    node=_named,
+    fresh=COUNTERS,
+)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="torch",
@@ -681,5 +698,6 @@ ADAPTER = register_adapter(
         ties=ties_of,
         plain_file=is_torch_layout,
         role_of=role_of,
+        writer=WRITER,
     )
 )

@@ -7,7 +7,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from .._adapters._linen import LinenRecord, to_linen
+from .._adapters._registry import declared, records_no_module
 from .._arguments import check_bool, check_name
 from .._paths import Key, Path, path_str
 from .._tree import Tree
@@ -221,33 +221,9 @@ def _get(value: Any, path: Path) -> Any:
 
 def linen_wrappers(tree: Tree) -> Iterator[tuple[Path, LinenWrapper]]:
     """The `as_linen` wrappers of a Linen model's Tree, with their paths: those its
-    module (given to `bridge.from_linen`, or as `(module, variables)`) declares as
-    fields or in `setup`, at any depth below such submodules. A wrapper made inside a
-    compact `__call__` exists only while the model runs: it is not found. None
-    without the module (Linen variables record no module classes)."""
-    record = getattr(tree._info.source, "record", None)
-    if not isinstance(record, LinenRecord) or record.module.value is None:
-        return
-    module = record.module.value
-    if isinstance(module, LinenWrapper):
-        return
-    try:  # best effort: a module whose setup fails outside apply has none found
-        bound = module.clone(parent=None).bind(to_linen(tree))
-        found = list(_declared(bound))
-    except Exception:
-        return
-    yield from found
-
-
-def _declared(module: nn.Module) -> Iterator[tuple[Path, LinenWrapper]]:
-    module._try_setup()
-    for child in module._state.children.values():
-        if not isinstance(child, nn.Module) or child.scope is None:
-            continue
-        if isinstance(child, LinenWrapper):
-            yield tuple(child.scope.path), child
-        else:
-            yield from _declared(child)
+    module declares as fields or in `setup` (the Linen adapter's `declared`; none
+    without the module, or for another framework's Tree)."""
+    yield from declared(tree, lambda module: isinstance(module, LinenWrapper))
 
 
 _NO_MODULE = """\
@@ -263,7 +239,7 @@ def hidden_wrappers(tree: Tree) -> str | None:
     """For a Linen model's Tree, how to let `linen_wrappers` find the wrappers it may
     hold (its arrays that are in no known layer may be theirs); None for another
     framework's Tree."""
-    record = getattr(tree._info.source, "record", None)
-    if not isinstance(record, LinenRecord):
+    no_module = records_no_module(tree)
+    if no_module is None:
         return None
-    return _NO_MODULE if record.module.value is None else _COMPACT
+    return _NO_MODULE if no_module else _COMPACT

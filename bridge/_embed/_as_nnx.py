@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 from flax.nnx import variablelib
 
-from .._adapters._nnx import check_flax
+from .._adapters._registry import require
 from .._arguments import check_name
 from .._paths import Path, path_str
 from .._tree import Tree, items
@@ -88,7 +88,7 @@ def as_nnx(model: Any, *, rngs: nnx.Rngs | None = None, stream: str = "dropout")
     """
     check_name(stream, "stream")
     inner, leaves = inner_of(model, "as_nnx", "nnx")
-    check_flax()  # the wrapper is an NNX module
+    require("nnx")  # the wrapper is an NNX module: flax new enough for it
     return NNXWrapper(inner, leaves, rngs=rngs, stream=stream)
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .._adapters._torch import TorchNode, to_torch
+from .._adapters._registry import Adapter, LayoutWriter, of_layout, registered
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
@@ -28,8 +28,24 @@ from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, framework, native_order, native_paths
 
 
-COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
-"""Entries a PyTorch layer has that no other framework keeps: written fresh."""
+LAYOUT = "torch"
+"""The layout this module writes: the adapter of that layout writes it (its
+`writer`: its own Trees, the codecs' view of a layer known by name, the entries
+written fresh), its codecs encode each layer."""
+
+
+def _writer() -> tuple[Adapter, LayoutWriter]:
+    adapter = of_layout(LAYOUT)
+    assert adapter.writer is not None
+    return adapter, adapter.writer
+
+
+def _own(tree: Tree) -> bool:
+    """Whether `tree` is of the adapter that writes the layout (then written as it
+    is, by the adapter)."""
+    adapter = registered(framework(tree))
+    return adapter is not None and adapter.layout == LAYOUT
+
 
 _NO_TORCH_CODEC = (
     "unsupported: {where} ({kinds}) has no PyTorch-layout codec; register one "
@@ -76,8 +92,8 @@ def torch_state(
     every name two layers would share. `kinds`, if given, receives the kind of the
     layer of each name written (`{"fc.weight": "Dense", ...}`).
     """
-    if framework(tree) == "torch":
-        return to_torch(tree, prefix=prefix or None)
+    if _own(tree):
+        return _writer()[1].own(tree, prefix)
     out = {}
     for layer in torch_layers(tree, rules, prefix, rename):
         encoded = layer.encode(layer.leaves)
@@ -107,8 +123,9 @@ def torch_layers(
 ) -> list[TorchLayer]:
     """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
     errors, raised before anything is converted."""
-    if framework(tree) == "torch":
-        return [TorchLayer({}, lambda _: to_torch(tree, prefix=prefix or None))]
+    if _own(tree):
+        own = _writer()[1].own
+        return [TorchLayer({}, lambda _: own(tree, prefix))]
     problems: list[str] = []
     backwards: dict[str, str] = {}
     try:
@@ -146,11 +163,12 @@ def _encoder(
     """The function converting `layer`'s leaves to its PyTorch entries."""
     if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
         return lambda leaves: {prefix + name: materialise(leaves["array"])}
-    codec = codec_of(kind, "torch")
+    adapter, writer = _writer()
+    codec = codec_of(kind, adapter.name)
     assert codec is not None
     # no module: the codec's settings are those a file's reader takes from the name
     # (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
-    hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
+    hyper = codec.hyperparameters(writer.node(name))
 
     def encode(leaves: dict[str, Any]) -> dict[str, Any]:
         leaves = {k: materialise(v) for k, v in leaves.items()}
@@ -159,7 +177,7 @@ def _encoder(
             leaves = {k: v[at] for k, v in leaves.items()}
         canonical = layer.codec(kind).decode(leaves, layer.hyper)
         encoded = codec.encode(canonical, {}, hyper)
-        encoded.update(COUNTERS.get(kind, {}))
+        encoded.update(writer.fresh.get(kind, {}))
         return {
             prefix + ".".join(filter(None, (name, entry.replace("/", ".")))): array
             for entry, array in encoded.items()
@@ -172,9 +190,10 @@ def _check(layer: Layer, kind: str, name: str, problems: list[str]) -> None:
     """Whether the layer's PyTorch entries (shapes only, `jax.eval_shape`) are what
     its PyTorch codec recognises (a `Linear` weight is 2-D), before anything is
     written: a stack no codec read as one, a 3-D kernel under a `Linear` name."""
-    codec = codec_of(kind, "torch")
+    adapter, writer = _writer()
+    codec = codec_of(kind, adapter.name)
     assert codec is not None
-    hyper = codec.hyperparameters(TorchNode(None, "", frozenset(), name))
+    hyper = codec.hyperparameters(writer.node(name))
     one = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()}
     encoded = jax.eval_shape(
         lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
@@ -213,7 +232,8 @@ def _in_native_order(tree: Tree, layers: list[Layer]) -> list[Layer]:
 def _kind(layer: Layer, problems: list[str]) -> str | None:
     if layer.kinds == (ARRAY,):
         return ARRAY
-    kinds = tuple(k for k in layer.kinds if codec_of(k, "torch") is not None)
+    name = _writer()[0].name
+    kinds = tuple(k for k in layer.kinds if codec_of(k, name) is not None)
     kinds = kinds_by_name(dotted_torch(layer.where), kinds)
     if not kinds:
         problems.append(

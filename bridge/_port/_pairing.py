@@ -13,10 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 
-import equinox as eqx
-from flax import nnx
-
-from .._paths import canonical
+from .._adapters._registry import creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._layers import Layer
@@ -148,8 +145,8 @@ class Order:
                     while a.path[n] == b.path[n]:
                         n += 1
                     cls = self._kinds.get(a.path[:n])
-                    pytree = getattr(nnx, "Pytree", None)
-                    if isinstance(cls, type) and pytree and issubclass(cls, pytree):
+                    # a module whose framework keeps creation order: sorted
+                    if creation_order(cls, ()) is not None:
                         return _errors.ORDER_SORTED
         return _errors.ORDER_DICT
 
@@ -188,19 +185,13 @@ def _known(node: Tree, keys: list[Key]) -> bool:
     cls = kind(node)
     if len(keys) <= 1 or all(isinstance(k, int) for k in keys):
         return True
-    if isinstance(cls, type) and issubclass(cls, eqx.Module):
-        return True
-    # nnx.Pytree: flax >= 0.12 (older flax has no NNX adapter, and no NNX trees)
-    pytree = getattr(nnx, "Pytree", None)
-    names = [str(k) for k in keys]
-    unsorted = names != sorted(names) and tuple(keys) != canonical(keys)
-    if isinstance(cls, type) and pytree is not None and issubclass(cls, pytree):
-        return unsorted
+    # a module of a framework that keeps creation order (the adapter's
+    # `creation_order`: Equinox's fields, NNX's attributes unless sorted); else
     # a dict (Linen's): JAX and optax give them back sorted, and user code may
     # build them in any order, so its order is never trusted as creation order (a
     # shuffled dict then ports wrongly: tests/test_port_property.py); example inputs
     # give the order instead
-    return False
+    return bool(creation_order(cls, keys))
 
 
 class _Pairing:
