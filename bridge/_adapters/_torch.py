@@ -23,7 +23,7 @@ import numpy as np
 
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
-from .._families._gpt2 import CONV1D_NAMES
+from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
 from .._paths import Path
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
@@ -404,7 +404,7 @@ def _check_nodes(names: Sequence[str]) -> None:
 
 def _is_conv1d(cls: Any) -> bool:
     return any(
-        c.__name__ == "Conv1D" and c.__module__.startswith("transformers")
+        c.__name__ == CONV1D_CLASS and c.__module__.startswith("transformers")
         for c in getattr(cls, "__mro__", ())
     )
 

@@ -5,7 +5,11 @@ Canonical (Flax): `query/kernel`, `key/kernel`, `value/kernel` shape
 `(in, heads, head_dim)` with biases `(heads, head_dim)`; `out/kernel` shape
 `(heads, head_dim, out)` with bias `(out,)`. Equinox fuses the heads:
 `query_proj/weight` shape `(heads * head_dim, in)`, bias `(heads * head_dim,)`,
-`output_proj/weight` shape `(out, heads * head_dim)`.
+`output_proj/weight` shape `(out, heads * head_dim)`. PyTorch's
+`nn.MultiheadAttention`: `in_proj_weight (3E, E)` (or `q_proj_weight`,
+`k_proj_weight`, `v_proj_weight` when `kdim`/`vdim` differ), `in_proj_bias (3E,)`,
+`out_proj.weight (E, E)`, read through the Equinox layout; a state dict does not
+record the number of heads: it is taken from the paired layer.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from ._torch import by_class, has_entries, module_of, register_torch
 
 
 _PROJ = {"query": "query_proj", "key": "key_proj", "value": "value_proj"}
@@ -130,4 +135,77 @@ MHA_EQUINOX = register_codec(
         defaults=_DEFAULTS,
         build=_eqx_build,
     )
+)
+
+# --- PyTorch: nn.MultiheadAttention --------------------------------------------------
+
+
+_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+_MHA_OPTIONAL = {"in_proj_bias", "out_proj/bias"}
+
+
+@by_class("MultiheadAttention")
+def _torch_attention(leaves: Leaves) -> bool:
+    fused = {"in_proj_weight", "out_proj/weight"}
+    separate = {*_SEPARATE, "out_proj/weight"}
+    return has_entries(leaves, fused, _MHA_OPTIONAL) or has_entries(
+        leaves, separate, _MHA_OPTIONAL
+    )
+
+
+def _torch_hyper(layer: Any) -> dict[str, Any]:
+    module = module_of(layer)
+    if module is None:
+        return {}
+    return {"heads": module.num_heads, "use_bias": module.in_proj_bias is not None}
+
+
+_FUSED = ("query_proj", "key_proj", "value_proj")  # Equinox's names, fused heads
+
+
+def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    # without the number of heads (a state dict), one head stands in for reading
+    # shapes; the plan takes the paired layer's before any array moves. The layout
+    # is Equinox's with q, k, v in one array: its codec splits the heads.
+    if "in_proj_weight" in leaves:
+        weights = jnp.split(leaves["in_proj_weight"], 3)
+    else:
+        weights = [leaves[name] for name in _SEPARATE]
+    fused: Leaves = {f"{p}/weight": w for p, w in zip(_FUSED, weights)}
+    if "in_proj_bias" in leaves:
+        biases = jnp.split(leaves["in_proj_bias"], 3)
+        fused.update({f"{p}/bias": b for p, b in zip(_FUSED, biases)})
+    for entry in ("weight", "bias"):
+        if f"out_proj/{entry}" in leaves:
+            fused[f"output_proj/{entry}"] = leaves[f"out_proj/{entry}"]
+    return _eqx_decode(fused, {"heads": hyper.get("heads", 1)})
+
+
+def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    biases = {f"{p}/bias": None for p in _FUSED if "query/bias" in canonical}
+    if "out/bias" in canonical:
+        biases["output_proj/bias"] = None
+    fused = _eqx_encode(canonical, biases, hyper)
+    weights = [fused[f"{p}/weight"] for p in _FUSED]
+    out: Leaves = {}
+    if like and "q_proj_weight" in like:
+        out.update(zip(_SEPARATE, weights))
+    else:
+        out["in_proj_weight"] = jnp.concatenate(weights, axis=0)
+    if "query/bias" in canonical and (not like or "in_proj_bias" in like):
+        out["in_proj_bias"] = jnp.concatenate([fused[f"{p}/bias"] for p in _FUSED])
+    out["out_proj/weight"] = fused["output_proj/weight"]
+    if "out/bias" in canonical and (not like or "out_proj/bias" in like):
+        out["out_proj/bias"] = fused["output_proj/bias"]
+    return out
+
+
+MHA_TORCH = register_torch(
+    "MultiHeadAttention",
+    _torch_attention,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper,
+    "torch fused in_proj (3E,E)",
+    {f"{p}/bias": 0.0 for p in ("query", "key", "value", "out")},
 )

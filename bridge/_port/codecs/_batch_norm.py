@@ -13,6 +13,10 @@ places them where their `StateIndex` sits, so the codec reads and writes:
 - `mode="ema"`: `ema_state_index/0` and `/1` are the statistics themselves;
   encoding sets `ema_first_time_index` to `False` so the next training step averages
   into them instead of replacing them.
+
+PyTorch: `weight`, `bias`, `running_mean`, `running_var` -> `scale`, `bias`, `mean`,
+`var` (`num_batches_tracked` is a counter, never ported; PyTorch's `momentum` 0.1 is
+Flax's 0.9).
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from .._codec import (
     register_codec,
     same,
     same_as_like,
+)
+from ._torch import (
+    SCALE_OF,
+    WEIGHT_OF,
+    by_class,
+    has_entries,
+    module_of,
+    register_torch,
 )
 
 
@@ -165,4 +177,53 @@ BATCH_NORM_EQUINOX = register_codec(
         defaults=_DEFAULTS,
         build=_eqx_build,
     )
+)
+
+# --- PyTorch: nn.BatchNorm{1,2,3}d, nn.SyncBatchNorm ---------------------------------
+
+
+_STATS = {"running_mean": "mean", "running_var": "var"}
+
+
+@by_class("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
+def _torch_batch_norm(leaves: Leaves) -> bool:
+    return has_entries(
+        leaves, {"running_mean", "running_var"}, {"weight", "bias"}
+    ) and all(len(x.shape) == 1 for x in leaves.values())
+
+
+def _torch_hyper(layer: Any) -> dict[str, Any]:
+    module = module_of(layer)
+    if module is None:
+        return {}
+    out: dict[str, Any] = {
+        "epsilon": module.eps,
+        "use_scale": module.affine,
+        "use_bias": module.affine,
+    }
+    if module.momentum is not None:  # PyTorch's new-value weight; Flax's old-value
+        out["momentum"] = round(1 - module.momentum, 12)
+    return out
+
+
+def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = {SCALE_OF[k]: v for k, v in leaves.items() if k in SCALE_OF}
+    out.update({_STATS[k]: v for k, v in leaves.items() if k in _STATS})
+    return out
+
+
+def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = {WEIGHT_OF[k]: v for k, v in canonical.items() if k in WEIGHT_OF}
+    out.update({k: canonical[v] for k, v in _STATS.items()})
+    return {k: v for k, v in out.items() if not like or k in like}
+
+
+BATCH_NORM_TORCH = register_torch(
+    "BatchNorm",
+    _torch_batch_norm,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper,
+    "torch running_mean/var",
+    {"scale": 1.0, "bias": 0.0},
 )

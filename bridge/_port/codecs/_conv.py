@@ -3,7 +3,10 @@
 
 Canonical (Flax): `kernel` shape `(*kernel_size, in // groups, out)` (HWIO), `bias`
 shape `(out,)`. Equinox stores `weight` shape `(out, in // groups, *kernel_size)`
-(OIHW) and `bias` shape `(out, 1, ..., 1)`.
+(OIHW) and `bias` shape `(out, 1, ..., 1)`. PyTorch: `nn.Conv{1,2,3}d` weight
+`(O, I/groups, *k)` (OIHW), bias `(O,)`; `nn.ConvTranspose{1,2,3}d` weight
+`(I, O/groups, *k)`, applied flipped: canonical `kernel = flip(weight, k axes)` moved
+to `(*k, I, O)` (groups 1 only, as Flax's).
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from ._torch import (
+    bias_flag,
+    by_class,
+    has_entries,
+    module_of,
+    register_torch,
+    shape_of,
+)
 
 
 def _linen_conv(cls, leaves: Leaves) -> bool:
@@ -223,4 +234,125 @@ CONV_TRANSPOSE_EQUINOX = register_codec(
         build=_eqx_build_transpose,
         defaults=_DEFAULTS,
     )
+)
+
+# --- PyTorch: nn.Conv{1,2,3}d, nn.ConvTranspose{1,2,3}d ------------------------------
+
+
+@by_class("Conv1d", "Conv2d", "Conv3d")
+def _torch_conv(leaves: Leaves) -> bool:
+    w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
+    return (
+        has_entries(leaves, {"weight"}, {"bias"})
+        and w is not None
+        and 3 <= len(w) <= 5
+        and (b is None or b == w[:1])
+    )
+
+
+@by_class("ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+def _torch_conv_transpose(leaves: Leaves) -> bool:
+    w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
+    return (
+        has_entries(leaves, {"weight"}, {"bias"})
+        and w is not None
+        and 3 <= len(w) <= 5
+        and (b is None or b == w[1:2])
+    )
+
+
+def _torch_conv_hyper(layer: Any) -> dict[str, Any]:
+    module = module_of(layer)
+    if module is None:
+        return {}
+    kernel = tuple(module.kernel_size)
+    strides, dilation = tuple(module.stride), tuple(module.dilation)
+    out = {
+        "strides": strides,
+        "dilation": dilation,
+        "groups": module.groups,
+        "padding": _padding(module.padding, kernel, dilation, strides),
+    }
+    if module.padding_mode != "zeros":
+        out["padding_mode"] = module.padding_mode
+    return bias_flag(layer, out)
+
+
+def _torch_conv_transpose_hyper(layer: Any) -> dict[str, Any]:
+    module = module_of(layer)
+    if module is None:
+        return {}
+    out = {"strides": tuple(module.stride)}
+    if module.groups != 1:
+        out["groups"] = module.groups
+    return bias_flag(layer, out)
+
+
+def _torch_conv_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    w = leaves["weight"]
+    spatial = tuple(range(2, w.ndim))
+    out = {"kernel": jnp.transpose(w, (*spatial, 1, 0))}
+    if "bias" in leaves:
+        out["bias"] = leaves["bias"]
+    return out
+
+
+def _torch_conv_encode(
+    canonical: Leaves, like: Leaves, hyper: dict[str, Any]
+) -> Leaves:
+    kernel = canonical["kernel"]
+    n = kernel.ndim - 2
+    out = {"weight": jnp.transpose(kernel, (n + 1, n, *range(n)))}
+    if "bias" in canonical and (not like or "bias" in like):
+        out["bias"] = canonical["bias"]
+    return out
+
+
+_GROUPED_TRANSPOSE = (
+    "a grouped ConvTranspose (groups={groups}) has no Flax counterpart (Flax's "
+    "ConvTranspose has no feature groups)"
+)
+
+
+def _torch_conv_transpose_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    if hyper.get("groups", 1) != 1:
+        raise ValueError(_GROUPED_TRANSPOSE.format(groups=hyper["groups"]))
+    w = leaves["weight"]
+    spatial = tuple(range(2, w.ndim))
+    flipped = jnp.flip(w, spatial)
+    out = {"kernel": jnp.transpose(flipped, (*spatial, 0, 1))}
+    if "bias" in leaves:
+        out["bias"] = leaves["bias"]
+    return out
+
+
+def _torch_conv_transpose_encode(
+    canonical: Leaves, like: Leaves, hyper: dict[str, Any]
+) -> Leaves:
+    kernel = canonical["kernel"]
+    n = kernel.ndim - 2
+    weight = jnp.transpose(kernel, (n, n + 1, *range(n)))
+    out = {"weight": jnp.flip(weight, tuple(range(2, weight.ndim)))}
+    if "bias" in canonical and (not like or "bias" in like):
+        out["bias"] = canonical["bias"]
+    return out
+
+
+CONV_TORCH = register_torch(
+    "Conv",
+    _torch_conv,
+    _torch_conv_decode,
+    _torch_conv_encode,
+    _torch_conv_hyper,
+    "torch OIHW",
+    {"bias": 0.0},
+)
+CONV_TRANSPOSE_TORCH = register_torch(
+    "ConvTranspose",
+    _torch_conv_transpose,
+    _torch_conv_transpose_decode,
+    _torch_conv_transpose_encode,
+    _torch_conv_transpose_hyper,
+    "torch (I,O,*k) flipped",
+    {"bias": 0.0},
 )

@@ -2,16 +2,22 @@
 `DenseGeneral` (Linen `nn.DenseGeneral`, NNX `nnx.LinearGeneral`; Flax only).
 
 Canonical: `kernel` shape `(in, out)`, `bias` shape `(out,)`. Equinox stores
-`weight` shape `(out, in)`: a transpose.
+`weight` shape `(out, in)`: a transpose. PyTorch (framework `"torch"`, kit in
+`_torch.py`): `nn.Linear` weight `(out, in)` (transposed); Hugging Face's `Conv1D`
+weight `(in, out)` (canonical already), told by its class, else by its name
+(`_families/_gpt2.py`), else by the bias's shape.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
 from .._codec import (
     Codec,
     Leaves,
@@ -20,6 +26,14 @@ from .._codec import (
     register_codec,
     same,
     same_as_like,
+)
+from ._torch import (
+    bias_flag,
+    by_class,
+    class_names,
+    has_entries,
+    register_torch,
+    shape_of,
 )
 
 
@@ -131,4 +145,65 @@ DENSE_GENERAL_NNX = register_codec(
         _USE_BIAS,
         defaults=_DEFAULTS,
     )
+)
+
+# --- PyTorch: nn.Linear and Hugging Face Conv1D --------------------------------------
+
+
+@by_class("Linear", CONV1D_CLASS)
+def _torch_dense(leaves: Leaves) -> bool:
+    w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
+    return (
+        has_entries(leaves, {"weight"}, {"bias"})
+        and w is not None
+        and len(w) == 2
+        and (b is None or b in ((w[0],), (w[1],)))
+    )
+
+
+def _torch_hyper(layer: Any) -> dict[str, Any]:
+    cls = getattr(layer, "cls", None)
+    name = getattr(layer, "name", "")
+    if cls is not None:
+        conv1d = CONV1D_CLASS in class_names(cls)
+    else:
+        conv1d = name.rsplit(".", 1)[-1] in CONV1D_NAMES
+    return bias_flag(layer, {"conv1d": conv1d})
+
+
+def _is_conv1d(leaves: Leaves, hyper: dict[str, Any]) -> bool:
+    """`Conv1D` when the class (or, in a state dict, the name) says so, or when only
+    its layout fits the bias."""
+    w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
+    assert w is not None
+    if b is not None and w[0] != w[1]:
+        return b == (w[1],)
+    return bool(hyper.get("conv1d"))
+
+
+def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    w = leaves["weight"]
+    out = {"kernel": w if _is_conv1d(leaves, hyper) else jnp.transpose(w)}
+    if "bias" in leaves:
+        out["bias"] = leaves["bias"]
+    return out
+
+
+def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    kernel = canonical["kernel"]
+    conv1d = _is_conv1d(like, hyper) if like else bool(hyper.get("conv1d"))
+    out = {"weight": kernel if conv1d else jnp.transpose(kernel)}
+    if "bias" in canonical and (not like or "bias" in like):
+        out["bias"] = canonical["bias"]
+    return out
+
+
+DENSE_TORCH = register_torch(
+    "Dense",
+    _torch_dense,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper,
+    "torch weight (out,in) or Conv1D (in,out)",
+    {"bias": 0.0},
 )

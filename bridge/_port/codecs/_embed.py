@@ -1,7 +1,7 @@
 """Codec: `Embed` (Linen `nn.Embed`, NNX `nnx.Embed`, Equinox `eqx.nn.Embedding`).
 
 Canonical: `embedding` shape `(num_embeddings, features)`; Equinox calls it `weight`,
-same layout.
+same layout; so does PyTorch's `nn.Embedding`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 
 from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from ._torch import by_class, register_torch, shape_of
 
 
 def _linen(cls, leaves: Leaves) -> bool:
@@ -38,4 +39,23 @@ EMBED_EQUINOX = register_codec(
         layout="weight",
         build=_eqx_build,
     )
+)
+
+# --- PyTorch: nn.Embedding -----------------------------------------------------------
+
+
+@by_class("Embedding")
+def _torch_embed(leaves: Leaves) -> bool:
+    w = shape_of(leaves, "weight")
+    return set(leaves) == {"weight"} and w is not None and len(w) == 2
+
+
+EMBED_TORCH = register_torch(
+    "Embed",
+    _torch_embed,
+    lambda leaves, hyper: {"embedding": leaves["weight"]},
+    lambda canonical, like, hyper: {"weight": canonical["embedding"]},
+    lambda layer: {},
+    "torch weight",
+    {},
 )

@@ -4,7 +4,9 @@ Canonical (Flax): `scale` and `bias`, shape `(features,)`; Equinox calls them
 `weight` and `bias`. Equinox's `RMSNorm` has a `bias` Flax's has not: it is 0 when
 coming from Flax, and porting to Flax refuses a non-zero one. Either side may lack
 `scale` (1) or `bias` (0): a missing one is filled with that neutral value, a dropped
-one must hold it.
+one must hold it. PyTorch (`nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm`, and
+Hugging Face's `...LayerNorm`/`...RMSNorm` classes except Gemma's): `weight` ->
+`scale`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from .._codec import (
     register_codec,
     same,
     same_as_like,
+)
+from ._torch import (
+    by_class,
+    has_entries,
+    module_of,
+    read_attributes,
+    register_torch,
+    shape_of,
 )
 
 
@@ -144,4 +154,97 @@ GROUP_NORM_NNX = _flax(
 )
 GROUP_NORM_EQUINOX = _equinox(
     "GroupNorm", eqx.nn.GroupNorm, _eqx_groups, _build_group_norm
+)
+
+# --- PyTorch: nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and Hugging Face's norms --------
+
+
+def _torch_affine(leaves: Leaves) -> bool:
+    w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
+    return (
+        has_entries(leaves, set(), {"weight", "bias"})
+        and bool(leaves)
+        and all(s is None or len(s) == 1 for s in (w, b))
+    )
+
+
+_torch_group_norm = by_class("GroupNorm")(_torch_affine)
+
+
+def _norm_class(cls: Any, suffix: str) -> bool:
+    """A norm written the Hugging Face way: a class (of any library) whose name ends
+    in `suffix` (`LlamaRMSNorm`, `Qwen2RMSNorm`); Gemma's norms, which compute
+    `x * (1 + weight)`, are not Flax's and are left to a codec of their own."""
+    return any(
+        c.__name__.endswith(suffix) and not c.__name__.startswith("Gemma")
+        for c in getattr(cls, "__mro__", ())
+    )
+
+
+def _torch_layer_norm(cls: Any, leaves: Leaves) -> bool:
+    if cls is not None and not _norm_class(cls, "LayerNorm"):
+        return False
+    return _torch_affine(leaves)
+
+
+def _torch_rms_norm(cls: Any, leaves: Leaves) -> bool:
+    if cls is not None and not _norm_class(cls, "RMSNorm"):
+        return False
+    w = shape_of(leaves, "weight")
+    return set(leaves) == {"weight"} and w is not None and len(w) == 1
+
+
+def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    return {_RENAME[k]: v for k, v in leaves.items()}
+
+
+def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = {_BACK[k]: v for k, v in canonical.items() if k in _BACK}
+    return {k: v for k, v in out.items() if not like or k in like}
+
+
+def _torch_hyper(**extra: str):
+    read = read_attributes(epsilon="eps", **extra)
+    hf = read_attributes(epsilon="variance_epsilon")  # Hugging Face's RMSNorm classes
+
+    def hyper(layer: Any) -> dict[str, Any]:
+        out = {**hf(layer), **read(layer)}
+        module = module_of(layer)
+        if module is not None and hasattr(module, "elementwise_affine"):
+            affine = module.elementwise_affine
+            out["use_scale"] = affine
+            out["use_bias"] = affine and getattr(module, "bias", None) is not None
+        if module is not None and hasattr(module, "affine"):
+            out["use_scale"] = out["use_bias"] = module.affine
+        return out
+
+    return hyper
+
+
+LAYER_NORM_TORCH = register_torch(
+    "LayerNorm",
+    _torch_layer_norm,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper(),
+    "torch weight",
+    _DEFAULTS,
+)
+RMS_NORM_TORCH = register_torch(
+    "RMSNorm",
+    _torch_rms_norm,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper(),
+    "torch weight",
+    _DEFAULTS,
+)
+GROUP_NORM_TORCH = register_torch(
+    "GroupNorm",
+    _torch_group_norm,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper(groups="num_groups"),
+    "torch weight",
+    _DEFAULTS,
 )
