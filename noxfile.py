@@ -191,7 +191,7 @@ REPORTED = [
 
 
 # torch beside the Hugging Face libraries of LoRA and quantized checkpoints
-TORCH = ["torch==2.13.0", "peft", "gguf", "compressed-tensors"]
+TORCH = ["torch==2.13.0", "peft", "gguf", "compressed-tensors", "qwix"]  # qwix: LoRA
 TORCH_TESTS = [
     "tests/test_torch_adapter.py",
     "tests/test_torch_files.py",
@@ -205,6 +205,7 @@ TORCH_TESTS = [
     "tests/test_lora_peft.py",
     "tests/test_lora_gpt2.py",
     "tests/test_lora_torch.py",
+    "tests/test_lora_qwix.py",
     "tests/test_torch_hf_folder.py",
     "tests/test_torch_stack_export.py",
     "tests/test_torch_hf_moe.py",

@@ -15,6 +15,7 @@ from ._lora._inject import lora as lora
 from ._lora._merge import merge_lora as merge_lora
 from ._lora._nnx import from_nnx_lora as from_nnx_lora, to_nnx_lora as to_nnx_lora
 from ._lora._peft import load_peft as load_peft, save_peft as save_peft
+from ._lora._qwix import from_qwix_lora as from_qwix_lora
 from ._port._codec import (
     Codec as Codec,
     register_codec as register_codec,

@@ -104,6 +104,9 @@ ROWS = [
     Row("load_peft", "split", {"fc": ("a",)}, ValueError),
     Row("from_nnx_lora", "model", 5, TypeError),
     Row("to_nnx_lora", "model", 5, TypeError),
+    Row("from_qwix_lora", "model", 5, TypeError),
+    Row("from_qwix_lora", "rules", 5, TypeError, {"alpha": None}),
+    Row("from_qwix_lora", "alpha", "x", TypeError),
     Row("make_step", "loss_fn", 5, TypeError),
     Row("make_step", "optimizer", 5, TypeError),
     Row("make_step", "spec", 5, TypeError),
@@ -246,6 +249,7 @@ def valid(tmp_path_factory):
         "load_peft": ((directory / "peft_in", linear), {}),
         "from_nnx_lora": ((linear,), {}),
         "to_nnx_lora": ((adapted,), {}),
+        "from_qwix_lora": ((linear,), {"alpha": 1.0}),
         "make_step": (
             (lambda m, x: 0.0, tx, bridge.trainable(tree, "kernel")),
             {},

@@ -29,7 +29,16 @@ from .._adapters._linen import bind, from_linen, linen_module, to_linen
 from .._paths import Path, path_str
 from .._tree import Tree, walk
 from . import _forward
-from ._settings import A, B, Frame, Injection, Settings, Target, register_frame
+from ._settings import (
+    A,
+    B,
+    Frame,
+    Injection,
+    QwixAdapter,
+    Settings,
+    Target,
+    register_frame,
+)
 
 
 _PER_HEAD_IN = {"query": 1, "key": 1, "value": 1}
@@ -213,4 +222,36 @@ def native(model: Any, tree: Tree) -> Any:
     return to_linen(tree)
 
 
-register_frame("linen", Frame(targets, inject, strip, native))
+def qwix_read(tree: Tree) -> tuple[Tree, list[QwixAdapter]]:
+    """The model without qwix: the module of the class qwix intercepted, and the
+    `params` without the `<param>_lora_a`/`_lora_b` arrays, which are returned."""
+    module = linen_module(tree)
+    unquantized = getattr(type(module), "_unquantized_type", None)  # qwix's class
+    if module is not None and unquantized is not None:
+        module = module.clone()
+        object.__setattr__(module, "__class__", unquantized)
+    variables = dict(to_linen(tree))
+    found: list[QwixAdapter] = []
+
+    def take(node: Mapping[str, Any], path: Path) -> dict[str, Any]:
+        out = {}
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                out[key] = take(value, path + (key,))
+            elif key.endswith("_lora_a"):
+                param = key.removesuffix("_lora_a")
+                b = node.get(param + "_lora_b")
+                found.append(QwixAdapter(path, param, value, b))
+            elif (
+                not key.endswith("_lora_b")
+                or key[: -len("_lora_b")] + ("_lora_a") not in node
+            ):
+                out[key] = value
+        return out
+
+    if "params" in variables:
+        variables["params"] = take(variables["params"], ())
+    return from_linen(variables, module), found
+
+
+register_frame("linen", Frame(targets, inject, strip, native, qwix=qwix_read))

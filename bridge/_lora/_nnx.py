@@ -23,7 +23,16 @@ from .._adapters._nnx import from_nnx, to_nnx
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, kind, walk
 from . import _forward
-from ._settings import A, B, Frame, Injection, Settings, Target, register_frame
+from ._settings import (
+    A,
+    B,
+    Frame,
+    Injection,
+    QwixAdapter,
+    Settings,
+    Target,
+    register_frame,
+)
 
 
 _CLASSES: dict[type, type] = {}
@@ -165,7 +174,37 @@ def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
     return from_nnx(native)
 
 
-register_frame("nnx", Frame(targets, inject, strip, like))
+_QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
+
+
+def qwix_read(tree: Tree) -> tuple[Tree, list[QwixAdapter]]:
+    """The model without qwix: its root's class the one qwix intercepted, qwix's
+    attributes gone, and the `<param>_lora_a`/`_lora_b` parameters taken out."""
+    native = to_nnx(tree)
+    unquantized = getattr(type(native), "_unquantized_type", None)  # qwix's class
+    if unquantized is not None:
+        object.__setattr__(native, "__class__", unquantized)
+    found = []
+    for path, _ in walk(tree):
+        module = at(native, path)
+        if not isinstance(module, nnx.Module):
+            continue
+        names = list(vars(module))
+        for name in names:
+            if name in _QWIX_ATTRIBUTES or name.endswith("_lora_einsum_str"):
+                delattr(module, name)
+            elif name.endswith("_lora_a"):
+                param = name.removesuffix("_lora_a")
+                a = getattr(module, name)[...]
+                b = getattr(module, param + "_lora_b", None)
+                found.append(QwixAdapter(path, param, a, None if b is None else b[...]))
+                delattr(module, name)
+                if b is not None:
+                    delattr(module, param + "_lora_b")
+    return from_nnx(native), found
+
+
+register_frame("nnx", Frame(targets, inject, strip, like, qwix=qwix_read))
 
 
 # --- Flax's own LoRA modules, read as bridge adapters ---------------------------------

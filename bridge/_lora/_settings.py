@@ -133,6 +133,9 @@ class Frame(NamedTuple):
     - `carried`: whether `bridge.port` into a model of this framework carries the
       source's adapters (a PyTorch-layout target does not: its state dict would
       no longer load into the plain PyTorch model; `merge_lora` or `save_peft`).
+    - `qwix`: optional, `qwix(tree) -> (tree, [QwixAdapter, ...])`: the model
+      without qwix's LoRA parameters (`<param>_lora_a`, `<param>_lora_b`) nor its
+      interception, and those parameters (`bridge.from_qwix_lora`).
     """
 
     targets: Callable[[Any], list[Target]]
@@ -140,6 +143,17 @@ class Frame(NamedTuple):
     strip: Callable[[Any, dict[Path, Any]], Any]
     native: Callable[[Any, Any], Any]
     carried: bool = True
+    qwix: Callable[[Any], tuple[Any, list[QwixAdapter]]] | None = None
+
+
+class QwixAdapter(NamedTuple):
+    """One layer's qwix LoRA parameters: the layer's path, the adapted parameter's
+    name (`"kernel"`), and `<param>_lora_a`, `<param>_lora_b` (None when missing)."""
+
+    path: Path
+    param: str
+    a: Any
+    b: Any
 
 
 _FRAMES: dict[str, Frame] = {}
