@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 
 import bridge
@@ -26,6 +27,7 @@ from .llamas import (
     KV_HEADS,
     LAYERS,
     VOCAB,
+    DecoderLayer,
     LlamaForCausalLM,
     attend,
     llama_config,
@@ -207,6 +209,40 @@ class EqxLlamaForCausalLM(eqx.Module):
         return _per_token(self.lm_head, self.model(ids))
 
 
+# --- NNX Llama whose layers are one nnx.vmap stack (the flax guide's pattern) -----
+
+
+class NNXStackModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(VOCAB, DIM, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return DecoderLayer(rngs)
+
+        self.layers = make(rngs)
+        self.norm = nnx.RMSNorm(DIM, epsilon=EPS, rngs=rngs)
+
+    def __call__(self, ids):
+        cos, sin = rotary(ids.shape[1], DIM // HEADS)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, layer):
+            return layer(x, cos, sin)
+
+        return self.norm(forward(self.embed_tokens(ids), self.layers))
+
+
+class NNXStackLlama(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.model = NNXStackModel(rngs)
+        self.lm_head = nnx.Linear(DIM, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.lm_head(self.model(ids))
+
+
 # --- the chain ---------------------------------------------------------------------
 
 
@@ -260,13 +296,16 @@ def test_maxtext_decoder_to_nnx_pairs_by_the_forward_pass():
 
 
 @pytest.mark.slow  # four hops each way, transformers' model run at each end
-def test_a_llama_through_every_framework_and_back_without_rules():
+def test_a_llama_through_every_framework_and_back_without_rules(tmp_path):
     torch, transformers = _torch()
     ids = tokens()
     source = maxtext(0)
     nnx_llama = bridge.port(source, LlamaForCausalLM(nnx.Rngs(1)), example=ids)
     assert bridge.compare(source, nnx_llama, ids) < TOLERANCE
-    eqx_llama = bridge.port(nnx_llama, EqxLlamaForCausalLM(jax.random.key(2)))
+    nnx_stack = bridge.port(nnx_llama, NNXStackLlama(nnx.Rngs(8)), example=ids)
+    assert nnx_stack.model.layers.mlp.up_proj.kernel.shape == (LAYERS, DIM, HIDDEN)
+    assert bridge.compare(source, nnx_stack, ids) < TOLERANCE
+    eqx_llama = bridge.port(nnx_stack, EqxLlamaForCausalLM(jax.random.key(2)))
     assert eqx_llama.model.layers.self_attn.q_proj.weight.shape == (LAYERS, DIM, DIM)
     assert bridge.compare(source, eqx_llama, ids) < TOLERANCE
     torch.manual_seed(3)
@@ -277,6 +316,20 @@ def test_a_llama_through_every_framework_and_back_without_rules():
     diff = np.max(np.abs(_hf_logits(torch, hf, ids) - np.asarray(linen_logits)))
     assert diff < TOLERANCE
 
+    # the stacks exported in PyTorch layout, checked against transformers' model,
+    # read back by from_pretrained and load_state_dict(strict=True)
+    folder = tmp_path / "hf"
+    bridge.save(folder, eqx_llama, layout="torch", like=hf, config=llama_config())
+    read = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    diff = np.max(np.abs(_hf_logits(torch, read, ids) - np.asarray(linen_logits)))
+    assert diff < TOLERANCE
+    file = tmp_path / "stack.safetensors"
+    bridge.save(file, nnx_stack, layout="torch", like=hf.state_dict())
+    state = {k: torch.tensor(v) for k, v in safetensors.numpy.load_file(file).items()}
+    read = _hf_with(torch, transformers, state)
+    diff = np.max(np.abs(_hf_logits(torch, read, ids) - np.asarray(linen_logits)))
+    assert diff < TOLERANCE
+
     # and back, from transformers' own model and logits
     torch.manual_seed(4)
     hf = transformers.LlamaForCausalLM(llama_config()).eval()
@@ -285,9 +338,12 @@ def test_a_llama_through_every_framework_and_back_without_rules():
     nnx_back = bridge.port(eqx_back, LlamaForCausalLM(nnx.Rngs(6)))
     linen_back = bridge.port(nnx_back, maxtext(7), example=ids)
     module, variables = linen_back
+    hf.save_pretrained(tmp_path / "saved")  # its save_pretrained folder, read lazily
+    from_folder = bridge.load(tmp_path / "saved", like=NNXStackLlama(nnx.Rngs(9)))
     for logits in (
         jax.vmap(eqx_back)(ids),
         nnx_back(ids),
         module.apply(variables, ids),
+        from_folder(ids),
     ):
         assert np.max(np.abs(np.asarray(logits) - hf_logits)) < TOLERANCE

@@ -175,15 +175,19 @@ class BiasFree(nn.Module):
     kernels are DenseGeneral or Conv kernels too, but a scanned block holds several
     layers."""
 
+    features: int = 4
+
     @nn.compact
     def __call__(self, x, _):
         h = nn.RMSNorm(name="norm")(x)
-        h = nn.Dense(4, use_bias=False, name="up")(h)
-        return x + nn.Dense(4, use_bias=False, name="down")(jnp.tanh(h)), None
+        h = nn.Dense(self.features, use_bias=False, name="up")(h)
+        down = nn.Dense(self.features, use_bias=False, name="down")
+        return x + down(jnp.tanh(h)), None
 
 
 class BiasFreeScanned(nn.Module):
     axis: int = 0
+    features: int = 4
 
     @nn.compact
     def __call__(self, x):
@@ -193,16 +197,16 @@ class BiasFreeScanned(nn.Module):
             split_rngs={"params": True},
             length=3,
         )
-        return stack(name="layers")(x, None)[0]
+        return stack(self.features, name="layers")(x, None)[0]
 
 
 class BiasFreeLooped(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, features=4):
         def block():
             b = nnx.Module()
-            b.norm = nnx.RMSNorm(4, rngs=rngs)
-            b.up = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
-            b.down = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+            b.norm = nnx.RMSNorm(features, rngs=rngs)
+            b.up = nnx.Linear(features, features, use_bias=False, rngs=rngs)
+            b.down = nnx.Linear(features, features, use_bias=False, rngs=rngs)
             return b
 
         self.layers = nnx.List([block() for _ in range(3)])
@@ -238,6 +242,27 @@ def test_a_stack_whose_axis_the_shapes_do_not_tell_is_refused_naming_it():
     )
     with pytest.raises(bridge.PortError, match=r"stack: source \.layers reads as"):
         bridge.port((module, {"params": params}), BiasFreeLooped(nnx.Rngs(1)))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_stack_whose_axis_only_the_scan_tells_ports_with_example_inputs(axis):
+    """Three layers of 3 features (`L = D`): the `(3, 3, 3)` kernels and `(3, 3)`
+    scales slice into layers at axis 0 and at axis 1 alike, and the looped model's
+    layers fit both readings. Without example inputs: refused, naming the axes.
+    With them, the scan in the forward pass iterates over the stored axis
+    `variable_axes` put the layers on: ported exactly, both ways."""
+    skip_unless("NNX")
+    x = X[:, :3]
+    module = BiasFreeScanned(axis=axis, features=3)
+    source = _randomised((module, module.init(jax.random.key(0), x)))
+    target = BiasFreeLooped(nnx.Rngs(1), features=3)
+    with pytest.raises(bridge.PortError, match=r"stack: source \.layers reads as"):
+        bridge.port(source, target)
+    ported = bridge.port(source, target, example=x)
+    assert bridge.compare(source, ported, x) < 1e-6
+    blank = (module, module.init(jax.random.key(2), x))
+    back = bridge.port(ported, blank, example=x)
+    assert bridge.compare(source, back, x) < 1e-6
 
 
 # --- stacks of NNX (nnx.vmap) and Equinox (eqx.filter_vmap) modules ---------------

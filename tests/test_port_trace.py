@@ -147,3 +147,68 @@ def test_the_forward_pass_decides_where_creation_order_is_not_call_order():
         (".Dense_1", ".first", "trace"),
         (".Dense_0", ".second", "trace"),
     ]
+
+
+class SameNames(nnx.Module):
+    """Named as the Linen auto-names read, but `Dense_0` is applied first here
+    (the Linen model applies its `Dense_0` second)."""
+
+    def __init__(self, rngs):
+        self.Dense_0 = nnx.Linear(4, 4, rngs=rngs)
+        self.Dense_1 = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.Dense_1(jnp.tanh(self.Dense_0(x)))
+
+
+def test_names_the_forward_pass_contradicts_are_refused():
+    """Paths pair `.Dense_0` with `.Dense_0`, but in the source `Dense_1` feeds
+    `Dense_0` and in the target `Dense_0` feeds `Dense_1`: with example inputs this
+    is refused, proposing the rules the computation implies (which then port it
+    exactly). Without example inputs names are all there is (a wrong model: the
+    reason to give them)."""
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    module = Reversed()
+    source = (module, module.init(jax.random.key(1), x))
+    wrong = bridge.port(source, SameNames(nnx.Rngs(0)))
+    assert bridge.compare(source, wrong, x) > 1e-2
+    with pytest.raises(
+        bridge.PortError,
+        match=r"order: \.Dense_1 -> \.Dense_1 and \.Dense_0 -> \.Dense_0 were paired "
+        r"by path, .* in the source \.Dense_1 feeds \.Dense_0 .* in the target "
+        r"\.Dense_0 feeds \.Dense_1",
+    ):
+        bridge.port(source, SameNames(nnx.Rngs(0)), example=x)
+    rules = {r"\.Dense_1": ".Dense_0", r"\.Dense_0": ".Dense_1"}
+    ported = bridge.port(source, SameNames(nnx.Rngs(0)), rules=rules, example=x)
+    assert bridge.compare(source, ported, x) < 1e-6
+
+
+class LinenGated(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        gate = nn.Dense(6, use_bias=False, name="gate")(x)
+        up = nn.Dense(6, use_bias=False, name="up")(x)
+        return nn.Dense(4, use_bias=False, name="down")(jax.nn.silu(gate) * up)
+
+
+class GatedUpFirst(nnx.Module):
+    """The same MLP computing `up` before `gate`: an order of use, not of
+    dependence (neither feeds the other), so names stay right."""
+
+    def __init__(self, rngs):
+        self.down = nnx.Linear(6, 4, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(4, 6, use_bias=False, rngs=rngs)
+        self.gate = nnx.Linear(4, 6, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        up = self.up(x)
+        return self.down(up * jax.nn.silu(self.gate(x)))
+
+
+def test_names_computed_in_another_order_but_not_contradicted_port():
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    module = LinenGated()
+    source = (module, module.init(jax.random.key(1), x))
+    ported = bridge.port(source, GatedUpFirst(nnx.Rngs(0)), example=x)
+    assert bridge.compare(source, ported, x) < 1e-6

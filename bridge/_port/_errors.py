@@ -116,11 +116,22 @@ STACK_AXIS = (
     "fit one reading (a per-layer model, or a stack of known axis), or port the "
     "stack's layers with rules."
 )
-CONTRACTED = (
-    "layout: {where} (per-head kernel {shape}, read as a Dense kernel with its first "
-    "{inputs} axis(es) as inputs): the forward pass on the example inputs contracts "
-    "its axes {axes} with the input, so that reshape would be wrong. Register a "
-    "codec for this layer (bridge.register_codec) that puts its input axes first."
+AXES = (
+    "ambiguous: {where} (per-head kernel {shape}) pairs with {other} as a fused "
+    "Dense kernel {fused}, but its shapes fit several readings of which axes meet "
+    "the input ({readings}), and nothing says which: no module class that fixes "
+    "its layout (an nn.Einsum, or a DenseGeneral under a custom name, can contract "
+    "any axis). Give example inputs (example=(x,), as bridge.compare takes them): "
+    "the forward pass says which axes it contracts. Or register a codec for its "
+    "module (bridge.register_codec) whose decode gives the (in, out) kernel."
+)
+CONTRADICTED = (
+    "order: {a} -> {ta} and {b} -> {tb} were paired by {by}, but the forward "
+    "passes on the example inputs disagree: in the source {a} feeds {b} (its "
+    "input is computed from {a}'s arrays), in the target {tb} feeds {ta}. The names "
+    "(or orders) do not say what the computation does. Check which layers "
+    "correspond and say so with rules, e.g. rules={{r'{a_re}': '{tb}', r'{b_re}': "
+    "'{ta}'}} if the computation is right."
 )
 UNREADABLE = "unreadable: {where} ({kind}): {error}"
 TOLD = (

@@ -66,6 +66,12 @@ class Layer:
     axis: int = 0
     """For one layer of a stack: the layer axis of its arrays (`nn.scan`'s
     `variable_axes={"params": 1}`, MaxText's `param_scan_axis=1`, puts it at 1)."""
+    readings: tuple = ()
+    """For a per-head kernel with a `Dense` view: every reading its shapes allow
+    (`_general.readings`), the view's first; `_general.choose` picks one."""
+    undecided: tuple = ()
+    """Readings left after `choose` when several fit: a port through the view is
+    refused (the example inputs decide)."""
     unknown: dict[str, str] = field(default_factory=dict)
     """`{kind: setting}`: a setting the kind's codec needs that the layer's module
     did not give (a part of a model, a state dict): the paired side tells it."""
@@ -116,6 +122,16 @@ def _auto_name(cls: Any, path: Path) -> str | None:
         return getattr(cls, "__name__", None)
     match = _AUTO_NAME.match(str(path[-1]))
     return match.group(1) if match else None
+
+
+def _inputs_first(adapter: Adapter, node: Any, path: Path) -> bool:
+    """Whether a per-head kernel's input axes come first: its class is a
+    `DenseGeneral` one (recorded, as NNX's `LinearGeneral`, or a Linen auto-name
+    `DenseGeneral_0`); not an `nn.Einsum` or a module nothing names."""
+    cls = kind(node) if isinstance(node, Tree) else None
+    if adapter.records_classes:
+        return True
+    return _auto_name(cls, path) == "DenseGeneral"
 
 
 def _recognise(
@@ -182,13 +198,15 @@ def find_layers(
 
     def add(path: Path, found, leaves: Leaves, paths: dict[str, Path]) -> Layer:
         module = None if native is None else at(native, path)
+        ordered = _inputs_first(adapter, at(tree, path), path)
         # a layer of a file read without its model (an NNX class recorded in a
         # Flax file) has no module: its codecs read their settings from one
         expects = adapter_named(found[0].framework).records_classes
         hyper = {} if module is None and expects else found[0].hyperparameters(module)
+        readings = ()
         if views:
-            found = with_views(found, leaves, module)
-        layer = Layer(path, found, leaves, paths, hyper)
+            found, readings = with_views(found, leaves, module, ordered)
+        layer = Layer(path, found, leaves, paths, hyper, readings=readings)
         read_specs(layer, problems)
         if layer.codecs:
             layers.append(layer)
@@ -284,11 +302,19 @@ def _stack_layers(
         rel = sub_path[len(path) :]
         module = None if native is None else at(native, sub_path)
         hyper = {} if module is None else found[0].hyperparameters(module)
+        readings = ()
         if views:
-            found = with_views(found, one, module)
+            ordered = _inputs_first(adapter, sub, sub_path)
+            found, readings = with_views(found, one, module, ordered)
         for i in range(length):
             layer = Layer(
-                path + (i,) + rel, found, one, paths, hyper, stack=(path, length)
+                path + (i,) + rel,
+                found,
+                one,
+                paths,
+                hyper,
+                stack=(path, length),
+                readings=readings,
             )
             layer.index, layer.arrays, layer.real = i, arrays, sub_path
             layer.axis = axis

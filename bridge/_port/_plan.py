@@ -19,10 +19,10 @@ from .._paths import Path, path_str
 from .._tree import Tree
 from . import _errors
 from ._codec import Codec
-from ._general import view_inputs
+from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
 from ._pairing import Order, Pair, common_kind, normalised, pair
-from ._trace import Example, Position, first_uses
+from ._trace import Contraction, Example, Position, first_uses
 
 
 @dataclass(frozen=True, eq=False)
@@ -357,12 +357,21 @@ def make_plan(
     first: list[str] = []
     read = _paired(source, target, rules, first, traces, axes)
     open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
+    fixed: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
+    for (side, path, _), axis in _traced_axes(open_, traces).items():
+        fixed[side][path] = axis  # the forward pass scans the stack over `axis`
+    if fixed[0] or fixed[1]:
+        first = []
+        read = _paired(
+            source, target, rules, first, traces, (dict(fixed[0]), dict(fixed[1]))
+        )
+        open_ = [x for x in open_ if x[1] not in fixed[x[0]]]
     if not open_:
         problems += first
     else:  # stacks whose layer axis the shapes leave open: the other side decides
         fitting = []
         for choice in itertools.product(*(c for _, _, c in open_)):
-            chosen: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
+            chosen = (dict(fixed[0]), dict(fixed[1]))
             for (side, path, _), axis in zip(open_, choice):
                 chosen[side][path] = axis
             trial: list[str] = []
@@ -383,7 +392,8 @@ def make_plan(
                 )
     sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
     _adopt([(p.source, p.target) for p in pairs], problems)
-    problems += _contractions(pairs, traces)
+    problems += _undecided(pairs)
+    problems += _contradicted(pairs, traces)
     steps, warnings, casts, mismatched = [], list(told), [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
@@ -533,6 +543,8 @@ def _paired(
     sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
     targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
     told = tell_settings((sources, targets), problems)
+    _read_views(sources, targets, traces[0], problems)
+    _read_views(targets, sources, traces[1], problems)
     orders = (
         Order(source, {x.stack[0] for x in sources if x.stack}, traces[0]),
         Order(target, {x.stack[0] for x in targets if x.stack}, traces[1]),
@@ -542,27 +554,113 @@ def _paired(
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
 
 
-def _contractions(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
-    """Per-head kernels read as `Dense` (`_general.dense_view`) whose forward pass,
-    traced on the example inputs, contracts other axes than the view assumed (an
-    Einsum kernel `(H, D, hd)` contracting `D`): the reshape would be wrong."""
+def _traced_axes(open_: list, traces: tuple[Any, Any]) -> dict[tuple, int]:
+    """`{(side, stack path, candidates): axis}` for the stacks whose layer axis
+    the shapes leave open and a traced forward pass scans over (every array of the
+    stack the scan iterates over at one stored axis, among the candidates)."""
+    out = {}
+    for side, path, candidates in open_:
+        trace = traces[side]
+        if trace is None or not trace():
+            continue
+        found = {
+            a
+            for p, a in trace.layer_axes().items()
+            if p[: len(path)] == path and len(p) > len(path)
+        }
+        if len(found) == 1 and next(iter(found)) in candidates:
+            out[(side, path, candidates)] = found.pop()
+    return out
+
+
+def _read_views(
+    layers: list[Layer], others: list[Layer], trace: Any, problems: list[str]
+) -> None:
+    """Each per-head kernel's reading (`_general.choose`): the forward pass's on the
+    example inputs, else the one its shapes allow, else those whose fused shape the
+    other side has; where several remain the layer is `undecided`. A kernel the
+    trace shows applied per head loses its `Dense` view."""
+    viewed = [x for x in layers if x.readings]
+    if not viewed:
+        return
+    wanted = wanted_shapes(others)
+    traced = {} if trace is None else (trace() and trace.contractions()) or {}
+    for x in viewed:
+        view = next(c for c in x.codecs if reading_of(c) is not None)
+        shape = tuple(x.leaves["kernel"].shape)
+        axis = x.axis if x.index is not None else None
+        choice = choose(shape, x.readings, traced.get(kernel_path(x)), wanted, axis)
+        if choice is None:
+            x.codecs = tuple(c for c in x.codecs if c is not view)
+            x.specs.pop("Dense", None)
+            continue
+        x.undecided = choice.undecided
+        chosen = dense_view(view.framework, choice.reading)
+        if chosen is not view:
+            x.codecs = tuple(chosen if c is view else c for c in x.codecs)
+            read_specs(x, problems)
+
+
+def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
+    """Pairs the forward passes contradict: in the source layer `a` feeds `b`
+    (`b`'s input is computed from `a`'s arrays), in the target `b`'s partner feeds
+    `a`'s. Names (or order) paired them, the computation says otherwise: refused,
+    whatever paired them but rules (the user's word)."""
+    if traces[0] is None or traces[1] is None or not traces[0]() or not traces[1]():
+        return []
+    checked = [p for p in pairs if p.by != "rule" and p.source.index is None]
+    checked = [p for p in checked if p.target.index is None]
+    if len(checked) < 2:
+        return []
+    sides = []
+    for side, trace in enumerate(traces):
+        needs = trace.upstream()
+        layers = [p.source if side == 0 else p.target for p in checked]
+        own, feeds = [], []
+        for x in layers:
+            mine, fed = 0, 0
+            for rel in x.paths.values():
+                bit, upstream = needs.get(x.path + rel, (0, 0))
+                mine, fed = mine | bit, fed | upstream
+            own.append(mine)
+            feeds.append(fed & ~mine)
+        sides.append((own, feeds))
+    (s_own, s_feeds), (t_own, t_feeds) = sides
+    out = []
+    for i, j in itertools.permutations(range(len(checked)), 2):
+        if s_own[i] & s_feeds[j] and t_own[j] & t_feeds[i]:  # i before j; j before i
+            a, b = checked[i], checked[j]
+            out.append(
+                _errors.CONTRADICTED.format(
+                    a=a.source.where,
+                    b=b.source.where,
+                    ta=a.target.where,
+                    tb=b.target.where,
+                    by=a.by if a.by == b.by else f"{a.by}, {b.by}",
+                    a_re=re.escape(a.source.where),
+                    b_re=re.escape(b.source.where),
+                )
+            )
+    return out
+
+
+def _undecided(pairs: list[Pair]) -> list[str]:
+    """A per-head kernel paired through its `Dense` view whose shapes fit several
+    readings (`Layer.undecided`): refused, example inputs decide."""
     out = []
     for s, t, _ in pairs:
-        kind = common_kind(s, t)
-        for side, x in ((0, s), (1, t)):
-            codec = next((c for c in x.codecs if c.kind == kind), None)
-            inputs = None if codec is None else view_inputs(codec)
-            if inputs is None or traces[side] is None or x.index is not None:
-                continue
-            kernel = x.path + x.paths.get("kernel", ("kernel",))
-            axes = traces[side].contractions().get(kernel)
-            if axes is not None and axes != tuple(range(inputs)):
+        if common_kind(s, t) != "Dense":
+            continue
+        for x, other in ((s, t), (t, s)):
+            if x.undecided and x.index in (None, 0):
+                shape = tuple(x.leaves["kernel"].shape)
                 out.append(
-                    _errors.CONTRACTED.format(
+                    _errors.AXES.format(
                         where=x.where,
-                        shape=tuple(x.leaves["kernel"].shape),
-                        axes=axes,
-                        inputs=inputs,
+                        shape=shape,
+                        other=other.where,
+                        fused=tuple(x.specs["Dense"]["kernel"].shape),
+                        readings="; ".join(r.words() for r in x.undecided),
                     )
                 )
     return out
@@ -577,19 +675,34 @@ def _tracer(
         return None
 
     done: list[Mapping[Path, Position] | None] = []
-    contracted: dict[Path, tuple[int, ...]] = {}
+    contracted: dict[Path, Contraction] = {}
+    scanned: dict[Path, int] = {}
+    needs: dict[Path, tuple[int, int]] = {}
 
     def trace() -> Mapping[Path, Position] | None:
         if not done:
             done.append(_trace_once())
         return done[0]
 
-    def contractions() -> Mapping[Path, tuple[int, ...]]:
-        """`{leaf path: axes the forward pass contracts}` (see `first_uses`)."""
+    def contractions() -> Mapping[Path, Contraction]:
+        """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
         trace()
         return contracted
 
+    def layer_axes() -> Mapping[Path, int]:
+        """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
+        trace()
+        return scanned
+
+    def upstream() -> Mapping[Path, tuple[int, int]]:
+        """`{leaf path: (its bit, the bits of the leaves its first use is computed
+        from)}` (see `first_uses`)."""
+        trace()
+        return needs
+
     trace.contractions = contractions  # pyright: ignore[reportFunctionMemberAccess]
+    trace.upstream = upstream  # pyright: ignore[reportFunctionMemberAccess]
+    trace.layer_axes = layer_axes  # pyright: ignore[reportFunctionMemberAccess]
 
     def _trace_once() -> Mapping[Path, Position] | None:
         try:
@@ -599,7 +712,9 @@ def _tracer(
         if isinstance(native, Mapping):  # arrays without a model to run (Linen
             return None  # variables alone, a state dict): the order known decides
         try:
-            return first_uses(tree, example.inputs, example.kwargs[side], contracted)
+            return first_uses(
+                tree, example.inputs, example.kwargs[side], contracted, scanned, needs
+            )
         except Exception as error:  # the model's own error on these inputs
             problems.append(
                 _errors.TRACE.format(

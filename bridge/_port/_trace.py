@@ -19,7 +19,7 @@ changes the computation.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core
@@ -67,17 +67,39 @@ class Example:
             self.kwargs = (dict(kwargs or {}), dict(kwargs or {}))
 
 
+class Contraction(NamedTuple):
+    """How a kernel meets the input in the `dot_general` that first uses it, in the
+    axes of the array as stored (a stack's layer axis is in none of them)."""
+
+    inputs: tuple[int, ...]
+    """The axes contracted with the input, in the order of the input's axes."""
+    outputs: tuple[int, ...]
+    """The other axes, in the order the result (after a transpose that directly
+    follows, as `jnp.einsum` emits) has them."""
+    batch: tuple[int, ...]
+    """Axes the product runs over in parallel (a kernel applied per head): no
+    `Dense` layer reads such a kernel."""
+
+
 def first_uses(
     tree: Tree,
     inputs: tuple[Any, ...],
     kwargs: Mapping[str, Any],
-    contracted: dict[Path, tuple[int, ...]] | None = None,
+    contracted: dict[Path, Contraction] | None = None,
+    scanned: dict[Path, int] | None = None,
+    needs: dict[Path, tuple[int, int]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
-    also fills it with `{leaf path: its axes contracted}` for every leaf whose first
-    use is a `dot_general` on the leaf as it is stored (a kernel's input axes: the
-    layout the computation gives it).
+    also fills it with `{leaf path: Contraction}` for every leaf whose first use is
+    a `dot_general` on the leaf as stored, or only transposed or scanned over (a
+    kernel's input axes: the layout the computation gives it). With `scanned`, fills
+    it with `{leaf path: stored axis}` for every leaf a `scan` iterates over (a
+    stack's layer axis, wherever `variable_axes` put it). With `needs`, fills it
+    with `{leaf path: (its bit, the bits of the leaves its first use's other
+    operands are computed from)}` (the layers upstream of the leaf's, through every
+    operation: an order of dependence, which no two implementations of one model
+    can disagree on).
 
     **Arguments:**
 
@@ -112,10 +134,18 @@ def first_uses(
     jaxpr = closed.jaxpr
     tracked = {v: (i, ()) for i, v in enumerate(jaxpr.invars[: len(structs)])}
     found: dict[int, Position] = {}
-    axes: dict[int, tuple[int, ...]] = {}
-    _visit(jaxpr, tracked, found, set(tracked), axes)
+    axes: dict[int, Contraction] = {}
+    layer_axes: dict[int, int] = {}
+    upstream: dict[int, int] = {}
+    stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
+    taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
+    _visit(jaxpr, tracked, found, stored, (axes, layer_axes, upstream), taint)
+    if needs is not None:
+        needs.update({p: (1 << i, upstream.get(i, 0)) for i, p in enumerate(paths)})
     if contracted is not None:
         contracted.update({paths[i]: a for i, a in axes.items()})
+    if scanned is not None:
+        scanned.update({paths[i]: a for i, a in layer_axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
 
 
@@ -127,14 +157,26 @@ def _visit(
     jaxpr: Any,
     tracked: dict[Any, tuple[int, Position]],
     found: dict[int, Position],
-    stored: set[Any],
-    axes: dict[int, tuple[int, ...]],
+    stored: dict[Any, tuple[int, ...]],
+    records: tuple[dict[int, Contraction], dict[int, int], dict[int, int]],
+    taint: dict[Any, int],
 ) -> None:
     """Record in `found` the first use of every leaf a `tracked` variable holds
     (`{var: (leaf, its prefix)}`), in equation order, entering sub-computations;
-    in `axes`, the contracted axes of a leaf first used by a `dot_general` on a
-    variable of `stored` (the leaf with its stored axes)."""
+    in `axes`, how a leaf first used by a `dot_general` is contracted, where the
+    variable's axes are known in the leaf's stored axes (`stored`: `{var: stored
+    axis of each of its axes}`, through transposes and a scan's slicing); in
+    `scanned`, the stored axis a `scan` first iterates over; in `upstream`, the
+    leaves (a bit each) the other operands of a leaf's first use depend on
+    (`taint`: `{var: the leaves it depends on}`)."""
+    axes, scanned_axes, upstream = records
     for n, eqn in enumerate(jaxpr.eqns):
+        ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
+        every = 0
+        for t in ins:
+            every |= t
+        for v in eqn.outvars:
+            taint[v] = every
         used = [
             (i, tracked[v])
             for i, v in enumerate(eqn.invars)
@@ -147,14 +189,18 @@ def _visit(
             others = [v for v in eqn.invars if not _literal(v)]
             if len(others) == 1:
                 tracked[eqn.outvars[0]] = used[0][1]
-                if name in _SAME_LAYOUT and others[0] in stored:
-                    stored.add(eqn.outvars[0])
+                known = stored.get(others[0])
+                if known is not None and name in _SAME_LAYOUT:
+                    stored[eqn.outvars[0]] = known
+                elif known is not None and name == "transpose":
+                    perm = eqn.params["permutation"]
+                    stored[eqn.outvars[0]] = tuple(known[a] for a in perm)
                 continue
         if name == "dot_general":
             for i, (leaf, _) in used:
-                if leaf not in found and eqn.invars[i] in stored and i < 2:
-                    (contracting, _batch) = eqn.params["dimension_numbers"]
-                    axes.setdefault(leaf, tuple(sorted(contracting[i])))
+                known = stored.get(eqn.invars[i])
+                if leaf not in found and known is not None and i < 2:
+                    axes.setdefault(leaf, _contraction(jaxpr, n, i, known))
         scanned = (
             eqn.params.get("num_consts", 0) + eqn.params.get("num_carry", 0)
             if name == "scan"
@@ -165,22 +211,67 @@ def _visit(
             if skip < 0:
                 continue
             inner = {}
+            inner_stored = {}
             for i, (leaf, prefix) in used:
                 j = i - skip
                 if j < 0:
                     continue
                 where = prefix + (n, s)
+                known = stored.get(eqn.invars[i])
                 if scanned is not None and j >= scanned:
                     where += (ITER,)
+                    if known is not None:
+                        scanned_axes.setdefault(leaf, known[0])
+                    known = None if known is None else known[1:]  # one slice
                 inner[sub.invars[j]] = (leaf, where)
-            inner_stored = {
-                sub.invars[i - skip]
-                for i, v in enumerate(eqn.invars)
-                if i >= skip and not _literal(v) and v in stored and scanned is None
+                if known is not None:
+                    inner_stored[sub.invars[j]] = known
+            inner_taint = {
+                sub.invars[j - skip]: ins[j]
+                for j in range(skip, len(eqn.invars))
+                if ins[j]
             }
-            _visit(sub, inner, found, inner_stored, axes)
-        for _, (leaf, prefix) in used:
+            _visit(sub, inner, found, inner_stored, records, inner_taint)
+            if len(sub.outvars) == len(eqn.outvars) and s == 0:
+                for v, w in zip(eqn.outvars, sub.outvars):
+                    taint[v] = 0 if _literal(w) else inner_taint.get(w, 0)
+            elif len(sub.outvars) == len(eqn.outvars):
+                for v, w in zip(eqn.outvars, sub.outvars):
+                    taint[v] |= 0 if _literal(w) else inner_taint.get(w, 0)
+        for i, (leaf, prefix) in used:
+            if leaf not in found:
+                others = 0
+                for j, t in enumerate(ins):
+                    others |= t if j != i else 0
+                upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
+
+
+def _contraction(jaxpr: Any, n: int, side: int, known: tuple[int, ...]) -> Contraction:
+    """The `Contraction` of operand `side` of the `dot_general` `jaxpr.eqns[n]`,
+    whose axes are the stored axes `known`."""
+    eqn = jaxpr.eqns[n]
+    contracting, batch = eqn.params["dimension_numbers"]
+    mine, other = contracting[side], contracting[1 - side]
+    inputs = [m for _, m in sorted(zip(other, mine))]
+    rank = len(known)
+    free = [a for a in range(rank) if a not in mine and a not in batch[side]]
+    lhs_free = len(eqn.invars[0].aval.shape) - len(contracting[0]) - len(batch[0])
+    start = len(batch[0]) + (lhs_free if side == 1 else 0)
+    place = {a: start + k for k, a in enumerate(free)}
+    out = eqn.outvars[0]
+    for later in jaxpr.eqns[n + 1 :]:
+        if any(v is out for v in later.invars):
+            if later.primitive.name == "transpose":
+                perm = list(later.params["permutation"])
+                place = {a: perm.index(p) for a, p in place.items()}
+            break
+    outputs = sorted(free, key=lambda a: place[a])
+    return Contraction(
+        tuple(known[a] for a in inputs),
+        tuple(known[a] for a in outputs),
+        tuple(known[a] for a in batch[side]),
+    )
 
 
 def _subs(eqn: Any) -> list[Any]:
