@@ -208,6 +208,7 @@ TORCH_TESTS = [
     "tests/test_lora_qwix.py",
     "tests/test_torch_hf_folder.py",
     "tests/test_torch_stack_export.py",
+    "tests/test_torch_export_reference.py",
     "tests/test_torch_hf_moe.py",
     "tests/test_quant_torch.py",
     "tests/test_quant_gguf.py",

@@ -35,6 +35,7 @@ from ._io._contents import Contents, Malformed, decode, encode
 from ._io._format import format_named, format_of, formats
 from ._io._hf_folder import write_arrays
 from ._io._read import open_checkpoint, read
+from ._io._reference import check as check_reference, reference_of
 from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
 from ._io._write import write
 from ._lora._summary import lora_summary
@@ -374,6 +375,10 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
         )
     if args.batch_norm_mode and args.to_layout != "equinox":
         usage.error(_BN_MODE_EQUINOX)
+    if args.like is not None and args.to_layout != "torch":
+        usage.error("--like applies only with --to-layout torch")
+    if args.like is not None and not Path(args.like).exists():
+        raise FileNotFoundError(f"--like {args.like}: no such file or folder")
     dst = Path(args.dst)
     fmt = format_of(dst)
     folder = [("--max-shard-size", args.max_shard_size), ("--config", args.config)]
@@ -428,6 +433,9 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
                 )
             if args.rename:
                 _check_names(dst, contents)
+        if args.like is not None:  # before anything is written
+            shapes = ((k, tuple(getattr(v, "shape", ()))) for k, v in arrays.items())
+            check_reference(shapes, reference_of(args.like))
         folder = args.to_layout == "torch" and not format_of(dst).suffixes
         with slow.phase(f"writing {dst.name}"):
             if folder:  # a Hugging Face folder
@@ -544,6 +552,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="with --to-layout torch and a folder DST: the config.json to write "
         "there (a file, or the folder holding it and generation_config.json)",
+    )
+    p.add_argument(
+        "--like",
+        metavar="REFERENCE",
+        help="with --to-layout torch: a PyTorch-layout checkpoint (a safetensors "
+        "file or a Hugging Face folder) of the model the result is for; its names "
+        "and shapes must be exactly those written, else nothing is written",
     )
     p.add_argument(
         "--batch-norm-mode",

@@ -169,6 +169,8 @@ ROWS = [
     Row("save", "max_shard_size", "5XB", ValueError, HF),
     Row("save", "config", 5, TypeError, HF),
     Row("save", "generation_config", 5, TypeError, HF),
+    Row("save", "like", 5, TypeError, {"layout": "torch"}),
+    Row("save", "like", {"fc.weight": np.ones((3, 2), F)}, ValueError),
     Row("to_equinox", "tree", 5, TypeError),
     Row("to_linen", "tree", 5, TypeError),
     Row("to_native", "tree", 5, TypeError),

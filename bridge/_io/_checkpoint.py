@@ -93,6 +93,7 @@ def save(
     config: Any = None,
     generation_config: Any = None,
     packed_experts: str | None = None,
+    like: Any = None,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -167,6 +168,12 @@ def save(
       `"mixtral"`) whose per-expert weights (`mlp.experts.{e}.gate_proj.weight`, as
       a stack of experts is written) are written packed as transformers v5 holds
       them (`mlp.experts.gate_up_proj` `(E, 2F, D)`, `mlp.experts.down_proj`).
+    - `like`: with `layout="torch"`, the model the export is for: a PyTorch module
+      (`AutoModelForCausalLM.from_config(config)`, on the `meta` device or not), its
+      `state_dict()`, or a PyTorch-layout checkpoint (a safetensors file or a Hugging
+      Face folder). The names and shapes written must be exactly its own (a name it
+      ties to another may be left out); otherwise a `ValueError` lists every
+      difference and nothing is written.
 
     **Returns:**
 
@@ -198,6 +205,11 @@ def save(
     folder["packed_experts"] = packed_experts
     if layout is None and any(v is not None for v in folder.values()):
         raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
+    if layout is None and like is not None:
+        raise ValueError(
+            "`like` is the PyTorch model a layout='torch' export is checked against: "
+            'pass layout="torch" with it.'
+        )
     if layout is not None or rules is not None or prefix or quantize is not None:
         if training:
             raise ValueError(
@@ -205,7 +217,7 @@ def save(
                 "training state (`opt_state`, `step`, `extra`) in bridge's layout."
             )
         tree = to_neutral(obj)
-        save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize)
+        save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize, like)
         return
     tree = to_neutral(obj)
     contents, arrays = describe(tree, metadata)

@@ -38,6 +38,7 @@ from .._families import _experts
 from .._families._experts import Place
 from .._tree import Tree
 from ._atomic import _barrier, atomic_dir
+from ._reference import Reference, check
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
 from ._sharded import INDEX_SUFFIX
 from ._torch_layout import TorchLayer, torch_layers
@@ -448,11 +449,13 @@ def save_folder(
     config: Any = None,
     generation_config: Any = None,
     packed_experts: str | None = None,
+    reference: Reference | None = None,
 ) -> Written:
     """`tree` in PyTorch layout (`torch_layers`) as a Hugging Face model folder
     (`write_folder`), one layer converted at a time; with `packed_experts` (a model
     family, `"qwen2_moe"` or `"mixtral"`), that family's per-expert weights written
-    packed (`_experts.packing`)."""
+    packed (`_experts.packing`); with `reference`, only if the names and shapes are
+    its own (`_reference.check`)."""
     configs = config_files(config, generation_config)
     family = None if packed_experts is None else _experts.family(packed_experts)
     layers = torch_layers(tree, rules, prefix)
@@ -464,6 +467,8 @@ def save_folder(
     twice = sorted(n for n, c in counts.items() if c > 1)
     if twice:
         raise ValueError(_TWICE.format(names=", ".join(twice)))
+    if reference is not None:
+        check(((name, tuple(shape)) for name, shape, _ in tensors), reference)
     return write_folder(
         path,
         ((layer.encode, layer.leaves) for layer in layers),

@@ -17,6 +17,7 @@ from . import _hf_folder
 from ._contents import Contents, Stored, is_key
 from ._format import format_of, formats
 from ._model import _NOT_STRINGS, both_str
+from ._reference import check, reference_of
 from ._torch_layout import torch_state
 
 
@@ -114,12 +115,15 @@ def save_layout(
     prefix: str,
     folder: Mapping[str, Any],
     quantize: str | None = None,
+    like: Any = None,
 ) -> None:
     """Write `tree` as a plain PyTorch-layout checkpoint (`save(..., layout=...)`):
     one file in a format that writes plain files (`Format.save_plain`), or a Hugging
-    Face folder for a path no suffix claims."""
+    Face folder for a path no suffix claims; with `like`, only if its names and
+    shapes are the reference's (`_reference`)."""
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
+    reference = None if like is None else reference_of(like)
     _quant_write.check(quantize)
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
@@ -134,7 +138,13 @@ def save_layout(
                 f"{path.parent}: no such directory to save {path.name} in."
             )
         _hf_folder.save_folder(
-            path, tree, rules=rules, prefix=prefix, metadata=user, **folder
+            path,
+            tree,
+            rules=rules,
+            prefix=prefix,
+            metadata=user,
+            reference=reference,
+            **folder,
         )
         return
     if fmt.save_plain is None:
@@ -146,6 +156,8 @@ def save_layout(
         raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
     kinds: dict[str, str] = {}
     state = torch_state(tree, rules, prefix, kinds=kinds)
+    if reference is not None:
+        check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
     if quantize is not None:
         linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
         state = _quant_write.quantized_state(state, linear)
