@@ -191,9 +191,9 @@ def test_torch_layout_lora_equals_peft(tmp_path):
     LoRA model of the same config; save_peft -> PeftModel.from_pretrained computes
     the same; the adapters ported to NNX compute PEFT's forward (1e-5); merge_lora
     equals merge_and_unload (1e-6)."""
+    base = _torch_model()  # skips without torch or peft
     import peft
 
-    base = _torch_model()
     tree = bridge.from_torch(base)
     adapted = nonzero(
         bridge.lora(tree, TORCH_TARGETS, rank=2, alpha=4, key=KEY, use_rslora=True)
