@@ -17,16 +17,26 @@ class LazyArray:
 
     `load()` returns the array (typically a view of a memory-mapped file); `order`
     ranks it for reading (its shard's position), so that a port reads one shard at a
-    time.
+    time. `read_runs`, when the file allows it, reads only some elements:
+    `read_runs([(start, count), ...])` gives the elements `start ... start + count -
+    1` of each run (C order), one after the other, as a 1-D array.
     """
 
-    __slots__ = ("shape", "dtype", "order", "_load")
+    __slots__ = ("shape", "dtype", "order", "_load", "read_runs")
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, order: int, load: Callable):
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any,
+        order: int,
+        load: Callable,
+        read_runs: Callable[[list[tuple[int, int]]], np.ndarray] | None = None,
+    ):
         self.shape = tuple(shape)
         self.dtype = jnp.dtype(dtype)
         self.order = order
         self._load = load
+        self.read_runs = read_runs
 
     @property
     def ndim(self) -> int:

@@ -2,7 +2,9 @@
 (tests/test_hf_folder_processes.py): an MLP whose arrays are sharded (FSDP) over the 8
 devices of 2 processes x 4 CPU devices is saved as a sharded Hugging Face folder, each
 process writing only the bytes of its own shards; the host memory it took while
-saving is sampled; it writes what it measured to `result-PROCESS_ID.json`.
+saving is sampled. Then it is read back into the sharded abstract model (NNX's
+layout: kernels transposed), the bytes each process reads from the files counted.
+Each process writes what it measured to `result-PROCESS_ID.json`.
 
     python tests/hf_folder_worker.py PORT PROCESS_ID DIRECTORY
 """
@@ -27,7 +29,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import bridge  # noqa: E402
-from bridge._io import _hf_folder  # noqa: E402
+from bridge._io import _hf_folder, _safetensors  # noqa: E402
 
 
 WIDTH, DEPTH, SHARD = 1024, 4, "3MB"  # 4 MiB kernels: 4 MiB shards, 8 files
@@ -98,6 +100,30 @@ class Peak:
         self.peak = max(self.peak, rss())
 
 
+class Reads:
+    """The bytes read from safetensors files while the block runs."""
+
+    def __enter__(self):
+        self.bytes, self.read_at = 0, _safetensors.read_at
+
+        def counted(fd, offset, count, into=None):
+            self.bytes += count
+            return self.read_at(fd, offset, count, into)
+
+        _safetensors.read_at = counted
+        return self
+
+    def __exit__(self, *exc):
+        _safetensors.read_at = self.read_at
+
+
+def same_shards(a, b):
+    return all(
+        x.index == y.index and np.array_equal(x.data, y.data)
+        for x, y in zip(a.addressable_shards, b.addressable_shards, strict=True)
+    )
+
+
 def main(port, process_id, directory):
     jax.distributed.initialize(
         f"127.0.0.1:{port}", num_processes=2, process_id=process_id
@@ -115,7 +141,18 @@ def main(port, process_id, directory):
     _hf_folder.save_folder(out, tree, max_shard_size=SHARD)
     with Peak() as peak:
         written = _hf_folder.save_folder(out, tree, max_shard_size=SHARD)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    with Reads() as reads, jax.set_mesh(mesh):
+        loaded = bridge.load(out, like=like)
+    read_same = all(
+        same_shards(a, b)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(tree), strict=True)
+    )
     result = {
+        "read": reads.bytes,
+        "read_same": read_same,
         "held": held,
         "written": written.nbytes,
         "rise": peak.peak - peak.start,

@@ -308,3 +308,40 @@ def test_packed_experts_from_sharded_stacks(tmp_path):
     ).read_bytes()
     with pytest.raises(ValueError, match="`experts` must be one of"):
         bridge.save(tmp_path / "x", model, layout="torch", packed_experts="gpt")
+
+
+def test_read_runs_reads_only_those_bytes(tmp_path, monkeypatch):
+    """The reads a process makes for its part of an array (the 2-process test reads
+    whole folders this way): the elements of each run, in order, from those bytes
+    alone; every dtype's elements, bfloat16 included."""
+    from bridge._io import _read, _safetensors
+
+    arrays = {
+        "a": np.arange(60, dtype=np.float32).reshape(6, 10),
+        "b": np.arange(24, dtype=np.int16).reshape(4, 6),
+        "c": (np.arange(12, dtype=np.float32) / 7).astype(jax.numpy.bfloat16),
+    }
+    path = tmp_path / "m.safetensors"
+    safetensors.numpy.save_file(arrays, path, metadata={"format": "pt"})
+    read = []
+    real = _safetensors.read_at
+
+    def counted(fd, offset, count, into=None):
+        read.append(count)
+        return real(fd, offset, count, into)
+
+    lazy = _read.lazy(_read.open_checkpoint(path))
+    assert lazy is not None
+    monkeypatch.setattr(_safetensors, "read_at", counted)
+    for name, wanted in [
+        ("a", [(0, 3), (10, 3), (57, 3)]),
+        ("b", [(5, 7)]),
+        ("c", [(11, 1)]),
+    ]:
+        read.clear()
+        got = lazy[name].read_runs(wanted)
+        flat = arrays[name].reshape(-1)
+        want = np.concatenate([flat[s : s + n] for s, n in wanted])
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+        item = want.dtype.itemsize
+        assert read == [n * item for _, n in wanted]  # only those bytes

@@ -2,11 +2,6 @@
 `make_step` on a sharded Tree, `bridge.save`/`load` with orbax; the results equal the
 single-process run."""
 
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
@@ -14,36 +9,12 @@ import pytest
 import bridge
 
 from . import multiprocess_worker as worker
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .processes import run_two
 
 
 @pytest.mark.slow
 def test_two_processes_train_save_and_load_like_one(tmp_path):
-    port, script = free_port(), Path(worker.__file__)
-    root = Path(bridge.__file__).parent.parent
-    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(port), str(i), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-3000:]
-
+    run_two(worker.__file__, tmp_path, timeout=240)
     result = np.load(tmp_path / "result.npz")
     # one checkpoint, no temporary left behind by either process
     assert list(result["names"]) == ["ckpt"]

@@ -304,6 +304,29 @@ def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarr
     return _from_bytes(data, entry.code, entry.shape)
 
 
+def read_runs(contents: Contents, name: str, runs: list[tuple[int, int]]) -> np.ndarray:
+    """Some elements of one array, read from the file the header came from: for each
+    run `(start, count)` the elements `start ... start + count - 1` (C order), one run
+    after the other, as a 1-D array (only those bytes are read)."""
+    source: Source = contents.source
+    entry = source.entries[name]
+    if entry.code in _PACKED:  # no byte holds one element: read the whole array
+        whole = read_one(contents, name).reshape(-1)
+        return np.concatenate([whole[a : a + n] for a, n in runs])
+    item = jnp.dtype(DTYPES[entry.code]).itemsize
+    data = np.empty(sum(n for _, n in runs) * item, np.uint8)
+    try:
+        with source.files.reading(source.key) as fd:
+            at = 0
+            for start, count in runs:
+                offset = source.start + entry.begin + start * item
+                read_at(fd, offset, count * item, data.data[at : at + count * item])
+                at += count * item
+    except EOFError as e:
+        raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
+    return _from_bytes(data, entry.code, (data.size // item,))
+
+
 def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
     """`{name: LazyArray}` for a safetensors checkpoint, or a sharded one (`source`:
     its shards, `bridge._io._sharded.Source`): each array read from its file when
@@ -323,6 +346,7 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
                 s.dtype,
                 order,
                 lambda c=shard, n=name: read_one(c, n, own_pages=True),
+                lambda runs, c=shard, n=name: read_runs(c, n, runs),
             )
     return out
 

@@ -28,6 +28,7 @@ from . import _errors
 from ._codec import filled
 from ._compare import largest_difference, outputs, tolerance
 from ._plan import Plan, PlanRow, make_plan
+from ._ranges import converted_by_ranges
 from ._trace import Example
 
 
@@ -357,7 +358,17 @@ def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
     """The target arrays of a row, converted eagerly; entries dropped checked."""
     s, t = step._source, step._target
     assert s is not None and t is not None
-    leaves = {k: materialise(v) for k, v in s.own_leaves().items()}
+    own = s.own_leaves()
+    if t.index is None and not step.drop:  # each process reads its devices' part
+        ranged = converted_by_ranges(
+            own,
+            lambda leaves: _encoded(step, _decoded(step, leaves), t.leaves),
+            t.leaves,
+            lambda k: path_str(t.path + t.paths[k]),
+        )
+        if ranged is not None:
+            return ranged
+    leaves = {k: materialise(v) for k, v in own.items()}
     canonical = _decoded(step, leaves)
     for entry, value in step.drop.items():
         if not bool(jnp.all(canonical[entry] == value)):

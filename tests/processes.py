@@ -1,0 +1,42 @@
+"""The launcher of the multi-process tests: one worker script run as the 2 processes
+of a `jax.distributed` run on 127.0.0.1 (each process with 4 CPU devices, set by the
+worker before it imports jax)."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import bridge
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two(script: str | Path, directory: Path, timeout: float) -> list[str]:
+    """Run `python script PORT PROCESS_ID DIRECTORY` as processes 0 and 1 (bridge
+    from this checkout), wait for both, and return their outputs; fails the test
+    with the end of the outputs when either exits with an error."""
+    port = free_port()
+    root = Path(bridge.__file__).parent.parent
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(port), str(i), str(directory)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-3000:]
+    return outputs
