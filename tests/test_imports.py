@@ -54,15 +54,7 @@ FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
 ADAPTERS = {f"bridge._adapters._{n}" for n in ("linen", "nnx", "equinox", "torch")}
 
 # (importer, imported): what is still done against the rules, and why
-DEBTS = {
-    # LoRA per framework: the public converters, to be imported through _native
-    ("bridge._lora._linen", "bridge._adapters._linen"): "bind, from_linen, ...",
-    ("bridge._lora._nnx", "bridge._adapters._nnx"): "from_nnx, to_nnx",
-    ("bridge._lora._equinox", "bridge._adapters._equinox"): "from_equinox, ...",
-    ("bridge._lora._forward", "flax"): "the LoRA forward pass as a Linen module",
-    # port carries LoRA adapters itself: to become a hook _lora registers with port
-    ("bridge._port._port", "bridge._lora._port"): "split, join",
-}
+DEBTS: dict[tuple[str, str], str] = {}  # none left
 
 
 def _name(path: Path) -> str:

@@ -17,8 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._adapters._equinox import from_equinox, to_equinox
-from .._adapters._native import like
+from .._adapters._native import like, to_native, to_neutral
 from .._paths import Path, at
 from .._tree import Tree, kind, walk
 from . import _forward
@@ -127,8 +126,12 @@ def _target(path: Path, node: Tree, module: Any) -> Target | None:
 
 
 def _model(tree: Tree) -> tuple[Any, Any]:
-    native = to_equinox(tree)
+    native = to_native(tree)
     return native if isinstance(native, tuple) else (native, None)
+
+
+def _tree(model: Any, state: Any) -> Tree:
+    return to_neutral(model if state is None else (model, state))
 
 
 def targets(tree: Tree) -> list[Target]:
@@ -153,7 +156,7 @@ def inject(tree: Tree, adapters: list[Injection]) -> Tree:
         fields = {"lora_a": a, "lora_b": b, "lora_settings": settings}
         new.append(_plain(layer, cls, fields))
     model = _replace(model, [t.target.path for t in adapters], new)
-    return from_equinox(model, state)
+    return _tree(model, state)
 
 
 def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
@@ -164,7 +167,7 @@ def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
         layer = at(model, path)
         changes = {"weight": weights[path]} if path in weights else {}
         new.append(_plain(layer, type(layer)._lora_base, changes))
-    return from_equinox(_replace(model, paths, new), state)
+    return _tree(_replace(model, paths, new), state)
 
 
 register_frame("equinox", Frame(targets, inject, strip, like))

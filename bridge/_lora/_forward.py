@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -41,25 +40,3 @@ def dense_flax(
 def embed_flax(ids: jax.Array, a: jax.Array, b: jax.Array, scaling: float) -> jax.Array:
     """An embedding in the `"flax"` layout: `a (num, rank)`, `b (rank, dim)`."""
     return (jnp.take(a, ids, axis=0) @ b) * jnp.asarray(scaling, a.dtype)
-
-
-def conv_flax(
-    layer: Any, x: jax.Array, a: jax.Array, b: jax.Array, scaling: float
-) -> jax.Array:
-    """A Linen or NNX convolution's adapter (both name their settings alike):
-    `a (*window, in, rank)` applied as a `rank`-channel convolution with the layer's
-    strides, padding and dilation (PEFT's `lora_A` is such a `ConvNd`), then
-    `b (rank, out)` as a 1x1 convolution (PEFT's `lora_B`). `x`: channels last."""
-    conv = nn.Conv(
-        features=a.shape[-1],
-        kernel_size=layer.kernel_size,
-        strides=layer.strides,
-        padding=layer.padding,
-        input_dilation=layer.input_dilation,
-        kernel_dilation=layer.kernel_dilation,
-        use_bias=False,
-        dtype=a.dtype,
-        parent=None,
-    )
-    h: Any = conv.apply({"params": {"kernel": a}}, x.astype(a.dtype))
-    return (h @ b) * jnp.asarray(scaling, a.dtype)

@@ -23,7 +23,7 @@ from .._arguments import (
 from .._paths import Path, at, path_of, path_str
 from .._train._trainable import _selected_by_callable
 from .._tree import Tree, framework, items, kind, leaf_roles, roles, walk
-from . import _equinox, _linen, _nnx, _torch  # noqa: F401  (they register their frames)
+from . import _equinox, _linen, _nnx, _port, _torch  # noqa: F401  (they register)
 from ._settings import Injection, Settings, Target, frame_of
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from .._adapters._linen import bind, from_linen, linen_module, to_linen
+from .._adapters._native import like, to_native, to_neutral
 from .._paths import Path, path_str
 from .._tree import Tree, walk
 from . import _forward
@@ -55,6 +55,21 @@ name the layer's inputs by giving it a conventional name, or put adapters on \
 another layer."""
 
 
+def linen_module(tree: Tree) -> nn.Module | None:
+    """The Linen module the Tree was made with (None: variables alone)."""
+    src = tree._info.source
+    return None if src is None else src.record.module.value
+
+
+def to_linen(tree: Tree) -> dict[str, Any]:
+    """The Tree's variables."""
+    return like({}, tree)
+
+
+def from_linen(variables: Any, module: nn.Module | None) -> Tree:
+    return to_neutral(variables if module is None else (module, variables))
+
+
 def _settings_table(module: Any) -> dict[Path, Settings]:
     return dict(getattr(type(module), "_lora_layers", ()))
 
@@ -77,7 +92,7 @@ def _intercept(table: Mapping[Path, Settings], next_fun, args, kwargs, context):
     if settings.dropout and module.has_rng("dropout"):
         x = _forward.dropout(x, settings.dropout, module.make_rng("dropout"))
     if isinstance(module, nn.Conv):
-        d = _forward.conv_flax(module, x, a, b, settings.scaling)
+        d = conv_flax(module, x, a, b, settings.scaling)
         return out + d.astype(out.dtype)
     n_in = 1
     if isinstance(module, nn.DenseGeneral):
@@ -218,7 +233,7 @@ def native(model: Any, tree: Tree) -> Any:
     if isinstance(model, tuple):
         return linen_module(tree), to_linen(tree)
     if isinstance(model, nn.Module):
-        return bind(tree)
+        return to_native(tree)  # bound
     return to_linen(tree)
 
 
@@ -252,6 +267,28 @@ def qwix_read(tree: Tree) -> tuple[Tree, list[QwixAdapter]]:
     if "params" in variables:
         variables["params"] = take(variables["params"], ())
     return from_linen(variables, module), found
+
+
+def conv_flax(
+    layer: Any, x: jax.Array, a: jax.Array, b: jax.Array, scaling: float
+) -> jax.Array:
+    """A Linen or NNX convolution's adapter (both name their settings alike):
+    `a (*window, in, rank)` applied as a `rank`-channel convolution with the layer's
+    strides, padding and dilation (PEFT's `lora_A` is such a `ConvNd`), then
+    `b (rank, out)` as a 1x1 convolution (PEFT's `lora_B`). `x`: channels last."""
+    conv = nn.Conv(
+        features=a.shape[-1],
+        kernel_size=layer.kernel_size,
+        strides=layer.strides,
+        padding=layer.padding,
+        input_dilation=layer.input_dilation,
+        kernel_dilation=layer.kernel_dilation,
+        use_bias=False,
+        dtype=a.dtype,
+        parent=None,
+    )
+    h: Any = conv.apply({"params": {"kernel": a}}, x.astype(a.dtype))
+    return (h @ b) * jax.numpy.asarray(scaling, a.dtype)
 
 
 register_frame("linen", Frame(targets, inject, strip, native, qwix=qwix_read))

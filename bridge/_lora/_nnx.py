@@ -18,11 +18,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from .._adapters._native import check_model, like, to_neutral
-from .._adapters._nnx import from_nnx, to_nnx
+from .._adapters._native import check_model, like, to_native, to_neutral
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, kind, walk
 from . import _forward
+from ._linen import conv_flax
 from ._settings import (
     A,
     B,
@@ -72,7 +72,7 @@ def delta(layer: Any, x: jax.Array) -> jax.Array:
     if "lora_dropout" in vars(layer):
         x = layer.lora_dropout(x)
     if isinstance(layer, nnx.Conv):
-        return _forward.conv_flax(layer, x, a, b, settings.scaling)
+        return conv_flax(layer, x, a, b, settings.scaling)
     n_in = len(layer.in_features) if isinstance(layer, nnx.LinearGeneral) else 1
     out = _forward.dense_flax(x, a, b, settings.scaling, n_in)
     out_features = (
@@ -123,7 +123,7 @@ def _target(path: Path, node: Tree, module: Any) -> Target | None:
 
 
 def targets(tree: Tree) -> list[Target]:
-    native = to_nnx(tree)
+    native = to_native(tree)
     found = (_target(path, node, at(native, path)) for path, node in walk(tree))
     return [t for t in found if t is not None]
 
@@ -135,7 +135,7 @@ adapters on the layers before stacking them."""
 
 
 def inject(tree: Tree, adapters: list[Injection]) -> Tree:
-    native = to_nnx(tree)
+    native = to_native(tree)
     for n, (target, a, b, settings, key) in enumerate(adapters):
         layer = at(native, target.path)
         base = getattr(type(layer), "_lora_base", type(layer))
@@ -154,11 +154,11 @@ def inject(tree: Tree, adapters: list[Injection]) -> Tree:
                 settings.dropout, deterministic=key is None, rngs=nnx.Rngs(stream)
             )
         object.__setattr__(layer, "__class__", lora_class(base))
-    return from_nnx(native)
+    return to_neutral(native)
 
 
 def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
-    native = to_nnx(tree)
+    native = to_native(tree)
     for path, node in walk(tree):
         base = getattr(kind(node), "_lora_base", None)
         if base is None:
@@ -171,7 +171,7 @@ def strip(tree: Tree, weights: dict[Path, Any]) -> Tree:
             if attr in vars(module):
                 delattr(module, attr)
         object.__setattr__(module, "__class__", base)
-    return from_nnx(native)
+    return to_neutral(native)
 
 
 _QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
@@ -180,7 +180,7 @@ _QWIX_ATTRIBUTES = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
 def qwix_read(tree: Tree) -> tuple[Tree, list[QwixAdapter]]:
     """The model without qwix: its root's class the one qwix intercepted, qwix's
     attributes gone, and the `<param>_lora_a`/`_lora_b` parameters taken out."""
-    native = to_nnx(tree)
+    native = to_native(tree)
     unquantized = getattr(type(native), "_unquantized_type", None)  # qwix's class
     if unquantized is not None:
         object.__setattr__(native, "__class__", unquantized)
@@ -201,7 +201,7 @@ def qwix_read(tree: Tree) -> tuple[Tree, list[QwixAdapter]]:
                 delattr(module, name)
                 if b is not None:
                     delattr(module, param + "_lora_b")
-    return from_nnx(native), found
+    return to_neutral(native), found
 
 
 register_frame("nnx", Frame(targets, inject, strip, like, qwix=qwix_read))
@@ -277,7 +277,7 @@ def from_nnx_lora(model: Any) -> Any:
     tree = to_neutral(model)
     if framework(tree) != "nnx":
         raise TypeError(_NOT_NNX.format(framework=framework(tree) or "partial-Tree"))
-    native = to_nnx(tree)
+    native = to_native(tree)
     kinds = {path: kind(node) for path, node in walk(tree)}
     problems: list[str] = []
     read: list[tuple[Path, Any]] = []  # (path of the layer, its nnx.LoRA)
@@ -310,7 +310,7 @@ def from_nnx_lora(model: Any) -> Any:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(_CANNOT_READ.format(n=len(problems), problems=lines))
-    plain = from_nnx(native)
+    plain = to_neutral(native)
     found = {t.path: t for t in targets(plain)}
     injections = []
     for path, lora in read:
@@ -418,7 +418,7 @@ def to_nnx_lora(model: Any) -> Any:
     problems: list[str] = []
     if not found:
         problems.append("the model holds no LoRA adapter (bridge.lora puts them on)")
-    native = to_nnx(tree)
+    native = to_native(tree)
     for t in found:
         layer = at(native, t.path)
         settings: Settings = layer.lora_settings
@@ -449,5 +449,5 @@ def to_nnx_lora(model: Any) -> Any:
         lora.lora_a = nnx.LoRAParam(a)
         lora.lora_b = nnx.LoRAParam(b * jax.numpy.asarray(scaling, b.dtype))
         layer.lora = lora
-    out = from_nnx(native)
+    out = to_neutral(native)
     return out if isinstance(model, Tree) else like(model, out)

@@ -12,6 +12,7 @@ import jax.tree_util as jtu
 from .._adapters._native import to_neutral
 from .._adapters._registry import adapter_for
 from .._paths import Path, at
+from .._port._carry import Carrier, register_carrier
 from .._tree import Tree, framework
 from ._peft import from_peft, layer_paths, to_peft
 from ._settings import _FRAMES, A, B, Injection, Target, frame_of
@@ -101,3 +102,6 @@ def join(carried: Carried, steps: Any, ported: Any) -> Any:
         injections.append(Injection(target, a, b, settings, None))
     out = frame.inject(tree, injections)
     return out if isinstance(ported, Tree) else frame.native(ported, out)
+
+
+register_carrier(Carrier(split, join))

@@ -20,11 +20,10 @@ from .._arguments import (
     check_rules,
 )
 from .._lazy import materialise
-from .._lora._port import join as lora_join, split as lora_split
 from .._paths import Path, path_str
 from .._placement import place, sharding_of
 from .._tree import Tree, map_with_path
-from . import _errors
+from . import _carry, _errors
 from ._codec import filled
 from ._compare import largest_difference, outputs, tolerance
 from ._plan import Plan, PlanRow, make_plan
@@ -170,9 +169,9 @@ def port_and_plan(
 ) -> tuple[Any, Plan]:
     """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
     missing, unexpected and mismatched layers)."""
-    plain, adapters = lora_split(source)  # LoRA adapters follow their layers
+    plain, adapters = _carry.split(source)  # LoRA adapters follow their layers
     # and replace the target's own (port_opt_state ports into a LoRA model)
-    abstract = placeholders(lora_split(target)[0] if adapters else target)
+    abstract = placeholders(_carry.split(target)[0] if adapters else target)
     given = examples(example, example_kwargs, check, check_kwargs)
     plan, problems = make_plan(plain, abstract, rules, strict, dtype, given)
     if problems:
@@ -188,8 +187,8 @@ def port_and_plan(
             stacklevel=stacklevel,
         )
     ported = like(target, tree)
-    if adapters is not None:
-        ported = lora_join(adapters, plan.steps, ported)
+    if adapters:
+        ported = _carry.join(adapters, plan.steps, ported)
     if check is not None:
         _check(source, ported, check, check_kwargs)
     return ported, plan
