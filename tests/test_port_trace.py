@@ -212,3 +212,51 @@ def test_names_computed_in_another_order_but_not_contradicted_port():
     source = (module, module.init(jax.random.key(1), x))
     ported = bridge.port(source, GatedUpFirst(nnx.Rngs(0)), example=x)
     assert bridge.compare(source, ported, x) < 1e-6
+
+
+class OIHWConv(nn.Module):
+    """A convolution written by hand with PyTorch's kernel layout `(out, in, kh,
+    kw)`: with 3 channels and a 3x3 window its kernel has the shapes of a Flax
+    `(kh, kw, in, out)` one."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (3, 3, 3, 3))
+        bias = self.param("bias", nn.initializers.zeros, (3,))
+        dims = ("NHWC", "OIHW", "NHWC")
+        y = jax.lax.conv_general_dilated(
+            x, kernel, (1, 1), "SAME", dimension_numbers=dims
+        )
+        return y + bias[None, None, None]
+
+
+class HandConv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return OIHWConv(name="conv")(x)
+
+
+class NNXConv(nnx.Module):
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 3, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return self.conv(x)
+
+
+def test_a_conv_kernel_the_trace_shows_in_another_layout_is_refused():
+    """Shapes alone read the hand-written kernel as Flax's HWIO (a wrong model, and
+    nothing can tell without running it); with example inputs the convolution's
+    dimension numbers say out is axis 0: refused, naming the axes."""
+    x = jax.random.normal(jax.random.key(0), (1, 5, 5, 3))
+    module = HandConv()
+    source = (module, module.init(jax.random.key(1), x))
+    assert bridge.compare(source, bridge.port(source, NNXConv(nnx.Rngs(0))), x) > 1e-2
+    with pytest.raises(
+        bridge.PortError,
+        match=r"layout: \.conv \(Conv kernel \(3, 3, 3, 3\)\) .* out at axis 0, in at "
+        r"axis 1 and spatial axes \(2, 3\)",
+    ):
+        bridge.port(source, NNXConv(nnx.Rngs(0)), example=x)
+    flax_layout = bridge.port(NNXConv(nnx.Rngs(2)), NNXConv(nnx.Rngs(3)), example=x)
+    assert bridge.compare(NNXConv(nnx.Rngs(2)), flax_layout, x) < 1e-6

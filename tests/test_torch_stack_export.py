@@ -12,7 +12,7 @@ from flax import nnx
 import bridge
 
 from .helpers import skip_unless
-from .test_port_stacked import BiasFreeLooped, BiasFreeScanned, X
+from .test_port_stacked import BiasFreeLooped, BiasFreeScanned, Scanned, X, _randomised
 
 
 torch = pytest.importorskip("torch")
@@ -104,3 +104,50 @@ def test_a_tensor_that_is_no_torch_layer_is_refused_and_nothing_written(tmp_path
     with pytest.raises(ValueError, match=r"\.norm would be written as 'norm' with"):
         bridge.save(path, variables, layout="torch")
     assert list(tmp_path.iterdir()) == []
+
+
+class TorchBiasedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.LayerNorm_0 = torch.nn.LayerNorm(4, eps=1e-6)
+        self.Dense_0 = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.Dense_0(self.LayerNorm_0(x))
+
+
+class TorchScanned(torch.nn.Module):
+    """The PyTorch model of test_port_stacked's `Scanned` (`nn.scan` of LayerNorm +
+    Dense with bias, a head), with its names."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([TorchBiasedBlock() for _ in range(3)])
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_a_biased_linen_scan_saved_in_torch_layout_loads_strictly(axis, tmp_path):
+    """A Linen `nn.scan` stack with biases (it raised a TypeError on
+    ShapeDtypeStruct once), at axis 0 and MaxText's 1: per-layer names, checked
+    against the PyTorch model (like=), read by load_state_dict(strict=True) with the
+    Linen model's outputs."""
+    variables = Scanned(axis=axis).init(jax.random.key(0), X)
+    module, variables = _randomised((Scanned(axis=axis), variables))
+    reference = TorchScanned()
+    path = tmp_path / "model.safetensors"
+    bridge.save(path, (module, variables), layout="torch", like=reference)
+    state = safetensors.numpy.load_file(str(path))
+    assert state["blocks.2.Dense_0.weight"].shape == (4, 4)
+    reference.load_state_dict(
+        {k: torch.tensor(v) for k, v in state.items()}, strict=True
+    )
+    with torch.no_grad():
+        got = reference(torch.tensor(np.asarray(X))).numpy()
+    want = np.asarray(module.apply(variables, X))
+    assert np.max(np.abs(got - want)) < 1e-5

@@ -133,6 +133,13 @@ CONTRADICTED = (
     "correspond and say so with rules, e.g. rules={{r'{a_re}': '{tb}', r'{b_re}': "
     "'{ta}'}} if the computation is right."
 )
+CONV_AXES = (
+    "layout: {where} (Conv kernel {shape}) is read in Flax's layout (spatial axes, "
+    "then in, then out), but the forward pass on the example inputs convolves it "
+    "with out at axis {out}, in at axis {inp} and spatial axes {spatial}: the port "
+    "would move the wrong axes. Register a codec for its module "
+    "(bridge.register_codec) that transposes it to Flax's layout."
+)
 UNREADABLE = "unreadable: {where} ({kind}): {error}"
 TOLD = (
     "{where} ({kind}): its setting `{name}` is not recorded (a part of a model or a "

@@ -18,7 +18,7 @@ from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
 from .._tree import Tree
 from . import _errors
-from ._codec import Codec
+from ._codec import Codec, same
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
 from ._pairing import Order, Pair, common_kind, normalised, pair
@@ -394,6 +394,7 @@ def make_plan(
     _adopt([(p.source, p.target) for p in pairs], problems)
     problems += _undecided(pairs)
     problems += _contradicted(pairs, traces)
+    problems += _conv_layouts(pairs, traces)
     steps, warnings, casts, mismatched = [], list(told), [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
@@ -644,6 +645,43 @@ def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
     return out
 
 
+def _conv_layouts(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
+    """`Conv` layers read in Flax's layout (`(*spatial, in, out)`, a codec that
+    decodes nothing) whose kernel the forward pass convolves with other axes (a
+    custom module storing `(out, in, *spatial)`, a square kernel whose shapes fit
+    either): refused, naming the axes."""
+    out = []
+    for s, t, _ in pairs:
+        if common_kind(s, t) != "Conv":
+            continue
+        for side, x in ((0, s), (1, t)):
+            trace = traces[side]
+            if (
+                trace is None
+                or x.index not in (None, 0)
+                or x.codec("Conv").decode is not same
+            ):
+                continue
+            spec = (trace() and trace.kernels().get(kernel_path(x))) or None
+            if spec is None:
+                continue
+            if x.index is not None:
+                spec = tuple(a - (a > x.axis) for a in spec)
+            n = len(spec)
+            want = (n - 1, n - 2, *range(n - 2))
+            if spec != want:
+                out.append(
+                    _errors.CONV_AXES.format(
+                        where=x.where,
+                        shape=tuple(x.leaves["kernel"].shape),
+                        out=spec[0],
+                        inp=spec[1],
+                        spatial=spec[2:],
+                    )
+                )
+    return out
+
+
 def _undecided(pairs: list[Pair]) -> list[str]:
     """A per-head kernel paired through its `Dense` view whose shapes fit several
     readings (`Layer.undecided`): refused, example inputs decide."""
@@ -678,6 +716,7 @@ def _tracer(
     contracted: dict[Path, Contraction] = {}
     scanned: dict[Path, int] = {}
     needs: dict[Path, tuple[int, int]] = {}
+    convolved: dict[Path, tuple[int, ...]] = {}
 
     def trace() -> Mapping[Path, Position] | None:
         if not done:
@@ -701,7 +740,14 @@ def _tracer(
         return needs
 
     trace.contractions = contractions  # pyright: ignore[reportFunctionMemberAccess]
+
+    def kernels() -> Mapping[Path, tuple[int, ...]]:
+        """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
+        trace()
+        return convolved
+
     trace.upstream = upstream  # pyright: ignore[reportFunctionMemberAccess]
+    trace.kernels = kernels  # pyright: ignore[reportFunctionMemberAccess]
     trace.layer_axes = layer_axes  # pyright: ignore[reportFunctionMemberAccess]
 
     def _trace_once() -> Mapping[Path, Position] | None:
@@ -713,7 +759,13 @@ def _tracer(
             return None  # variables alone, a state dict): the order known decides
         try:
             return first_uses(
-                tree, example.inputs, example.kwargs[side], contracted, scanned, needs
+                tree,
+                example.inputs,
+                example.kwargs[side],
+                contracted,
+                scanned,
+                needs,
+                convolved,
             )
         except Exception as error:  # the model's own error on these inputs
             problems.append(

@@ -88,6 +88,7 @@ def first_uses(
     contracted: dict[Path, Contraction] | None = None,
     scanned: dict[Path, int] | None = None,
     needs: dict[Path, tuple[int, int]] | None = None,
+    convolved: dict[Path, tuple[int, ...]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -99,7 +100,8 @@ def first_uses(
     with `{leaf path: (its bit, the bits of the leaves its first use's other
     operands are computed from)}` (the layers upstream of the leaf's, through every
     operation: an order of dependence, which no two implementations of one model
-    can disagree on).
+    can disagree on). With `convolved`, fills it with `{leaf path: its stored axes
+    as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
 
     **Arguments:**
 
@@ -137,9 +139,13 @@ def first_uses(
     axes: dict[int, Contraction] = {}
     layer_axes: dict[int, int] = {}
     upstream: dict[int, int] = {}
+    kernels: dict[int, tuple[int, ...]] = {}
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
-    _visit(jaxpr, tracked, found, stored, (axes, layer_axes, upstream), taint)
+    records = (axes, layer_axes, upstream, kernels)
+    _visit(jaxpr, tracked, found, stored, records, taint)
+    if convolved is not None:
+        convolved.update({paths[i]: a for i, a in kernels.items()})
     if needs is not None:
         needs.update({p: (1 << i, upstream.get(i, 0)) for i, p in enumerate(paths)})
     if contracted is not None:
@@ -158,7 +164,9 @@ def _visit(
     tracked: dict[Any, tuple[int, Position]],
     found: dict[int, Position],
     stored: dict[Any, tuple[int, ...]],
-    records: tuple[dict[int, Contraction], dict[int, int], dict[int, int]],
+    records: tuple[
+        dict[int, Contraction], dict[int, int], dict[int, int], dict[int, tuple]
+    ],
     taint: dict[Any, int],
 ) -> None:
     """Record in `found` the first use of every leaf a `tracked` variable holds
@@ -169,7 +177,7 @@ def _visit(
     `scanned`, the stored axis a `scan` first iterates over; in `upstream`, the
     leaves (a bit each) the other operands of a leaf's first use depend on
     (`taint`: `{var: the leaves it depends on}`)."""
-    axes, scanned_axes, upstream = records
+    axes, scanned_axes, upstream, kernels = records
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
         every = 0
@@ -201,6 +209,12 @@ def _visit(
                 known = stored.get(eqn.invars[i])
                 if leaf not in found and known is not None and i < 2:
                     axes.setdefault(leaf, _contraction(jaxpr, n, i, known))
+        if name == "conv_general_dilated":
+            for i, (leaf, _) in used:
+                known = stored.get(eqn.invars[i])
+                if leaf not in found and known is not None and i == 1:
+                    spec = eqn.params["dimension_numbers"].rhs_spec
+                    kernels.setdefault(leaf, tuple(known[a] for a in spec))
         scanned = (
             eqn.params.get("num_consts", 0) + eqn.params.get("num_carry", 0)
             if name == "scan"
