@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._codec import Codec, Leaves, of_class, register_codec, same, same_as_like
+from ._host import flip, transpose
 from ._torch import (
     bias_flag,
     by_class,
@@ -42,7 +43,7 @@ def _linen_conv(cls, leaves: Leaves) -> bool:
 def _eqx_decode(leaves: Leaves, hyper) -> Leaves:
     weight = leaves["weight"]
     spatial = tuple(range(2, weight.ndim))
-    out = {"kernel": jnp.transpose(weight, (*spatial, 1, 0))}
+    out = {"kernel": transpose(weight, (*spatial, 1, 0))}
     if "bias" in leaves:
         out["bias"] = jnp.reshape(leaves["bias"], leaves["bias"].shape[:1])
     return out
@@ -51,7 +52,7 @@ def _eqx_decode(leaves: Leaves, hyper) -> Leaves:
 def _eqx_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
     kernel = canonical["kernel"]
     n = kernel.ndim - 2
-    out = {"weight": jnp.transpose(kernel, (n + 1, n, *range(n)))}
+    out = {"weight": transpose(kernel, (n + 1, n, *range(n)))}
     if "bias" in like:
         out["bias"] = jnp.reshape(canonical["bias"], like["bias"].shape)
     return out
@@ -291,7 +292,7 @@ def _torch_conv_transpose_hyper(layer: Any) -> dict[str, Any]:
 def _torch_conv_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
     w = leaves["weight"]
     spatial = tuple(range(2, w.ndim))
-    out = {"kernel": jnp.transpose(w, (*spatial, 1, 0))}
+    out = {"kernel": transpose(w, (*spatial, 1, 0))}
     if "bias" in leaves:
         out["bias"] = leaves["bias"]
     return out
@@ -302,7 +303,7 @@ def _torch_conv_encode(
 ) -> Leaves:
     kernel = canonical["kernel"]
     n = kernel.ndim - 2
-    out = {"weight": jnp.transpose(kernel, (n + 1, n, *range(n)))}
+    out = {"weight": transpose(kernel, (n + 1, n, *range(n)))}
     if "bias" in canonical and (not like or "bias" in like):
         out["bias"] = canonical["bias"]
     return out
@@ -319,8 +320,8 @@ def _torch_conv_transpose_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leave
         raise ValueError(_GROUPED_TRANSPOSE.format(groups=hyper["groups"]))
     w = leaves["weight"]
     spatial = tuple(range(2, w.ndim))
-    flipped = jnp.flip(w, spatial)
-    out = {"kernel": jnp.transpose(flipped, (*spatial, 0, 1))}
+    flipped = flip(w, spatial)
+    out = {"kernel": transpose(flipped, (*spatial, 0, 1))}
     if "bias" in leaves:
         out["bias"] = leaves["bias"]
     return out
@@ -331,8 +332,8 @@ def _torch_conv_transpose_encode(
 ) -> Leaves:
     kernel = canonical["kernel"]
     n = kernel.ndim - 2
-    weight = jnp.transpose(kernel, (n, n + 1, *range(n)))
-    out = {"weight": jnp.flip(weight, tuple(range(2, weight.ndim)))}
+    # flipped over the kernel's spatial axes first: a host array is then copied once
+    out = {"weight": transpose(flip(kernel, tuple(range(n))), (n, n + 1, *range(n)))}
     if "bias" in canonical and (not like or "bias" in like):
         out["bias"] = canonical["bias"]
     return out

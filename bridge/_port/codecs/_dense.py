@@ -14,7 +14,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from ..._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
@@ -27,6 +26,7 @@ from .._codec import (
     same,
     same_as_like,
 )
+from ._host import transpose
 from ._torch import (
     bias_flag,
     by_class,
@@ -63,14 +63,14 @@ def _linen_dense_general(cls, leaves: Leaves) -> bool:
 
 
 def _eqx_decode(leaves: Leaves, hyper) -> Leaves:
-    out = {"kernel": jnp.transpose(leaves["weight"])}
+    out = {"kernel": transpose(leaves["weight"])}
     if "bias" in leaves:
         out["bias"] = leaves["bias"]
     return out
 
 
 def _eqx_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
-    out = {"weight": jnp.transpose(canonical["kernel"])}
+    out = {"weight": transpose(canonical["kernel"])}
     if "bias" in like:
         out["bias"] = canonical["bias"]
     return out
@@ -183,7 +183,7 @@ def _is_conv1d(leaves: Leaves, hyper: dict[str, Any]) -> bool:
 
 def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
     w = leaves["weight"]
-    out = {"kernel": w if _is_conv1d(leaves, hyper) else jnp.transpose(w)}
+    out = {"kernel": w if _is_conv1d(leaves, hyper) else transpose(w)}
     if "bias" in leaves:
         out["bias"] = leaves["bias"]
     return out
@@ -192,7 +192,7 @@ def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
 def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
     kernel = canonical["kernel"]
     conv1d = _is_conv1d(like, hyper) if like else bool(hyper.get("conv1d"))
-    out = {"weight": kernel if conv1d else jnp.transpose(kernel)}
+    out = {"weight": kernel if conv1d else transpose(kernel)}
     if "bias" in canonical and (not like or "bias" in like):
         out["bias"] = canonical["bias"]
     return out

@@ -1,0 +1,35 @@
+"""Layout changes that keep a host array on the host.
+
+A weight read from a file or a state dict is a numpy array. `jnp.transpose` of it is
+an eager XLA computation: the array copied to the device, transposed there (a second
+copy), and the transpose compiled once per distinct shape (about 1 s each on a loaded
+2-core machine, and a model has many shapes). `transpose` here moves the axes of
+such an array as a numpy view and copies it once, with `jax.device_put`, into a new
+JAX array: the same values, dtype and placement, nothing compiled. JAX arrays and
+tracers (`jax.eval_shape`, `jax.jit`) go through `jnp` as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def transpose(x: Any, axes: Sequence[int] | None = None) -> Any:
+    """`jnp.transpose(x, axes)`; a numpy `x` is transposed on the host and copied
+    once into a JAX array."""
+    if isinstance(x, np.ndarray):
+        return jax.device_put(np.transpose(x, axes))
+    return jnp.transpose(x, axes)
+
+
+def flip(x: Any, axes: Sequence[int]) -> Any:
+    """`jnp.flip(x, axes)`; a numpy `x` gives a numpy view (no copy), which
+    `transpose` then copies once."""
+    if isinstance(x, np.ndarray):
+        return np.flip(x, tuple(axes))
+    return jnp.flip(x, tuple(axes))
