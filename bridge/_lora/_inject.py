@@ -75,7 +75,10 @@ def lora(
     Orientation: in a Linen or NNX model `lora_a` is `(in_features, rank)` and
     `lora_b` `(rank, out_features)`, as `nnx.LoRA`; in an Equinox model
     `lora_a (rank, in_features)` and `lora_b (out_features, rank)`, as PEFT's
-    `lora_A.weight`/`lora_B.weight` and Equinox's own weights. A per-head kernel
+    `lora_A.weight`/`lora_B.weight` and Equinox's own weights; in a PyTorch-layout
+    Tree (`nn.Linear`, Hugging Face's `Conv1D`, `nn.Embedding`) the same, and
+    `bridge.to_torch` gives the state dict of PEFT's LoRA model
+    (`peft.inject_adapter_in_model`). A per-head kernel
     (`(in, heads, head_dim)`) takes one adapter over its flattened features; a
     convolution's `lora_a` is a `rank`-channel kernel with the layer's window; a
     stack of layers (`nn.scan`, `nnx.vmap`, `eqx.filter_vmap`) takes one adapter
@@ -88,7 +91,8 @@ def lora(
     **Arguments:**
 
     - `model`: a Linen `(module, variables)` pair or bound module, an `nnx.Module`,
-      an Equinox model, or a `bridge.Tree` of one.
+      an Equinox model, a PyTorch-layout state dict or `torch.nn.Module` (given
+      back as a state dict), or a `bridge.Tree` of one.
     - `where`: the layers: a regular expression searched in each layer's `keystr`
       path (`r"q_proj|v_proj"`); a list of layer names, matched against the end of
       each layer's dotted path, as PEFT's `target_modules` (`["q_proj", "v_proj"]`);
