@@ -307,3 +307,46 @@ def test_peft_adapter_onto_a_hugging_face_folder_in_torch_layout(tmp_path):
         base_logits = hf(ids).logits.numpy()
     np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
     assert np.abs(got - base_logits).max() > 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+def test_gpt2_peft_adapter_merged_in_torch_layout(tmp_path):
+    """GPT-2's Conv1D layers (fused c_attn, c_proj, c_fc; tied wte/lm_head): a PEFT
+    adapter loaded onto bridge.from_torch(model) and merged: merge_and_unload's
+    weights (measured bit-equal) and logits."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=16, n_layer=2, n_head=2, vocab_size=30, n_positions=8,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["c_attn", "c_proj", "c_fc"],
+        fan_in_fan_out=True,
+    )  # fmt: skip
+    tuned = peft.get_peft_model(copy.deepcopy(hf), lora)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    tuned.save_pretrained(tmp_path)
+    adapted = bridge.load_peft(tmp_path, bridge.from_torch(hf))
+    attn = adapted.transformer.h[0].attn.c_attn
+    assert (attn.lora_a.shape, attn.lora_b.shape) == ((2, 16), (48, 2))
+    merged = bridge.to_torch(bridge.merge_lora(adapted), tensors=True)
+    want = copy.deepcopy(tuned).merge_and_unload()
+    for name, array in want.state_dict().items():
+        np.testing.assert_allclose(
+            merged[name].numpy(), array.numpy(), atol=1e-6, rtol=0, err_msg=name
+        )
+    plain = copy.deepcopy(hf)
+    plain.load_state_dict(merged)
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        got, ref = plain(ids).logits.numpy(), tuned(ids).logits.numpy()
+        moved = np.abs(hf(ids).logits.numpy() - ref).max()
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    assert moved > 1e-2
