@@ -18,6 +18,7 @@ import bridge
 from bridge._io import _files, _safetensors, _sharded
 from bridge._io._read import open_checkpoint
 
+from .helpers import requires
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
 
 
@@ -77,6 +78,7 @@ def test_a_stacked_sharded_file_ports_into_per_layer_layers(tmp_path):
     )
 
 
+@requires("NNX")
 def test_a_sharded_training_checkpoint_resumes(tmp_path):
     """The optimizer state is read after the model's arrays, from the same shards."""
     import optax
@@ -99,6 +101,7 @@ def test_a_sharded_training_checkpoint_resumes(tmp_path):
 # --- item 6: bridge's own sharded checkpoints keep their metadata ---------------------
 
 
+@requires("NNX")
 def test_bridge_sharded_checkpoints_keep_roles_and_framework(tmp_path):
     from flax import nnx
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires, skip_unless
 from .lora_models import LENGTH, OUT, VOCAB, WIDTH, models, nonzero, run
 
 
@@ -157,6 +158,7 @@ def test_rank_below_one_is_refused_by_name(rank):
         bridge.lora(models()["nnx"], ["q"], rank=rank, key=KEY)
 
 
+@requires("NNX")
 def test_unsupported_layer_kind_is_named():
     model = nnx.Sequential(
         nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0))
@@ -229,6 +231,7 @@ def test_load_peft_refuses_unknown_keys_and_misfits(tmp_path):
     assert not hasattr(wide.layers[0], "lora_a")
 
 
+@requires("NNX")
 def test_stacked_layers_take_one_adapter_per_layer(tmp_path):
     """A stack of NNX layers (nnx.vmap), Linen layers (nn.scan) and Equinox layers
     (eqx.filter_vmap): one adapter per layer on the stack's axis, written per layer
@@ -420,6 +423,7 @@ class WithFlaxLoRA(nnx.Module):
         return self.blocks[0](jax.nn.relu(self.up(x)))
 
 
+@requires("NNX")
 def test_from_nnx_lora_reads_flax_lora_modules(tmp_path):
     """nnx.LoRALinear and nnx.LoRA(base_module=Linear) become bridge adapters (scaling
     1): the model's own forward pass, bit for bit; then written for PEFT and read
@@ -465,6 +469,7 @@ def test_from_nnx_lora_reads_flax_lora_modules(tmp_path):
     np.testing.assert_allclose(jax.vmap(loaded)(x), want, atol=1e-5, rtol=0)
 
 
+@requires("NNX")
 def test_from_nnx_lora_refuses_what_it_cannot_read():
     class Odd(nnx.Module):
         def __init__(self, rngs):
@@ -529,6 +534,7 @@ def test_dropout_is_peft_lora_dropout(framework):
     or 2x at p=0.5, about half of each; at inference it is the input itself."""
     x = jax.random.normal(jax.random.key(0), (64, 8)) + 4.0  # no element near 0
     if framework == "nnx":
+        skip_unless("NNX")
         layer = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
         base = layer(x)
     elif framework == "linen":

@@ -13,7 +13,7 @@ from flax import nnx
 
 import bridge
 
-from .helpers import skip_unless
+from .helpers import requires, skip_unless
 
 
 class Block(nn.Module):
@@ -233,6 +233,7 @@ def test_a_bias_free_stack_at_either_axis_into_per_layer_nnx_and_back(axis):
     assert bridge.compare(source, back, X) < 1e-5
 
 
+@requires("NNX")
 def test_a_stack_whose_axis_the_shapes_do_not_tell_is_refused_naming_it():
     """Three layers of 3 features at axis 1: axes 0, 1 and 2 all read as stacks."""
     module = BiasFreeScanned(axis=1)

@@ -15,6 +15,8 @@ from flax import nnx
 import bridge
 from bridge._quant import _fp8, _schemes
 
+from .helpers import requires
+
 
 F8 = ml_dtypes.float8_e4m3fn
 FP8_CONFIG = {
@@ -57,6 +59,7 @@ def assert_refused(path, *fragments):
         bridge.load(path)  # without `like` too
 
 
+@requires("NNX")
 def test_fp8_without_scale_refused(tmp_path):
     state = {
         "fc.weight": _fp8_values((200, 256)),
@@ -70,6 +73,7 @@ def test_fp8_without_scale_refused(tmp_path):
     )
 
 
+@requires("NNX")
 def test_scale_of_the_wrong_shape_refused(tmp_path):
     state = {
         "fc.weight": _fp8_values((200, 256)),
@@ -84,6 +88,7 @@ def test_scale_of_the_wrong_shape_refused(tmp_path):
     )
 
 
+@requires("NNX")
 def test_packed_int4_without_config_refused(tmp_path):
     state = {
         "fc.weight_packed": np.zeros((200, 32), np.int32),
@@ -99,6 +104,7 @@ def test_packed_int4_without_config_refused(tmp_path):
     )
 
 
+@requires("NNX")
 def test_every_problem_listed_once(tmp_path):
     state = {
         "fc.qweight": np.zeros((32, 200), np.int32),
@@ -129,6 +135,7 @@ def test_plain_fp8_file_is_not_quantized(tmp_path):
     )
 
 
+@requires("NNX")
 def test_fp8_block_read_lazily_one_weight_at_a_time(tmp_path, monkeypatch):
     weight = _fp8_values((200, 256))
     scale = np.array([[0.5, 2.0], [0.25, 4.0]], np.float32)
@@ -153,6 +160,7 @@ def test_fp8_block_read_lazily_one_weight_at_a_time(tmp_path, monkeypatch):
     assert np.array_equal(np.asarray(model.fc.kernel[...]), expected.T)
 
 
+@requires("NNX")
 def test_quantize_options_checked(tmp_path):
     model = Net(nnx.Rngs(0))
     with pytest.raises(ValueError, match="`quantize` must be one of"):
@@ -161,6 +169,7 @@ def test_quantize_options_checked(tmp_path):
         bridge.save(tmp_path / "m.safetensors", model, quantize="fp8-block")
 
 
+@requires("NNX")
 def test_fp8_out_round_trip_within_fp8_error(tmp_path):
     model = Net(nnx.Rngs(0))
     bridge.save(
@@ -182,6 +191,7 @@ def test_fp8_out_round_trip_within_fp8_error(tmp_path):
     assert back.fc.kernel[...].dtype == jnp.float32
 
 
+@requires("NNX")
 def test_sharded_fp8_folder_scale_in_another_shard(tmp_path, capsys):
     weight, scale = _fp8_values((200, 256)), np.full((2, 2), 0.5, np.float32)
     shards = {
