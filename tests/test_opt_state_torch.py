@@ -341,8 +341,12 @@ def test_refused():
             bridge.port_opt_state(optimizer, model, target)
     with pytest.raises(TypeError, match="must be that torch.nn.Module"):
         bridge.port_opt_state(torch_opt, bridge.from_torch(model), target)
-    with pytest.raises(ValueError, match="both PyTorch optimizer states"):
-        bridge.port_opt_state(torch_opt, model, TorchMLP(), like=torch_opt)
+    for like in (torch_opt, None):
+        with pytest.raises(ValueError, match="PyTorch optimizer state for a PyTorch"):
+            bridge.port_opt_state(torch_opt, model, TorchMLP(), like=like)
+    state = optax_adamw().init(eqx.filter(target, eqx.is_array))
+    with pytest.raises(ValueError, match="`target` is a torch.nn.Module: pass `like`"):
+        bridge.port_opt_state(state, target, TorchMLP())
     with pytest.raises(TypeError, match="`tx` must be an optax optimizer"):
         bridge.port_opt_state(torch_opt, model, target, tx="adamw")
     # a like with two Adam states: which one the torch state fills is not known

@@ -85,10 +85,16 @@ _NO_STEP = """\
 state is a bare optax state. Pass it, e.g. `step=1000`."""
 
 _BOTH_TORCH = """\
-`opt_state` and `like` are both PyTorch optimizer states: between two PyTorch models
-load the state with `optimizer.load_state_dict`. port_opt_state moves a PyTorch
+`opt_state` is a PyTorch optimizer state for a PyTorch target: between two PyTorch
+models load the state with `optimizer.load_state_dict`. port_opt_state moves a PyTorch
 optimizer state into an optax state (`like`: the target's optax state, or None) or an
 optax state into a PyTorch one (`like`: the torch optimizer or its state_dict())."""
+
+_TORCH_LIKE = """\
+`target` is a torch.nn.Module: pass `like`, its torch optimizer (or that optimizer's
+state_dict()). The state dict port_opt_state gives takes its parameter groups and
+settings (learning rate, betas, weight decay) from it, as `optimizer.load_state_dict`
+would otherwise replace the optimizer's own with whatever it is given."""
 
 _MOMENTS = """\
 `{side}` holds {n} `optax.{cls}` records where one is needed: a PyTorch optimizer's
@@ -225,8 +231,10 @@ def port_opt_state(
             f"as optax.adamw(1e-3)) or None, got a {type(tx).__name__}."
         )
     from_torch, into_torch = is_torch_state(opt_state), is_torch_state(like)
-    if from_torch and into_torch:
+    if from_torch and (into_torch or torch_opt.is_torch_module(target)):
         raise ValueError(_BOTH_TORCH)
+    if like is None and torch_opt.is_torch_module(target):
+        raise ValueError(_TORCH_LIKE)
     if into_torch:
         return _into_torch(opt_state, source, target, like, step, tx, rules, strict)
     update = None
