@@ -20,8 +20,6 @@ linearly with the leaves: 1k and 10k are both shown.
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
 import time
 from collections.abc import Callable
 
@@ -29,6 +27,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from _common import interleaved
 from flax import nnx
 
 import bridge
@@ -89,27 +88,6 @@ def nnx_split_merge(module):
     return nnx.merge(graphdef, state)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, run in turn (ABAB...) `repeats` times.
-
-    As `timeit` does, the garbage collector is off while a call runs: with 10k live
-    arrays a collection can land in any call and cost more than the call itself. The
-    time is this process's CPU time: the machine may be shared, and conversion is
-    single-threaded Python."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm up (caches, first-call imports)
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            gc.collect()
-            gc.disable()
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-            gc.enable()
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def first_time(convert: Callable[[], object], cache: Recent) -> Callable[[], object]:
     """`convert` as for a structure never converted before (the Linen adapter
     remembers the last few structures, so a second conversion skips most Python
@@ -161,7 +139,7 @@ def main() -> None:
     print(f"{'framework':<9} {'leaves':>7} {'what':<17} {'ms':>9} {'x floor':>8}")
     for leaves in sizes:
         for framework, fns in cases(leaves).items():
-            result = interleaved(fns, repeats)
+            result = interleaved(fns, repeats, clock=time.process_time, collect=False)
             medians[(framework, leaves)] = result
             floor = result["floor"]
             for name, seconds in result.items():

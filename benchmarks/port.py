@@ -49,13 +49,7 @@ import subprocess
 import sys
 import time
 
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+from _common import reset_peak, rss
 
 
 def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
@@ -68,7 +62,7 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
     import bridge
 
     jnp.zeros(1).block_until_ready()  # start the CPU backend
-    base = _rss("VmRSS")  # the interpreter, JAX and its backend, bridge: no model yet
+    base = rss("VmRSS")  # the interpreter, JAX and its backend, bridge: no model yet
 
     n = int((size_mb * 2**20 / 4 / layers) ** 0.5)
     params = {}
@@ -127,9 +121,8 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
     import gc
 
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current RSS
-    before = _rss("VmRSS")
+    reset_peak()  # VmHWM: from the current RSS on
+    before = rss("VmRSS")
     start = time.perf_counter()
     if kind == "numpy":
         if stacked:  # each layer's kernel transposed, as the port does
@@ -160,7 +153,7 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
         )
         assert check.shape == (n, n) and float(check[0, 1]) == float(first[1, 0])
     seconds = time.perf_counter() - start
-    peak = _rss("VmHWM")
+    peak = rss("VmHWM")
     del out
     return {
         "seconds": seconds,

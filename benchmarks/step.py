@@ -40,6 +40,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from _common import interleaved, reset_peak, rss
 from flax import nnx
 
 import bridge
@@ -212,20 +213,6 @@ def overhead_variants(leaves):
     return {"floor": run_floor, "bridge": run_bridge}
 
 
-def interleaved_medians(variants, rounds, per_round):
-    for run in variants.values():  # compile, warm up
-        for _ in range(3):
-            run()
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            for _ in range(per_round):
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 # --- memory: a large MLP, each variant in its own process ----------------------------
 
 
@@ -242,14 +229,6 @@ class WideMLP(nnx.Module):
 
 
 MEMORY_DEPTH, MEMORY_BATCH, MEMORY_STEPS = 8, 8, 6
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def memory_variant(variant, width):
@@ -303,14 +282,13 @@ def memory_child(variant, width):
     run = memory_variant(variant, width)
     for _ in range(2):  # compile, warm up
         run()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    reset_peak()  # VmHWM: from the current RSS on
     times = []
     for _ in range(MEMORY_STEPS):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"peak": _peak_rss(), "times": times}))
+    print(json.dumps({"peak": rss("VmHWM"), "times": times}))
 
 
 def memory_case(width, rounds):
@@ -353,18 +331,7 @@ def main():
         "nnx": nnx_variant(model, x, y),
         "eqx": eqx_variant(x, y),
     }
-    for run in variants.values():  # compile, warm up
-        for _ in range(3):
-            run()
-    times = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
-            for _ in range(per_round):
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-
-    median = {name: statistics.median(t) for name, t in times.items()}
+    median = interleaved(variants, rounds, per_round, warmup=3)
     print(
         f"one step, top {DEPTH - TOP} of {DEPTH} layers x {WIDTH}, batch {BATCH}, adam"
     )
@@ -376,7 +343,7 @@ def main():
     print(f"eqx/bridge   {median['eqx'] / median['bridge']:6.2f}   (target >= 2)")
 
     leaves = 1_000 if args.quick else 10_000
-    median = interleaved_medians(overhead_variants(leaves), rounds // 4, per_round)
+    median = interleaved(overhead_variants(leaves), rounds // 4, per_round, warmup=3)
     print(f"\nper-call overhead: {leaves} leaves, half trained (sgd), trivial compute")
     for name, value in median.items():
         print(f"{name:<8}{value * 1e3:>10.2f}ms")
@@ -388,7 +355,7 @@ def main():
     peaks, _ = memory_case(width, 1 if args.quick else 3)
     # the time, interleaved in this process (the peaks need a process each)
     variants = {v: memory_variant(v, width) for v in ("floor", "bridge")}
-    times = interleaved_medians(variants, 2 if args.quick else 8, 1)
+    times = interleaved(variants, 2 if args.quick else 8, warmup=3)
     print(f"\nmemory: NNX MLP of {mib:.0f} MiB, top half trained (adam), donated")
     for name in peaks:
         print(
