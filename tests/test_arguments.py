@@ -74,6 +74,8 @@ ROWS = [
     Row("load", "like", 5, TypeError),
     Row("load", "dtype", "float99", TypeError),
     Row("load", "opt_state_like", 5, TypeError),
+    Row("load", "example", 5, TypeError),
+    Row("load", "example_kwargs", 5, TypeError),
     Row("lora", "model", 5, TypeError),
     Row("lora", "where", 5, TypeError),
     Row("lora", "where", "(", ValueError),

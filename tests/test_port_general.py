@@ -178,6 +178,21 @@ def test_a_per_head_kernel_is_read_by_the_trace_both_ways(spec):
         assert bridge.compare(source, back, x) < 1e-6
 
 
+def test_load_reads_a_per_head_kernel_with_example_inputs(tmp_path):
+    """A fused file into an Einsum model whose `(H, D, hd)` kernel the shapes cannot
+    read: `bridge.load(like=)` refuses it, and with `example=` the target's forward
+    pass decides (the file itself cannot run): exact."""
+    x, source = _query()
+    path = tmp_path / "fused.safetensors"
+    bridge.save(path, bridge.port(source, FusedQuery(nnx.Rngs(0)), example=x))
+    module, variables = source
+    blank = (module, jax.tree.map(jnp.zeros_like, variables))
+    with pytest.raises(bridge.PortError, match=r"per-head kernel \(4, 4, 4\)"):
+        bridge.load(path, like=blank)
+    loaded = bridge.load(path, like=blank, example=x)
+    assert bridge.compare(source, loaded, x) == 0.0
+
+
 def test_a_per_head_kernel_whose_shapes_decide_ports_without_example():
     """`(H, D, hd) = (3, 8, 4)` into a fused `(8, 12)`: only axis 1 as the input
     gives those shapes, so no example is needed (the reading is that one)."""

@@ -33,6 +33,8 @@ from .._adapters._native import (
 from .._arguments import (
     check_dtype,
     check_extra,
+    check_inputs,
+    check_pair_or_mapping,
     check_rules,
     check_step,
     check_str,
@@ -282,6 +284,8 @@ def load(
     rules: Mapping[str, str | None] | None = None,
     prefix: str = "",
     strict: bool = True,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
 ) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
@@ -320,6 +324,14 @@ def load(
       layers that go nowhere are left out; all of them are logged as a warning
       (logger `"bridge"`) in the form Hugging Face uses. With `True` (the default),
       each is an error.
+    - `example`, `example_kwargs`: with `like`, when the file is ported: example
+      inputs of `like` (batched, as `bridge.compare` takes them) and keyword
+      arguments, as `bridge.port` takes them. `like`'s forward pass is traced
+      (abstractly: no FLOPs) and says where its layers are used and which axes of a
+      kernel meet the input, which decides what shapes and names leave open (a
+      per-head `nn.Einsum` kernel `(H, D, hd)` with equal sizes). The file itself
+      cannot run: a choice only the source's computation could make is refused;
+      port from the source model then (`bridge.port(model, like, example=x)`).
     - `opt_state_like`: optional, with `like`: the optimizer state to fill, as the
       target's optimizer makes it (`tx.init(params)`, `step.init(tree)`, an
       `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
@@ -369,6 +381,10 @@ def load(
     path = _path(path)
     if like is not None:
         check_model(like, "like")
+    check_inputs(example, "example")
+    check_pair_or_mapping(example_kwargs, "example_kwargs")
+    if example is not None and like is None:
+        raise TypeError("`example` needs `like`, the model whose inputs they are.")
     check_dtype(dtype)
     target = None if like is None else to_neutral(placeholders(like))
     if target is None and opt_state_like is not None:
@@ -397,7 +413,10 @@ def load(
                 + prefix_hint(contents, target)
             )
         else:
-            source, model, plan = _port_file(contents, like, dtype, rules, strict)
+            given = (example, example_kwargs)
+            source, model, plan = _port_file(
+                contents, like, dtype, rules, strict, given
+            )
         if opt_state_like is not None:
             saved = _training.read_state(everything, training)
     if plan is not None:
@@ -413,6 +432,7 @@ def _port_file(
     dtype: Any,
     rules: Mapping[str, str | None] | None,
     strict: bool,
+    given: tuple[Any, Any] = (None, None),
 ) -> tuple[Tree, Any, Any]:
     """`(the file's Tree, like filled from it by bridge.port, the port's plan)`; a
     format that reads lazily (`Format.lazy`) is read while porting, array by
@@ -422,7 +442,10 @@ def _port_file(
         arrays = read(contents)
     try:
         source = file_tree(contents, arrays)
-        model, plan = port_and_plan(source, like, rules, strict, dtype)
+        example, example_kwargs = given
+        model, plan = port_and_plan(
+            source, like, rules, strict, dtype, None, None, example, example_kwargs
+        )
     except PortError as error:
         error.add_note(_PORTING.format(path=contents.path))
         raise

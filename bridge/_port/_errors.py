@@ -122,8 +122,10 @@ AXES = (
     "the input ({readings}), and nothing says which: no module class that fixes "
     "its layout (an nn.Einsum, or a DenseGeneral under a custom name, can contract "
     "any axis). Give example inputs (example=(x,), as bridge.compare takes them): "
-    "the forward pass says which axes it contracts. Or register a codec for its "
-    "module (bridge.register_codec) whose decode gives the (in, out) kernel."
+    "the forward pass says which axes it contracts (a file, or variables without "
+    "their module, cannot run: give them with the model that holds the kernel). Or "
+    "register a codec for its module (bridge.register_codec) whose decode gives the "
+    "(in, out) kernel."
 )
 CONTRADICTED = (
     "order: {a} -> {ta} and {b} -> {tb} were paired by {by}, but the forward "
