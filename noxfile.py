@@ -214,6 +214,15 @@ TORCH_TESTS = [
     "tests/test_quant_gguf.py",
     "tests/test_opt_state_torch.py",
 ]
+# examples that need torch, transformers, peft or qwix (the `examples` session, which
+# has none of them, runs them to their "skipped" line)
+TORCH_EXAMPLES = [
+    "examples/lora_gpt2.py",
+    "examples/lora_llama.py",
+    "examples/lora_qwix.py",
+    "examples/lora_torch.py",
+    "examples/torch_optimizer.py",
+]
 QUANT = ["gguf", "compressed-tensors"]  # the quantized-checkpoint tests' references
 
 
@@ -228,6 +237,10 @@ def tests_torch(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
     session.run("python", "-m", "pip", "install", "--quiet", *QUANT)
     session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)  # slow ones too
+    if not session.posargs:  # the examples that `examples` can only skip
+        for script in TORCH_EXAMPLES:
+            session.log(f"--- {script}")
+            session.run("python", script)
 
 
 @nox.session(python=NEWEST[1])
