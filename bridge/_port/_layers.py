@@ -19,7 +19,7 @@ from .._embed._inside import embedded
 from .._lazy import materialise
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
-from . import _errors
+from . import _errors, _shapes
 from ._codec import Codec, Leaves, codec_of, codecs, same, same_as_like
 from ._general import with_views
 
@@ -424,9 +424,8 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool:
     flax = codec_of(codec.kind, canonical_adapter().name)
     if flax is None:
         return False
-    structs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}
     try:
-        canonical = jax.eval_shape(lambda x: codec.decode(x, {}), structs)
+        canonical = _shapes.decoded(codec, leaves, {})
     except Exception:  # the codec's own refusal: not this layout
         return False
     return bool(flax.recognise(None, canonical))
@@ -480,14 +479,9 @@ def read_specs(layer: Layer, problems: list[str]) -> None:
     """The canonical shapes and dtypes of the layer, for each candidate kind (a
     kind whose codec needs a setting the layer lacks goes to `layer.unknown`)."""
     layer.unknown.clear()
-    structs = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()
-    }
     for codec in layer.codecs:
         try:
-            layer.specs[codec.kind] = jax.eval_shape(
-                lambda leaves, c=codec: c.decode(leaves, layer.hyper), structs
-            )
+            layer.specs[codec.kind] = _shapes.decoded(codec, layer.leaves, layer.hyper)
         except KeyError as error:  # a setting the module did not give
             name = error.args[0] if error.args else None
             if isinstance(name, str) and name not in layer.hyper:

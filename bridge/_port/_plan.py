@@ -17,7 +17,7 @@ from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
 from .._tree import Tree
-from . import _errors
+from . import _errors, _shapes
 from ._codec import Codec, same
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
@@ -293,9 +293,7 @@ def _check(
             k: jax.ShapeDtypeStruct(v.shape, _retyped(v.dtype, dtype))
             for k, v in tspec.items()
         }
-        made = jax.eval_shape(
-            lambda c, like: tcodec.encode(c, like, t.hyper), canonical, like
-        )
+        made = _shapes.encoded(tcodec, canonical, like, t.hyper)
         got = {k: (tuple(v.shape), v.dtype) for k, v in made.items()}
         want = {k: (tuple(v.shape), v.dtype) for k, v in like.items()}
         if got != want:
