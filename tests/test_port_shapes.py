@@ -69,12 +69,22 @@ def test_results_are_fresh_containers():
     assert _shapes.decoded(codec, w, {})["kernel"].shape == (3, 2)
 
 
+def _enable_x64():
+    """`jax.enable_x64(True)`, or `jax.experimental.enable_x64()` where jax has no
+    `jax.enable_x64` (jax 0.6)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
 def test_x64_flag_is_part_of_the_key():
     traces: list = []
     codec = _codec(traces)
     w = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
     narrow = _shapes.decoded(codec, w, {"scale": 2.0})
-    with jax.enable_x64(True):
+    with _enable_x64():
         _shapes.decoded(codec, w, {"scale": 2.0})
     assert len(traces) == 2
     assert narrow["kernel"].dtype == jnp.float32
