@@ -1,8 +1,9 @@
 """Quantized checkpoints made by the reference tools (transformers' FP8 quantizer,
 compressed-tensors' compressors, a GPTQ packer written from AutoGPTQ's published
-layout) load into NNX and Equinox models: each weight equal to the reference
-dequantization bit for bit, a tiny Llama's logits equal to transformers' with the
-same dequantized weights; and FP8 written out reads back."""
+layout, AutoAWQ's packing and dequantization code) load into NNX and Equinox
+models: each weight equal to the reference dequantization bit for bit, a tiny
+Llama's logits equal to transformers' with the same dequantized weights; and FP8
+written out reads back."""
 
 import json
 import types
@@ -290,6 +291,198 @@ def test_gptq_bit_equal_and_logits(tmp_path, bits):
     got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
     dense = {k: v.float() for k, v in want.items()}
     np.testing.assert_allclose(np.asarray(got), _logits(dense), rtol=1e-4, atol=1e-4)
+
+
+# --- AWQ ----------------------------------------------------------------------------
+# AutoAWQ's own code (github.com/casper-hansen/AutoAWQ at 88e4c76), copied: it needs
+# CUDA kernels or triton to import. Quantization: awq/quantize/quantizer.py
+# `pseudo_quantize_tensor` (zero_point) and `_apply_quant` (GEMM: scales and zeros
+# transposed); packing: awq/modules/linear/gemm.py `WQLinear_GEMM.from_linear`;
+# dequantization: awq/utils/packing_utils.py `unpack_awq`, `reverse_awq_order`,
+# `dequantize_gemm`.
+
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _awq_pseudo_quantize_tensor(w, w_bit, group_size):
+    org_w_shape = w.shape
+    w = w.reshape(-1, group_size)
+    max_val = w.amax(dim=1, keepdim=True)
+    min_val = w.amin(dim=1, keepdim=True)
+    max_int = 2**w_bit - 1
+    min_int = 0
+    scales = (max_val - min_val).clamp(min=1e-5) / max_int
+    zeros = (-torch.round(min_val / scales)).clamp_(min_int, max_int)
+    w = (
+        torch.clamp(torch.round(w / scales) + zeros, min_int, max_int) - zeros
+    ) * scales
+    zeros = zeros.view(org_w_shape[0], -1)
+    scales = scales.view(org_w_shape[0], -1)
+    w = w.reshape(org_w_shape)
+    return w, scales, zeros
+
+
+def _awq_from_linear(weight, w_bit, group_size, scales, zeros):
+    in_features, out_features = weight.shape[1], weight.shape[0]
+    scale_zeros = zeros * scales
+    scales = scales.clone().half()
+    pack_num = 32 // w_bit
+    intweight = []
+    for idx in range(in_features):
+        intweight.append(
+            torch.round(
+                (weight[:, idx] + scale_zeros[idx // group_size])
+                / scales[idx // group_size]
+            ).to(torch.int)[:, None]
+        )
+    intweight = torch.cat(intweight, dim=1)
+    intweight = intweight.t().contiguous()
+    intweight = intweight.to(dtype=torch.int32)
+    qweight = torch.zeros(
+        (intweight.shape[0], intweight.shape[1] // 32 * w_bit), dtype=torch.int32
+    )
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    for col in range(intweight.shape[1] // pack_num):
+        for i in range(pack_num):
+            qweight_col = intweight[:, col * pack_num + order_map[i]]
+            qweight[:, col] |= qweight_col << (i * w_bit)
+    zeros = zeros.to(dtype=torch.int32)
+    qzeros = torch.zeros(
+        (zeros.shape[0], zeros.shape[1] // 32 * w_bit), dtype=torch.int32
+    )
+    for col in range(zeros.shape[1] // pack_num):
+        for i in range(pack_num):
+            qzero_col = zeros[:, col * pack_num + order_map[i]]
+            qzeros[:, col] |= qzero_col << (i * w_bit)
+    assert out_features == scales.shape[1]
+    return qweight, qzeros, scales
+
+
+def _awq_unpack_awq(qweight, qzeros, bits):
+    shifts = torch.arange(0, 32, bits)
+    iweights = torch.bitwise_right_shift(qweight[:, :, None], shifts[None, None, :]).to(
+        torch.int8
+    )
+    iweights = iweights.view(iweights.shape[0], -1)
+    izeros = torch.bitwise_right_shift(qzeros[:, :, None], shifts[None, None, :]).to(
+        torch.int8
+    )
+    izeros = izeros.view(izeros.shape[0], -1)
+    return iweights, izeros
+
+
+def _awq_reverse_awq_order(iweights, izeros, bits):
+    reverse_order_tensor = torch.arange(iweights.shape[-1], dtype=torch.int32)
+    reverse_order_tensor = reverse_order_tensor.view(-1, 32 // bits)
+    reverse_order_tensor = reverse_order_tensor[:, AWQ_REVERSE_ORDER]
+    reverse_order_tensor = reverse_order_tensor.view(-1)
+    izeros = izeros[:, reverse_order_tensor]
+    iweights = iweights[:, reverse_order_tensor]
+    return iweights, izeros
+
+
+def _awq_dequantize_gemm(qweight, qzeros, scales, bits, group_size):
+    iweight, izeros = _awq_unpack_awq(qweight, qzeros, bits)
+    iweight, izeros = _awq_reverse_awq_order(iweight, izeros, bits)
+    iweight = torch.bitwise_and(iweight, (2**bits) - 1)
+    izeros = torch.bitwise_and(izeros, (2**bits) - 1)
+    scales = scales.repeat_interleave(group_size, dim=0)
+    izeros = izeros.repeat_interleave(group_size, dim=0)
+    iweight = (iweight - izeros) * scales
+    return iweight
+
+
+def _awq_folder(tmp_path, group_size=32):
+    """A tiny Llama quantized and packed by AutoAWQ's code, and its reference
+    dequantization (float16, PyTorch layout)."""
+    hf = _hf()
+    state, want = {}, {}
+    for name, tensor in hf.state_dict().items():
+        if not _linear(name):
+            state[name] = want[name] = tensor
+            continue
+        w, scales, zeros = _awq_pseudo_quantize_tensor(tensor.half(), 4, group_size)
+        scales, zeros = scales.t().contiguous(), zeros.t().contiguous()
+        qweight, qzeros, scales = _awq_from_linear(w, 4, group_size, scales, zeros)
+        prefix = name.removesuffix("weight")
+        state.update(
+            {
+                prefix + "qweight": qweight,
+                prefix + "qzeros": qzeros,
+                prefix + "scales": scales,
+            }
+        )
+        deq = _awq_dequantize_gemm(qweight, qzeros, scales, 4, group_size)
+        want[name] = deq.T.contiguous()
+    config = {
+        "quant_method": "awq",
+        "zero_point": True,
+        "group_size": group_size,
+        "bits": 4,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    folder = tmp_path / "awq"
+    _write(folder, hf, state, config)
+    return folder, want
+
+
+def test_awq_bit_equal_and_logits(tmp_path, capsys):
+    folder, want = _awq_folder(tmp_path)
+    layers = ql.eqx_layers()
+    model = bridge.load(folder, like=_target(layers), dtype=jnp.float16)
+    for i, block in enumerate(model.model.layers):
+        for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"):
+            weight = ql._get(block, part).weight
+            ref = want[f"model.layers.{i}.{part}.weight"].numpy()
+            assert weight.dtype == jnp.float16
+            assert np.array_equal(_bits(weight), _bits(ref)), (i, part)
+    model = bridge.load(folder, like=_target(layers), dtype=jnp.float32)
+    got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
+    dense = {k: v.float() for k, v in want.items()}
+    np.testing.assert_allclose(np.asarray(got), _logits(dense), rtol=1e-4, atol=1e-4)
+    from bridge._cli import main
+
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "awq group 32, 4-bit: 14 weights," in out
+    dense_bytes = 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 384) * 4
+    assert f"{dense_bytes:,} bytes dequantized" in out
+
+
+def test_awq_malformed_refused(tmp_path):
+    folder, _ = _awq_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    state = safetensors.torch.load_file(folder / "model.safetensors")
+    target = _target(ql.eqx_layers())
+
+    def refused(state, quantization, *fragments):
+        bad = tmp_path / "bad"
+        _write(bad, _hf(), state, quantization)
+        with pytest.raises(bridge.CheckpointError) as info:
+            bridge.load(bad, like=target)
+        for fragment in ("nothing was loaded", *fragments):
+            assert fragment in str(info.value), (fragment, str(info.value))
+
+    q = "model.layers.0.self_attn.q_proj."
+    gemv = dict(config["quantization_config"], version="gemv")
+    refused(state, gemv, f"{q}qweight: AWQ version 'gemv' is not supported")
+    three = dict(config["quantization_config"], bits=3)
+    refused(state, three, f"{q}qweight: AWQ with 3 bits is not supported")
+    wrong = dict(state)
+    wrong[q + "scales"] = state[q + "scales"][:4]
+    refused(
+        wrong,
+        config["quantization_config"],
+        f"{q}scales: shape (4, 256), but a qweight (256, 32) in groups of 32 "
+        "needs (8, 256)",
+    )
+    missing = {k: v for k, v in state.items() if k != q + "qzeros"}
+    refused(
+        missing,
+        config["quantization_config"],
+        f"{q}qweight: GPTQ/AWQ-packed without qzeros",
+    )
 
 
 # --- FP8 out ------------------------------------------------------------------------

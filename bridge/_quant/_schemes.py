@@ -11,7 +11,9 @@ A quantized weight is stored as several tensors (its companions) and is read as 
   `weight_zero_point`): compressed-tensors' `pack-quantized` (its config group's
   `num_bits`, `symmetric`);
 - `gptq`: `qweight`, `qzeros`, `scales` (and `g_idx`): `quant_method: gptq` (`bits`,
-  `group_size`, `checkpoint_format`).
+  `group_size`, `checkpoint_format`);
+- `awq`: `qweight` `(in, out / 8)`, `qzeros`, `scales`: `quant_method: awq`
+  (`bits` 4, `group_size`, `version: gemm`).
 
 `recognise` finds them from the tensor names, shapes and dtypes and the folder's
 `quantization_config` (`config.json`), and refuses, naming each tensor and what is
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._io._errors import CheckpointError
-from . import _fp8, _gptq, _packed
+from . import _awq, _fp8, _gptq, _packed
 
 
 class Quantized(NamedTuple):
@@ -356,13 +358,13 @@ def _gptq_weight(
     qweight = parts["qweight"]
     missing = [p for p in ("qzeros", "scales") if p not in parts]
     if missing:
-        return f"{qweight}: GPTQ-packed without {' and '.join(missing)}"
+        return f"{qweight}: GPTQ/AWQ-packed without {' and '.join(missing)}"
     if method == "awq":
-        return f"{qweight}: AWQ packing is not supported (GPTQ is)"
+        return _awq_weight(prefix, parts, tensors, config)
     if method != "gptq":
         return (
             f"{qweight}: GPTQ-packed integers, but no quantization_config with "
-            "quant_method 'gptq' says how many bits each value has"
+            "quant_method 'gptq' or 'awq' says how they were packed"
         )
     bits, group_size = config.get("bits"), config.get("group_size", -1)
     if bits not in (2, 4, 8):
@@ -390,6 +392,52 @@ def _gptq_weight(
     return Quantized(weight, "gptq", bits, (out_features, in_features), out, settings)
 
 
+def _awq_weight(
+    prefix: str, parts: Mapping[str, str], tensors: Stored, config: Mapping[str, Any]
+) -> Quantized | str:
+    qweight = parts["qweight"]
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        return (
+            f"{qweight}: AWQ version {version!r} is not supported (the GEMM packing, "
+            "version 'gemm', is)"
+        )
+    bits, group_size = (
+        config.get("bits", config.get("w_bit")),
+        config.get("group_size", config.get("q_group_size")),
+    )
+    if bits != 4:
+        return f"{qweight}: AWQ with {bits!r} bits is not supported (4 is)"
+    if config.get("zero_point", True) is not True:
+        return f"{qweight}: AWQ without zero points is not supported"
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        return f"{qweight}: AWQ group_size {group_size!r} is not -1 or positive"
+    shape, dtype = tensors[qweight]
+    if len(shape) != 2 or dtype != "int32":
+        return f"{qweight}: {dtype} {tuple(shape)}, expected int32 (in, out / 8)"
+    in_features, out_features = shape[0], shape[1] * 8
+    groups = 1 if group_size == -1 else -(-in_features // group_size)
+    expected = {
+        parts["scales"]: (groups, out_features),
+        parts["qzeros"]: (groups, shape[1]),
+    }
+    for name, want in expected.items():
+        if tuple(tensors[name][0]) != want:
+            actual = tuple(tensors[name][0])
+            return (
+                f"{name}: shape {actual}, but a qweight {tuple(shape)} in groups "
+                f"of {group_size} needs {want}"
+            )
+    if group_size != -1 and in_features % group_size:
+        return f"{qweight}: {in_features} input rows are not groups of {group_size}"
+    if "g_idx" in parts:
+        return f"{parts['g_idx']}: AWQ has no g_idx (is this a GPTQ checkpoint?)"
+    out = {"weight": qweight, "zero": parts["qzeros"], "scale": parts["scales"]}
+    weight = _join(prefix, "weight")
+    settings = {"group_size": group_size}
+    return Quantized(weight, "awq", 4, (out_features, in_features), out, settings)
+
+
 def dequantize(q: Quantized, read: Callable[[str], np.ndarray], dtype) -> np.ndarray:
     """The dense weight of `q` (PyTorch layout, `q.shape`) as `dtype`, from its parts
     read by `read(stored name)`, bit for bit as the scheme's own library gives it
@@ -409,6 +457,14 @@ def dequantize(q: Quantized, read: Callable[[str], np.ndarray], dtype) -> np.nda
             q.bits,
             q.settings["group_size"],
             q.settings["zero_plus_one"],
+            dtype,
+        )
+    if q.scheme == "awq":
+        return _awq.dequantize(
+            read(parts["weight"]),
+            read(parts["zero"]),
+            read(parts["scale"]),
+            q.settings["group_size"],
             dtype,
         )
     scale = read(parts["scale"])
