@@ -6,6 +6,7 @@ Llama's logits equal to transformers' with the same dequantized weights; and FP8
 written out reads back."""
 
 import json
+import math
 import types
 
 import numpy as np
@@ -26,6 +27,17 @@ from . import quant_llama as ql  # noqa: E402
 
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 8, 4]])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Torch on one thread: on 2 shared cores its intra-op threads spin, and this
+    file's small tensor ops take ~14x longer (9.9 s against 0.7 s to build the GPTQ
+    folder, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 _MADE: dict = {}
@@ -216,81 +228,386 @@ def test_compressed_tensors_bit_equal_and_logits(tmp_path, scheme, fmt):
     np.testing.assert_allclose(np.asarray(got), _logits(dense), rtol=1e-4, atol=1e-4)
 
 
-# --- GPTQ ---------------------------------------------------------------------------
+# compressed-tensors 0.20 no longer reads activation order (`actorder: group`, removed
+# 2026-08-27), but checkpoints made with it (`weight_g_idx`) are published. The
+# reference is compressed-tensors 0.10.2's dequantization (`dequantize(x_q, scale,
+# zero_point, g_idx=...)`, quantization/lifecycle/forward.py `_process_quantization`
+# group branch and `_dequantize`), copied here for the symmetric case it decompressed.
 
 
-def _gptq_pack(weight, bits, group_size):
-    """`(qweight, qzeros, scales, g_idx, dequantized)` of a float32 `(out, in)` weight:
-    asymmetric min-max quantization per group of input rows, packed in AutoGPTQ's
-    published layout (value `j` of a word at bit `bits * j`; `qweight` packs
-    consecutive input rows, `qzeros` consecutive output columns, zeros stored minus
-    one), element by element; dequantized as AutoGPTQ's forward does it
-    (`scales * (q - (zeros + 1))` in float16)."""
-    w = weight.T.numpy().astype(np.float32)  # (in, out)
-    rows, cols = w.shape
-    groups = rows // group_size
-    maxq = 2**bits - 1
-    g = w.reshape(groups, group_size, cols)
-    lo, hi = np.minimum(g.min(1), 0), np.maximum(g.max(1), 0)
-    scales = ((hi - lo) / maxq).astype(np.float16)
-    scales[scales == 0] = 1
-    zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, maxq).astype(np.int64)
-    g_idx = np.arange(rows, dtype=np.int32) // group_size
-    q = np.clip(
-        np.round(w / scales[g_idx].astype(np.float32)) + zeros[g_idx], 0, maxq
-    ).astype(np.int64)
-    per = 32 // bits
-    qweight = np.zeros((rows // per, cols), np.uint32)
-    for r in range(rows):
-        qweight[r // per] |= (q[r] << (bits * (r % per))).astype(np.uint32)
-    qzeros = np.zeros((groups, cols // per), np.uint32)
-    for c in range(cols):
-        qzeros[:, c // per] |= ((zeros[:, c] - 1) << (bits * (c % per))).astype(
-            np.uint32
-        )
-    tq, tz = torch.from_numpy(q).to(torch.int16), torch.from_numpy(zeros)
-    ts = torch.from_numpy(scales)
-    deq = ts[g_idx] * (tq - tz[g_idx]).to(torch.int16)  # float16, as AutoGPTQ's
-    return (
-        torch.from_numpy(qweight.view(np.int32)),
-        torch.from_numpy(qzeros.view(np.int32)),
-        ts,
-        torch.from_numpy(g_idx),
-        deq.T.contiguous(),
+def _ct_0_10_dequantize(x_q, scale, g_idx, group_size):
+    dtype = scale.dtype
+    columns = x_q.shape[1]
+    is_column_order = g_idx is None or -1 in g_idx
+    if not is_column_order:
+        perm = torch.argsort(g_idx)
+        x_q = x_q[:, perm]
+    x_q = torch.reshape(
+        x_q, (x_q.shape[0], math.ceil(columns / group_size), group_size)
     )
+    scale = scale.unsqueeze(-1)
+    output = x_q.to(scale.dtype) * scale  # `_dequantize`, no zero point
+    output = torch.reshape(output, (output.shape[0], output.shape[1] * output.shape[2]))
+    output = output.to(dtype)
+    if not is_column_order:
+        output = output[:, torch.argsort(perm)]
+    return output
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gptq_bit_equal_and_logits(tmp_path, bits):
+def _ct_actorder_folder(tmp_path, fmt, bits, group_size=32, dtype=torch.bfloat16):
+    """Weights quantized per group of columns in a random (activation) order by
+    compressed-tensors' own `calculate_qparams`, `quantize` and `pack_to_int32`,
+    stored with `weight_g_idx` as llm-compressor's GPTQ with `actorder: group` did."""
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=bits, strategy="group", group_size=group_size)
+    generator = torch.Generator().manual_seed(0)
+
+    def pack(name, weight):
+        weight = weight.to(dtype)
+        rows, columns = weight.shape
+        perm = torch.randperm(columns, generator=generator)
+        g_idx = (torch.argsort(perm) // group_size).to(torch.int32)
+        ordered = weight[:, perm]
+        grouped = ordered.reshape(rows, -1, group_size)
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        scale = scale.to(dtype)
+        q = quantize(ordered, scale, zero, args, dtype=torch.int8)[
+            :, torch.argsort(perm)
+        ]
+        parts = {"weight": q, "weight_scale": scale, "weight_g_idx": g_idx}
+        if fmt == "pack-quantized":
+            del parts["weight"]
+            packed = pack_to_int32(q, bits)
+            q = unpack_from_int32(packed, bits, torch.Size(weight.shape))
+            parts["weight_packed"] = packed
+            parts["weight_shape"] = torch.tensor(weight.shape)
+        return parts, _ct_0_10_dequantize(q, scale, g_idx, group_size)
+
+    hf, state, want = _quantized_state(pack)
+    hf = hf.to(dtype)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    want = {k: v.to(dtype) for k, v in want.items()}  # as the folder holds them
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt)
+    config = config.model_dump(mode="json")
+    config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    folder = tmp_path / "actorder"
+    _write(folder, hf, state, config)
+    return folder, state, want
+
+
+@pytest.mark.parametrize("fmt, bits", [("pack-quantized", 4), ("int-quantized", 8)])
+def test_compressed_tensors_activation_order_bit_equal_and_logits(tmp_path, fmt, bits):
+    folder, state, want = _ct_actorder_folder(tmp_path, fmt, bits)
+    g_idx = state["model.layers.1.mlp.up_proj.weight_g_idx"]
+    assert (g_idx[1:] < g_idx[:-1]).any()  # not in column order
+    layers = ql.nnx_layers(jnp.bfloat16)
+    model = bridge.load(folder, like=_target(layers, dtype=jnp.bfloat16))
+    for i, block in enumerate(model.model.layers):
+        for part in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj"):
+            kernel = ql._get(block, part).kernel[...]
+            ref = want[f"model.layers.{i}.{part}.weight"]
+            ref = ref.view(torch.int16).numpy().view(np.uint16)
+            assert np.array_equal(_bits(kernel).T, ref), (i, part)
+    plain = {k: v.float() for k, v in want.items()}
+    f32 = ql.eqx_layers()
+    model = bridge.load(folder, like=_target(f32), dtype=jnp.float32)
+    got = ql.forward(f32, ql.HF, model, jnp.asarray(TOKENS))
+    np.testing.assert_allclose(np.asarray(got), _logits(plain), rtol=1e-4, atol=1e-4)
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    q = "model.layers.0.self_attn.q_proj."
+    bad = tmp_path / "bad"
+    missing = {k: v for k, v in state.items() if k != q + "weight_g_idx"}
+    _write(bad, _hf(), missing, config)
+    with pytest.raises(
+        bridge.CheckpointError, match="actorder 'group', but no weight_g_idx"
+    ):
+        bridge.load(bad, like=_target(f32))
+    wrong = dict(state)
+    wrong[q + "weight_g_idx"] = state[q + "weight_g_idx"][:-1]
+    _write(bad, _hf(), wrong, config)
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"weight_g_idx: int32 \(255,\), expected integers \(256,\)",
+    ):
+        bridge.load(bad, like=_target(f32))
+
+
+# --- GPTQ ---------------------------------------------------------------------------
+# AutoGPTQ's own code (github.com/AutoGPTQ/AutoGPTQ at 9f7d370), copied: it needs its
+# CUDA extension to import. Packing: auto_gptq/nn_modules/qlinear/qlinear_cuda.py
+# `QuantLinear.pack` (2, 3, 4, 8 bits, any g_idx); dequantization: the same class's
+# `forward` without CUDA (its `wf` shifts, the 3-bit words stitched, then
+# `scales[g_idx] * (weight - zeros[g_idx])`). The quantizer is GPTQ's min-max one
+# (auto_gptq/quantization/quantizer.py `find_params`, per channel, asymmetric) taking
+# the columns in activation order with `desc_act` (gptq.py `fasterquant`: `perm`,
+# `g_idx = [perm position // group_size]`), without GPTQ's error feedback.
+
+
+def _gptq_quantize(weight, bits, group_size, perm):
+    """`(Q, scale, zero, g_idx)`: `weight` (out, in) quantized per group of
+    `group_size` columns taken in the order `perm`, as `fasterquant` returns them."""
+    maxq = 2**bits - 1
+    w = weight.float()[:, perm]
+    scales, zeros, q = [], [], torch.zeros_like(w)
+    for i in range(0, w.shape[1], group_size):
+        x = w[:, i : i + group_size]
+        tmp = torch.zeros(x.shape[0])
+        xmin = torch.minimum(x.min(1)[0], tmp)
+        xmax = torch.maximum(x.max(1)[0], tmp)
+        tmp = (xmin == 0) & (xmax == 0)
+        xmin[tmp], xmax[tmp] = -1, +1
+        scale = ((xmax - xmin) / maxq).unsqueeze(1)
+        zero = torch.round(-xmin.unsqueeze(1) / scale)
+        qx = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
+        q[:, i : i + group_size] = scale * (qx - zero)
+        scales.append(scale)
+        zeros.append(zero)
+    invperm = torch.argsort(perm)
+    g_idx = torch.tensor(
+        [i // group_size for i in range(w.shape[1])], dtype=torch.int32
+    )
+    return q[:, invperm], torch.cat(scales, 1), torch.cat(zeros, 1), g_idx[invperm]
+
+
+def _autogptq_pack(W, scales, zeros, g_idx, bits):
+    """`QuantLinear.pack` of a float16 linear of weight `W`: `(qweight, qzeros,
+    scales)`."""
+    infeatures = W.shape[1]
+    scales = scales.t().contiguous()
+    zeros = zeros.t().contiguous()
+    scale_zeros = zeros * scales
+    scales = scales.clone().to(dtype=W.dtype)
+    intweight = []
+    for idx in range(infeatures):
+        intweight.append(
+            torch.round((W[:, idx] + scale_zeros[g_idx[idx]]) / scales[g_idx[idx]]).to(
+                torch.int
+            )[:, None]
+        )
+    intweight = torch.cat(intweight, dim=1)
+    intweight = intweight.t().contiguous()
+    intweight = intweight.numpy().astype(np.uint32)
+    i = 0
+    row = 0
+    qweight = np.zeros(
+        (intweight.shape[0] // 32 * bits, intweight.shape[1]), dtype=np.uint32
+    )
+    while row < qweight.shape[0]:
+        if bits in [2, 4, 8]:
+            for j in range(i, i + (32 // bits)):
+                qweight[row] |= intweight[j] << (bits * (j - i))
+            i += 32 // bits
+            row += 1
+        elif bits == 3:
+            for j in range(i, i + 10):
+                qweight[row] |= intweight[j] << (3 * (j - i))
+            i += 10
+            qweight[row] |= intweight[i] << 30
+            row += 1
+            qweight[row] |= (intweight[i] >> 2) & 1
+            i += 1
+            for j in range(i, i + 10):
+                qweight[row] |= intweight[j] << (3 * (j - i) + 1)
+            i += 10
+            qweight[row] |= intweight[i] << 31
+            row += 1
+            qweight[row] |= (intweight[i] >> 1) & 0x3
+            i += 1
+            for j in range(i, i + 10):
+                qweight[row] |= intweight[j] << (3 * (j - i) + 2)
+            i += 10
+            row += 1
+    qweight = qweight.astype(np.int32)
+    zeros -= 1
+    zeros = zeros.numpy().astype(np.uint32)
+    qzeros = np.zeros((zeros.shape[0], zeros.shape[1] // 32 * bits), dtype=np.uint32)
+    i = 0
+    col = 0
+    while col < qzeros.shape[1]:
+        if bits in [2, 4, 8]:
+            for j in range(i, i + (32 // bits)):
+                qzeros[:, col] |= zeros[:, j] << (bits * (j - i))
+            i += 32 // bits
+            col += 1
+        elif bits == 3:
+            for j in range(i, i + 10):
+                qzeros[:, col] |= zeros[:, j] << (3 * (j - i))
+            i += 10
+            qzeros[:, col] |= zeros[:, i] << 30
+            col += 1
+            qzeros[:, col] |= (zeros[:, i] >> 2) & 1
+            i += 1
+            for j in range(i, i + 10):
+                qzeros[:, col] |= zeros[:, j] << (3 * (j - i) + 1)
+            i += 10
+            qzeros[:, col] |= zeros[:, i] << 31
+            col += 1
+            qzeros[:, col] |= (zeros[:, i] >> 1) & 0x3
+            i += 1
+            for j in range(i, i + 10):
+                qzeros[:, col] |= zeros[:, j] << (3 * (j - i) + 2)
+            i += 10
+            col += 1
+    qzeros = qzeros.astype(np.int32)
+    return torch.from_numpy(qweight), torch.from_numpy(qzeros), scales
+
+
+def _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits):
+    """`QuantLinear.forward`'s weights without CUDA: `(in, out)` in the scales'
+    dtype."""
+    if bits in [2, 4, 8]:
+        wf = torch.tensor(list(range(0, 32, bits)), dtype=torch.int32).unsqueeze(0)
+        zeros = torch.bitwise_right_shift(
+            torch.unsqueeze(qzeros, 2).expand(-1, -1, 32 // bits),
+            wf.unsqueeze(0),
+        ).to(torch.int16 if bits == 8 else torch.int8)
+        zeros = torch.bitwise_and(zeros, (2**bits) - 1)
+        zeros = zeros + 1
+        zeros = zeros.reshape(scales.shape)
+        weight = torch.bitwise_right_shift(
+            torch.unsqueeze(qweight, 1).expand(-1, 32 // bits, -1),
+            wf.unsqueeze(-1),
+        ).to(torch.int16 if bits == 8 else torch.int8)
+        weight = torch.bitwise_and(weight, (2**bits) - 1)
+    else:
+        wf = torch.tensor(
+            [
+                [0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0],
+                [0, 1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31],
+                [0, 2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0],
+            ],
+            dtype=torch.int32,
+        ).reshape(1, 3, 12)
+        zeros = qzeros.reshape(qzeros.shape[0], qzeros.shape[1] // 3, 3, 1).expand(
+            -1, -1, -1, 12
+        )
+        zeros = zeros >> wf.unsqueeze(0)
+        zeros[:, :, 0, 10] = (zeros[:, :, 0, 10] & 0x3) | (
+            (zeros[:, :, 1, 0] << 2) & 0x4
+        )
+        zeros[:, :, 1, 11] = (zeros[:, :, 1, 11] & 0x1) | (
+            (zeros[:, :, 2, 0] << 1) & 0x6
+        )
+        zeros = zeros & 0x7
+        zeros = torch.cat(
+            [zeros[:, :, 0, :11], zeros[:, :, 1, 1:12], zeros[:, :, 2, 1:11]], dim=2
+        )
+        zeros = zeros + 1
+        zeros = zeros.reshape(scales.shape)
+        weight = qweight.reshape(qweight.shape[0] // 3, 3, 1, qweight.shape[1]).expand(
+            -1, -1, 12, -1
+        )
+        weight = (weight >> wf.unsqueeze(-1)) & 0x7
+        weight[:, 0, 10] = (weight[:, 0, 10] & 0x3) | ((weight[:, 1, 0] << 2) & 0x4)
+        weight[:, 1, 11] = (weight[:, 1, 11] & 0x1) | ((weight[:, 2, 0] << 1) & 0x6)
+        weight = weight & 0x7
+        weight = torch.cat(
+            [weight[:, 0, :11], weight[:, 1, 1:12], weight[:, 2, 1:11]], dim=1
+        )
+    weight = weight.reshape(weight.shape[0] * weight.shape[1], weight.shape[2])
+    return scales[g_idx.long()] * (weight - zeros[g_idx.long()])
+
+
+def _quantized_state(pack):
+    """`(hf, state, want)`: the tiny Llama's state with each linear weight replaced
+    by the tensors `pack(name, weight)` returns (`{part: tensor}`, the reference
+    dequantization), `want` the dense state."""
     hf = _hf()
     state, want = {}, {}
     for name, tensor in hf.state_dict().items():
         if not _linear(name):
             state[name] = want[name] = tensor
             continue
+        parts, dense = pack(name, tensor)
         prefix = name.removesuffix("weight")
-        qweight, qzeros, scales, g_idx, deq = _gptq_pack(tensor, bits, 32)
-        state.update(
-            {
-                prefix + "qweight": qweight,
-                prefix + "qzeros": qzeros,
-                prefix + "scales": scales,
-                prefix + "g_idx": g_idx,
-            }
-        )
-        want[name] = deq
-    config = {"quant_method": "gptq", "bits": bits, "group_size": 32, "sym": False}
+        state.update({prefix + k: v for k, v in parts.items()})
+        want[name] = dense
+    return hf, state, want
+
+
+def _gptq_folder(tmp_path, bits, desc_act, group_size=32):
+    generator = torch.Generator().manual_seed(bits)
+
+    def pack(name, weight):
+        columns = weight.shape[1]
+        if desc_act:
+            perm = torch.randperm(columns, generator=generator)
+        else:
+            perm = torch.arange(columns)
+        q, scale, zero, g_idx = _gptq_quantize(weight, bits, group_size, perm)
+        qweight, qzeros, scales = _autogptq_pack(q.half(), scale, zero, g_idx, bits)
+        dense = _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits)
+        parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+        return parts, dense.T.contiguous()
+
+    hf, state, want = _quantized_state(pack)
+    config = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": desc_act,
+        "sym": False,
+    }
     folder = tmp_path / "gptq"
     _write(folder, hf, state, config)
+    return folder, state, want
+
+
+@pytest.mark.parametrize(
+    "bits, desc_act", [(4, False), (8, False), (3, True), (4, True)]
+)
+def test_gptq_bit_equal_and_logits(tmp_path, bits, desc_act):
+    folder, state, want = _gptq_folder(tmp_path, bits, desc_act)
+    g_idx = state["model.layers.0.mlp.gate_proj.g_idx"]
+    assert bool((g_idx[1:] < g_idx[:-1]).any()) == desc_act  # out of order
     layers = ql.eqx_layers()
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float16)
-    weight = model.model.layers[0].mlp.gate_proj.weight
-    ref = want["model.layers.0.mlp.gate_proj.weight"].numpy()
-    assert weight.dtype == jnp.float16 and np.array_equal(_bits(weight), _bits(ref))
+    for i, block in enumerate(model.model.layers):
+        for part in ("mlp.gate_proj", "self_attn.k_proj", "mlp.down_proj"):
+            weight = ql._get(block, part).weight
+            ref = want[f"model.layers.{i}.{part}.weight"].numpy()
+            assert weight.dtype == jnp.float16
+            assert np.array_equal(_bits(weight), _bits(ref)), (i, part)
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float32)
     got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
     dense = {k: v.float() for k, v in want.items()}
     np.testing.assert_allclose(np.asarray(got), _logits(dense), rtol=1e-4, atol=1e-4)
+
+
+def test_gptq_malformed_refused(tmp_path):
+    folder, state, _ = _gptq_folder(tmp_path, 3, True)
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    target = _target(ql.eqx_layers())
+    q = "model.layers.0.self_attn.q_proj."
+
+    def refused(state, quantization, *fragments):
+        bad = tmp_path / "bad"
+        _write(bad, _hf(), state, quantization)
+        with pytest.raises(bridge.CheckpointError) as info:
+            bridge.load(bad, like=target)
+        for fragment in ("nothing was loaded", *fragments):
+            assert fragment in str(info.value), (fragment, str(info.value))
+
+    no_g_idx = {k: v for k, v in state.items() if k != q + "g_idx"}
+    refused(no_g_idx, config, f"{q}qweight: desc_act (activation order), but no")
+    wrong = dict(state)
+    wrong[q + "g_idx"] = state[q + "g_idx"] + 1  # one past the last group
+    refused(wrong, config, f"{q}g_idx: group indices from 1 to 8, expected 0 to 7")
+    wrong[q + "g_idx"] = state[q + "g_idx"][:100]
+    refused(wrong, config, f"{q}g_idx: int32 (100,), expected integers (256,)")
+    refused(state, dict(config, bits=5), f"{q}qweight: GPTQ with 5 bits")
 
 
 # --- AWQ ----------------------------------------------------------------------------
@@ -395,25 +712,16 @@ def _awq_dequantize_gemm(qweight, qzeros, scales, bits, group_size):
 def _awq_folder(tmp_path, group_size=32):
     """A tiny Llama quantized and packed by AutoAWQ's code, and its reference
     dequantization (float16, PyTorch layout)."""
-    hf = _hf()
-    state, want = {}, {}
-    for name, tensor in hf.state_dict().items():
-        if not _linear(name):
-            state[name] = want[name] = tensor
-            continue
-        w, scales, zeros = _awq_pseudo_quantize_tensor(tensor.half(), 4, group_size)
+
+    def pack(name, weight):
+        w, scales, zeros = _awq_pseudo_quantize_tensor(weight.half(), 4, group_size)
         scales, zeros = scales.t().contiguous(), zeros.t().contiguous()
         qweight, qzeros, scales = _awq_from_linear(w, 4, group_size, scales, zeros)
-        prefix = name.removesuffix("weight")
-        state.update(
-            {
-                prefix + "qweight": qweight,
-                prefix + "qzeros": qzeros,
-                prefix + "scales": scales,
-            }
-        )
-        deq = _awq_dequantize_gemm(qweight, qzeros, scales, 4, group_size)
-        want[name] = deq.T.contiguous()
+        dense = _awq_dequantize_gemm(qweight, qzeros, scales, 4, group_size)
+        parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+        return parts, dense.T.contiguous()
+
+    hf, state, want = _quantized_state(pack)
     config = {
         "quant_method": "awq",
         "zero_point": True,

@@ -8,10 +8,10 @@ A quantized weight is stored as several tensors (its companions) and is read as 
 - `int`: `weight` int8 with `weight_scale` (and `weight_zero_point`): compressed-tensors
   `int-quantized`;
 - `int-packed`: `weight_packed` int32, `weight_scale`, `weight_shape` (and
-  `weight_zero_point`): compressed-tensors' `pack-quantized` (its config group's
-  `num_bits`, `symmetric`);
-- `gptq`: `qweight`, `qzeros`, `scales` (and `g_idx`): `quant_method: gptq` (`bits`,
-  `group_size`, `checkpoint_format`);
+  `weight_zero_point`, `weight_g_idx`): compressed-tensors' `pack-quantized` (its
+  config group's `num_bits`, `symmetric`, `actorder`);
+- `gptq`: `qweight`, `qzeros`, `scales` (and `g_idx`): `quant_method: gptq` (`bits`
+  2, 3, 4, 8, `group_size`, `checkpoint_format`, `desc_act`);
 - `awq`: `qweight` `(in, out / 8)`, `qzeros`, `scales`: `quant_method: awq`
   (`bits` 4, `group_size`, `version: gemm`).
 
@@ -168,7 +168,7 @@ def _module(
     one, or the problem."""
     weight = _join(prefix, "weight")
     if "qweight" in parts:
-        return _gptq_weight(prefix, parts, tensors, config, method)
+        return _gptq_weight(prefix, parts, tensors, config, method, read_small)
     if "weight_packed" in parts:
         return _packed_weight(prefix, parts, tensors, config, read_small)
     if "weight" not in parts:
@@ -197,6 +197,17 @@ def _module(
         out = {"weight": weight, "scale": scale}
         if "weight_zero_point" in parts:
             out["zero"] = parts["weight_zero_point"]
+        args = _ct_args(prefix, config) if method == "compressed-tensors" else ""
+        if isinstance(args, dict):  # its activation order, if any
+            problem = _ct_g_idx(weight, parts, tensors, args, shape, read_small)
+        elif "weight_g_idx" in parts:
+            groups = tensors[scale][0][-1]
+            g_idx = parts["weight_g_idx"]
+            problem = _g_idx(g_idx, tensors, read_small, shape[-1], groups)
+        if problem:
+            return problem
+        if "weight_g_idx" in parts:
+            out["g_idx"] = parts["weight_g_idx"]
         return Quantized(weight, scheme, bits, shape, out, {})
     if dtype in _FP8 and declared:
         return (
@@ -294,6 +305,28 @@ def _ct_args(prefix: str, config: Mapping[str, Any]) -> dict[str, Any] | str:
     return {**args, "format": chosen[0].get("format") or config.get("format")}
 
 
+def _ct_g_idx(
+    name: str,
+    parts: Mapping[str, str],
+    tensors: Stored,
+    args: Mapping[str, Any],
+    shape: tuple[int, ...],
+    read_small: Callable[[str], np.ndarray],
+) -> str | None:
+    """The problem with compressed-tensors' activation ordering of a weight of
+    `shape` (`actorder: group` and its `weight_g_idx`), if any."""
+    actorder = args.get("actorder")
+    if "weight_g_idx" not in parts:
+        if actorder in ("group", "dynamic", True):
+            return f"{name}: actorder {actorder!r}, but no weight_g_idx"
+        return None
+    if args.get("strategy") != "group":
+        strategy = args.get("strategy")
+        return f"{parts['weight_g_idx']}: activation order, but strategy {strategy!r}"
+    groups = tensors[parts["weight_scale"]][0]
+    return _g_idx(parts["weight_g_idx"], tensors, read_small, shape[-1], groups[-1])
+
+
 def _packed_weight(
     prefix: str,
     parts: Mapping[str, str],
@@ -342,8 +375,11 @@ def _packed_weight(
         if "weight_zero_point" not in parts:
             return f"{packed}: asymmetric, but no weight_zero_point"
         out["zero"] = parts["weight_zero_point"]
+    problem = _ct_g_idx(packed, parts, tensors, args, shape, read_small)
+    if problem:
+        return problem
     if "weight_g_idx" in parts:
-        return f"{packed}: activation ordering (weight_g_idx) is not supported"
+        out["g_idx"] = parts["weight_g_idx"]
     settings = {"group_size": args.get("group_size")}
     return Quantized(weight, "int-packed", bits, shape, out, settings)
 
@@ -354,6 +390,7 @@ def _gptq_weight(
     tensors: Stored,
     config: Mapping[str, Any],
     method: str,
+    read_small: Callable[[str], np.ndarray],
 ) -> Quantized | str:
     qweight = parts["qweight"]
     missing = [p for p in ("qzeros", "scales") if p not in parts]
@@ -367,12 +404,20 @@ def _gptq_weight(
             "quant_method 'gptq' or 'awq' says how they were packed"
         )
     bits, group_size = config.get("bits"), config.get("group_size", -1)
-    if bits not in (2, 4, 8):
-        return f"{qweight}: GPTQ with {bits!r} bits is not supported (2, 4, 8 are)"
+    if bits not in (2, 3, 4, 8):
+        return f"{qweight}: GPTQ with {bits!r} bits is not supported (2, 3, 4, 8 are)"
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        return f"{qweight}: GPTQ group_size {group_size!r} is not -1 or positive"
     fmt = config.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         return f"{qweight}: GPTQ checkpoint_format {fmt!r} is not supported"
-    (packed_rows, out_features), _ = tensors[qweight]
+    shape = tuple(tensors[qweight][0])
+    if len(shape) != 2 or (shape[0] * 32) % bits:
+        return (
+            f"{qweight}: shape {shape}, expected (in * {bits} / 32, out) with a whole "
+            "number of input rows"
+        )
+    packed_rows, out_features = shape
     in_features = packed_rows * 32 // bits
     groups = tensors[parts["scales"]][0]
     zeros = tensors[parts["qzeros"]][0]
@@ -386,10 +431,46 @@ def _gptq_weight(
         )
     out = {"weight": qweight, "zero": parts["qzeros"], "scale": parts["scales"]}
     if "g_idx" in parts:
+        problem = _g_idx(parts["g_idx"], tensors, read_small, in_features, groups[0])
+        if problem:
+            return problem
         out["g_idx"] = parts["g_idx"]
+    else:
+        if config.get("desc_act"):
+            return f"{qweight}: desc_act (activation order), but no {prefix}.g_idx"
+        want = 1 if group_size == -1 else math.ceil(in_features / group_size)
+        if groups[0] != want:
+            return (
+                f"{parts['scales']}: {groups[0]} groups, but {in_features} input rows "
+                f"in groups of {group_size} need {want}"
+            )
     settings = {"group_size": group_size, "zero_plus_one": fmt == "gptq"}
     weight = _join(prefix, "weight")
     return Quantized(weight, "gptq", bits, (out_features, in_features), out, settings)
+
+
+def _g_idx(
+    name: str,
+    tensors: Stored,
+    read_small: Callable[[str], np.ndarray],
+    columns: int,
+    groups: int,
+) -> str | None:
+    """The problem with an activation-order group index `name` (one group per input
+    column, each below `groups`), if any."""
+    shape, dtype = tensors[name]
+    if tuple(shape) != (columns,) or not dtype.startswith(("int", "uint")):
+        return (
+            f"{name}: {dtype} {tuple(shape)}, expected integers ({columns},): the "
+            "group of each input column"
+        )
+    values = np.asarray(read_small(name))
+    if values.size and (values.min() < 0 or values.max() >= groups):
+        return (
+            f"{name}: group indices from {values.min()} to {values.max()}, expected "
+            f"0 to {groups - 1} ({groups} groups of scales)"
+        )
+    return None
 
 
 def _awq_weight(
@@ -477,4 +558,5 @@ def dequantize(q: Quantized, read: Callable[[str], np.ndarray], dtype) -> np.nda
         zero = read(parts["zero"])
         if q.scheme == "int-packed" and zero.shape != scale.shape:  # packed by rows
             zero = _packed.unpack(zero.T, q.bits, scale.shape[0]).T
-    return _packed.dequantize(values, scale, zero, dtype)
+    g_idx = read(parts["g_idx"]) if "g_idx" in parts else None
+    return _packed.dequantize(values, scale, zero, dtype, g_idx)
