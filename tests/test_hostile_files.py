@@ -24,6 +24,11 @@ from .helpers import skip_unless
 
 
 CASES = corpus.cases() + corpus.sharded_cases()
+# Slow cases run in `tests_slow`: by default, the 200,000-name index is read once by
+# test_an_index_naming_200000_missing_arrays_gives_a_bounded_message (the refusal and
+# its bounded message), not four times and twice through the CLI; many small arrays
+# (10k, 100k) load through the same code as every other accepted case.
+SLOW = {"200,000 names missing", "10k arrays"}
 # far above any case (most take milliseconds; the 200,000-name index about 1 s per read,
 # 15 s for its four reads on 2 cores under load 10), so a hang fails instead of blocking
 SECONDS = 300
@@ -72,7 +77,18 @@ def listing(directory):
     return sorted(p.relative_to(directory) for p in directory.rglob("*"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.category}: {c.name}" for c in CASES])
+def _params(cases: list) -> list:
+    return [
+        pytest.param(
+            c,
+            id=f"{c.category}: {c.name}",
+            marks=pytest.mark.slow if c.name in SLOW else (),
+        )
+        for c in cases
+    ]
+
+
+@pytest.mark.parametrize("case", _params(CASES))
 def test_hostile_input_is_refused_cleanly(tmp_path, case, warm, capsys):
     inputs, out = tmp_path / "in", tmp_path / "out"
     inputs.mkdir()
@@ -97,9 +113,10 @@ def test_hostile_input_is_refused_cleanly(tmp_path, case, warm, capsys):
     assert listing(inputs) == before and listing(out) == []  # nothing written
 
 
-ACCEPTED = [pytest.param(c, id=c.name) for c in corpus.accepted()] + [
-    pytest.param(corpus.many(), id="100k arrays", marks=pytest.mark.slow)
-]
+ACCEPTED = [
+    pytest.param(c, id=c.name, marks=pytest.mark.slow if c.name in SLOW else ())
+    for c in corpus.accepted()
+] + [pytest.param(corpus.many(), id="100k arrays", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case", ACCEPTED)

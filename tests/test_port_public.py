@@ -111,14 +111,18 @@ def _vit_like(framework, abstract, seed, scan=False):
 
 
 def _vit_cases():
-    """By default: both layouts into an abstract Equinox ViT, the looped one into an
-    abstract NNX ViT too (the stack into per-layer NNX layers is test_port_stacked's
-    test_a_bias_free_stack_at_either_axis_into_per_layer_nnx_and_back); the other
-    cases run in `tests_slow` (30-50 s each on 2 shared cores)."""
+    """By default: the stacked ViT into an abstract Equinox ViT, the looped one into
+    an abstract NNX ViT (the stack into per-layer NNX layers is test_port_stacked's
+    test_a_bias_free_stack_at_either_axis_into_per_layer_nnx_and_back; the looped ViT
+    into Equinox pairs the per-layer Linen names the scan case's way back does); the
+    other cases run in `tests_slow` (20-50 s each on 2 shared cores)."""
     for layout in ("scan", "loop"):
         for target in ("nnx", "equinox"):
             for abstract in (False, True):
-                fast = abstract and (layout == "loop" or target == "equinox")
+                fast = abstract and (layout, target) in (
+                    ("loop", "nnx"),
+                    ("scan", "equinox"),
+                )
                 slow = not fast
                 yield pytest.param(
                     layout,

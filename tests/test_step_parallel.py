@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import bridge
@@ -62,6 +63,10 @@ def replicate(tree):
     return jax.tree_util.tree_map(lambda x: jnp.stack([x] * DEVICES), tree)
 
 
+# slow (pmap compiles the step for every device: about a minute on 2 shared cores);
+# test_shard_map_agrees_with_the_single_device_step runs the same data-parallel step
+# against the same single-device oracle by default
+@pytest.mark.slow
 def test_pmap_replicas_agree_with_the_single_device_step():
     tree, step = setup("batch")
     opt_state = replicate(step.init(tree))
