@@ -25,6 +25,8 @@ from ._port._compare import compare as compare
 from ._port._errors import PortError as PortError, PortWarning as PortWarning
 from ._port._plan import Plan as Plan, port_plan as port_plan
 from ._port._port import port as port
+from ._qarray import QuantizedArray as QuantizedArray
+from ._quant._keep import dequantize as dequantize
 from ._train._opt_state import port_opt_state as port_opt_state
 from ._train._step import TrainStep as TrainStep, make_step as make_step
 from ._train._trainable import trainable as trainable

@@ -18,6 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._paths import Key, Path, path_of
+from ._qarray import QuantizedArray
 
 
 def _key_entry(key: Key, sequence: bool) -> Any:
@@ -304,6 +305,8 @@ straight into your model: `model = bridge.load(path, like=model)`."""
 
 
 def _leaf_repr(leaf: Any) -> str:
+    if isinstance(leaf, QuantizedArray):
+        return repr(leaf)
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
         return repr(leaf)
@@ -495,7 +498,11 @@ def roles(tree: Tree) -> Tree:
         raise TypeError(f"`tree` must be a bridge.Tree, got {type(tree).__name__}.")
     info = tree._info
     children = [
-        roles(c) if isinstance(c, Tree) else r
+        roles(c)
+        if isinstance(c, Tree)
+        else jtu.tree_map(lambda _, r=r: r, c)
+        if isinstance(c, QuantizedArray)  # its parts: one role
+        else r
         for c, r in zip(tree._children, info.roles)
     ]
     return Tree._make(info, children)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import jax.tree_util as jtu
 
 from .._paths import Key, Path, check_depth, is_array, path_of, path_str
+from .._qarray import is_quantized
 from .._tree import Source, Tree, _Info
 from ._registry import display_name
 
@@ -117,7 +118,9 @@ class Maker:
         source = Source(framework, paths, order, record, native or {})
         keys_, roles_, kind_ = self._data((), keys, roles)
         tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
-        object.__setattr__(source, "_treedef", jtu.tree_structure(tree))
+        object.__setattr__(
+            source, "_treedef", jtu.tree_structure(tree, is_leaf=is_quantized)
+        )
         return tree
 
 
@@ -191,7 +194,7 @@ def native_leaves(
     Raises `ValueError` naming every path that is missing, unexpected, or not an array.
     """
     src = source_of(tree, framework)
-    flat, treedef = jtu.tree_flatten(tree)
+    flat, treedef = jtu.tree_flatten(tree, is_leaf=is_quantized)
     # Fast path: the structure this Source was last rebuilt from (so the same paths),
     # and array leaves. Otherwise compare paths, and remember the structure if it fits.
     if src._treedef is None or treedef != src._treedef or not all(map(is_array, flat)):
@@ -204,7 +207,7 @@ def native_leaves(
 
 
 def _check_paths(tree: Tree, src: Source[Any], framework: str) -> None:
-    flat, _ = jtu.tree_flatten_with_path(tree)
+    flat, _ = jtu.tree_flatten_with_path(tree, is_leaf=is_quantized)
     paths = tuple(path_of(p) for p, _ in flat)
     problems = []
     if paths != src.paths:

@@ -12,6 +12,7 @@ import jax.tree_util as jtu
 
 from .._paths import Key, Path, child, is_array, key_of, path_of
 from .._placement import placeholder
+from .._qarray import is_quantized
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter
@@ -29,6 +30,10 @@ together with this model (`model, state = eqx.nn.make_with_state(Model)(...)`)."
 
 def _is_index(x: Any) -> bool:
     return isinstance(x, eqx.nn.StateIndex)
+
+
+def _index_or_quantized(x: Any) -> bool:
+    return isinstance(x, eqx.nn.StateIndex) or is_quantized(x)
 
 
 _MISSING = object()
@@ -115,7 +120,8 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         )
     if state is not None and not isinstance(state, eqx.nn.State):
         raise TypeError(f"`state` must be an eqx.nn.State, got {type(state).__name__}.")
-    flat, model_def = jtu.tree_flatten_with_path(model)
+    # a weight kept quantized is one leaf, as the Tree holds it
+    flat, model_def = jtu.tree_flatten_with_path(model, is_leaf=is_quantized)
     nodes = _Nodes(model)
     entries: list[tuple[Path, str, Any, int]] = []
     statics: list[tuple[int, Held]] = []
@@ -167,7 +173,7 @@ class EquinoxRecord(NamedTuple):
 
 def _model_rank(model: Any):
     """Sort key: a State entry goes where its StateIndex is in the model."""
-    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_index)
+    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_index_or_quantized)
     rank = {path_of(p): i for i, (p, _) in enumerate(flat)}
 
     def key(entry: tuple[Path, str, Any, int]) -> int:
@@ -180,7 +186,7 @@ def _model_rank(model: Any):
 
 
 def _index_paths(model: Any) -> dict[Path, Any]:
-    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_is_index)
+    flat, _ = jtu.tree_flatten_with_path(model, is_leaf=_index_or_quantized)
     return {path_of(p): x for p, x in flat if _is_index(x)}
 
 

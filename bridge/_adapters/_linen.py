@@ -13,6 +13,7 @@ from flax.training import train_state
 
 from .._arguments import is_array, type_error
 from .._paths import Key, Path, canonical, natural, path_of, path_str
+from .._qarray import is_quantized
 from .._tree import Held, NativeOrder, Tree, items, leaf_roles
 from ._build import Maker, Recent, build, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter
@@ -77,7 +78,8 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         )
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
-    leaves, treedef = jtu.tree_flatten(variables)
+    # a weight kept quantized is one leaf, as the Tree holds it
+    leaves, treedef = jtu.tree_flatten(variables, is_leaf=is_quantized)
     # the same structure as a recent call (JAX's treedef ignores dict order, so the key
     # orders and leaf types are part of the key): rebuild the Tree from its treedef
     known = _known_key(variables, treedef, leaves, module)
@@ -216,7 +218,7 @@ class _Walk:
         if i is not None:
             return i
         if self.by_path is None:
-            flat, _ = jtu.tree_flatten_with_path(self.variables)
+            flat, _ = jtu.tree_flatten_with_path(self.variables, is_leaf=is_quantized)
             # a box (nn.Partitioned, ...) adds an attribute key (`.value`): drop it
             self.by_path = {
                 path_of([e for e in keypath if type(e) is not jtu.GetAttrKey]): i

@@ -31,6 +31,7 @@ from .._adapters._native import (
     to_neutral,
 )
 from .._arguments import (
+    check_bool,
     check_dtype,
     check_extra,
     check_inputs,
@@ -42,6 +43,7 @@ from .._arguments import (
 from .._port._errors import PortError
 from .._port._port import port_and_plan
 from .._quant import _gguf  # noqa: F401  (registers the GGUF format)
+from .._quant._keep import load_kept, refuse_saving_kept, refuse_without_like
 from .._quant._read import dequantized
 from .._tree import Tree, framework
 from . import (  # noqa: F401  (they register formats)
@@ -219,9 +221,11 @@ def save(
                 "training state (`opt_state`, `step`, `extra`) in bridge's layout."
             )
         tree = to_neutral(obj)
+        refuse_saving_kept(path, tree)
         save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize, like)
         return
     tree = to_neutral(obj)
+    refuse_saving_kept(path, tree)
     contents, arrays = describe(tree, metadata)
     if training:
         contents, arrays = _training.add(contents, arrays, tree, opt_state, step, extra)
@@ -286,6 +290,7 @@ def load(
     strict: bool = True,
     example: Any = None,
     example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
+    keep_quantized: bool = False,
 ) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
@@ -332,6 +337,13 @@ def load(
       per-head `nn.Einsum` kernel `(H, D, hd)` with equal sizes). The file itself
       cannot run: a choice only the source's computation could make is refused;
       port from the source model then (`bridge.port(model, like, example=x)`).
+    - `keep_quantized`: with `like` and a quantized checkpoint (FP8, compressed-
+      tensors, GPTQ: see the quantized guide), each quantized weight is kept as a
+      `bridge.QuantizedArray` holding the checkpoint's own tensors, in the place of
+      `like`'s dense weight (Linen, NNX and Equinox models), instead of being
+      dequantized. Run the model through `bridge.dequantize(model)` inside your
+      `jax.jit`; `bridge.make_step` dequantizes by itself and never trains them.
+      A checkpoint with nothing quantized loads as usual.
     - `opt_state_like`: optional, with `like`: the optimizer state to fill, as the
       target's optimizer makes it (`tx.init(params)`, `step.init(tree)`, an
       `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
@@ -385,6 +397,14 @@ def load(
     check_pair_or_mapping(example_kwargs, "example_kwargs")
     if example is not None and like is None:
         raise TypeError("`example` needs `like`, the model whose inputs they are.")
+    check_bool(keep_quantized, "keep_quantized")
+    if keep_quantized and like is None:
+        refuse_without_like(path)
+    if keep_quantized and opt_state_like is not None:
+        raise TypeError(
+            "keep_quantized=True loads a model to run or to train adapters on, not a "
+            "training checkpoint: leave out `opt_state_like`."
+        )
     check_dtype(dtype)
     target = None if like is None else to_neutral(placeholders(like))
     if target is None and opt_state_like is not None:
@@ -399,6 +419,12 @@ def load(
             return file_tree(contents, arrays)
         if prefix:
             contents = without_prefix(contents, prefix)
+        if keep_quantized:
+            given = (example, example_kwargs)
+            model, plan = load_kept(contents, like, dtype, rules, strict, given)
+            if model is not None:
+                _report(plan, contents.path, like)
+                return model
         problems = misfits(contents, target, dtype)
         as_saved = rules is None and not prefix  # else: ported, by the paths
         if not problems and as_saved:

@@ -16,6 +16,7 @@ from jax.core import Tracer
 from .._adapters._native import forward
 from .._arguments import check_bool, check_callable, check_hashable
 from .._paths import Path, path_of, path_str
+from .._qarray import dequantized, quantized_positions
 from .._tree import Tree, leaf_roles
 
 
@@ -31,6 +32,15 @@ The spec does not fit this tree:
 A spec says, for each leaf of the model's Tree, whether the step trains it: make it
 from this very model with bridge.trainable(tree, where), and make a new step with
 bridge.make_step when the model's structure changes."""
+
+_QUANTIZED_TRAINABLE = """\
+The spec marks parts of weights kept quantized trainable:
+{problems}
+A weight loaded with bridge.load(..., keep_quantized=True) is frozen: the step
+dequantizes it inside its compiled function and never differentiates it. Train LoRA
+adapters on it (bridge.lora), or load the checkpoint dequantized (without
+keep_quantized) to train the weight itself; bridge.trainable leaves quantized weights
+out of a spec."""
 
 _NOTHING_TRAINABLE = """\
 The spec marks no leaf trainable, so the step would train nothing. Mark the parameters
@@ -346,6 +356,11 @@ class TrainStep:
         ]
         if problems:
             raise ValueError(_SPEC_MISMATCH.format(problems="\n".join(problems)))
+        kept = quantized_positions(tree)
+        marked = sorted({kept[i] for i in trained if i in kept})
+        if marked:
+            lines = "\n".join(f"  {p}" for p in marked)
+            raise ValueError(_QUANTIZED_TRAINABLE.format(problems=lines))
         chosen = set(trained)
         names = tuple(path_str(paths[i]) for i in trained)
         frozen = tuple(i for i in range(len(paths)) if i not in chosen)
@@ -453,8 +468,10 @@ def _forward(
     tree: Tree, loss_fn: Callable[..., Any], batch: tuple, rngs: Any
 ) -> tuple[Any, dict[int, Any]]:
     """Run `loss_fn` on the native model; return its output and, by leaf position,
-    the new values of the non-`params` leaves that the forward pass wrote."""
-    out, after = forward(tree, loss_fn, batch, rngs)
+    the new values of the non-`params` leaves that the forward pass wrote. Weights
+    kept quantized (`bridge._qarray.QuantizedArray`) are dequantized here, inside
+    the compiled step: `loss_fn` sees the dense model."""
+    out, after = forward(dequantized(tree), loss_fn, batch, rngs)
     if after is None:
         return out, {}
     new = {path_of(p): leaf for p, leaf in jtu.tree_flatten_with_path(after)[0]}

@@ -9,6 +9,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .._arguments import check_pattern
+from .._qarray import quantized_positions
 from .._tree import Tree, leaf_roles
 
 
@@ -94,11 +95,19 @@ def trainable(tree: Tree, where: Callable[[Tree], Any] | str | re.Pattern) -> Tr
         pattern = check_pattern(where, "where")
         selected = {i for i, p in enumerate(paths) if pattern.search(p)}
         what = f"the paths matching r'{pattern.pattern}'"
-    flags = [i in selected and roles[i] == "params" for i in range(len(flat))]
+    kept = quantized_positions(tree)  # weights kept quantized: never trained
+    flags = [
+        i in selected and roles[i] == "params" and i not in kept
+        for i in range(len(flat))
+    ]
     if not any(flags):
         if selected:
-            found = sorted({str(roles[i]) for i in selected})
+            found = sorted({str(roles[i]) for i in selected if i not in kept})
             detail = f"{what} hold only leaves of role {', '.join(found)}"
+            if all(i in kept for i in selected):
+                detail = f"{what} hold only weights kept quantized (frozen)"
+            elif any(i in kept for i in selected):
+                detail += " and weights kept quantized (frozen)"
         else:
             detail = f"{what} hold no leaf"
         example = _example(paths, roles)
