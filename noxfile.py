@@ -211,6 +211,7 @@ TORCH_TESTS = [
     "tests/test_torch_export_reference.py",
     "tests/test_torch_hf_moe.py",
     "tests/test_quant_torch.py",
+    "tests/test_quant_keep_torch.py",
     "tests/test_quant_gguf.py",
     "tests/test_opt_state_torch.py",
 ]

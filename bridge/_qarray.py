@@ -32,8 +32,8 @@ import numpy as np
 class Scheme(NamedTuple):
     """What a `QuantizedArray`'s parts mean (static, hashable).
 
-    - `name`: `"fp8-block"`, `"fp8"`, `"int"`, `"int-packed"` or `"gptq"` (see
-      `bridge._quant._schemes`).
+    - `name`: `"fp8-block"`, `"fp8"`, `"int"`, `"int-packed"`, `"gptq"` or `"awq"`
+      (see `bridge._quant._schemes`).
     - `bits`: bits per value.
     - `stored`: the dense weight's shape as the checkpoint has it (PyTorch's
       `(out, in)`).
@@ -196,10 +196,12 @@ def _unpack_ct(packed: jax.Array, bits: int, count: int) -> jax.Array:
     words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
     start = np.arange(count) * bits
     word, offset = start // 32, (start % 32).astype(np.uint32)
-    low = words[..., word] >> offset
+    lead = (1,) * (words.ndim - 1)  # the same rank (no implicit rank promotion)
     spill = offset + bits > 32  # a value split over two words
+    shift = np.where(spill, 32 - offset, 0).astype(np.uint32).reshape(*lead, -1)
+    low = words[..., word] >> offset.reshape(*lead, -1)
     nxt = np.minimum(word + 1, words.shape[-1] - 1)
-    high = jnp.where(spill, words[..., nxt] << np.where(spill, 32 - offset, 0), 0)
+    high = jnp.where(spill.reshape(*lead, -1), words[..., nxt] << shift, 0)
     values = ((low | high) & np.uint32((1 << bits) - 1)).astype(jnp.int16)
     return (values - (1 << (bits - 1))).astype(jnp.int8)
 
@@ -216,14 +218,21 @@ def _scaled(parts: dict[str, Any], s: Scheme) -> jax.Array:
     if scale.ndim < 2:
         scale = scale.reshape((1,) * (values.ndim - scale.ndim) + scale.shape)
     groups = scale.shape[-1]
+    g_idx = parts.get("g_idx")  # activation ordering: column j in group g_idx[j]
+
+    def spread(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        if g_idx is not None:
+            return x[..., g_idx]
+        return jnp.repeat(x, cols // groups, -1)
+
     q = values.astype(jnp.float32)
     zero = parts.get("zero")
     if zero is not None:
         if s.name == "int-packed" and zero.shape != scale.shape:  # packed by rows
             zero = _unpack_ct(zero.T, s.bits, scale.shape[0]).T
-        zero = zero.reshape(scale.shape).astype(jnp.float32)
-        q = q - jnp.repeat(zero, cols // groups, -1)
-    q = q * jnp.repeat(scale.astype(jnp.float32), cols // groups, -1)
+        q = q - spread(zero.reshape(scale.shape))
+    q = q * spread(scale)
     return q.astype(scale.dtype).astype(jnp.dtype(s.dtype))
 
 
@@ -256,12 +265,36 @@ def _gptq(parts: dict[str, Any], s: Scheme) -> jax.Array:
     return values.astype(scales.dtype).T.astype(jnp.dtype(s.dtype))
 
 
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble of a word
+
+
+def _unpack_awq(words: jax.Array) -> jax.Array:
+    """`bridge._quant._awq.unpack`: 4-bit values in AWQ's interleaved column order,
+    `(rows, cols / 8)` words -> `(rows, cols)` int16."""
+    w = jax.lax.bitcast_convert_type(words, jnp.uint32)
+    shifts = np.arange(8, dtype=np.uint32) * np.uint32(4)
+    nibbles = (w[:, :, None] >> shifts[None, None, :]) & np.uint32(0xF)
+    columns = nibbles[:, :, np.argsort(_AWQ_ORDER)]
+    return columns.reshape(w.shape[0], -1).astype(jnp.int16)
+
+
+def _awq(parts: dict[str, Any], s: Scheme) -> jax.Array:
+    scales = parts["scale"]
+    q, z = _unpack_awq(parts["weight"]), _unpack_awq(parts["zero"])
+    rows = q.shape[0]
+    size = s.setting("group_size")
+    g = np.arange(rows) // (rows if size == -1 else size)
+    values = (q - z[g]).astype(jnp.float32) * scales[g].astype(jnp.float32)
+    return values.astype(scales.dtype).T.astype(jnp.dtype(s.dtype))
+
+
 _DEQUANTIZE: dict[str, Callable[[dict[str, Any], Scheme], jax.Array]] = {
     "fp8-block": _fp8_block,
     "fp8": _scaled,
     "int": _scaled,
     "int-packed": _scaled,
     "gptq": _gptq,
+    "awq": _awq,
 }
 SCHEMES = tuple(_DEQUANTIZE)
 

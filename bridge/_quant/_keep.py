@@ -41,7 +41,7 @@ from .._paths import Path, path_str
 from .._port import _errors
 from .._port._plan import PlanRow, make_plan
 from .._port._port import _decoded, _encoded, examples, run
-from .._qarray import QuantizedArray, Scheme, dequantized, is_quantized
+from .._qarray import SCHEMES, QuantizedArray, Scheme, dequantized, is_quantized
 from .._tree import Tree, framework, map_with_path
 from . import _gguf
 from ._read import applies, scan
@@ -193,6 +193,12 @@ def load_kept(
             )
         else:
             quantized_steps.append(step)
+    unkept = sorted(
+        f"{q.name}: {q.describe()} is not kept quantized yet"
+        for q in found.values()
+        if q.scheme not in SCHEMES or (q.scheme == "gptq" and 32 % q.bits)
+    )
+    refused += unkept
     kept: dict[Path, QuantizedArray] = {}
     for step in quantized_steps:
         kept.update(_kept_layer(step, by_id, stored, refused))
