@@ -82,6 +82,17 @@ def _write(folder, hf, state, quantization_config):
     hf.config.save_pretrained(folder)
 
 
+def _assert_refused(tmp_path, target, state, quantization_config, *fragments):
+    """Loading `state` with `quantization_config` into `target` (float32) raises a
+    `CheckpointError` saying nothing was loaded, with each of `fragments`."""
+    bad = tmp_path / "bad"
+    _write(bad, _hf(), state, quantization_config)
+    with pytest.raises(bridge.CheckpointError) as info:
+        bridge.load(bad, like=target, dtype=jnp.float32)
+    for fragment in ("nothing was loaded", *fragments):
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
 def _linear(name):
     return name.endswith("proj.weight")
 
@@ -162,6 +173,19 @@ def test_fp8_block_without_like_and_inspect(tmp_path):
 # --- compressed-tensors ---------------------------------------------------------------
 
 
+# compressed-tensors' NVFP4A16 and MXFP4A16 presets (quantization/quant_scheme.py)
+_NVFP4 = dict(
+    num_bits=4,
+    type="float",
+    strategy="tensor_group",
+    group_size=16,
+    scale_dtype=torch.float8_e4m3fn,
+)
+_MXFP4 = dict(
+    num_bits=4, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8
+)
+
+
 def _compressed_folder(tmp_path, scheme_args, fmt, dtype=torch.bfloat16):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import (
@@ -169,7 +193,10 @@ def _compressed_folder(tmp_path, scheme_args, fmt, dtype=torch.bfloat16):
         QuantizationConfig,
         QuantizationScheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import (
+        calculate_qparams,
+        generate_gparam,
+    )
 
     args = QuantizationArgs(**scheme_args)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
@@ -181,12 +208,23 @@ def _compressed_folder(tmp_path, scheme_args, fmt, dtype=torch.bfloat16):
             state[name] = want[name] = tensor
             continue
         rows = tensor.shape[0]
-        if args.strategy == "group":
+        if args.strategy in ("group", "tensor_group"):
             grouped = tensor.reshape(rows, -1, args.group_size)
         else:
             grouped = tensor.reshape(rows, 1, -1)
-        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        module = {"weight": tensor, "weight_scale": scale.to(dtype)}
+        module = {"weight": tensor}
+        if args.strategy == "tensor_group":  # NVFP4: a global scale
+            module["weight_global_scale"] = generate_gparam(
+                tensor.amin(), tensor.amax()
+            )
+        scale, zero = calculate_qparams(
+            grouped.amin(-1),
+            grouped.amax(-1),
+            args,
+            global_scale=module.get("weight_global_scale"),
+        )
+        # integer scales in the model's dtype; FP4 ones as its compressor stores them
+        module["weight_scale"] = scale.to(dtype) if args.type == "int" else scale
         if not args.symmetric:
             module["weight_zero_point"] = zero
         prefix = name.removesuffix("weight")
@@ -208,8 +246,10 @@ def _compressed_folder(tmp_path, scheme_args, fmt, dtype=torch.bfloat16):
             "pack-quantized",
         ),
         (dict(num_bits=8, strategy="channel"), "int-quantized"),
+        (_NVFP4, "nvfp4-pack-quantized"),
+        (_MXFP4, "mxfp4-pack-quantized"),
     ],
-    ids=["int4-group", "int4-asymmetric", "int8-channel"],
+    ids=["int4-group", "int4-asymmetric", "int8-channel", "nvfp4", "mxfp4"],
 )
 def test_compressed_tensors_bit_equal_and_logits(tmp_path, scheme, fmt):
     folder, want = _compressed_folder(tmp_path, {"type": "int", **scheme}, fmt)
@@ -226,6 +266,103 @@ def test_compressed_tensors_bit_equal_and_logits(tmp_path, scheme, fmt):
     got = ql.forward(f32, ql.HF, model, jnp.asarray(TOKENS))
     # float32 of bfloat16 weights: the reference's own rounding, then float32 math
     np.testing.assert_allclose(np.asarray(got), _logits(dense), rtol=1e-4, atol=1e-4)
+
+
+def test_fp4_inspect_and_malformed_refused(tmp_path, capsys):
+    folder, _ = _compressed_folder(tmp_path, _NVFP4, "nvfp4-pack-quantized")
+    from bridge._cli import main
+
+    assert main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4 group 16, 4-bit: 14 weights," in out
+    assert f"{983040 * 2:,} bytes dequantized" in out  # bfloat16
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    state = safetensors.torch.load_file(folder / "model.safetensors")
+    target = _target(ql.eqx_layers())
+    q = "model.layers.0.self_attn.q_proj."
+
+    def refused(state, quantization, *fragments):
+        _assert_refused(tmp_path, target, state, quantization, *fragments)
+
+    missing = {k: v for k, v in state.items() if k != q + "weight_global_scale"}
+    refused(
+        missing,
+        config,
+        f"{q}weight_packed: nvfp4-pack-quantized without weight_global_scale",
+    )
+    wrong = dict(state, **{q + "weight_scale": state[q + "weight_scale"][:, :8]})
+    refused(
+        wrong,
+        config,
+        f"{q}weight_scale: float8_e4m3fn (256, 8), but a nvfp4-pack-quantized "
+        "weight (256, 256) needs float8_e4m3fn (256, 16)",
+    )
+    other = json.loads(json.dumps(config))
+    other["format"] = "mxfp8-quantized"
+    refused(state, other, "uint8 packing of format 'mxfp8-quantized' is not supported")
+    other["format"] = "nvfp4-pack-quantized"
+    other["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    refused(state, other, "nvfp4-pack-quantized with group_size 32, expected 16")
+
+
+def _mxfp4_state(prefix, experts=2, hidden=64, intermediate=32, seed=0):
+    """gpt-oss's MXFP4 experts under `prefix`: random FP4 bytes (every byte is two
+    valid codes) and E8M0 exponents near 2**-4, beside a dense bfloat16 router."""
+    rng = np.random.default_rng(seed)
+    state = {"router.weight": torch.randn(experts, hidden).bfloat16()}
+    for name, (rows, cols) in {
+        "gate_up_proj": (2 * intermediate, hidden),
+        "down_proj": (hidden, intermediate),
+    }.items():
+        blocks = rng.integers(0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
+        scales = rng.integers(118, 128, (experts, rows, cols // 32), dtype=np.uint8)
+        state[f"{prefix}{name}_blocks"] = torch.from_numpy(blocks)
+        state[f"{prefix}{name}_scales"] = torch.from_numpy(scales)
+    return state
+
+
+def _mxfp4_folder(folder, state, config):
+    folder.mkdir()
+    safetensors.torch.save_file(
+        state, folder / "model.safetensors", metadata={"format": "pt"}
+    )
+    (folder / "config.json").write_text(json.dumps({"dtype": "bfloat16", **config}))
+    return folder
+
+
+def test_mxfp4_blocks_equal_transformers(tmp_path, capsys):
+    """gpt-oss's packing, dequantized as transformers' `convert_moe_packed_tensors`
+    does it, in bfloat16 and float32 (under a module name bridge's packed-experts
+    reading leaves alone: gpt-oss's own `mlp.experts` is refused, below)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = _mxfp4_state("moe.")
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}}
+    folder = _mxfp4_folder(tmp_path / "mxfp4", state, mxfp4)
+    for dtype, jdtype in ((torch.bfloat16, None), (torch.float32, jnp.float32)):
+        tree = bridge.load(folder, dtype=jdtype)
+        for name in ("gate_up_proj", "down_proj"):
+            want = convert_moe_packed_tensors(
+                state[f"moe.{name}_blocks"], state[f"moe.{name}_scales"], dtype=dtype
+            )
+            got = getattr(tree.moe, name)
+            assert got.shape == tuple(want.shape)  # (experts, in, out)
+            assert got.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
+            want = want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+            assert np.array_equal(_bits(got), want.numpy().view(_bits(got).dtype))
+    assert tree.moe.gate_up_proj.shape == (2, 64, 64)
+    assert tree.moe.down_proj.shape == (2, 32, 64)
+    from bridge._cli import main
+
+    assert main(["inspect", str(folder)]) == 0
+    assert "mxfp4-blocks group 32, 4-bit: 2 weights," in capsys.readouterr().out
+    plain = _mxfp4_folder(tmp_path / "plain", state, {})
+    with pytest.raises(bridge.CheckpointError, match="quant_method 'mxfp4'"):
+        bridge.load(plain)
+    experts = _mxfp4_state("model.layers.0.mlp.experts.")
+    gpt_oss = _mxfp4_folder(tmp_path / "gpt-oss", experts, mxfp4)
+    with pytest.raises(bridge.CheckpointError, match="gpt-oss's MXFP4 experts are not"):
+        bridge.load(gpt_oss)
 
 
 # compressed-tensors 0.20 no longer reads activation order (`actorder: group`, removed
@@ -593,12 +730,7 @@ def test_gptq_malformed_refused(tmp_path):
     q = "model.layers.0.self_attn.q_proj."
 
     def refused(state, quantization, *fragments):
-        bad = tmp_path / "bad"
-        _write(bad, _hf(), state, quantization)
-        with pytest.raises(bridge.CheckpointError) as info:
-            bridge.load(bad, like=target)
-        for fragment in ("nothing was loaded", *fragments):
-            assert fragment in str(info.value), (fragment, str(info.value))
+        _assert_refused(tmp_path, target, state, quantization, *fragments)
 
     no_g_idx = {k: v for k, v in state.items() if k != q + "g_idx"}
     refused(no_g_idx, config, f"{q}qweight: desc_act (activation order), but no")
@@ -765,12 +897,7 @@ def test_awq_malformed_refused(tmp_path):
     target = _target(ql.eqx_layers())
 
     def refused(state, quantization, *fragments):
-        bad = tmp_path / "bad"
-        _write(bad, _hf(), state, quantization)
-        with pytest.raises(bridge.CheckpointError) as info:
-            bridge.load(bad, like=target)
-        for fragment in ("nothing was loaded", *fragments):
-            assert fragment in str(info.value), (fragment, str(info.value))
+        _assert_refused(tmp_path, target, state, quantization, *fragments)
 
     q = "model.layers.0.self_attn.q_proj."
     gemv = dict(config["quantization_config"], version="gemv")
