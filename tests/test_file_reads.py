@@ -5,6 +5,7 @@ shards are open at once; a file rewritten in place while it is read is an error
 naming it, for every kind of read (single file, shards, lazy, msgpack); bridge's own
 sharded checkpoints keep their metadata."""
 
+import gc
 import json
 import os
 import resource
@@ -15,6 +16,7 @@ import pytest
 import safetensors.numpy
 
 import bridge
+from bridge import _buffers
 from bridge._io import _files, _safetensors, _sharded
 from bridge._io._read import open_checkpoint
 
@@ -222,3 +224,57 @@ def test_a_msgpack_file_rewritten_while_read_is_an_error(tmp_path, monkeypatch):
     rewrite_after_first_read(monkeypatch, path)
     with pytest.raises(bridge.CheckpointError, match=r"m\.msgpack.*changed"):
         bridge.load(path)
+
+
+# --- the memory reads go into (bridge/_buffers.py) ------------------------------------
+
+
+def test_a_weight_read_becomes_the_jax_array_with_no_copy(tmp_path):
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": np.arange(600_000, dtype=np.float32)}, path)
+    with open_checkpoint(path) as contents:
+        read = _safetensors.read_one(contents, "w")
+        assert _buffers.owned(read) and read.ctypes.data % _buffers.ALIGN == 0
+        placed = _buffers.to_jax(read)
+    assert placed.unsafe_buffer_pointer() == read.ctypes.data  # the same memory
+    assert np.array_equal(np.asarray(placed), np.arange(600_000, dtype=np.float32))
+
+
+def test_the_callers_array_is_copied_once_never_shared():
+    mine = np.arange(600_000, dtype=np.float32)
+    placed = _buffers.to_jax(mine)
+    mine[:] = -1
+    assert not _buffers.owned(mine)
+    assert np.array_equal(np.asarray(placed), np.arange(600_000, dtype=np.float32))
+    strided = _buffers.to_jax(mine.reshape(600, 1000).T)  # XLA's transpose copies
+    assert strided.shape == (1000, 600) and float(strided[0, 0]) == -1.0
+
+
+def test_a_pool_buffer_is_reused_only_once_its_arrays_are_gone():
+    pool = _buffers.Pool()
+    n = pool.least * 2
+    first = pool.take(n)
+    first[:] = 7
+    where = first.ctypes.data
+    placed = _buffers.to_jax(first.view(np.float32))  # the model holds it now
+    del first
+    gc.collect()
+    second = pool.take(n)
+    assert second.ctypes.data != where  # not given out while the JAX array lives
+    second[:] = 1
+    assert np.all(np.asarray(placed).view(np.uint8) == 7)
+    # a weight read, transposed into a new array, then dropped: its buffer comes back
+    address = second.ctypes.data
+    copied = _buffers.to_jax(second.view(np.float32).reshape(2, -1).T)
+    del second
+    gc.collect()
+    reused = pool.take(n)
+    assert reused.ctypes.data == address
+    assert np.all(np.asarray(copied).view(np.uint8) == 1)
+    del placed
+    gc.collect()  # the model's buffer goes back too (the pool keeps at most `keep`)
+    assert pool.take(n).ctypes.data == where
+    pool.close()  # a closed pool keeps nothing
+    del reused
+    gc.collect()
+    assert not pool._idle

@@ -11,8 +11,8 @@ The package is layered; a module imports only modules of its own layer or below:
     3  _embed     one framework's model inside another's (as_nnx, as_linen, ...)
     2  _adapters  one adapter per framework, the registry, the build kit
     1  _tree      the neutral Tree
-    0  _paths, _arguments, _lazy, _placement, _qarray (weights kept quantized),
-       _families (model families' names)
+    0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
+       quantized), _families (model families' names)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -48,6 +48,7 @@ LAYERS = {
     "bridge._paths": 0,
     "bridge._arguments": 0,
     "bridge._lazy": 0,
+    "bridge._buffers": 0,
     "bridge._placement": 0,
     "bridge._qarray": 0,
     "bridge._families": 0,

@@ -1,7 +1,7 @@
 """The PyTorch and Equinox codecs change the layout of a host (numpy) weight on the
-host: one copy into a JAX array, nothing traced or compiled per weight (an eager
-`jnp.transpose` compiles once per distinct shape), and the same bits as the eager
-transpose."""
+host: a numpy view, copied once into a JAX array when placed, nothing traced or
+compiled per weight (an eager `jnp.transpose` compiles once per distinct shape), and
+the same bits as the eager transpose."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ import pytest
 from jax import monitoring
 
 import bridge  # noqa: F401  (registers the codecs)
+from bridge._buffers import to_jax
 from bridge._port._codec import codec_of
 
 from .helpers import tree_equal_bits
@@ -70,9 +71,17 @@ def test_a_host_weight_changes_layout_on_the_host(kind, framework, leaves, hyper
         assert traced == 0, f"{kind} ({framework}) encode traced {traced} programs"
 
 
-def test_a_transposed_host_weight_is_a_jax_array_as_before():
+def test_a_transposed_host_weight_is_a_view_copied_once_into_jax():
     codec = codec_of("Dense", "torch")
     assert codec is not None
-    kernel = codec.decode(_weights(5, weight=(4, 3)), {})["kernel"]
-    assert isinstance(kernel, jax.Array) and kernel.shape == (3, 4)
-    assert kernel.dtype == jnp.float32 and not kernel.weak_type
+    weight = _weights(5, weight=(4, 3))["weight"]
+    kernel = codec.decode({"weight": weight}, {})["kernel"]
+    # a view of the weight read (no copy yet): the port copies it once
+    assert isinstance(kernel, np.ndarray) and np.shares_memory(kernel, weight)
+    placed = to_jax(kernel)
+    assert isinstance(placed, jax.Array) and placed.shape == (3, 4)
+    assert placed.dtype == jnp.float32 and not placed.weak_type
+    expected = weight.T.copy()
+    assert np.array_equal(np.asarray(placed), expected)
+    weight[...] = 0  # the caller's memory is not the model's
+    assert np.array_equal(np.asarray(placed), expected)

@@ -8,7 +8,9 @@ needs it and kept open while reads use it, at most `Files.limit` open at once (t
 least recently used is closed, and opened again when read again, its identity
 checked), all closed with the checkpoint. A sharded checkpoint of thousands of shards
 loads under the usual 1,024-descriptor limit, and no read ever uses a descriptor
-number closed meanwhile (it may belong to another file by then).
+number closed meanwhile (it may belong to another file by then). Its `pool` holds the
+host buffers the reads fill (`bridge._buffers.Pool`: reused once their arrays are gone,
+dropped with the checkpoint).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from .._buffers import Pool
 from ._errors import CheckpointError, unreadable
 
 
@@ -155,8 +158,8 @@ class Files:
     `add(path, fmt, fd, identity)` takes a descriptor whose header was read (the
     file's identity taken before that read); `reading(key)` gives a descriptor of the
     file for one read, opening it again if it was closed, and checks its identity
-    before and after the read; `close()` closes every file. Safe from several
-    threads.
+    before and after the read; `pool` gives the memory reads go into; `close()`
+    closes every file and empties the pool. Safe from several threads.
     """
 
     limit = 64
@@ -168,6 +171,7 @@ class Files:
         self._open: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._users: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
+        self.pool = Pool()
 
     def add(self, path: Path, fmt: str, fd: int, ident: Identity) -> int:
         check_same(fd, path, fmt, ident)  # unchanged while its header was read
@@ -221,3 +225,4 @@ class Files:
             for fd in self._open.values():
                 os.close(fd)
             self._open.clear()
+        self.pool.close()

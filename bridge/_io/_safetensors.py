@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -277,25 +276,20 @@ def metadata(path: Path, files: Files | None = None) -> Contents:
 def restore(
     contents: Contents, shardings: Mapping[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Each array, one at a time, read from the file the header came from into fresh
-    host memory (the caller moves it into a JAX array)."""
+    """Each array, one at a time, read from the file the header came from into host
+    memory bridge owns (the caller moves it into a JAX array: no copy on the CPU)."""
     for s in contents.tensors:
         yield s.key, read_one(contents, s.key)
 
 
-def read_one(contents: Contents, name: str, own_pages: bool = False) -> np.ndarray:
-    """One array, read from the file the header came from into fresh host memory.
-
-    With `own_pages`, the memory is an anonymous memory map of its own, returned to
-    the system when the array goes (malloc's heap may keep freed large blocks: a
-    port reading layer after layer would grow by them)."""
+def read_one(contents: Contents, name: str) -> np.ndarray:
+    """One array, read from the file the header came from into host memory of its
+    checkpoint's pool (`Files.pool`: 64-byte aligned, so that the JAX array made of a
+    weight whose layout is kept is that memory, no copy; reused for a later read
+    once the array is gone)."""
     source: Source = contents.source
     entry = source.entries[name]
-    size = entry.end - entry.begin
-    if own_pages and size:
-        data = np.frombuffer(mmap.mmap(-1, size), np.uint8)
-    else:
-        data = np.empty(size, np.uint8)
+    data = source.files.pool.take(entry.end - entry.begin)
     try:
         with source.files.reading(source.key) as fd:
             read_at(fd, source.start + entry.begin, data.size, data.data)
@@ -345,7 +339,7 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
                 s.shape,
                 s.dtype,
                 order,
-                lambda c=shard, n=name: read_one(c, n, own_pages=True),
+                lambda c=shard, n=name: read_one(c, n),
                 lambda runs, c=shard, n=name: read_runs(c, n, runs),
             )
     return out

@@ -19,6 +19,7 @@ from .._arguments import (
     check_pair_or_mapping,
     check_rules,
 )
+from .._buffers import to_jax
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._placement import place, sharding_of
@@ -390,5 +391,5 @@ def _placed(new: Any, like: Any, where: str) -> Any:
     owns it."""
     sharding = sharding_of(like, where)
     if isinstance(new, np.ndarray) and sharding is None:
-        return jnp.asarray(new)
+        return to_jax(new)  # one copy at most (none for memory a read filled)
     return place(new, sharding)  # a host array goes to each device shard by shard

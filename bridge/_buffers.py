@@ -1,0 +1,116 @@
+"""Host memory that bridge's reads fill, and its one move into a JAX array.
+
+On the CPU, `jax.device_put` of a C-contiguous numpy array whose data is 64-byte
+aligned makes no copy: the JAX array uses the numpy memory and keeps it alive (and
+a later write into that memory would change the "immutable" JAX array). So:
+
+- Reads of a file go into memory bridge owns (`owned`): `aligned` (fresh, 64-byte
+  aligned) or a `Pool`'s page-aligned buffers. A read of a weight whose layout is
+  kept becomes the model's array with no second copy (`to_jax`).
+- A `Pool` hands out buffers of at least `Pool.least` bytes and takes each back only
+  when the last reference to it (the array read, its views, a JAX array made from
+  it) is gone: a weight transposed into a new JAX array gives its buffer back for a
+  later read, so its pages are written again instead of a fresh mapping faulted in
+  and unmapped per weight (XLA lets go of a host array it copied only at its next
+  call, so a buffer comes back one read late: the pool keeps `Pool.keep` idle
+  buffers, all dropped when the pool is closed with its checkpoint). A new buffer
+  is a private anonymous mapping advised to use huge pages where the system allows
+  (Linux THP in `madvise` mode): measured, reading 11 MiB into one costs 5.8 ms of
+  CPU against 12.2 ms with 4 KiB pages, and 2.2 ms into a reused buffer.
+- `to_jax` of any other numpy array (the caller's: a state dict given to
+  `bridge.from_torch`) copies it once: the JAX array never shares the caller's
+  memory.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+
+ALIGN = 64  # bytes: what XLA's CPU client needs to use host memory as it is
+
+# the arrays owning memory bridge allocated, by id (an entry goes with its array)
+_owned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def _own(base: np.ndarray) -> None:
+    _owned[id(base)] = base
+
+
+def owned(x: Any) -> bool:
+    """Whether numpy array `x` is (a view of) memory bridge allocated for a read."""
+    while isinstance(x, np.ndarray):
+        if _owned.get(id(x)) is x:
+            return True
+        x = x.base
+    return False
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` fresh bytes (uint8), 64-byte aligned, owned by bridge."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    _own(raw)
+    return raw[start : start + nbytes]
+
+
+def to_jax(x: np.ndarray) -> jax.Array:
+    """`x` as a JAX array on the default device, with at most one copy: none for
+    memory bridge read into (`owned`, contiguous and aligned), one otherwise (a
+    transposed view is copied by XLA's host transpose; the caller's memory is
+    copied so that the JAX array never shares it)."""
+    if owned(x) or not x.flags.c_contiguous:
+        return jax.device_put(x)
+    copy = aligned(x.nbytes).view(x.dtype).reshape(x.shape)
+    np.copyto(copy, x)
+    return jax.device_put(copy)
+
+
+class Pool:
+    """Page-aligned host buffers, reused once their arrays are gone (see the
+    module's docstring). Safe from several threads."""
+
+    least = 1 << 20  # bytes: smaller reads take `aligned` memory
+    keep = 4  # idle buffers kept
+    spare = 16 << 20  # bytes a buffer may have beyond twice what a read needs
+
+    def __init__(self) -> None:
+        self._idle: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes (uint8), page-aligned when at least `least`."""
+        if nbytes < self.least:
+            return aligned(nbytes)
+        most = max(2 * nbytes, nbytes + self.spare)  # a weight kept whole may waste
+        with self._lock:  # the rest for as long as the model lives
+            fits = [m for m in self._idle if nbytes <= len(m) <= most]
+            memory = min(fits, key=len, default=None)
+            if memory is not None:
+                self._idle.remove(memory)
+        if memory is None:
+            memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: 2 MiB pages, 512x fewer faults
+                memory.madvise(mmap.MADV_HUGEPAGE)
+        base = np.frombuffer(memory, np.uint8)
+        _own(base)
+        weakref.finalize(base, self._give_back, memory)
+        return base[:nbytes]
+
+    def _give_back(self, memory: mmap.mmap) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(memory)
+                del self._idle[: -self.keep]  # the oldest go (unmapped when unused)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._idle.clear()
