@@ -16,6 +16,17 @@ of the target model's bytes; medians over the rounds.
 
     python benchmarks/quantized.py             # 1 GiB dequantized, 3 rounds
     python benchmarks/quantized.py --quick     # 64 MiB (a smoke run)
+
+`--keep` measures instead what `load(..., keep_quantized=True)` saves when the model
+runs: the FP8 folder loaded dequantized and kept quantized, then the compiled memory
+of a forward pass (`jax.jit(f).lower(...).compile().memory_analysis()`: arguments +
+outputs + temporaries, the buffers XLA allocates) and of a LoRA `bridge.make_step`
+(rank 8 on every layer), kept vs dequantized; once with XLA CPU's default scheduler
+(which runs independent work early, for concurrency) and once with its memory
+scheduler (`XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`), each
+in a fresh process.
+
+    python benchmarks/quantized.py --keep      # 256 MiB dequantized
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import bridge
 
 
 LAYERS, SHARD_LAYERS = 16, 4
+DTYPE = jnp.float32 if "--f32" in sys.argv else jnp.bfloat16
 
 
 def width(size_mb: int) -> int:
@@ -82,10 +94,88 @@ def _write(folder: Path, n: int, fp8: bool) -> None:
 
 class Model(nnx.Module):
     def __init__(self, n: int):
-        kw = dict(use_bias=False, param_dtype=jnp.bfloat16)
+        kw = dict(use_bias=False, param_dtype=DTYPE, dtype=DTYPE)
         self.layers = nnx.List(
             [nnx.Linear(n, n, rngs=nnx.Rngs(i), **kw) for i in range(LAYERS)]
         )
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return x
+
+
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _compiled_bytes(lowered) -> int:
+    """Arguments + outputs + temporaries of a compiled computation (donated
+    arguments aliased by outputs counted once)."""
+    m = lowered.compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def keep_child(folder: Path, n: int) -> None:
+    """Forward and LoRA-step compiled bytes, dequantized then kept (one process)."""
+    import optax
+
+    abstract = nnx.eval_shape(lambda: Model(n))
+    x = jnp.ones((8, n), DTYPE)
+    out = {}
+    for keep in (False, True):
+        model = bridge.load(folder, like=abstract, dtype=DTYPE, keep_quantized=keep)
+        forward = jax.jit(lambda m, x: bridge.dequantize(m)(x))
+        out[f"forward_{keep}"] = _compiled_bytes(forward.lower(model, x))
+        adapted = bridge.lora(model, "layers", rank=8, key=jax.random.key(0))
+        tree = bridge.to_neutral(adapted)
+        spec = bridge.trainable(tree, "lora")
+        step = bridge.make_step(
+            lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2), optax.adam(1e-3), spec
+        )
+        opt_state = step.init(tree)
+        out[f"step_{keep}"] = _compiled_bytes(step.lower(tree, opt_state, x))
+        del model, adapted, tree, opt_state
+    print(json.dumps(out))
+
+
+def keep_main(n: int) -> None:
+    import os
+
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
+        folder = Path(tmp, "fp8")
+        folder.mkdir()
+        _write(folder, n, True)
+        runs = {}
+        for name, flags in (("default", ""), ("memory", MEMORY_SCHEDULER)):
+            env = dict(os.environ)
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+            done = subprocess.run(
+                [sys.executable, __file__, "--keep-child", str(folder), "--n", str(n)]
+                + (["--f32"] if DTYPE == jnp.float32 else []),
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            )
+            runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    dense = LAYERS * n * n * jnp.dtype(DTYPE).itemsize
+    print(
+        f"{LAYERS} Linear({n}, {n}) {jnp.dtype(DTYPE).name} "
+        f"({dense / 2**20:,.0f} MiB dense), FP8 "
+        "128x128 blocks; compiled bytes (arguments + outputs + temporaries), batch 8"
+    )
+    for name, r in runs.items():
+        for what in ("forward", "step"):
+            d, k = r[f"{what}_False"], r[f"{what}_True"]
+            print(
+                f"{name:7s} scheduler {what:7s} dequantized {d / 2**20:8,.1f} MiB  "
+                f"kept {k / 2**20:8,.1f} MiB  kept/dequantized {k / d:4.2f}"
+            )
 
 
 def anonymous() -> int:
@@ -133,11 +223,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 MiB dequantized")
     parser.add_argument("--size-mb", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--keep", action="store_true", help="forward/step memory, keep_quantized"
+    )
+    parser.add_argument("--f32", action="store_true", help="--keep: a float32 model")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--keep-child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(Path(args.child), args.n)
+        return
+    if args.keep_child is not None:
+        keep_child(Path(args.keep_child), args.n)
+        return
+    if args.keep:
+        keep_main(width(args.size_mb or (16 if args.quick else 256)))
         return
     n = width(args.size_mb or (64 if args.quick else 1024))
     target = LAYERS * n * n * 2
