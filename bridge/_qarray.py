@@ -143,6 +143,54 @@ class QuantizedArray:
                 dense = dense.astype(jnp.dtype(arg))
         return dense
 
+    def to_qwix(self) -> Any:
+        """qwix's `QArray` of this weight, where qwix's form holds it exactly: FP8
+        block-scaled whose blocks divide the weight, FP8 and int8 scaled (per
+        tensor, row or group), the layout changes transposes only. Its values and
+        scales are this weight's own (transposed as the model holds it), so
+        `qwix.dequantize(q.to_qwix()).astype(q.dtype)` equals `q.dequantize()` bit
+        for bit (qwix computes in the scale's dtype, which holds each product
+        exactly before its one rounding), and qwix's own `dot_general` takes it.
+
+        **Raises:** `ValueError` naming what qwix's form cannot hold: packed values
+        (qwix keeps one value a byte), GPTQ's and AWQ's zero points and group
+        indices, blocks that do not divide the weight, a reshape."""
+        import qwix
+
+        s = self.scheme
+        problem = None
+        moves = [arg for op, arg in s.layout if op == "transpose"]
+        if s.name not in ("fp8-block", "fp8", "int"):
+            problem = f"qwix's QArray holds one value a byte, unpacked; {s.name} packs"
+        elif any(op == "reshape" for op, _ in s.layout):
+            problem = "the model holds it reshaped (a per-head kernel)"
+        elif s.name == "fp8-block":
+            b0, b1 = s.setting("block")
+            if s.stored[-2] % b0 or s.stored[-1] % b1:
+                problem = (
+                    f"its blocks of {b0}x{b1} do not divide the weight {s.stored}: "
+                    "qwix scales tiles of equal size"
+                )
+        zero = self.parts.get("zero")
+        if zero is not None and problem is None:
+            if not jnp.issubdtype(zero.dtype, jnp.integer):
+                problem = f"its zero point is {zero.dtype}, qwix's is the values' dtype"
+        if problem is not None:
+            raise ValueError(
+                f"This {s.name} weight cannot be a qwix QArray exactly: {problem}. "
+                "Use it as it is (`bridge.dequantize`, `q.dequantize()`)."
+            )
+        qvalue, scale = self.parts["weight"], self.parts["scale"]
+        if scale.ndim < qvalue.ndim:
+            scale = scale.reshape((1,) * (qvalue.ndim - scale.ndim) + scale.shape)
+        if zero is not None:
+            zero = zero.reshape(scale.shape).astype(qvalue.dtype)
+        for axes in moves:
+            qvalue, scale = jnp.transpose(qvalue, axes), jnp.transpose(scale, axes)
+            if zero is not None:
+                zero = jnp.transpose(zero, axes)
+        return qwix.QArray(qvalue, scale, zero)
+
     def __jax_array__(self) -> jax.Array:
         # where JAX needs an array (`x @ w`, `jnp.asarray(w)`): the dense weight
         return self.dequantize()

@@ -391,3 +391,46 @@ def test_lora_steps_on_a_quantized_base_small(tmp_path):
     assert len(adapters) == 4  # lora_a and lora_b of fc1 and fc2
     for a, b in zip(jax.tree.leaves(dense), adapters, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_qwix_arrays_of_the_kept_weights(fp8, tmp_path):
+    """qwix's own QArray, dequantization and dot_general as the oracle."""
+    qwix = pytest.importorskip("qwix")
+    kept = bridge.load(fp8, like=_abstract("nnx"), keep_quantized=True)
+    whole = lambda x: isinstance(x, bridge.QuantizedArray)  # noqa: E731
+    weights = [
+        x for x in jax.tree.leaves(bridge.to_neutral(kept), is_leaf=whole) if whole(x)
+    ]
+    assert len(weights) == 7 * C.layers
+    x = jax.random.normal(jax.random.key(0), (3, C.dim))
+    converted = 0
+    for q in weights:
+        if any(d % 128 for d in q.scheme.stored):  # k/v_proj (64, 128): a half block
+            with pytest.raises(ValueError, match=r"128x128 do not divide"):
+                q.to_qwix()
+            continue
+        converted += 1
+        qa = q.to_qwix()
+        assert isinstance(qa, qwix.QArray) and qa.shape == q.shape
+        assert qa.qvalue.dtype == jnp.float8_e4m3fn
+        dense = q.dequantize()
+        assert _same_bits(
+            np.asarray(qwix.dequantize(qa).astype(q.dtype)), np.asarray(dense)
+        )
+        if q.shape[0] == C.dim:  # qwix's own matmul on its QArray
+            dims = (((1,), (0,)), ((), ()))
+            got = qwix.dot_general(x, qa, dims)
+            np.testing.assert_allclose(got, x @ dense, rtol=1e-5, atol=1e-5)
+    assert converted == 5 * C.layers
+    # partial blocks: refused, naming why
+    state = {}
+    w = np.random.default_rng(0).normal(size=(100, 70)).astype(np.float32)
+    state["fc.weight"], state["fc.weight_scale_inv"] = _fp8.quantize_blocks(w, (48, 80))
+    arrays = {k: jnp.asarray(v) for k, v in state.items()}
+    safetensors.flax.save_file(arrays, tmp_path / "model.safetensors")
+    config = {"quant_method": "fp8", "weight_block_size": [48, 80]}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": config}))
+    like = nnx.eval_shape(lambda: nnx.Linear(70, 100, use_bias=False, rngs=nnx.Rngs(0)))
+    odd = bridge.load(tmp_path, like=like, keep_quantized=True).kernel[...]
+    with pytest.raises(ValueError, match=r"blocks of 48x80 do not divide"):
+        odd.to_qwix()

@@ -75,6 +75,16 @@ def test_kept_weights_dequantize_as_the_reference(tmp_path, kind):
             assert np.array_equal(qt._bits(got), ref), (kind, i, part)
     for a, b in zip(jax.tree.leaves(dense), jax.tree.leaves(out), strict=True):
         assert np.array_equal(qt._bits(a), qt._bits(b))
+    # qwix's QArray where it holds the weight exactly: int8 (qwix's own dequantize,
+    # in bfloat16, as the oracle); the packed schemes are refused by name
+    q = kept.model.layers[0].mlp.up_proj.weight
+    if kind == "int8-channel":
+        qwix = pytest.importorskip("qwix")
+        got = qwix.dequantize(q.to_qwix()).astype(q.dtype)
+        assert np.array_equal(qt._bits(got), qt._bits(q.dequantize()))
+    else:
+        with pytest.raises(ValueError, match="cannot be a qwix QArray exactly"):
+            q.to_qwix()
 
 
 def test_kept_nnx_kernel_is_the_transposed_reference(tmp_path):
