@@ -63,13 +63,15 @@ def gguf_state(dense: dict[str, np.ndarray], seed=0):
     return out
 
 
-def write_gguf(path, stored, c: ql.Config = ql.Config()):
-    """A GGUF file of `stored` with llama's key-values, by gguf's writer."""
+def write_gguf(path, stored, c: ql.Config = ql.Config(), heads=True):
+    """A GGUF file of `stored` with llama's key-values (the head counts if
+    `heads`), by gguf's writer."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(c.layers)
     writer.add_embedding_length(c.dim)
-    writer.add_head_count(c.heads)
-    writer.add_head_count_kv(c.kv_heads)
+    if heads:
+        writer.add_head_count(c.heads)
+        writer.add_head_count_kv(c.kv_heads)
     writer.add_token_list(["a", "b"])  # an array key-value: left out of metadata
     for name, (array, qtype) in stored.items():
         writer.add_tensor(name, array, raw_dtype=qtype)
@@ -161,3 +163,22 @@ def test_gguf_is_not_written(tmp_path):
     # the format stores no dtype: refused before anything is written
     with pytest.raises(ValueError, match="The gguf format cannot store a .float32."):
         bridge.save(tmp_path / "x.gguf", {"params": {"a": jnp.ones(2)}})
+
+
+def test_gguf_into_hugging_face_names_without_head_count_refused(tmp_path):
+    """Hugging Face's names need the q/k rows un-permuted, by head counts the file
+    must give: without them, refused before anything is read."""
+    stored = gguf_state(_dense())
+    path = tmp_path / "no-heads.gguf"
+    write_gguf(path, stored, heads=False)
+    target = eqx.filter_eval_shape(lambda: ql.make(ql.eqx_layers(), ql.HF))
+    with pytest.raises(bridge.CheckpointError) as info:
+        bridge.load(path, like=target)
+    message = str(info.value)
+    assert "`like` has Hugging Face's Llama names (lm_head)" in message
+    assert "attn_q.weight: its rows are permuted, but no llama.attention." in message
+    # the file's own names need no head count
+    model = bridge.load(
+        path, like=eqx.filter_eval_shape(lambda: ql.make(ql.eqx_layers(), ql.GGUF))
+    )
+    assert model.blk[0].attn_q.weight.shape == (256, 256)

@@ -982,7 +982,10 @@ def _unpermute(w, heads):
     return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def test_gguf_llama_logits_equal_transformers(tmp_path):
+def _gguf_llama(tmp_path):
+    """`(path, {GGUF name: HF name}, {GGUF name: (stored, type)})`: the tiny Llama
+    written as llama.cpp's converter does (GGUF names, q/k rows permuted) by gguf's
+    writer, each 2-D weight quantized by its kind's type."""
     from . import test_quant_gguf as tg
 
     c = ql.Config()
@@ -1004,6 +1007,14 @@ def test_gguf_llama_logits_equal_transformers(tmp_path):
     stored = tg.gguf_state(dense)
     path = tmp_path / "llama.gguf"
     tg.write_gguf(path, stored)
+    return path, to_gguf, stored
+
+
+def test_gguf_llama_logits_equal_transformers(tmp_path):
+    from . import test_quant_gguf as tg
+
+    c = ql.Config()
+    path, to_gguf, stored = _gguf_llama(tmp_path)
     reference = tg.dequantized(stored)  # gguf's own dequantization
     state = {}
     for name, g in to_gguf.items():
@@ -1021,3 +1032,36 @@ def test_gguf_llama_logits_equal_transformers(tmp_path):
     # blocks are random bytes)
     atol = 1e-5 * np.abs(want).max()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=atol)
+
+
+def test_gguf_into_hugging_face_names_equals_transformers(tmp_path):
+    """A GGUF Llama loads into a model with Hugging Face's names, each tensor equal
+    to what transformers' `load_gguf_checkpoint` reads from the same file (renamed,
+    q/k rows un-permuted), the logits to `LlamaForCausalLM`'s with those tensors."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, _, _ = _gguf_llama(tmp_path)
+    want = load_gguf_checkpoint(path, return_tensors=True, model_to_load=_hf())
+    want = want["tensors"]
+    assert len(want) == 2 + 2 * 9 + 1  # every tensor, under Hugging Face's names
+    layers = ql.eqx_layers()
+    model = bridge.load(path, like=_target(layers))
+    for i, block in enumerate(model.model.layers):
+        for part in ql.HF.values():
+            if "." in part and not part.startswith("model."):
+                got = np.asarray(ql._get(block, part).weight)
+                ref = want[f"model.layers.{i}.{part}.weight"].numpy()
+                assert np.array_equal(_bits(got), _bits(ref)), (i, part)
+    ref = want["model.embed_tokens.weight"].numpy()
+    assert np.array_equal(np.asarray(model.model.embed_tokens.weight), ref)
+    got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
+    logits = _logits({k: v.float() for k, v in want.items()})
+    atol = 1e-5 * np.abs(logits).max()  # float32 in other orders, logits up to ~100
+    np.testing.assert_allclose(np.asarray(got), logits, rtol=1e-4, atol=atol)
+    nnx_model = bridge.load(path, like=_target(ql.nnx_layers()))
+    kernel = nnx_model.model.layers[1].self_attn.k_proj.kernel[...]
+    ref = want["model.layers.1.self_attn.k_proj.weight"].numpy()
+    assert np.array_equal(np.asarray(kernel).T, ref)
+    # GGUF-named models still load the file as it is
+    gguf_model = bridge.load(path, like=_target(layers, ql.GGUF))
+    assert gguf_model.blk[0].attn_q.weight.shape == (256, 256)

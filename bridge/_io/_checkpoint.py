@@ -42,7 +42,7 @@ from .._arguments import (
 )
 from .._port._errors import PortError
 from .._port._port import port_and_plan
-from .._quant import _gguf  # noqa: F401  (registers the GGUF format)
+from .._quant import _gguf  # registers the GGUF format
 from .._quant._keep import load_kept, refuse_saving_kept, refuse_without_like
 from .._quant._read import dequantized
 from .._tree import Tree, framework
@@ -417,6 +417,7 @@ def load(
             if arrays is None:
                 arrays = {k: cast(v, dtype) for k, v in read(contents).items()}
             return file_tree(contents, arrays)
+        contents = _gguf.named_like(contents, target)  # GGUF -> HF names
         if prefix:
             contents = without_prefix(contents, prefix)
         if keep_quantized:

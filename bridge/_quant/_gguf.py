@@ -18,18 +18,22 @@ does, not to the two halves of each head as transformers' Llama does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
-from .._io._contents import Contents, Stored, split
-from .._io._errors import unreadable
+from .._families import _gguf_llama
+from .._io._contents import Contents, Stored, dotted, split
+from .._io._errors import CheckpointError, unreadable
 from .._io._format import Format, register_format
 from .._lazy import LazyArray
+from .._paths import path_of
 
 
 NAME = "gguf"
@@ -57,10 +61,13 @@ class Tensor(NamedTuple):
 
 
 class Source(NamedTuple):
-    """The open reader and each tensor by name."""
+    """The open reader and each tensor by name; `renamed`: the names a view of the
+    file gives them (`{name: (GGUF name, heads to un-permute the rows by, or 0)}`,
+    see `hf_view`)."""
 
     reader: Any
     tensors: dict[str, Tensor]
+    renamed: Mapping[str, tuple[str, int]] = {}
 
     def close(self) -> None:
         mmap = getattr(self.reader.data, "_mmap", None)
@@ -114,14 +121,84 @@ def read_one(contents: Contents, name: str) -> np.ndarray:
     """Tensor `name`, dequantized to float32 by `gguf` if it is quantized."""
     import gguf
 
-    tensor: Tensor = contents.source.tensors[name]
+    stored, heads = contents.source.renamed.get(name, (name, 0))
+    tensor: Tensor = contents.source.tensors[stored]
     shape = next(s.shape for s in contents.tensors if s.key == name)
     if tensor.type == "BF16":
-        return np.array(tensor.data).view(ml_dtypes.bfloat16).reshape(shape)
-    if tensor.type in _DENSE:
-        return np.array(tensor.data).reshape(shape)
-    qtype = gguf.GGMLQuantizationType[tensor.type]
-    return gguf.quants.dequantize(np.asarray(tensor.data), qtype).reshape(shape)
+        array = np.array(tensor.data).view(ml_dtypes.bfloat16).reshape(shape)
+    elif tensor.type in _DENSE:
+        array = np.array(tensor.data).reshape(shape)
+    else:
+        qtype = gguf.GGMLQuantizationType[tensor.type]
+        array = gguf.quants.dequantize(np.asarray(tensor.data), qtype).reshape(shape)
+    return _gguf_llama.unpermute(array, heads) if heads else array
+
+
+def hf_view(contents: Contents) -> Contents | str:
+    """`contents` (a GGUF file of a Llama) under Hugging Face's names
+    (`model.layers.0.self_attn.q_proj.weight`), the query and key rows un-permuted
+    when read (`bridge._families._gguf_llama`), or why it cannot be. A tensor
+    Hugging Face's Llama does not have keeps its GGUF name."""
+    arch = contents.metadata.get("general.architecture")
+    if arch not in _gguf_llama.ARCHITECTURES:
+        return f"its architecture {arch!r} has no Hugging Face names in bridge"
+    renamed: dict[str, tuple[str, int]] = {}
+    stored = []
+    for s in contents.tensors:
+        found = _gguf_llama.hf_name(s.key)
+        if found is None:
+            stored.append(s)
+            continue
+        name, key = found
+        heads = 0
+        if key is not None:
+            text = contents.metadata.get(f"{arch}.{key}", "")
+            if not text.isdigit() or len(s.shape) != 2:
+                return (
+                    f"{s.key}: its rows are permuted, but no {arch}.{key} says by "
+                    "how many heads"
+                )
+            heads = int(text)
+            if heads == 0 or s.shape[0] % (2 * heads):
+                return (
+                    f"{s.key}: {s.shape[0]} rows are not {heads} heads of pairs "
+                    f"({arch}.{key})"
+                )
+        renamed[name] = (s.key, heads)
+        stored.append(dataclasses.replace(s, key=name, path=split(name)))
+    source = Source(contents.source.reader, contents.source.tensors, renamed)
+    return dataclasses.replace(contents, tensors=tuple(stored), source=source)
+
+
+_NO_HF = """\
+{path}: `like` has Hugging Face's Llama names ({example}), but this GGUF file cannot \
+be read under them: {problem}"""
+
+
+def named_like(contents: Contents, target: Any) -> Contents:
+    """`contents` as `target` (a Tree) names its layers: a GGUF Llama file under
+    Hugging Face's names when `target` has some of those and none of the file's own
+    (`blk.0.attn_q`); anything else as it is."""
+    if not isinstance(contents.source, Source) or target is None:
+        return contents
+    leaves = jax.tree_util.tree_flatten_with_path(target)[0]
+    modules = {dotted(path_of(p)[:-1]) for p, _ in leaves}
+    own = {dotted(s.path[:-1]) for s in contents.tensors}
+    if own & modules:
+        return contents
+    hf = {
+        found[0].rpartition(".")[0]
+        for s in contents.tensors
+        if (found := _gguf_llama.hf_name(s.key)) is not None
+    }
+    wanted = sorted(hf & modules)
+    if not wanted:
+        return contents
+    view = hf_view(contents)
+    if isinstance(view, str):
+        problem = _NO_HF.format(path=contents.path, example=wanted[0], problem=view)
+        raise CheckpointError(problem)
+    return view
 
 
 def restore(
