@@ -434,3 +434,44 @@ def test_qwix_arrays_of_the_kept_weights(fp8, tmp_path):
     odd = bridge.load(tmp_path, like=like, keep_quantized=True).kernel[...]
     with pytest.raises(ValueError, match=r"blocks of 48x80 do not divide"):
         odd.to_qwix()
+
+
+@pytest.mark.parametrize("name", ["nnx", "equinox"])
+def test_peft_files_and_merge_on_a_quantized_base(fp8, tmp_path, name):
+    kept = bridge.load(fp8, like=_abstract(name), keep_quantized=True)
+    dense = bridge.load(fp8, like=_abstract(name))
+    adapted = [
+        bridge.lora(m, "q_proj|v_proj", rank=2, key=jax.random.key(0))
+        for m in (kept, dense)
+    ]
+    # the adapters alone: PEFT's files, as from the dequantized model
+    for i, model in enumerate(adapted):
+        bridge.save_peft(tmp_path / str(i), model)
+    files = [_stored(tmp_path / str(i) / "adapter_model.safetensors") for i in (0, 1)]
+    assert files[0].keys() == files[1].keys() and len(files[0]) == 4 * C.layers
+    assert all(_same_bits(files[0][k], files[1][k]) for k in files[0])
+    back = bridge.load_peft(tmp_path / "0", kept)
+    whole = lambda x: isinstance(x, bridge.QuantizedArray)  # noqa: E731
+    kept_leaves = jax.tree.leaves(bridge.to_neutral(back), is_leaf=whole)
+    assert sum(map(whole, kept_leaves)) == 7 * C.layers
+    # merging: the adapted layers' weights dequantized, then W + s A B, bit for bit
+    # as on the dequantized model; the other layers stay quantized
+    adapted = [
+        eqx.tree_at(
+            lambda t: [t.model.layers[0].self_attn.q_proj.lora_b],
+            bridge.to_neutral(m),
+            [
+                jnp.ones_like(
+                    bridge.to_neutral(m).model.layers[0].self_attn.q_proj.lora_b
+                )
+            ],
+        )
+        for m in adapted
+    ]
+    merged = [bridge.merge_lora(m) for m in adapted]
+    leaves = [jax.tree.leaves(m, is_leaf=whole) for m in merged]
+    assert sum(map(whole, leaves[0])) == 5 * C.layers  # q_proj, v_proj merged
+    for a, b in zip(
+        jax.tree.leaves(bridge.dequantize(merged[0])), jax.tree.leaves(merged[1])
+    ):
+        assert _same_bits(np.asarray(a), np.asarray(b))

@@ -37,7 +37,9 @@ def merge_lora(model: Any) -> Any:
 
     For every layer with an adapter, `W + scaling * A B` is computed in float32 and
     cast back to `W`'s dtype (as PEFT's `merge_and_unload`); the adapters are
-    removed, and the layers are of their original classes again.
+    removed, and the layers are of their original classes again. A weight kept
+    quantized (`bridge.load(..., keep_quantized=True)`) is dequantized first: its
+    merged layer holds a dense weight, as merging on the dequantized model gives it.
 
     **Arguments:**
 
@@ -81,7 +83,9 @@ def merge_lora(model: Any) -> Any:
     weights: dict[Path, Any] = {}
     for target in found:
         node = at(tree, target.path)
-        w = getattr(node, target.weight)
+        # a weight kept quantized (`load(..., keep_quantized=True)`): its dense
+        # weight (`QuantizedArray.__jax_array__`), so the merged layer is dense
+        w = jnp.asarray(getattr(node, target.weight))
         d = delta_weight(target, getattr(node, A), getattr(node, B), w.shape)
         scaling = target.settings.scaling  # pyright: ignore[reportOptionalMemberAccess]
         weights[target.path] = (w.astype(jnp.float32) + scaling * d).astype(w.dtype)
