@@ -1065,3 +1065,22 @@ def test_gguf_into_hugging_face_names_equals_transformers(tmp_path):
     # GGUF-named models still load the file as it is
     gguf_model = bridge.load(path, like=_target(layers, ql.GGUF))
     assert gguf_model.blk[0].attn_q.weight.shape == (256, 256)
+
+
+def test_gguf_llama_unpermute_equals_transformers():
+    """Weights and biases (llama.cpp permutes a q/k bias's rows too)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from bridge._families import _gguf_llama
+
+    reverse = LlamaTensorProcessor(config={})._reverse_permute_weights
+    for shape in [(16,), (16, 3)]:
+        w = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        for heads in (1, 2, 4):
+            want = reverse(w, heads, heads)
+            assert np.array_equal(_gguf_llama.unpermute(w, heads), want)
+    assert _gguf_llama.hf_name("blk.2.attn_k.bias") == (
+        "model.layers.2.self_attn.k_proj.bias",
+        "attention.head_count_kv",
+    )
+    assert _gguf_llama.hf_name("rope_freqs.weight") is None

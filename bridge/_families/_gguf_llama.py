@@ -5,8 +5,9 @@ llama.cpp's `convert_hf_to_gguf.py` renames each tensor (`model.layers.0.self_at
 q_proj.weight` becomes `blk.0.attn_q.weight`) and permutes the rows of the query and
 key projections so that each head's rotary pairs are adjacent: rows `(head, half,
 i)` are stored as `(head, i, half)`, with the query's head count for `attn_q` and
-the key-value head count for `attn_k`. transformers' `load_gguf_checkpoint` undoes
-both (`LlamaTensorProcessor`); so does `hf_name` with `unpermute`.
+the key-value head count for `attn_k` (their biases too). transformers'
+`load_gguf_checkpoint` undoes both (`LlamaTensorProcessor`); so does `hf_name` with
+`unpermute`.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ def hf_name(name: str) -> tuple[str, str | None] | None:
         if part is None:
             return None
         hf = f"model.layers.{m['i']}.{part}.{m['kind']}"
-        return hf, PERMUTED.get(m["part"]) if m["kind"] == "weight" else None
+        return hf, PERMUTED.get(m["part"])  # a bias's rows too
     if (m := _TOP_RE.fullmatch(name)) and m["part"] in TOP:
         return f"{TOP[m['part']]}.{m['kind']}", None
     return None
 
 
 def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """The rows of a GGUF `attn_q`/`attn_k` weight `(rows, cols)` in Hugging Face's
-    order (`LlamaTensorProcessor._reverse_permute_weights`).
+    """The rows of a GGUF `attn_q`/`attn_k` weight `(rows, cols)` or bias `(rows,)`
+    in Hugging Face's order (`LlamaTensorProcessor._reverse_permute_weights`).
 
     ```python
     >>> unpermute(np.arange(8)[:, None], 2)[:, 0]
