@@ -475,3 +475,43 @@ def test_peft_files_and_merge_on_a_quantized_base(fp8, tmp_path, name):
         jax.tree.leaves(bridge.dequantize(merged[0])), jax.tree.leaves(merged[1])
     ):
         assert _same_bits(np.asarray(a), np.asarray(b))
+
+
+def test_gguf_is_not_kept(tmp_path):
+    pytest.importorskip("gguf")
+    from . import test_quant_gguf as qg
+
+    path = tmp_path / "tiny.gguf"
+    qg.write_gguf(path, qg.gguf_state(qg._dense()))
+    target = eqx.filter_eval_shape(lambda: ql.make(ql.eqx_layers(), ql.GGUF))
+    with pytest.raises(ValueError, match=r"tiny\.gguf: keep_quantized=True does not"):
+        bridge.load(path, like=target, keep_quantized=True)
+    assert bridge.load(path, like=target) is not None  # dequantized, as it says
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.Dense(128, use_bias=False)(nn.Dense(256, use_bias=False)(x)), None
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        return scan()(x, None)[0]
+
+
+def test_a_stack_is_not_kept(tmp_path):
+    module = Stack()
+    variables = module.init(jax.random.key(0), jnp.ones((1, 128)))
+    path = tmp_path / "model.safetensors"
+    bridge.save(path, (module, variables), layout="torch", quantize="fp8-block")
+    with pytest.raises(
+        ValueError, match=r"(?s)cannot keep 6 weight.*Dense_1: a layer of a stack"
+    ):
+        bridge.load(path, like=(module, variables), keep_quantized=True)
+    _, dense = bridge.load(path, like=(module, variables))  # as the error says
+    assert dense["params"]["ScanBlock_0"]["Dense_1"]["kernel"].shape == (3, 128, 256)
