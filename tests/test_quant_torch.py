@@ -93,6 +93,25 @@ def _assert_refused(tmp_path, target, state, quantization_config, *fragments):
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
+PROJECTIONS = tuple(ql.HF[k] for k in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+def _assert_bit_equal(model, want, dtype):
+    """Every linear weight of the loaded Llama `model` (NNX: `kernel`, transposed;
+    Equinox: `weight`) is `dtype` and has the bits of `want`'s (a state dict)."""
+    count = 0
+    for i, block in enumerate(model.model.layers):
+        for part in PROJECTIONS:
+            layer = ql._get(block, part)
+            got = layer.kernel[...].T if hasattr(layer, "kernel") else layer.weight
+            ref = want[f"model.layers.{i}.{part}.weight"]
+            ref = ref.view(getattr(torch, f"int{8 * ref.element_size()}")).numpy()
+            assert got.dtype == dtype, (i, part, got.dtype)
+            assert np.array_equal(_bits(got), ref.view(_bits(got).dtype)), (i, part)
+            count += 1
+    assert count == 14
+
+
 def _linear(name):
     return name.endswith("proj.weight")
 
@@ -141,12 +160,7 @@ def test_fp8_block_into_nnx_bfloat16_bit_equal(tmp_path):
     want = dequantized(torch.bfloat16)
     layers = ql.nnx_layers(jnp.bfloat16)
     model = bridge.load(folder, like=_target(layers, dtype=jnp.bfloat16))
-    for i, block in enumerate(model.model.layers):
-        for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
-            kernel = ql._get(block, part).kernel[...]
-            ref = want[f"model.layers.{i}.{part}.weight"].view(torch.int16).numpy()
-            assert kernel.dtype == jnp.bfloat16
-            assert np.array_equal(_bits(kernel).T, ref.view(np.uint16))
+    _assert_bit_equal(model, want, jnp.bfloat16)
 
 
 def test_fp8_block_llama_logits_nnx_and_equinox(tmp_path):
@@ -255,11 +269,7 @@ def test_compressed_tensors_bit_equal_and_logits(tmp_path, scheme, fmt):
     folder, want = _compressed_folder(tmp_path, {"type": "int", **scheme}, fmt)
     layers = ql.nnx_layers(jnp.bfloat16)
     model = bridge.load(folder, like=_target(layers, dtype=jnp.bfloat16))
-    kernel = model.model.layers[1].self_attn.v_proj.kernel[...]
-    ref = want["model.layers.1.self_attn.v_proj.weight"]
-    assert np.array_equal(
-        _bits(kernel).T, ref.view(torch.int16).numpy().view(np.uint16)
-    )
+    _assert_bit_equal(model, want, jnp.bfloat16)
     dense = {k: v.float() for k, v in want.items()}
     f32 = ql.eqx_layers()
     model = bridge.load(folder, like=_target(f32), dtype=jnp.float32)
@@ -451,12 +461,7 @@ def test_compressed_tensors_activation_order_bit_equal_and_logits(tmp_path, fmt,
     assert (g_idx[1:] < g_idx[:-1]).any()  # not in column order
     layers = ql.nnx_layers(jnp.bfloat16)
     model = bridge.load(folder, like=_target(layers, dtype=jnp.bfloat16))
-    for i, block in enumerate(model.model.layers):
-        for part in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj"):
-            kernel = ql._get(block, part).kernel[...]
-            ref = want[f"model.layers.{i}.{part}.weight"]
-            ref = ref.view(torch.int16).numpy().view(np.uint16)
-            assert np.array_equal(_bits(kernel).T, ref), (i, part)
+    _assert_bit_equal(model, want, jnp.bfloat16)
     plain = {k: v.float() for k, v in want.items()}
     f32 = ql.eqx_layers()
     model = bridge.load(folder, like=_target(f32), dtype=jnp.float32)
@@ -711,12 +716,7 @@ def test_gptq_bit_equal_and_logits(tmp_path, bits, desc_act):
     assert bool((g_idx[1:] < g_idx[:-1]).any()) == desc_act  # out of order
     layers = ql.eqx_layers()
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float16)
-    for i, block in enumerate(model.model.layers):
-        for part in ("mlp.gate_proj", "self_attn.k_proj", "mlp.down_proj"):
-            weight = ql._get(block, part).weight
-            ref = want[f"model.layers.{i}.{part}.weight"].numpy()
-            assert weight.dtype == jnp.float16
-            assert np.array_equal(_bits(weight), _bits(ref)), (i, part)
+    _assert_bit_equal(model, want, jnp.float16)
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float32)
     got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
     dense = {k: v.float() for k, v in want.items()}
@@ -871,12 +871,7 @@ def test_awq_bit_equal_and_logits(tmp_path, capsys):
     folder, want = _awq_folder(tmp_path)
     layers = ql.eqx_layers()
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float16)
-    for i, block in enumerate(model.model.layers):
-        for part in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"):
-            weight = ql._get(block, part).weight
-            ref = want[f"model.layers.{i}.{part}.weight"].numpy()
-            assert weight.dtype == jnp.float16
-            assert np.array_equal(_bits(weight), _bits(ref)), (i, part)
+    _assert_bit_equal(model, want, jnp.float16)
     model = bridge.load(folder, like=_target(layers), dtype=jnp.float32)
     got = ql.forward(layers, ql.HF, model, jnp.asarray(TOKENS))
     dense = {k: v.float() for k, v in want.items()}
