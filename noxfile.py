@@ -375,11 +375,11 @@ def examples(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every `benchmarks/*.py` with `--quick`; each prints its timing ratios."""
+    """One table of every benchmark's ratios against its goals (`benchmarks/table.py`:
+    each `benchmarks/*.py` in its quick form, one at a time; not a default session).
+    `nox -s bench -- hf_load many_tensors` runs some; `-- --full hf_load` full size."""
     session.install("-e", ".")
-    for script in _scripts(session, "benchmarks"):
-        session.log(f"--- {script.name}")
-        session.run("python", str(script), "--quick")
+    session.run("python", "benchmarks/table.py", *session.posargs)
 
 
 @nox.session

@@ -5,9 +5,10 @@ Times are interleaved (bridge, floor, bridge, floor, ...) in one process, with
 `os.sync()` between operations (untimed) so no write-back spills into the next one;
 the printed figures are medians and ratios bridge / floor (goal: <= 1.2). bridge.save
 flushes the file to disk (fsync) before renaming it into place, so it is shown against
-save_file with and without an fsync. bridge.load copies each array once from the
-memory map into memory JAX owns, so it is shown against load_file alone (which maps the
-file and reads nothing) and load_file followed by reading every array once.
+save_file with and without an fsync. bridge.load reads each array once into memory
+that becomes the JAX array, so it is shown against load_file alone (which maps the
+file and reads nothing), load_file followed by reading every array once, and
+safetensors.flax.load_file (JAX arrays too; goal: bridge <= 1.0x).
 
 Peak memory is measured in a fresh subprocess per operation: the peak anonymous
 resident memory (file pages of a memory map are page cache, not counted) above the
@@ -16,6 +17,7 @@ process's just before the operation, as a multiple of the model's size.
     python benchmarks/checkpoint.py            # ~1 GB, 2 rounds
     python benchmarks/checkpoint.py --quick    # ~64 MB (a smoke run)
     python benchmarks/checkpoint.py --size-mb 256
+    python benchmarks/checkpoint.py --json     # + the JSON line of benchmarks/table.py
 """
 
 from __future__ import annotations
@@ -105,7 +107,22 @@ def operations(variables: dict | None, directory: Path) -> list[tuple]:
             lambda: safetensors.numpy.load_file(theirs),
             "safetensors.numpy.load_file alone (mapped, no byte read)",
         ),
+        (
+            "load",
+            lambda: bridge_load(ours),
+            lambda: flax_load(theirs),
+            FLAX,
+        ),
     ]
+
+
+FLAX = "safetensors.flax.load_file (JAX arrays)"
+
+
+def flax_load(path: Path) -> None:
+    import safetensors.flax
+
+    jax.block_until_ready(list(safetensors.flax.load_file(path).values()))
 
 
 def anonymous() -> int:
@@ -156,6 +173,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a 64 MB model")
     parser.add_argument("--size-mb", type=int, default=None, help="model size (MB)")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="also a JSON line")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,9 +202,24 @@ def main() -> None:
             f"{rounds} interleaved rounds; medians"
         )
         print(f"{'':5} {'bridge':>8} {'floor':>8} {'ratio':>6}  floor")
+        ratios = {}
         for (name, *_, floor), (ours, theirs) in zip(ops, times):
             a, b = statistics.median(ours), statistics.median(theirs)
+            ratios[floor] = a / b
             print(f"{name:5} {a:7.3f}s {b:7.3f}s {a / b:6.2f}  {floor}")
+        if args.json:
+            measures = [
+                {
+                    "measure": "save / save_file + fsync",
+                    "goal": 1.2,
+                    "now": ratios[ops[1][3]],
+                },
+                {
+                    "measure": "load (no like) / safetensors.flax.load_file",
+                    "goal": 1.0,
+                    "now": ratios[FLAX],
+                },
+            ]
 
         print("peak anonymous RSS above the process's before the operation / model:")
         for index in (0, 2):
@@ -198,6 +231,8 @@ def main() -> None:
                 f"  {name:5} bridge {ours / nbytes:4.2f}x ({ours / 2**20:,.0f} MiB)  "
                 f"floor {theirs / nbytes:4.2f}x ({theirs / 2**20:,.0f} MiB)  {floor}"
             )
+        if args.json:
+            print(json.dumps({"benchmark": "checkpoint", "measures": measures}))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
 """One table of every benchmark's ratios against their goals (`nox -s bench`), so that
 a regression is visible at a glance.
 
-Each benchmark in BENCHMARKS runs in its quick form (`--quick --json`, one after the
-other: never two at once on a shared machine) and prints, as its last line, one JSON
-object:
+Each `benchmarks/*.py` runs in its quick form (`--quick`, one after the other: never
+two at once on a shared machine); those in BENCHMARKS take `--json` and print, as
+their last line, one JSON object:
 
     {"benchmark": "hf_load", "measures": [
         {"measure": "...", "now": 1.31, "goal": 1.5},                    # now <= goal
         {"measure": "...", "now": 0.8, "goal": 0.5, "better": "higher"}  # now >= goal
     ]}
 
-The table prints `measure | now | goal | ok` for each, plus a row for a benchmark
-that failed or printed no such line. Quick forms use small models, whose fixed costs
+The table prints `measure | now | goal | ok` for each, a row for a benchmark that
+failed or printed no such line, and one for each benchmark that reports no ratios yet
+(it ran: a smoke run). Quick forms use small models, whose fixed costs
 weigh more than at full size: a quick ratio over its goal is a prompt to run the full
 benchmark (each script's docstring gives its full-size figures), not a verdict.
 Exits 1 if any measure misses its goal or any benchmark failed.
@@ -33,13 +34,21 @@ from pathlib import Path
 
 
 HERE = Path(__file__).parent
-# the benchmarks that print a `--json` line, in the order the table shows them
+# the benchmarks that print a `--json` line, in the order the table shows them; the
+# others run too (a smoke run: a row says whether they ran) until they print one
 BENCHMARKS = ("hf_load", "torch_load", "checkpoint", "many_tensors")
+
+
+def everything() -> list[str]:
+    others = sorted(p.stem for p in HERE.glob("[!_]*.py") if p.stem != "table")
+    return list(BENCHMARKS) + [n for n in others if n not in BENCHMARKS]
 
 
 def run(name: str, full: bool) -> tuple[list[dict], str | None, float]:
     """`(measures, the failure or None, seconds)` of one benchmark's run."""
-    command = [sys.executable, str(HERE / f"{name}.py"), "--json"]
+    reports = name in BENCHMARKS
+    command = [sys.executable, str(HERE / f"{name}.py")]
+    command += ["--json"] if reports else []
     if not full:
         command.append("--quick")
     start = time.perf_counter()
@@ -48,6 +57,8 @@ def run(name: str, full: bool) -> tuple[list[dict], str | None, float]:
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return [], f"exit {done.returncode}: {tail[:100]}", seconds
+    if not reports:
+        return [], None, seconds
     lines = done.stdout.strip().splitlines()
     try:
         report = json.loads(lines[-1])
@@ -67,7 +78,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="benchmarks (default: all)")
     parser.add_argument("--full", action="store_true", help="full-size forms")
     args = parser.parse_args()
-    names = args.names or list(BENCHMARKS)
+    names = args.names or everything()
     load = os.getloadavg()[0]
     rows: list[tuple[str, str, str, str]] = []
     failed = False
@@ -77,6 +88,8 @@ def main() -> None:
         if failure is not None:
             rows.append((f"{name}: {failure}", "-", "-", "FAILED"))
             failed = True
+        elif not measures:
+            rows.append((f"{name}: ran (prints no --json ratios yet)", "-", "-", "-"))
         for m in measures:
             sign = ">=" if m.get("better", "lower") == "higher" else "<="
             good = ok(m)

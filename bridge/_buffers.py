@@ -34,6 +34,7 @@ import numpy as np
 
 
 ALIGN = 64  # bytes: what XLA's CPU client needs to use host memory as it is
+SMALL = 4096  # bytes: smaller arrays are not aligned
 
 # the arrays owning memory bridge allocated, by id (an entry goes with its array)
 _owned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
@@ -53,7 +54,13 @@ def owned(x: Any) -> bool:
 
 
 def aligned(nbytes: int) -> np.ndarray:
-    """`nbytes` fresh bytes (uint8), 64-byte aligned, owned by bridge."""
+    """`nbytes` fresh bytes (uint8), owned by bridge; 64-byte aligned from `SMALL`
+    bytes on (XLA copies a smaller array anyway: its alignment is not worth the
+    microseconds of finding it)."""
+    if nbytes < SMALL:
+        raw = np.empty(nbytes, np.uint8)
+        _own(raw)
+        return raw
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     _own(raw)

@@ -173,14 +173,13 @@ def test_a_closed_shard_reopened_is_checked(tmp_path, monkeypatch):
 
 
 def rewrite_after_first_read(monkeypatch, path):
-    """After the first array read, rewrite `path` in place (same size, other bytes,
-    a later modification time): what `cp v2 ckpt/model.safetensors` does."""
-    real = _files.read_at
+    """After the first read of array bytes (one array, or several read at once),
+    rewrite `path` in place (same size, other bytes, a later modification time):
+    what `cp v2 ckpt/model.safetensors` does."""
     calls = []
 
-    def read_at(fd, offset, count, into=None):
-        out = real(fd, offset, count, into)
-        calls.append(offset)
+    def rewrite() -> None:
+        calls.append(1)
         if len(calls) == 1:
             data = bytearray(path.read_bytes())
             data[-4:] = b"\x01\x02\x03\x04"
@@ -188,13 +187,23 @@ def rewrite_after_first_read(monkeypatch, path):
             with open(path, "r+b") as f:  # in place: the same inode
                 f.write(bytes(data))
             os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+
+    real_at, real_into = _files.read_at, _files.read_into
+
+    def read_at(fd, offset, count, into=None):
+        out = real_at(fd, offset, count, into)
+        rewrite()
         return out
 
-    monkeypatch.setattr(_files, "read_at", read_at)
-    for module in ("_safetensors", "_msgpack"):
+    def read_into(fd, offset, buffers):
+        real_into(fd, offset, buffers)
+        rewrite()
+
+    for module in ("_files", "_safetensors", "_msgpack"):
         mod = __import__(f"bridge._io.{module}", fromlist=["x"])
-        if hasattr(mod, "read_at"):
-            monkeypatch.setattr(mod, "read_at", read_at)
+        for name, hook in (("read_at", read_at), ("read_into", read_into)):
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, hook)
 
 
 @pytest.mark.parametrize("kind", ["single file", "sharded", "lazy"])

@@ -99,13 +99,27 @@ def read_at(fd: int, offset: int, count: int, into: memoryview | None = None) ->
     """Exactly `count` bytes of `fd` from `offset` (into `into` when given); raises
     `EOFError` if the file ends first (it shrank since its header was read)."""
     buffer = into if into is not None else memoryview(bytearray(count))
+    read_into(fd, offset, [buffer[:count]])
+    return bytes(buffer) if into is None else b""
+
+
+def read_into(fd: int, offset: int, buffers: list[memoryview]) -> None:
+    """Fill `buffers` (at most `os.sysconf("SC_IOV_MAX")`, 1,024 on Linux) with the
+    bytes of `fd` from `offset` on, one after the other, in as few positioned reads
+    as the system allows (one, from the page cache); raises `EOFError` if the file
+    ends first."""
+    left = [b.cast("B") for b in buffers if b.nbytes]
+    count = sum(b.nbytes for b in left)
     done = 0
-    while done < count:
-        n = os.preadv(fd, [buffer[done:count]], offset + done)
+    while left:
+        n = os.preadv(fd, left, offset + done)
         if n == 0:
             raise EOFError(f"the file ended {count - done} bytes early")
         done += n
-    return bytes(buffer) if into is None else b""
+        while left and n >= left[0].nbytes:
+            n -= left.pop(0).nbytes
+        if n:
+            left[0] = left[0][n:]
 
 
 class Identity(NamedTuple):
