@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import jax.tree_util as jtu
@@ -35,10 +36,10 @@ def check_depth(path: Path) -> None:
 
 
 _KEY_OF = {
-    jtu.GetAttrKey: lambda e: e.name,
-    jtu.DictKey: lambda e: e.key,
-    jtu.SequenceKey: lambda e: e.idx,
-    jtu.FlattenedIndexKey: lambda e: e.key,
+    jtu.GetAttrKey: attrgetter("name"),
+    jtu.DictKey: attrgetter("key"),
+    jtu.SequenceKey: attrgetter("idx"),
+    jtu.FlattenedIndexKey: attrgetter("key"),
 }
 
 
@@ -52,7 +53,10 @@ def key_of(entry: Any) -> Key:
 
 def path_of(keypath: Sequence[Any]) -> Path:
     """The neutral path of a `jax.tree_util` key path: `('layers', 0, 'kernel')`."""
-    return tuple(map(key_of, keypath))
+    try:  # once per leaf of a model: no Python call per key
+        return tuple([_KEY_OF[type(entry)](entry) for entry in keypath])
+    except KeyError:
+        return tuple(map(key_of, keypath))  # names the unknown entry
 
 
 def path_str(path: Sequence[Key]) -> str:
@@ -74,16 +78,37 @@ _DIGITS = re.compile(r"(\d+)")
 def natural(key: Key) -> tuple:
     """A sort key for one neutral key: indices first, by value, then names in natural
     order (`Dense_2` before `Dense_10`), ties broken by the name itself."""
+    got = _NATURAL.get(key)
+    if got is None:
+        got = _natural(key)
+        if len(_NATURAL) >= _NATURAL_SIZE:
+            _NATURAL.clear()
+        _NATURAL[key] = got
+    return got
+
+
+def _natural(key: Key) -> tuple:
     if isinstance(key, int):
         return (0, key)
-    parts = _DIGITS.split(key)
-    return (1, tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), key)
+    parts: list[Any] = _DIGITS.split(key)
+    if len(parts) > 1:
+        parts[1::2] = map(int, parts[1::2])
+    return (1, tuple(parts), key)
+
+
+# `natural` of the keys seen lately: models repeat their keys (`kernel`, `bias`,
+# `layers_0`) across nodes and conversions. Bounded: cleared when full.
+_NATURAL: dict[Key, tuple] = {}
+_NATURAL_SIZE = 1 << 18
 
 
 def canonical(keys: Sequence[Key]) -> tuple[Key, ...]:
     """`keys` in canonical order (`natural`): the order of a Tree node's children
     for frameworks whose native order can change while the model stays the same."""
-    return tuple(sorted(keys, key=natural))
+    try:  # the usual case, every key seen before: a C-level sort key
+        return tuple(sorted(keys, key=_NATURAL.__getitem__))
+    except KeyError:
+        return tuple(sorted(keys, key=natural))
 
 
 def parse(name: str, sep: str = ".") -> Path:

@@ -106,6 +106,10 @@ class Source(Generic[R]):
     _hash: int = field(init=False, repr=False)
     # the last Tree structure checked to fit (see `native_leaves`): a cache
     _treedef: Any = field(init=False, repr=False, default=None)
+    # the `is_leaf` that flattens the Tree into its paths' leaves: None, or a test
+    # for leaves that are pytrees themselves (a weight kept quantized), set only
+    # when the Tree holds one (an `is_leaf` costs a Python call per node)
+    _is_leaf: Any = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         key = (self.framework, self.paths, self.order, self.record)

@@ -82,6 +82,7 @@ class Maker:
         self.paths: list[Path] = []
         self.order: list[int] = []
         self.infos: dict[Any, _Info] = {}
+        self.nodes = 0  # inner nodes made
 
     def leaf(self, path: Path, leaf: Any, position: int) -> Any:
         check_depth(path)
@@ -99,6 +100,7 @@ class Maker:
         self, path: Path, keys: tuple[Key, ...], roles: list, children: list
     ) -> Tree:
         check_depth(path)
+        self.nodes += 1
         data = self._data(path, keys, roles)
         info = self.infos.get(data)
         if info is None:
@@ -118,9 +120,15 @@ class Maker:
         source = Source(framework, paths, order, record, native or {})
         keys_, roles_, kind_ = self._data((), keys, roles)
         tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
-        object.__setattr__(
-            source, "_treedef", jtu.tree_structure(tree, is_leaf=is_quantized)
-        )
+        treedef = jtu.tree_structure(tree)
+        # a leaf that is a pytree (a QuantizedArray) adds nodes or leaves: then the
+        # Tree is flattened with `is_leaf`, which keeps it whole
+        if treedef.num_leaves != len(
+            paths
+        ) or treedef.num_nodes != self.nodes + 1 + len(paths):
+            treedef = jtu.tree_structure(tree, is_leaf=is_quantized)
+            object.__setattr__(source, "_is_leaf", is_quantized)
+        object.__setattr__(source, "_treedef", treedef)
         return tree
 
 
@@ -193,17 +201,37 @@ def native_leaves(
 
     Raises `ValueError` naming every path that is missing, unexpected, or not an array.
     """
-    src = source_of(tree, framework)
-    flat, treedef = jtu.tree_flatten(tree, is_leaf=is_quantized)
-    # Fast path: the structure this Source was last rebuilt from (so the same paths),
-    # and array leaves. Otherwise compare paths, and remember the structure if it fits.
-    if src._treedef is None or treedef != src._treedef or not all(map(is_array, flat)):
-        _check_paths(tree, src, framework)
-        object.__setattr__(src, "_treedef", treedef)
+    src, flat = checked_leaves(tree, framework)
     leaves: list[Any] = [None] * len(flat)
     for leaf, pos in zip(flat, src.order):
         leaves[pos] = leaf
     return src, leaves
+
+
+def checked_leaves(
+    tree: Tree, framework: str, record: type[R] | None = None
+) -> tuple[Source[R], list[Any]]:
+    """The Tree's leaves in Tree order, checked to fit its source as
+    `native_leaves` checks them (for an adapter that rebuilds from the Tree's
+    nodes, not from the native leaf order)."""
+    src = source_of(tree, framework)
+    flat, treedef = jtu.tree_flatten(tree, is_leaf=src._is_leaf)
+    # Fast path: the structure this Source was last rebuilt from (so the same paths),
+    # and array leaves (checked per leaf type). Otherwise compare paths, and remember
+    # the structure if it fits.
+    if (
+        src._treedef is None
+        or treedef != src._treedef
+        or not all(map(is_array, dict(zip(map(type, flat), flat)).values()))
+    ):
+        if src._is_leaf is None:  # a weight replaced by a quantized one since?
+            whole, treedef_whole = jtu.tree_flatten(tree, is_leaf=is_quantized)
+            if treedef_whole != treedef:
+                flat, treedef = whole, treedef_whole
+                object.__setattr__(src, "_is_leaf", is_quantized)
+        _check_paths(tree, src, framework)
+        object.__setattr__(src, "_treedef", treedef)
+    return src, flat
 
 
 def _check_paths(tree: Tree, src: Source[Any], framework: str) -> None:

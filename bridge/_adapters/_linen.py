@@ -12,10 +12,10 @@ from flax.errors import InvalidRngError
 from flax.training import train_state
 
 from .._arguments import is_array, type_error
-from .._paths import Key, Path, canonical, natural, path_of, path_str
+from .._paths import MAX_DEPTH, Key, Path, canonical, check_depth, path_of, path_str
 from .._qarray import is_quantized
 from .._tree import Held, NativeOrder, Tree, items, leaf_roles
-from ._build import Maker, Recent, build, native_leaves, source_of
+from ._build import Maker, Recent, build, checked_leaves, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter
 
 
@@ -204,7 +204,10 @@ class _Walk:
         self.orders: dict[Path, tuple] = {}
         self.native: dict[Path, tuple[Key, ...]] = {}
         self.problems: list[str] = []
-        by_id = {id(leaf): i for i, leaf in enumerate(leaves)}
+        # per key tuple: whether sorted and canonical, the canonical order
+        self.in_order: dict[tuple, bool] = {}
+        self.canonical: dict[tuple, tuple[Key, ...]] = {}
+        by_id = dict(zip(map(id, leaves), range(len(leaves))))
         self.by_id = by_id if len(by_id) == len(leaves) else {}
         self.by_path: dict[Path, int] | None = None
         # plain nested dicts of arrays (no box, FrozenDict, list or None): then the
@@ -227,13 +230,19 @@ class _Walk:
         # -1: not a JAX leaf (a pytree node of another kind): reported by from_linen
         return self.by_path.get((role, *path), -1)
 
-    def items(self, role: str, container: Any, path: Path):
+    def children(self, role: str, container: Any, path: Path) -> Mapping[Key, Any]:
+        """A container's children by key (a sequence's by index); notes its order."""
         if type(container) is not dict:
             self.plain = False
         if _node_kind(type(container)) == _MAPPING:
-            _note_order(container, (role, *path), self.orders)
-            return container.items()
-        return enumerate(container)
+            keys = tuple(container)
+            in_order = self.in_order.get(keys)
+            if in_order is None:
+                in_order = self.in_order[keys] = _in_order(keys)
+            if not in_order:
+                self.orders[(role, *path)] = keys
+            return container
+        return dict(enumerate(container))
 
     def merge(
         self, parts: list[tuple[str, Any]], path: Path
@@ -242,62 +251,96 @@ class _Walk:
         in each collection, `parts = [(collection, mapping), ...]`."""
         if len(parts) == 1:
             role, container = parts[0]
-            groups = ((k, ((role, c),)) for k, c in self.items(role, container, path))
+            one = self.children(role, container, path)
+            listed = tuple(one)
+            ordered = self.canonical.get(listed)
+            if ordered is None:  # nodes repeat their keys: `(kernel, bias)`
+                ordered = self.canonical[listed] = canonical(listed)
         else:
+            one, role = None, ""
             merged: dict[Key, list[tuple[str, Any]]] = {}
-            for role, container in parts:
-                for key, child in self.items(role, container, path):
-                    merged.setdefault(key, []).append((role, child))
-            groups = merged.items()
-        groups = list(groups)
-        listed = tuple(k for k, _ in groups)
-        if listed != canonical(listed):
-            groups.sort(key=lambda group: natural(group[0]))
-        keys, roles, children = [], [], []
-        for key, group in groups:
+            for part, container in parts:
+                for key, child in self.children(part, container, path).items():
+                    merged.setdefault(key, []).append((part, child))
+            listed = tuple(merged)
+            ordered = canonical(listed)
+        keys: list[Key] = []
+        roles: list[str | None] = []
+        children: list[Any] = []
+        # per leaf only what a leaf needs (this loop runs once per array of the
+        # model): its path, its position among JAX's leaves, its role
+        kinds, by_id, maker = _KINDS, self.by_id, self.maker
+        paths, order = maker.paths, maker.order
+        deep = len(path) >= MAX_DEPTH
+        for key in ordered:
             here = path + (key,)
-            if len(group) == 1:  # the common case, a leaf in one collection: fast
-                role, child = group[0]
-                if child is not None and _node_kind(type(child)) == _LEAF:
-                    position = self.position(role, here, child)
-                    children.append(self.maker.leaf(here, child, position))
+            if one is not None:
+                child = one[key]
+                if kinds.get(type(child)) == _LEAF and child is not None:
+                    position = by_id.get(id(child))
+                    if position is None:
+                        position = self.position(role, here, child)
+                    if deep:
+                        check_depth(here)
+                    paths.append(here)
+                    order.append(position)
+                    children.append(child)
                     keys.append(key)
                     roles.append(role)
                     continue
-            inner, found = [], []
-            for role, child in group:
-                kind = _node_kind(type(child))
-                if kind == _BOX:
-                    self.plain = False
-                    child = child.unbox()
-                    kind = _node_kind(type(child))
-                if kind == _MAPPING or kind == _SEQUENCE:
-                    inner.append((role, child))
-                elif child is not None:  # None: an empty subtree for JAX
-                    found.append((role, child))
-                else:
-                    self.plain = False
-            if found and (inner or len(found) > 1):
-                self.collision(here, found, inner)
-            elif found:
-                role, leaf = found[0]
-                position = self.position(role, here, leaf)
-                children.append(self.maker.leaf(here, leaf, position))
-                keys.append(key)
-                roles.append(role)
-            elif inner:
-                sub_keys, sub_roles, sub_children = self.merge(inner, here)
-                if sub_keys:  # an empty mapping is no module
-                    node = self.maker.node(here, sub_keys, sub_roles, sub_children)
-                    children.append(node)
-                    keys.append(key)
-                    roles.append(None)
-                else:  # but it stays in the variables: to_linen rebuilds them whole
-                    self.plain = False
-        if listed != canonical(listed):
-            present = set(keys)
-            self.native[path] = tuple(k for k in listed if k in present)
+                group = [(role, child)]
+            else:
+                group = merged[key]  # pyright: ignore[reportPossiblyUnboundVariable]
+            self.group(here, group, keys, roles, children)
+        if listed is not ordered and listed != ordered:
+            if len(keys) == len(listed):
+                self.native[path] = listed
+            else:
+                present = set(keys)
+                self.native[path] = tuple(k for k in listed if k in present)
         return tuple(keys), roles, children
+
+    def group(
+        self,
+        here: Path,
+        group: list[tuple[str, Any]],
+        keys: list[Key],
+        roles: list[str | None],
+        children: list[Any],
+    ) -> None:
+        """Add the child at `here` from its values in each collection, `group =
+        [(collection, value), ...]`: a leaf, a merged node, or a collision."""
+        inner, found = [], []
+        for role, child in group:
+            kind = _node_kind(type(child))
+            if kind == _BOX:
+                self.plain = False
+                child = child.unbox()
+                kind = _node_kind(type(child))
+            if kind == _MAPPING or kind == _SEQUENCE:
+                inner.append((role, child))
+            elif child is not None:  # None: an empty subtree for JAX
+                found.append((role, child))
+            else:
+                self.plain = False
+        key = here[-1]
+        if found and (inner or len(found) > 1):
+            self.collision(here, found, inner)
+        elif found:
+            role, leaf = found[0]
+            position = self.position(role, here, leaf)
+            children.append(self.maker.leaf(here, leaf, position))
+            keys.append(key)
+            roles.append(role)
+        elif inner:
+            sub_keys, sub_roles, sub_children = self.merge(inner, here)
+            if sub_keys:  # an empty mapping is no module
+                node = self.maker.node(here, sub_keys, sub_roles, sub_children)
+                children.append(node)
+                keys.append(key)
+                roles.append(None)
+            else:  # but it stays in the variables: to_linen rebuilds them whole
+                self.plain = False
 
     def collision(self, path: Path, found: list, inner: list) -> None:
         where = path_str(path)
@@ -322,32 +365,42 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     The variables, in the container types given to `from_linen` (`dict` stays
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
-    src, leaves = native_leaves(tree, "linen", LinenRecord)
-    record = src.record
+    record = source_of(tree, "linen", LinenRecord).record
     orders = dict(record.orders.value)
-    if record.plain is not None:  # the Tree's dicts, in canonical order
-        variables = _dicts(tree)
-        if orders:
-            variables = _reorder(variables, (record.plain,), orders)
-        return {record.plain: variables}
+    if record.plain is not None:  # the Tree's dicts, in their recorded order
+        checked_leaves(tree, "linen")
+        return {record.plain: _dicts(tree, (record.plain,), orders)}
+    _, leaves = native_leaves(tree, "linen", LinenRecord)
     variables = jtu.tree_unflatten(record.treedef, leaves)
     if orders:  # JAX rebuilds dicts in sorted key order: restore the order
         variables = _reorder(variables, (), orders)
     return variables
 
 
-def _dicts(node: Tree) -> dict[Key, Any]:
-    return {k: _dicts(c) if type(c) is Tree else c for k, c in items(node)}
+def _dicts(node: Tree, path: Path, orders: dict[Path, tuple]) -> dict[Key, Any]:
+    """The nested dicts of a Tree, each in its order in `orders` (keyed by
+    `(collection, *path)`) if there, else in the Tree's."""
+    out = {
+        k: _dicts(c, path + (k,), orders) if type(c) is Tree else c
+        for k, c in items(node)
+    }
+    keys = orders.get(path)
+    return out if keys is None else {k: out[k] for k in keys}
 
 
 def _note_order(node: Mapping, path: Path, orders: dict[Path, tuple]) -> None:
     keys = tuple(node)
-    try:
-        in_order = list(keys) == sorted(keys) and keys == canonical(keys)
-    except TypeError:  # keys of mixed types
-        in_order = False
-    if not in_order:
+    if not _in_order(keys):
         orders[path] = keys
+
+
+def _in_order(keys: tuple) -> bool:
+    """Whether `keys` are in sorted and in canonical order (JAX rebuilds a dict in
+    sorted order; a Tree lists it in canonical order)."""
+    try:
+        return list(keys) == sorted(keys) and keys == canonical(keys)
+    except TypeError:  # keys of mixed types
+        return False
 
 
 def _reorder(node: Any, path: Path, orders: dict[Path, tuple]) -> Any:
