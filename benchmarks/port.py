@@ -37,6 +37,17 @@ differ by more than that from run to run: with example= where the trace pairs
 +9.4%, where names decide (no trace is made at all) +27.9%; in an earlier run of 3
 -11.6% and -2.1%. So the +55% of a run of 2 (load above 10) was noise, and the
 figure to read is the trace's own share.
+`--json` prints the ratios as one JSON line (for `benchmarks/table.py`).
+`--to-stacked`: per-layer Equinox Linears into an abstract Linen `nn.scan` stack (the
+port fills a fresh stack in place, layer by layer, the old stack donated).
+Issue 28's goal for a stacked <-> per-layer port, peak <= the model + one layer + 10%,
+read as what the port allocates (the source is the caller's and stays whole; a port
+that consumed it is not offered): 1 GiB, 8 layers (goal 1.225x), medians of 2
+interleaved runs, load 7-11: stack -> per-layer +1.13x (peak 2.18x with the
+source), within the goal; per-layer -> stack +1.26x (peak 2.31x), one layer over:
+each layer is converted (transposed) into a new array before it is written into the
+stack, so two layers are alive at once (converting inside the donated write would
+drop one).
 XLA's tiled transpose beats numpy's strided
 copy; under load a full run takes 1-3 minutes (each subprocess imports JAX and
 builds 1 GiB).
