@@ -21,7 +21,20 @@ Goals (issue 28): time <= 1.5x the floor, peak <= 1.1x the model.
     python benchmarks/hf_load.py --quick     # ~24 MiB, 3 rounds (a smoke run)
     python benchmarks/hf_load.py --json      # + the JSON line benchmarks/table.py reads
 
-Measured: see the commit that last changed this file (figures and the load average).
+Measured (2 shared cores, 2026-12-02, 3 rounds; time x load_file, peak / model):
+
+| load | before (5a155d9, load 4.8-8.0) | 5b2f22e (load 4.2) | 6f679d1 (load 9.4-7.2) |
+|---|---|---|---|
+| NNX | 7.29 s, 3.43x, 1.01 (*) | 3.49 s, 2.46x, 1.12 | 5.38 s, 3.03x, 1.12 |
+| Equinox | 3.02 s, 1.42x, 1.08 (*) | 2.23 s, 1.57x, 1.00 | 3.86 s, 2.17x, 1.00 |
+| load_file | 2.12 s | 1.42 s | 1.78 s |
+| load + host transpose | 2.70x, 1.24 | 2.39x | 2.42x, 1.25 |
+| from_pretrained | 6.12x, 0.15 | | |
+
+(*) RssAnon only: the reads of then went into shared anonymous maps, not counted.
+Goals missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
+load in the profile), NNX peak (pool buffers in flight). The machine's load moves the
+ratios more than the changes between the last two columns.
 """
 
 from __future__ import annotations
