@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 # the benchmarks that print a `--json` line, in the order the table shows them; the
 # others run too (a smoke run: a row says whether they ran) until they print one
-BENCHMARKS = ("hf_load", "torch_load", "checkpoint", "many_tensors")
+BENCHMARKS = ("hf_load", "torch_load", "checkpoint", "many_tensors", "convert", "port")
 
 
 def everything() -> list[str]:
