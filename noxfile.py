@@ -200,6 +200,7 @@ TORCH_TESTS = [
     "tests/test_torch_hf.py",
     "tests/test_torch_hf_vit.py",
     "tests/test_torch_hf_gpt2.py",
+    "tests/test_experts_gpt_oss.py",
     "tests/test_torch_inputs.py",
     "tests/test_torch_llama.py",
     "tests/test_lora_peft.py",

@@ -9,6 +9,11 @@ renaming between them.
 - **packed** (transformers v5 in memory; `from_pretrained` reads it from files too):
   `mlp.experts.gate_up_proj` `(E, 2F, D)` (each expert's gate rows, then its up
   rows) and `mlp.experts.down_proj` `(E, D, F)`, the router `mlp.gate.weight`.
+- **gpt-oss** (`GptOssExperts`): packed only, with biases: `mlp.experts.gate_up_proj`
+  `(E, D, 2F)` with gate and up columns interleaved (gate `[..., ::2]`, up
+  `[..., 1::2]`), `gate_up_proj_bias` `(E, 2F)`, `down_proj` `(E, F, D)`,
+  `down_proj_bias` `(E, D)`; told from Qwen's layout by those bias names (never by
+  shape: `(E, D, 2F)` and `(E, 2F, D)` agree when D == 2F).
 - **JAX**: an expert axis is a stack axis: experts made under `nnx.vmap` or
   `eqx.filter_vmap` hold `gate_proj.kernel` `(E, D, F)`; `bridge` ports them to and
   from per-expert layers as any stack.
@@ -172,6 +177,13 @@ def unpack(state: Mapping[str, Any], f: ExpertFamily = QWEN2_MOE) -> dict[str, A
     entries as they are, in order. A packed `LazyArray` is read once, when its first
     expert is used.
 
+    gpt-oss's experts (a layer with `mlp.experts.gate_up_proj_bias`: `gate_up_proj`
+    `(E, D, 2F)` with gate and up columns interleaved, `down_proj` `(E, F, D)`, their
+    biases `(E, 2F)` and `(E, D)`) are told by those bias names, never by shape, and
+    given as `mlp.experts.{e}.gate_proj.weight` `(F, D)`, `.bias` `(F,)`, `up_proj`
+    the same, `down_proj.weight` `(D, F)`, `.bias` `(D,)`. `ValueError` when such a
+    layer's four tensors are not all there with those shapes.
+
     ```python
     >>> import numpy as np
     >>> packed = {"m.mlp.experts.gate_up_proj": np.zeros((2, 4, 3), "f4"),
@@ -183,10 +195,14 @@ def unpack(state: Mapping[str, Any], f: ExpertFamily = QWEN2_MOE) -> dict[str, A
     ```
     """
     router = {new: old for old, new in [f.router]} if f.router else {}
+    gpt_oss = _gpt_oss_layers(state)
     out: dict[str, Any] = {}
     for name, array in state.items():
-        m = _PACKED_RE.fullmatch(name)
-        if m is None or len(array.shape) != 3:
+        m = _PACKED_RE.fullmatch(name) or _PACKED_BIAS_RE.fullmatch(name)
+        if m is not None and m["layer"] in gpt_oss:
+            _unpack_gpt_oss(out, m["layer"], m["proj"], array)
+            continue
+        if m is None or "bias" in m["proj"] or len(array.shape) != 3:
             out[_rename(name, router)] = array
             continue
         count, rows = array.shape[0], array.shape[1]
@@ -196,13 +212,80 @@ def unpack(state: Mapping[str, Any], f: ExpertFamily = QWEN2_MOE) -> dict[str, A
         for e in range(count):
             for j, proj in enumerate(projections):
                 key = f"{m['layer']}{f.per_expert}.{e}.{proj}.weight"
-                out[key] = whole.part(e, j * step, (j + 1) * step)
+                out[key] = whole.part(e, slice(j * step, (j + 1) * step))
     return out
+
+
+_PACKED_BIAS_RE = re.compile(
+    rf"(?P<layer>(?:.+\.)?){re.escape(PACKED)}\.(?P<proj>{GATE_UP}_bias|{DOWN}_bias)"
+)
+
+_GPT_OSS_SHAPES = """\
+{layer}{packed}: gpt-oss's packed experts (told by their biases) need {gate_up} \
+(E, D, 2F), {gate_up}_bias (E, 2F), {down} (E, F, D) and {down}_bias (E, D); found \
+{found}. The experts are not read: give all four tensors of the layer as transformers' \
+GptOssExperts holds them."""
+
+
+def _gpt_oss_layers(state: Mapping[str, Any]) -> set[str]:
+    """The layers whose packed experts are gpt-oss's (they have a
+    `gate_up_proj_bias` or `down_proj_bias`); `ValueError` listing every such layer
+    whose tensors are missing or inconsistent in shape."""
+    layers = {m["layer"] for n in state if (m := _PACKED_BIAS_RE.fullmatch(n))}
+    problems = []
+    for layer in sorted(layers):
+        names = [f"{layer}{PACKED}.{p}" for p in (GATE_UP, DOWN)]
+        names = [n for p in names for n in (p, p + "_bias")]
+        shapes = [tuple(state[n].shape) if n in state else None for n in names]
+        gate_up, gate_up_bias, down, down_bias = shapes
+        ok = False  # a missing tensor's None equals no shape
+        if gate_up is not None and len(gate_up) == 3:
+            e, d, f2 = gate_up
+            ok = (
+                f2 % 2 == 0
+                and gate_up_bias == (e, f2)
+                and down == (e, f2 // 2, d)
+                and down_bias == (e, d)
+            )
+        if not ok:
+            found = ", ".join(
+                f"{n.rsplit('.', 1)[-1]} {'missing' if s is None else s}"
+                for n, s in zip(names, shapes)
+            )
+            problems.append(
+                _GPT_OSS_SHAPES.format(
+                    layer=layer, packed=PACKED, gate_up=GATE_UP, down=DOWN, found=found
+                )
+            )
+    if problems:
+        raise ValueError("\n".join(problems))
+    return layers
+
+
+def _unpack_gpt_oss(out: dict[str, Any], layer: str, proj: str, array: Any) -> None:
+    """One of gpt-oss's packed tensors (`proj`) put into `out` per expert, in
+    PyTorch's `(out, in)` orientation: gate = `gate_up[..., ::2]`, up =
+    `gate_up[..., 1::2]`, as `GptOssExperts` computes `x @ gate_up_proj[e] + bias`."""
+    f = QWEN2_MOE  # gpt-oss's experts are `mlp.experts`, as Qwen's
+    whole = _Once(array)
+    base = f"{layer}{f.per_expert}"
+    for e in range(array.shape[0]):
+        if proj == GATE_UP:
+            for p, cols in ((f.gate, slice(0, None, 2)), (f.up, slice(1, None, 2))):
+                out[f"{base}.{e}.{p}.weight"] = whole.part(e, (slice(None), cols), True)
+        elif proj == DOWN:
+            out[f"{base}.{e}.{f.down}.weight"] = whole.part(e, (), True)
+        elif proj == GATE_UP + "_bias":
+            for p, cols in ((f.gate, slice(0, None, 2)), (f.up, slice(1, None, 2))):
+                out[f"{base}.{e}.{p}.bias"] = whole.part(e, cols)
+        else:
+            out[f"{base}.{e}.{f.down}.bias"] = whole.part(e, ())
 
 
 class _Once:
     """A packed array, read at most once (a `LazyArray` when first needed), and its
-    parts `array[e, lo:hi]`: views of host arrays, `LazyArray`s of lazy ones."""
+    parts `array[e][index]` (transposed with `t`): views of host arrays, `LazyArray`s
+    of lazy ones."""
 
     def __init__(self, array: Any):
         self.array = array
@@ -213,13 +296,18 @@ class _Once:
             self.read = np.asarray(self.array.read())
         return self.read
 
-    def part(self, e: int, lo: int, hi: int) -> Any:
+    def part(self, e: int, index: Any, t: bool = False) -> Any:
         if not isinstance(self.array, LazyArray):
-            return self.array[e, lo:hi]
-        shape = (hi - lo, *self.array.shape[2:])
-        return LazyArray(
-            shape, self.array.dtype, self.array.order, lambda: self._host()[e, lo:hi]
-        )
+            a = self.array[e][index]
+            return a.T if t else a
+        shape = np.broadcast_to(np.bool_(0), self.array.shape[1:])[index].shape
+        shape = shape[::-1] if t else shape
+
+        def load() -> np.ndarray:
+            a = self._host()[e][index]
+            return a.T if t else a
+
+        return LazyArray(shape, self.array.dtype, self.array.order, load)
 
 
 def has_packed(names: Any) -> bool:
