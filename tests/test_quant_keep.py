@@ -515,3 +515,19 @@ def test_a_stack_is_not_kept(tmp_path):
         bridge.load(path, like=(module, variables), keep_quantized=True)
     _, dense = bridge.load(path, like=(module, variables))  # as the error says
     assert dense["params"]["ScanBlock_0"]["Dense_1"]["kernel"].shape == (3, 128, 256)
+
+
+def test_a_sharded_like_is_refused(fp8):
+    """Kept weights go to the default device: a `like` sharded over several devices
+    is refused (its shardings would be lost), not loaded unsharded."""
+    model = ql.make(ql.nnx_layers(), ql.HF, C)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    nnx.update(model, jax.device_put(nnx.state(model), replicated))
+    with pytest.raises(
+        ValueError, match=r"sharded over several devices \(\.lm_head\.kernel"
+    ):
+        bridge.load(fp8, like=model, keep_quantized=True)
+    # without keep_quantized the shardings are kept
+    loaded = bridge.load(fp8, like=model)
+    assert all(leaf.sharding == replicated for leaf in _leaves(loaded))

@@ -37,7 +37,7 @@ from .._io._contents import Contents
 from .._io._format import format_named
 from .._io._model import file_tree
 from .._io._read import lazy
-from .._paths import Path, path_str
+from .._paths import Path, path_of, path_str
 from .._port import _errors
 from .._port._plan import PlanRow, make_plan
 from .._port._port import _decoded, _encoded, examples, run
@@ -153,6 +153,15 @@ def load_kept(
             "(a state dict has no place for a quantized weight). Load into one of "
             "those, or without keep_quantized."
         )
+    sharded = _sharded_leaves(target)
+    if sharded:
+        raise KeepError(
+            f"{contents.path}: keep_quantized=True places the weights it keeps on the "
+            "default device, but `like` has leaves sharded over several devices "
+            f"({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}). Load "
+            "without keep_quantized to keep `like`'s shardings, or load into an "
+            "unsharded `like` and place the model yourself with jax.device_put."
+        )
     fmt = format_named(contents.format)
     arrays = lazy(contents, dtype)
     if arrays is None or fmt.lazy is None or not applies(contents):
@@ -222,6 +231,15 @@ def load_kept(
             "Port warnings:\n  " + "\n  ".join(said), _errors.PortWarning, stacklevel=4
         )
     return like_form(like, tree), plan
+
+
+def _sharded_leaves(target: Tree) -> list[str]:
+    """The paths of `target`'s leaves placed (or to be placed) on several devices."""
+    return [
+        path_str(path_of(p))
+        for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+        if len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1
+    ]
 
 
 def _kept_layer(
