@@ -165,9 +165,11 @@ def recognise(
 
 
 _GPT_OSS = """\
-{name}: gpt-oss's MXFP4 experts are not read yet: bridge reads a packed {weight} in \
-Qwen's layout (experts, 2F, D), gate rows then up rows, but gpt-oss stores it as \
-(experts, D, 2F) with gate and up columns interleaved"""
+{name}: gpt-oss's MXFP4 experts are not read yet (bridge reads gpt-oss's packed \
+{weight}, (experts, D, 2F) with gate and up columns interleaved, from dense files \
+only): save the model dequantized first, e.g. with transformers' \
+from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True)) then \
+save_pretrained"""
 
 
 def _in(name: str, found: list[Quantized | str]) -> bool:
