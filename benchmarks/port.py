@@ -39,15 +39,19 @@ differ by more than that from run to run: with example= where the trace pairs
 figure to read is the trace's own share.
 `--json` prints the ratios as one JSON line, in `benchmarks/table.py`'s format.
 `--to-stacked`: per-layer Equinox Linears into an abstract Linen `nn.scan` stack (the
-port fills a fresh stack in place, layer by layer, the old stack donated).
+port fills a fresh stack in place, layer by layer, the old stack donated; each layer
+is transposed inside that write, one XLA computation per layer shape).
 Issue 28's goal for a stacked <-> per-layer port, peak <= the model + one layer + 10%,
 read as what the port allocates (the source is the caller's and stays whole; a port
-that consumed it is not offered): 1 GiB, 8 layers (goal 1.225x), medians of 2
-interleaved runs, load 7-11: stack -> per-layer +1.13x (peak 2.18x with the
-source), within the goal; per-layer -> stack +1.26x (peak 2.31x), one layer over:
-each layer is converted (transposed) into a new array before it is written into the
-stack, so two layers are alive at once (converting inside the donated write would
-drop one).
+that consumed it is not offered): 1 GiB, 8 layers (goal 1.225x), 3 interleaved runs
+in fresh processes, load 1.5-6.6: per-layer -> stack +1.00x (peak 2.05-2.06x with
+the source; numpy's transpose into a preallocated stack also +1.00x), within the
+goal; before, each layer was transposed into an array of its own and then written,
++1.26x (2.31x) in all 3 runs (and 2 more). Time: the transpose fused into the write
+is slower than XLA's own transpose: in 2 pairs at load 2.2-2.6 the port took 4.39 s
+and 4.12 s (0.93x and 0.88x numpy's throughput) against 3.08 s and 3.47 s before
+(1.24x, 1.37x); still above the 0.5 goal. Stack -> per-layer +1.13x (peak 2.18x),
+unchanged.
 XLA's tiled transpose beats numpy's strided
 copy; under load a full run takes 1-3 minutes (each subprocess imports JAX and
 builds 1 GiB).

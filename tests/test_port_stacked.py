@@ -130,6 +130,24 @@ def test_a_stack_into_per_layer_layers_and_back(target):
     )
 
 
+def test_per_layer_layers_into_an_abstract_stack_are_its_slices_bit_for_bit():
+    """Each layer is converted inside the (donated) write into the stack: every slice
+    is the Equinox layer's own weight transposed, bit for bit, and the source's
+    arrays are neither changed nor donated."""
+    source = EqxLooped(jax.random.key(3))
+    before = jax.tree_util.tree_map(np.array, eqx.filter(source, eqx.is_array))
+    like = Scanned(), jax.eval_shape(Scanned().init, jax.random.key(1), X)
+    blocks = bridge.port(source, like)[1]["params"]["blocks"]
+    for i, layer in enumerate(source.layers):
+        assert np.array_equal(
+            blocks["Dense_0"]["kernel"][i], np.asarray(layer.dense.weight).T
+        )
+        assert np.array_equal(blocks["Dense_0"]["bias"][i], layer.dense.bias)
+        assert np.array_equal(blocks["LayerNorm_0"]["scale"][i], layer.norm.weight)
+    after = eqx.filter(source, eqx.is_array)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, before, after))
+
+
 def test_a_stack_of_another_length_is_missing_and_unexpected_layers():
     source = _linen(Scanned(), 0)
     target = _linen(Looped(), 1)

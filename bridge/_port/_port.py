@@ -227,10 +227,14 @@ def run(plan: Plan) -> Tree:
     targets: dict[Path, Any] = {}
     map_with_path(targets.__setitem__, plan._target)
     # a target stack (`nn.scan`) is filled layer by layer, in place: its layers are
-    # never all held apart as well (peak: the stack and one layer)
+    # never all held apart as well; a layer in memory is converted inside the write
+    # (`_written`: peak the stack alone), others are converted first (plus a layer)
     stacks: dict[Path, Any] = {}
     fused: dict[Any, Any] = {}
+    writes: dict[Any, Any] = {}
     for step in sorted(plan.steps, key=_reading_order):
+        if _written(step, stacks, targets, writes):
+            continue
         for path, index, value in _move(step, problems, fused):
             if index is None:
                 new[path] = value
@@ -264,6 +268,63 @@ def _write(stack: jax.Array, layer: jax.Array, index: Any, axis: int) -> jax.Arr
     """`stack` with layer `index` (along `axis`) replaced, in place (the old
     `stack` is donated)."""
     return jax.lax.dynamic_update_index_in_dim(stack, layer, index, axis)
+
+
+def _written(
+    step: PlanRow, stacks: dict[Path, Any], targets: dict[Path, Any], cache: dict
+) -> bool:
+    """Write a row whose target is one layer of a stack and whose source is one
+    layer in memory (JAX or numpy arrays) into the stack: converted inside the
+    donated write, one XLA computation compiled once per layer shape, so the
+    converted layer is never an array of its own next to the stack. False where that
+    does not apply (a stack's slice as the source, a file read lazily, entries to
+    check, a codec that needs concrete values): the row is then moved as before."""
+    s, t = step._source, step._target
+    assert s is not None and t is not None
+    if t.index is None or s.index is not None or step.drop:
+        return False
+    leaves = s.leaves
+    if not all(isinstance(v, (jax.Array, np.ndarray)) for v in leaves.values()):
+        return False
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.leaves.items()}
+    key = (
+        id(step.source_codec),
+        id(step.target_codec),
+        t.axis,
+        tuple((k, v.shape, str(v.dtype)) for k, v in leaves.items()),
+        tuple((k, v.shape, str(v.dtype)) for k, v in like.items()),
+        repr((s.hyper, t.hyper, step.cast, step.fill, step.kind)),
+    )
+    write = cache.get(key, False)
+    if write is False:
+        axis = t.axis
+
+        def convert(leaves: dict[str, Any]) -> dict[str, Any]:
+            return _encoded(step, _decoded(step, leaves), like)
+
+        def into(stacks: dict[str, Any], leaves: dict[str, Any], index: Any) -> Any:
+            new = convert(leaves)
+            return {
+                k: jax.lax.dynamic_update_index_in_dim(
+                    v, jnp.asarray(new[k], v.dtype), index, axis
+                )
+                for k, v in stacks.items()
+            }
+
+        try:  # the target entries the codec writes
+            keys = tuple(jax.eval_shape(convert, leaves))
+            write = cache[key] = (keys, jax.jit(into, donate_argnums=0))
+        except jax.errors.JAXTypeError:  # a codec that needs concrete values
+            write = cache[key] = None
+    if write is None:
+        return False
+    keys, filled_in = write
+    paths = {k: t.real + t.paths[k] for k in keys}
+    old = {k: stacks.pop(p, None) for k, p in paths.items()}
+    old = {k: _fresh(targets[paths[k]]) if v is None else v for k, v in old.items()}
+    for k, v in filled_in(old, leaves, t.index).items():
+        stacks[paths[k]] = v
+    return True
 
 
 def _reading_order(step: PlanRow) -> int:
