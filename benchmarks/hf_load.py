@@ -31,10 +31,18 @@ Measured (2 shared cores, 2026-12-02, 3 rounds; time x load_file, peak / model):
 | load + host transpose | 2.70x, 1.24 | 2.39x | 2.42x, 1.25 |
 | from_pretrained | 6.12x, 0.15 | | |
 
+| load | 4e1ed16 (load 3.4-2.6) | `Pool.keep` 4 -> 1 (load 2.5) |
+|---|---|---|
+| NNX | 1.60 s, 2.44x, 1.12 | 2.19 s, 2.83x, 1.02 |
+| Equinox | 1.04 s, 1.58x, 1.00 | 1.32 s, 1.70x, 1.00 |
+| load_file | 0.66 s | 0.77 s |
+
 (*) RssAnon only: the reads of then went into shared anonymous maps, not counted.
-Goals missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
-load in the profile), NNX peak (pool buffers in flight). The machine's load moves the
-ratios more than the changes between the last two columns.
+The second table's columns ran back to back; the same change interleaved (keep 4, 2, 1 in
+one run of 3 rounds, load 3-4): NNX 2.01 s, 1.81 s, 2.00 s; peak 1.118, 1.033, 1.024.
+Goal missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
+load in the profile). The machine's load moves the times more than the changes
+between columns.
 """
 
 from __future__ import annotations

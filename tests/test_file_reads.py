@@ -287,3 +287,18 @@ def test_a_pool_buffer_is_reused_only_once_its_arrays_are_gone():
     del reused
     gc.collect()
     assert not pool._idle
+
+
+def test_a_pool_keeps_at_most_keep_idle_buffers(monkeypatch):
+    for keep in (0, 1, 2):
+        monkeypatch.setattr(_buffers.Pool, "keep", keep)
+        pool = _buffers.Pool()
+        taken = [pool.take(pool.least) for _ in range(3)]
+        addresses = [t.ctypes.data for t in taken]
+        while taken:  # given back in the order taken
+            del taken[0]
+            gc.collect()
+        assert len(pool._idle) == keep  # 0 keeps none (not every one)
+        kept = [pool.take(pool.least).ctypes.data for _ in range(keep)]
+        assert sorted(kept) == sorted(addresses[3 - keep :])  # the last given back kept
+        pool.close()
