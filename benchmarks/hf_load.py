@@ -38,8 +38,9 @@ Measured (2 shared cores, 2026-12-02, 3 rounds; time x load_file, peak / model):
 | load_file | 0.66 s | 0.77 s |
 
 (*) RssAnon only: the reads of then went into shared anonymous maps, not counted.
-The second table's columns ran back to back; the same change interleaved (keep 4, 2, 1 in
-one run of 3 rounds, load 3-4): NNX 2.01 s, 1.81 s, 2.00 s; peak 1.118, 1.033, 1.024.
+The second table's columns ran back to back; the same change interleaved (keep 4, 2,
+1 in one run of 3 rounds, load 3-4): NNX 2.01 s, 1.81 s, 2.00 s; peak 1.118, 1.033,
+1.024.
 Goal missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
 load in the profile). The machine's load moves the times more than the changes
 between columns.
