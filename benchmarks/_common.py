@@ -1,15 +1,20 @@
 """What the benchmarks share: interleaved timing and the process's memory figures.
 
-Not a benchmark itself (running it does nothing): `convert.py`, `step.py` and
-`port.py` import it from this folder.
+Not a benchmark itself (running it does nothing): `convert.py`, `step.py`, `port.py`,
+`hf_load.py`, `torch_load.py` and `quantized.py` import it from this folder.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Generic, NamedTuple, TypeVar
+
+
+T = TypeVar("T")
 
 
 def interleaved(
@@ -62,3 +67,45 @@ def reset_peak() -> None:
     """Reset the peak (`VmHWM`) to the current resident set size (Linux)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def anonymous() -> int:
+    """This process's resident memory that is not a file's pages, in bytes: `RssAnon`
+    (private anonymous) + `RssShmem` (shared anonymous: reads into shared anonymous
+    maps land there), from `/proc/self/status` (Linux)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+
+
+class Sampled(NamedTuple, Generic[T]):
+    """What `sampled` measured of one call."""
+
+    result: T  # what the call returned
+    seconds: float  # its wall time
+    extra: int  # peak `anonymous()` during it above the figure just before, bytes
+
+
+def sampled(run: Callable[[], T], interval: float = 0.001) -> Sampled[T]:
+    """Call `run()` while a thread samples `anonymous()` every `interval` seconds.
+
+    The last sample is taken after the call, its result still alive (a loaded model
+    counts). Start the JAX backend before (`jax.numpy.zeros(1).block_until_ready()`),
+    or its start counts too."""
+    before = peak = anonymous()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, anonymous())
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    return Sampled(result, seconds, max(peak, anonymous()) - before)

@@ -55,12 +55,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+from _common import sampled
 
 
 class Size(NamedTuple):
@@ -296,36 +295,13 @@ def prepare(side: str, folder: Path, s: Size):
     return load
 
 
-def anonymous() -> int:
-    """Resident memory that is not a file's pages (anonymous and shared anonymous)."""
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
-
-
 def child(side: str, folder: Path, s: Size) -> None:
     import jax
 
     run = prepare(side, folder, s)
     jax.numpy.zeros(1).block_until_ready()  # the JAX backend, up before measuring
-    before = peak = anonymous()
-    done = threading.Event()
-
-    def sample():
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, anonymous())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    kept = run()  # noqa: F841  (held until measured: the loaded model counts)
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    extra = max(peak, anonymous()) - before
-    print(json.dumps({"seconds": seconds, "extra": extra}))
+    measured = sampled(run)  # the loaded arrays held until measured: they count
+    print(json.dumps({"seconds": measured.seconds, "extra": measured.extra}))
 
 
 def run_child(side: str, folder: Path, quick: bool) -> dict:

@@ -11,8 +11,9 @@ bridge dequantizes each weight when its layer is ported, then transposes and pla
 it.
 
 Each load runs in a fresh subprocess (FP8, bf16, FP8, ...): its time and the peak
-anonymous resident memory above the process's just before the load, as a multiple
-of the target model's bytes; medians over the rounds.
+anonymous resident memory (RssAnon + RssShmem, as the other load benchmarks count it;
+RssAnon alone before 2026-12-02) above the process's just before the load, as a
+multiple of the target model's bytes; medians over the rounds.
 
     python benchmarks/quantized.py             # 1 GiB dequantized, 3 rounds
     python benchmarks/quantized.py --quick     # 64 MiB (a smoke run)
@@ -37,8 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -46,6 +45,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
+from _common import sampled
 from flax import nnx
 
 import bridge
@@ -178,34 +178,17 @@ def keep_main(n: int) -> None:
             )
 
 
-def anonymous() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("RssAnon:"))
-    return int(line.split()[1]) * 1024
-
-
 def child(folder: Path, n: int) -> None:
     abstract = nnx.eval_shape(lambda: Model(n))
     jax.numpy.zeros(1).block_until_ready()  # the JAX backend, up before measuring
-    before = peak = anonymous()
-    done = threading.Event()
 
-    def sample():
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, anonymous())
-            time.sleep(0.001)
+    def load():
+        model = bridge.load(folder, like=abstract)
+        model.layers[-1].kernel[...].block_until_ready()
+        return model
 
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    start = time.perf_counter()
-    model = bridge.load(folder, like=abstract)
-    model.layers[-1].kernel[...].block_until_ready()
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    extra = max(peak, anonymous()) - before
-    print(json.dumps({"seconds": seconds, "extra": extra}))
+    measured = sampled(load)
+    print(json.dumps({"seconds": measured.seconds, "extra": measured.extra}))
 
 
 def run(folder: Path, n: int) -> dict:

@@ -30,13 +30,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import safetensors.numpy
+from _common import sampled
 from flax import nnx
 
 import bridge
@@ -87,13 +87,6 @@ def floor_load(folder: Path):
     return [safetensors.numpy.load_file(f) for f in sorted(folder.glob("model-*"))]
 
 
-def anonymous() -> int:
-    """Resident memory that is not a file's pages (anonymous and shared anonymous)."""
-    with open("/proc/self/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
-
-
 def child(side: int, size_mb: int, folder: Path) -> None:
     n = width(size_mb)
     if side == 0:
@@ -101,21 +94,7 @@ def child(side: int, size_mb: int, folder: Path) -> None:
     else:
         run = lambda: floor_load(folder)  # noqa: E731
     jax.numpy.zeros(1).block_until_ready()  # the JAX backend, up before measuring
-    before = peak = anonymous()
-    done = threading.Event()
-
-    def sample():
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, anonymous())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    kept = run()  # noqa: F841  (held until measured: the loaded model counts)
-    done.set()
-    sampler.join()
-    print(json.dumps({"extra": max(peak, anonymous()) - before}))
+    print(json.dumps({"extra": sampled(run).extra}))
 
 
 def peak_extra(side: int, size_mb: int, folder: Path) -> int:
