@@ -1,11 +1,16 @@
 """An array read from a file only when it is used: the source side of a port from a
 PyTorch-layout checkpoint, so that memory holds the model being filled plus one shard
 of the file, never the whole file.
+
+`ReadAhead` reads the next arrays of a port in a thread while the port converts the
+current one (a read is a `preadv`, a conversion mostly XLA's host copy: both let go of
+the GIL), with a bounded number of bytes read ahead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import concurrent.futures
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,10 +24,12 @@ class LazyArray:
     ranks it for reading (its shard's position), so that a port reads one shard at a
     time. `read_runs`, when the file allows it, reads only some elements:
     `read_runs([(start, count), ...])` gives the elements `start ... start + count -
-    1` of each run (C order), one after the other, as a 1-D array.
+    1` of each run (C order), one after the other, as a 1-D array. `plain`: `load`
+    is a file read alone (NumPy, no JAX: no thread-local JAX setting applies), so
+    `ReadAhead` may run it in another thread.
     """
 
-    __slots__ = ("shape", "dtype", "order", "_load", "read_runs")
+    __slots__ = ("shape", "dtype", "order", "_load", "read_runs", "plain", "_ahead")
 
     def __init__(
         self,
@@ -31,12 +38,15 @@ class LazyArray:
         order: int,
         load: Callable,
         read_runs: Callable[[list[tuple[int, int]]], np.ndarray] | None = None,
+        plain: bool = False,
     ):
         self.shape = tuple(shape)
         self.dtype = jnp.dtype(dtype)
         self.order = order
         self._load = load
         self.read_runs = read_runs
+        self.plain = plain
+        self._ahead: concurrent.futures.Future | None = None  # `ReadAhead`'s read
 
     @property
     def ndim(self) -> int:
@@ -46,8 +56,15 @@ class LazyArray:
     def size(self) -> int:
         return int(np.prod(self.shape))
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
     def read(self) -> np.ndarray:
-        return self._load()
+        """The array: read now, or the read `ReadAhead` started (once: a second
+        `read` reads again)."""
+        ahead, self._ahead = self._ahead, None
+        return self._load() if ahead is None else ahead.result()
 
     def __array__(self, dtype=None, copy=None):
         array = self.read()
@@ -60,3 +77,45 @@ class LazyArray:
 def materialise(x: Any) -> Any:
     """`x` read, if it is a `LazyArray`."""
     return x.read() if isinstance(x, LazyArray) else x
+
+
+class ReadAhead:
+    """Reads the arrays of a port's rows in a thread, ahead of the row that uses
+    them. `rows[i]` is what row `i` reads; before converting row `i` the port calls
+    `reached(i)`, which starts the reads of the next rows while the arrays read
+    ahead and not used yet stay under `budget` bytes (their memory is the peak's
+    excess), and drops what a passed row read ahead and did not use. A `with` block
+    waits for the reads under way on leaving (the files are closed after) and drops
+    what no row used. Only `plain` arrays are read ahead."""
+
+    def __init__(self, rows: Sequence[Sequence[LazyArray]], budget: int):
+        self._rows = [[a for a in row if a.plain] for row in rows]
+        self._budget = budget
+        self._at = 0  # the row being converted
+        self._next = 0  # the first row not read ahead
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "bridge-read-ahead")
+
+    def reached(self, i: int) -> None:
+        for row in self._rows[self._at : i]:  # passed
+            for array in row:
+                array._ahead = None
+        self._at, self._next = i, max(self._next, i + 1)
+        ahead = sum(a.nbytes for row in self._rows[i + 1 : self._next] for a in row)
+        while self._next < len(self._rows):
+            row = [a for a in self._rows[self._next] if a._ahead is None]
+            size = sum(a.nbytes for a in row)
+            if ahead + size > self._budget:
+                break
+            for array in row:
+                array._ahead = self._pool.submit(array._load)
+            ahead += size
+            self._next += 1
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
+        for row in self._rows:
+            for array in row:
+                array._ahead = None

@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import resource
+import threading
 
 import jax
 import numpy as np
@@ -19,6 +20,8 @@ import bridge
 from bridge import _buffers
 from bridge._io import _files, _safetensors, _sharded
 from bridge._io._read import open_checkpoint
+from bridge._lazy import LazyArray, ReadAhead
+from bridge._port import _port
 
 from .helpers import requires
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
@@ -302,3 +305,120 @@ def test_a_pool_keeps_at_most_keep_idle_buffers(monkeypatch):
         kept = [pool.take(pool.least).ctypes.data for _ in range(keep)]
         assert sorted(kept) == sorted(addresses[3 - keep :])  # the last given back kept
         pool.close()
+
+
+# --- reading ahead while converting (bridge/_lazy.py ReadAhead) -----------------------
+
+
+def test_reads_ahead_stay_under_the_budget_and_unused_ones_are_dropped():
+    threads = {}
+
+    def array(i: int, size: int = 100, plain: bool = True) -> LazyArray:
+        def load():
+            threads[i] = threading.current_thread().name
+            if i == 6:
+                raise OSError("disk gone")
+            return np.full(size, i, np.float32)
+
+        return LazyArray((size,), np.float32, 0, load, plain=plain)
+
+    arrays = [array(0), array(1), array(2), array(3, plain=False), array(4)]
+    arrays += [array(5, size=1000), array(6), array(7)]
+    budget = 800  # bytes: two arrays of 100 float32
+
+    def ahead_bytes(i: int) -> int:
+        return sum(a.nbytes for a in arrays[i + 1 :] if a._ahead is not None)
+
+    with ReadAhead([[a] for a in arrays], budget) as ahead:
+        ahead.reached(0)
+        assert [a._ahead is not None for a in arrays] == [0, 1, 1, 0, 0, 0, 0, 0]
+        np.testing.assert_array_equal(arrays[0].read(), np.zeros(100))
+        assert threads[0] == threading.current_thread().name  # not read ahead
+        ahead.reached(1)
+        np.testing.assert_array_equal(arrays[1].read(), np.ones(100))
+        assert threads[1].startswith("bridge-read-ahead")
+        assert ahead_bytes(1) <= budget
+        ahead.reached(2)  # row 2 passes without reading its array: dropped
+        assert ahead_bytes(2) <= budget and arrays[4]._ahead is not None
+        ahead.reached(3)
+        assert arrays[2]._ahead is None
+        arrays[3].read()  # not plain: never read in the thread
+        assert threads[3] == threading.current_thread().name
+        for i in (4, 5):
+            ahead.reached(i)
+            assert ahead_bytes(i) <= budget
+            arrays[i].read()
+        assert threads[4].startswith("bridge-read-ahead")
+        assert threads[5] == threading.current_thread().name  # over the budget
+        ahead.reached(6)
+        with pytest.raises(OSError, match="disk gone"):  # raised where it is used
+            arrays[6].read()
+        assert threads[6].startswith("bridge-read-ahead")
+    assert all(a._ahead is None for a in arrays)  # nothing held after the block
+    assert threads[7].startswith("bridge-read-ahead")  # read ahead, never used
+
+
+@requires("NNX")
+@pytest.mark.parametrize("ahead", [1, 10**9])  # everything read ahead, nothing
+def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
+    """A Hugging Face folder (PyTorch layout, several shards) into an NNX model: the
+    arrays read ahead in a thread (or none) are the model's, bit for bit."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, seed):
+            rngs = nnx.Rngs(seed)
+            self.up = nnx.Linear(5, 7, rngs=rngs)
+            self.down = nnx.Linear(7, 3, rngs=rngs)
+            self.norm = nnx.LayerNorm(3, rngs=rngs)
+
+    source = MLP(0)
+    bridge.save(tmp_path, source, layout="torch", max_shard_size=150)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    monkeypatch.setattr(_port, "AHEAD", ahead)
+    threads = []
+    read_one = _safetensors.read_one
+
+    def recorded(contents, name):
+        threads.append(threading.current_thread().name)
+        return read_one(contents, name)
+
+    monkeypatch.setattr(_safetensors, "read_one", recorded)
+    loaded = bridge.load(tmp_path, like=MLP(1))
+    in_thread = sum(t.startswith("bridge-read-ahead") for t in threads)
+    assert (in_thread > 0) == (ahead == 1) and len(threads) == 6  # each read once
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(source))
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+# --- the cyclic garbage collector during a load --------------------------------------
+
+
+def test_a_load_pauses_the_collector_and_restores_the_callers_state(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(values(2), path)
+    during = []
+    real = _safetensors.read_many
+
+    def seen(contents, names):
+        during.append(gc.isenabled())
+        yield from real(contents, names)
+
+    monkeypatch.setattr(_safetensors, "read_many", seen)
+    assert gc.isenabled()
+    try:
+        bridge.load(path)
+        assert during == [False] and gc.isenabled()
+        gc.disable()  # a caller's choice stays
+        bridge.load(path)
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(bridge.CheckpointError):  # also after an error
+            bridge.load(tmp_path / "missing.safetensors")
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -363,7 +363,8 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
     """`{name: LazyArray}` for a safetensors checkpoint, or a sharded one (`source`:
     its shards, `bridge._io._sharded.Source`): each array read from its file when
     used (as often as it is used), shard by shard (`LazyArray.order` is the shard's
-    position)."""
+    position); a read is plain (`LazyArray.plain`: a port may read it ahead, in a
+    thread)."""
     if source is not None:
         shards = source.shards
     else:
@@ -379,6 +380,7 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
                 order,
                 lambda c=shard, n=name: read_one(c, n),
                 lambda runs, c=shard, n=name: read_runs(c, n, runs),
+                plain=True,
             )
     return out
 
