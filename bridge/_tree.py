@@ -212,11 +212,13 @@ class Tree:
             "bridge.from_linen, bridge.from_nnx or bridge.from_equinox."
         )
 
-    @classmethod
-    def _make(cls, info: _Info, children: Sequence[Any]) -> Tree:
-        self = object.__new__(cls)
-        object.__setattr__(self, "_info", info)
-        object.__setattr__(self, "_children", tuple(children))
+    @staticmethod
+    def _make(info: _Info, children: Sequence[Any]) -> Tree:
+        # once per node of every Tree made or unflattened: the slots' own setters
+        # (half the time of `object.__setattr__` by name)
+        self = _new(Tree)
+        _set_info(self, info)
+        _set_children(self, tuple(children))
         return self
 
     @classmethod
@@ -299,6 +301,11 @@ class Tree:
 
     def __deepcopy__(self, memo):
         return self
+
+
+_new = object.__new__
+_set_info = Tree.__dict__["_info"].__set__
+_set_children = Tree.__dict__["_children"].__set__
 
 
 _NOT_CALLABLE = """\

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import bridge
+from bridge._adapters import _equinox
 
 from . import models
 from .helpers import (
@@ -211,3 +212,64 @@ def test_bad_input_is_refused():
     _, other = eqx.nn.make_with_state(Counter)()
     with pytest.raises(ValueError, match="StateIndex that is not in the model"):
         bridge.from_equinox(model, other)
+
+
+class _Mixed(eqx.Module):
+    """Containers the one-walk conversion reads (tuples, lists, dicts, `None`), a
+    StateIndex with its initial value, a tied array, and a custom pytree node it
+    leaves to the general path (`custom`)."""
+
+    layers: tuple
+    table: dict
+    items: list
+    bn: eqx.nn.BatchNorm
+    tied: jax.Array
+    again: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = (eqx.nn.Linear(2, 3, key=k1), None, eqx.nn.Linear(3, 2, key=k2))
+        self.table = {"b": jnp.ones(2), "a": (jnp.zeros(1), jax.nn.relu), "c": None}
+        self.items = [jnp.arange(3.0), 1.5]
+        self.bn = eqx.nn.BatchNorm(3, "batch", mode="batch")
+        self.tied = self.again = jnp.ones(4)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _Mixed(jax.random.key(0)),
+        lambda: WithNones(jax.random.key(0)),
+        lambda: models.equinox_block(),
+        lambda: eqx.nn.MLP(2, 3, 4, 2, key=jax.random.key(0)),
+    ],
+)
+def test_one_walk_makes_the_tree_of_the_general_path(make, monkeypatch):
+    """The oracle is the general path (`jax.tree_util` key paths into `build`): the
+    same structure (paths, native positions, node kinds, roles, statics), the very
+    same leaf objects, and `to_equinox` gives the model back."""
+    model = make()
+    fast = bridge.from_equinox(model)
+    monkeypatch.setattr(_equinox, "_walk", lambda model: None)
+    general = bridge.from_equinox(model)
+    assert jax.tree_util.tree_structure(fast) == jax.tree_util.tree_structure(general)
+    assert bridge._tree.leaf_roles(fast) == bridge._tree.leaf_roles(general)
+    assert same_objects(leaf_objects(fast), leaf_objects(general))
+    assert bool(eqx.tree_equal(bridge.to_equinox(fast), model))
+
+
+class _Pair(eqx.Module):
+    inner: object
+
+
+def test_a_custom_pytree_node_takes_the_general_path():
+    """A node of a kind the walk does not read (a namedtuple) is left to the general
+    path, whose Tree it gives."""
+    import collections
+
+    Point = collections.namedtuple("Point", "x y")
+    model = _Pair(Point(jnp.ones(2), jnp.zeros(3)))
+    assert _equinox._walk(model) is None
+    t = bridge.from_equinox(model)
+    assert t.inner.x is model.inner.x
+    assert bool(eqx.tree_equal(bridge.to_equinox(t), model))

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import jax.tree_util as jtu
 
-from .._paths import Key, Path, check_depth, is_array, path_of, path_str
+from .._paths import MAX_DEPTH, Key, Path, check_depth, is_array, path_of, path_str
 from .._qarray import is_quantized
 from .._tree import Source, Tree, _Info
 from ._registry import display_name
@@ -37,32 +37,44 @@ def build(
     native leaves that `record` rebuilds the model from (see `native_leaves`).
     """
     root: dict[Key, Any] = {}
+    # each parent node by path, found once: siblings share it (one look-up per leaf)
+    parents: dict[Path, dict[Key, Any]] = {(): root}
     for entry in entries:
         path = entry[0]
-        node = root
-        for key in path[:-1]:
-            child = node.get(key)
-            if child is None:
-                child = node[key] = {}
-            elif type(child) is not dict:
-                raise ValueError(f"{path_str(path)} is both a leaf and a node.")
-            node = child
+        head = path[:-1]
+        node = parents.get(head)
+        if node is None:
+            node = root
+            for key in head:
+                child = node.get(key)
+                if child is None:
+                    child = node[key] = {}
+                elif type(child) is not dict:
+                    raise ValueError(f"{path_str(path)} is both a leaf and a node.")
+                node = child
+            parents[head] = node
         if path[-1] in node:
             raise ValueError(f"{path_str(path)} appears twice.")
         node[path[-1]] = entry
 
     maker = Maker(kinds)
+    paths, order = maker.paths, maker.order
 
     def make(node: dict[Key, Any], prefix: Path) -> tuple[tuple[Key, ...], list, list]:
         roles, children = [], []
+        deep = len(prefix) >= MAX_DEPTH  # its leaves are too deep
         for key, value in node.items():
             if type(value) is dict:
                 here = prefix + (key,)
                 children.append(maker.node(here, *make(value, here)))
                 roles.append(None)
-            else:
+            else:  # `Maker.leaf`, inline: once per leaf
                 path, role, leaf, position = value
-                children.append(maker.leaf(path, leaf, position))
+                if deep:
+                    check_depth(path)
+                paths.append(path)
+                order.append(position)
+                children.append(leaf)
                 roles.append(role)
         return tuple(node), roles, children
 
@@ -99,7 +111,8 @@ class Maker:
     def node(
         self, path: Path, keys: tuple[Key, ...], roles: list, children: list
     ) -> Tree:
-        check_depth(path)
+        if len(path) > MAX_DEPTH:
+            check_depth(path)
         self.nodes += 1
         data = self._data(path, keys, roles)
         info = self.infos.get(data)

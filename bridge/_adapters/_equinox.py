@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .._paths import Key, Path, child, is_array, key_of, path_of
+from .._paths import MAX_DEPTH, Key, Path, child, is_array, key_of, path_of
 from .._placement import placeholder
 from .._qarray import is_quantized
 from .._tree import Held, Tree
-from ._build import build, native_leaves, source_of
+from ._build import Maker, build, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter
 from ._skeleton import settings, skeleton
 
@@ -73,8 +74,12 @@ class _Nodes:
         return None
 
     def state_role(self, index_path: Path) -> str:
-        owner = self.get(index_path[:-1]) if index_path else None
-        return "batch_stats" if isinstance(owner, eqx.nn.BatchNorm) else "state"
+        return _owner_role(self.get(index_path[:-1]) if index_path else None)
+
+
+def _owner_role(owner: Any) -> str:
+    """The role of the state held by a StateIndex of `owner` (None: the model)."""
+    return "batch_stats" if isinstance(owner, eqx.nn.BatchNorm) else "state"
 
 
 def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
@@ -120,6 +125,10 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         )
     if state is not None and not isinstance(state, eqx.nn.State):
         raise TypeError(f"`state` must be an eqx.nn.State, got {type(state).__name__}.")
+    if state is None:
+        tree = _walk(model)
+        if tree is not None:
+            return tree
     # a weight kept quantized is one leaf, as the Tree holds it
     flat, model_def = jtu.tree_flatten_with_path(model, is_leaf=is_quantized)
     nodes = _Nodes(model)
@@ -160,6 +169,120 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         entries.sort(key=_model_rank(model))
     record = EquinoxRecord(model_def, tuple(statics), tuple(array_slots), state_def)
     return build(entries, kinds, "equinox", record)
+
+
+# one level of a pytree node: `(children, aux)`, or None for a leaf (C++); with keys:
+# `((key, child), ...)` pairs
+_flatten_one = getattr(jtu.default_registry, "flatten_one_level", None)
+_flatten_one_keyed = getattr(jtu.default_registry, "flatten_one_level_with_keys", None)
+
+_LEAF, _SEQUENCE, _DICT, _NONE, _OTHER = range(5)
+
+# what `_walk` does with an object of each class: one of the above, or for an Equinox
+# module class the names of its children (its dynamic fields, in flatten order)
+_CLASSES: dict[type, Any] = {}
+
+
+def _class_of(value: Any) -> Any:
+    cls = type(value)
+    known = _CLASSES.get(cls)
+    if known is None:
+        pairs = _flatten_one_keyed(value)  # pyright: ignore[reportOptionalCall]
+        if pairs is None:
+            known = _LEAF
+        elif cls in (list, tuple):
+            known = _SEQUENCE
+        elif cls is dict:
+            known = _DICT
+        elif value is None:
+            known = _NONE
+        elif (
+            issubclass(cls, eqx.Module)
+            and not issubclass(cls, Mapping)  # `child` would index it
+            and all(type(k) is jtu.GetAttrKey for k, _ in pairs[0])
+        ):  # the same names for every instance: Equinox generates its flatten
+            known = tuple(k.name for k, _ in pairs[0])
+        else:
+            known = _OTHER  # a custom pytree, a weight kept quantized
+        _CLASSES[cls] = known
+    return known
+
+
+class _Unwalkable(Exception):
+    """A node `_walk` does not read."""
+
+
+def _walk(model: Any) -> Tree | None:
+    """`from_equinox(model)` without a state, in one walk over the model's nodes
+    (modules, tuples, lists, dicts), making the Tree's nodes as it returns from
+    them: no key paths, no second pass. None when the model holds a node of
+    another kind or is deeper than `MAX_DEPTH` (then `from_equinox` takes the
+    general path), or when its leaves are not `jax.tree_util`'s (checked)."""
+    if _flatten_one is None or _flatten_one_keyed is None:
+        return None
+    kinds: dict[Path, Any] = {(): type(model)}
+    maker = Maker(kinds)
+    seen: list[Any] = []  # every model leaf, in jax.tree_util's order
+    statics: list[tuple[int, Held]] = []
+    array_slots: list[int] = []  # the model leaf position of each Tree leaf
+
+    def visit(
+        node: Any, how: Any, path: Path, role: str, owner: Any
+    ) -> tuple[tuple[Key, ...], list, list]:
+        """The Tree's `(keys, roles, children)` of `node` (`how`: its class's
+        `_class_of`); `owner` holds `node`."""
+        if len(path) >= MAX_DEPTH:
+            raise _Unwalkable
+        if type(how) is tuple:  # an Equinox module
+            pairs: Any = zip(how, _flatten_one(node)[0])  # pyright: ignore
+        elif how == _SEQUENCE:
+            pairs = enumerate(node)
+        elif how == _DICT:
+            pairs = (
+                (key_of(k), v)
+                for k, v in _flatten_one_keyed(node)[0]  # pyright: ignore
+            )
+        elif how == _NONE:
+            return (), [], []
+        else:
+            raise _Unwalkable
+        index = isinstance(node, eqx.nn.StateIndex)
+        keys, roles, children = [], [], []
+        for key, value in pairs:
+            # a StateIndex's initial value: the role of the index's owner
+            inner = _owner_role(owner) if index and key == "init" else role
+            kind = _CLASSES.get(type(value))
+            if kind is None:
+                kind = _class_of(value)
+            if kind == _LEAF:
+                if is_array(value):
+                    maker.leaf(path + (key,), value, len(array_slots))
+                    array_slots.append(len(seen))
+                    keys.append(key)
+                    roles.append(inner)
+                    children.append(value)
+                else:
+                    statics.append((len(seen), Held(value)))
+                seen.append(value)
+                continue
+            here = path + (key,)
+            sub = visit(value, kind, here, inner, node)
+            if sub[0]:  # a node without arrays is no node of the Tree
+                kinds[here] = type(value)
+                children.append(maker.node(here, *sub))
+                keys.append(key)
+                roles.append(None)
+        return tuple(keys), roles, children
+
+    try:
+        top = visit(model, _class_of(model), (), "params", None)
+    except _Unwalkable:
+        return None
+    flat, model_def = jtu.tree_flatten(model)
+    if len(flat) != len(seen) or not all(map(operator.is_, flat, seen)):
+        return None
+    record = EquinoxRecord(model_def, tuple(statics), tuple(array_slots), None)
+    return maker.root(*top, "equinox", record)
 
 
 class EquinoxRecord(NamedTuple):

@@ -142,21 +142,23 @@ _KNOWN = Recent()
 
 
 def _key_orders(node: Any, out: list[tuple]) -> None:
-    """Append the keys of every mapping under `node`, depth first, in their order."""
-    if _node_kind(type(node)) == _BOX:
-        node = node.unbox()
-    kind = _node_kind(type(node))
-    if kind == _MAPPING:
-        out.append(tuple(node))
-        children = node.values()
-    elif kind == _SEQUENCE:
-        children = node
-    else:
-        return
+    """Append the keys of every mapping under `node`, depth first (last child
+    first: one fixed order), in their order."""
     kinds = _KINDS
-    for child in children:
-        if kinds.get(type(child)) != _LEAF:
-            _key_orders(child, out)
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        kind = kinds.get(type(node))
+        if kind is None:
+            kind = _node_kind(type(node))
+        if kind == _BOX:
+            node = node.unbox()
+            kind = _node_kind(type(node))
+        if kind == _MAPPING:
+            out.append(tuple(node))
+            stack += node.values()
+        elif kind == _SEQUENCE:
+            stack += node
 
 
 _UNSUPPORTED = """\
@@ -276,7 +278,8 @@ class _Walk:
             here = path + (key,)
             if one is not None:
                 child = one[key]
-                if kinds.get(type(child)) == _LEAF and child is not None:
+                kind = kinds.get(type(child))
+                if kind == _LEAF and child is not None:
                     position = by_id.get(id(child))
                     if position is None:
                         position = self.position(role, here, child)
@@ -287,6 +290,19 @@ class _Walk:
                     children.append(child)
                     keys.append(key)
                     roles.append(role)
+                    continue
+                if kind == _MAPPING or kind == _SEQUENCE:  # `group`, inline
+                    sub_keys, sub_roles, sub_children = self.merge(
+                        [(role, child)], here
+                    )
+                    if sub_keys:
+                        children.append(
+                            maker.node(here, sub_keys, sub_roles, sub_children)
+                        )
+                        keys.append(key)
+                        roles.append(None)
+                    else:
+                        self.plain = False
                     continue
                 group = [(role, child)]
             else:
