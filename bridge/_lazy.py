@@ -90,7 +90,7 @@ class ReadAhead:
 
     def __init__(self, rows: Sequence[Sequence[LazyArray]], budget: int):
         self._rows = [[a for a in row if a.plain] for row in rows]
-        self._budget = budget
+        self.budget = budget
         self._at = 0  # the row being converted
         self._next = 0  # the first row not read ahead
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "bridge-read-ahead")
@@ -104,7 +104,7 @@ class ReadAhead:
         while self._next < len(self._rows):
             row = [a for a in self._rows[self._next] if a._ahead is None]
             size = sum(a.nbytes for a in row)
-            if ahead + size > self._budget:
+            if ahead + size > self.budget:
                 break
             for array in row:
                 array._ahead = self._pool.submit(array._load)

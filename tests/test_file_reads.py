@@ -384,13 +384,71 @@ def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
         return read_one(contents, name)
 
     monkeypatch.setattr(_safetensors, "read_one", recorded)
-    loaded = bridge.load(tmp_path, like=MLP(1))
+    copies = []
+    to_jax = _buffers.to_jax
+
+    def copied(x):
+        copies.append(threading.current_thread().name)
+        return to_jax(x)
+
+    monkeypatch.setattr(_buffers, "to_jax", copied)
+    loaded = bridge.load(tmp_path, like=nnx.eval_shape(lambda: MLP(1)))
     in_thread = sum(t.startswith("bridge-read-ahead") for t in threads)
     assert (in_thread > 0) == (ahead == 1) and len(threads) == 6  # each read once
+    # the two kernels transposed by XLA's copy in a thread, the rest kept as read
+    assert sum(t.startswith("bridge-place") for t in copies) == 2
     for a, b in zip(
         jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(source))
     ):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@requires("NNX")
+def test_a_load_under_another_default_device_copies_in_this_thread(tmp_path):
+    """JAX's settings are per thread: under `jax.default_device(...)` every array
+    is placed by the caller's thread, on that device (a thread would place them on
+    the first device)."""
+    from flax import nnx
+
+    source = nnx.Linear(6, 5, rngs=nnx.Rngs(0))
+    bridge.save(tmp_path, source, layout="torch")
+    other = jax.devices("cpu")[1]
+    with jax.default_device(other):
+        like = nnx.eval_shape(lambda: nnx.Linear(6, 5, rngs=nnx.Rngs(1)))
+        loaded = bridge.load(tmp_path, like=like)
+    for leaf in jax.tree.leaves(nnx.state(loaded)):
+        assert leaf.devices() == {other}
+    assert (
+        np.asarray(loaded.kernel[...]).tobytes()
+        == np.asarray(source.kernel[...]).tobytes()
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_layout_copies_in_threads_are_numpy_transposes_bit_for_bit(dtype):
+    """`Placing`: transposed views (odd shapes, one row, one column) become JAX
+    arrays equal bit for bit to numpy's transpose, at most `budget` bytes waiting
+    (or one array), each error raised where its array is asked for."""
+    rng = np.random.default_rng(0)
+    shapes = [(7, 13), (1, 9), (9, 1), (300, 257), (33, 1000)]
+    arrays = [(rng.standard_normal(s) * 50).astype(dtype) for s in shapes]
+    budget = 3 * arrays[-1].nbytes // 2
+    with _buffers.Placing(budget) as placing:
+        assert placing._threads
+        placed = []
+        for x in arrays:
+            placed.append(placing.put(x.T))
+            waiting = sum(n for _, n in placing._waiting)
+            assert waiting <= max(budget, x.nbytes)
+        kept = placing.put(np.ascontiguousarray(arrays[0]))  # no layout change: now
+        assert isinstance(kept, jax.Array)
+        broken = placing.put(np.zeros((4, 5), np.dtype("V2")).T)  # JAX refuses it
+        with pytest.raises(TypeError):
+            placing.result(broken)
+    for x, out in zip(arrays, placed, strict=True):
+        out = placing.result(out)
+        assert out.dtype == x.dtype and out.shape == x.T.shape
+        assert np.asarray(out).tobytes() == np.ascontiguousarray(x.T).tobytes()
 
 
 # --- the cyclic garbage collector during a load --------------------------------------

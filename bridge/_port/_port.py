@@ -19,7 +19,7 @@ from .._arguments import (
     check_pair_or_mapping,
     check_rules,
 )
-from .._buffers import to_jax
+from .._buffers import Placing
 from .._lazy import LazyArray, ReadAhead, materialise
 from .._paths import Path, path_str
 from .._placement import place, sharding_of
@@ -233,12 +233,13 @@ def run(plan: Plan) -> Tree:
     fused: dict[Any, Any] = {}
     writes: dict[Any, Any] = {}
     steps = sorted(plan.steps, key=_reading_order)
-    with _read_ahead(steps) as ahead:
+    ahead = _read_ahead(steps)
+    with ahead, Placing(ahead.budget) as placing:
         for i, step in enumerate(steps):
             ahead.reached(i)
             if _written(step, stacks, targets, writes):
                 continue
-            for path, index, value in _move(step, problems, fused):
+            for path, index, value in _move(step, problems, fused, placing):
                 if index is None:
                     new[path] = value
                     continue
@@ -247,6 +248,7 @@ def run(plan: Plan) -> Tree:
                     stack = _fresh(targets[path])
                 at, axis = index
                 stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), at, axis)
+        new = {path: placing.result(value) for path, value in new.items()}
     if problems:
         raise _errors.PortError(problems)
 
@@ -355,10 +357,10 @@ def _reading_order(step: PlanRow) -> int:
 
 
 def _move(
-    step: PlanRow, problems: list[str], fused: dict[Any, Any]
+    step: PlanRow, problems: list[str], fused: dict[Any, Any], placing: Placing
 ) -> list[tuple[Path, tuple[int, int] | None, Any]]:
     """The target arrays of one row: `(path, (index, axis) in a stack or None,
-    array)`."""
+    array)`; an array copied in a thread is a `Future` (`placing`)."""
     s, t = step._source, step._target
     assert s is not None and t is not None
     leaves = _fused(step, fused)
@@ -370,7 +372,7 @@ def _move(
         (
             t.path + t.paths[k],
             None,
-            _placed(v, t.leaves[k], path_str(t.path + t.paths[k])),
+            _placed(v, t.leaves[k], path_str(t.path + t.paths[k]), placing),
         )
         for k, v in leaves.items()
     ]
@@ -465,12 +467,13 @@ def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
     return _encoded(step, canonical, t.leaves)
 
 
-def _placed(new: Any, like: Any, where: str) -> Any:
+def _placed(new: Any, like: Any, where: str, placing: Placing) -> Any:
     """`new` with the sharding of the target's leaf it replaces, concrete or abstract
     (a no-op when they already agree, or when the target's leaf has none). A numpy
     array (from a PyTorch-layout state dict or a file) becomes a JAX array: the model
-    owns it."""
+    owns it (one copy at most, none for memory a read filled; a copy changing the
+    layout may be a `Future`, `placing`'s)."""
     sharding = sharding_of(like, where)
     if isinstance(new, np.ndarray) and sharding is None:
-        return to_jax(new)  # one copy at most (none for memory a read filled)
+        return placing.put(new)
     return place(new, sharding)  # a host array goes to each device shard by shard
