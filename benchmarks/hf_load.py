@@ -44,6 +44,26 @@ The second table's columns ran back to back; the same change interleaved (keep 4
 Goal missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
 load in the profile). The machine's load moves the times more than the changes
 between columns.
+
+| load | 8099da1 (load 0.2-4.8) | 6bb1184 (load 7.2-7.8) | 7558676 (load 9.0-10.3) |
+|---|---|---|---|
+| NNX | 2.56 s, 3.00x, 1.02 | 2.74 s, 1.92x, 1.05 | 3.73 s, 2.14x, 1.06 |
+| Equinox | 0.53 s, 0.62x, 1.00 | 2.05 s, 1.43x, 1.00 | 2.50 s, 1.44x, 1.00 |
+| load_file | 0.85 s | 1.43 s | 1.74 s |
+| load + host transpose | 2.03x, 1.24 | | 1.88x, 1.24 |
+
+6bb1184: the GC paused during bridge.load, the next arrays read in a thread;
+7558676: XLA's transposing copies in two threads. Each interleaved with the commit
+before it in one run (fresh processes, medians): 6bb1184, 5 rounds at load 7.2-9.1,
+NNX 2.30x -> 2.13x load_file (CPU 1.61 s -> 1.32 s); 7558676, 5 rounds at load
+5.6-6.7, 2.30x -> 2.19x, 4 rounds at load 9.1-9.5, 2.46x -> 2.15x.
+Goal missed: NNX time. Profile after 7558676 (load 6.7): 1.21 s of CPU, of which
+the transposing copies 0.69 s (in the threads), the reads ~0.3 s (a thread),
+make_plan 0.13 s; load_file takes 0.55-0.7 s. At load 5-10 on 2 cores the process
+gets about one core (wall ~2x CPU), so the threads hide little there. Tried, no
+gain: numpy's cache-blocked transposes (1.2-1.5x XLA's CPU), 1 or 3 copying
+threads instead of 2, `Pool.keep` 2-4 (peak 1.06-1.10, times within the noise):
+with keep 1, 612 of the 758 MiB read go into fresh mappings (281 MiB with keep 3).
 """
 
 from __future__ import annotations
