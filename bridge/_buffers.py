@@ -154,7 +154,8 @@ class Placing:
     (more waits for the oldest: their host memory is the peak's excess), the others
     now. `put(x)` gives `to_jax(x)` or a `Future` of it; `result(value)` the array.
     Only when this thread's JAX settings are a fresh thread's (else every array is
-    moved now, as this thread would). A `with` block waits for every copy on leaving.
+    moved now, as this thread would; asked at the first copy: a port of JAX arrays
+    starts no thread). A `with` block waits for every copy on leaving.
     """
 
     threads = 2
@@ -162,16 +163,19 @@ class Placing:
     def __init__(self, budget: int):
         self._budget = budget
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "bridge-place")
-        here = _jax_state()
-        self._threads = (
-            here is not None and self._pool.submit(_jax_state).result() == here
-        )
+        self._threads: bool | None = None  # whether copies go to the threads
         self._waiting: collections.deque[tuple[concurrent.futures.Future, int]] = (
             collections.deque()
         )
 
     def put(self, x: np.ndarray) -> jax.Array | concurrent.futures.Future:
-        if not self._threads or x.flags.c_contiguous:
+        if x.flags.c_contiguous:
+            return to_jax(x)
+        if self._threads is None:
+            here = _jax_state()
+            there = None if here is None else self._pool.submit(_jax_state).result()
+            self._threads = here is not None and there == here
+        if not self._threads:
             return to_jax(x)
         while self._waiting and (
             self._waiting[0][0].done()

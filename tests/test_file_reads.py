@@ -434,14 +434,14 @@ def test_layout_copies_in_threads_are_numpy_transposes_bit_for_bit(dtype):
     arrays = [(rng.standard_normal(s) * 50).astype(dtype) for s in shapes]
     budget = 3 * arrays[-1].nbytes // 2
     with _buffers.Placing(budget) as placing:
-        assert placing._threads
+        kept = placing.put(np.ascontiguousarray(arrays[0]))  # no layout change: now
+        assert isinstance(kept, jax.Array) and placing._threads is None
         placed = []
         for x in arrays:
             placed.append(placing.put(x.T))
+            assert placing._threads
             waiting = sum(n for _, n in placing._waiting)
             assert waiting <= max(budget, x.nbytes)
-        kept = placing.put(np.ascontiguousarray(arrays[0]))  # no layout change: now
-        assert isinstance(kept, jax.Array)
         broken = placing.put(np.zeros((4, 5), np.dtype("V2")).T)  # JAX refuses it
         with pytest.raises(TypeError):
             placing.result(broken)
