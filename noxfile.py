@@ -65,6 +65,10 @@ NEWEST = next(
 WORKERS = ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
 # The fast suite: the tests and the docstring examples of the package.
 PYTEST = ["pytest", "-q", *WORKERS, "tests", "bridge", "--doctest-modules"]
+# XLA's default flags, as users run (tests/conftest.py otherwise compiles at XLA's
+# optimisation level 0, faster for the fast suite's tiny programs): `tests_slow` and
+# `tests_torch` run with these.
+DEFAULT_XLA = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.
 FLOOR = [
@@ -230,7 +234,8 @@ QUANT = ["gguf", "compressed-tensors"]  # the quantized-checkpoint tests' refere
 
 @nox.session(python="3.11", venv_backend="virtualenv")
 def tests_torch(session: nox.Session) -> None:
-    """The PyTorch-layout tests against real torch modules and transformers models.
+    """The PyTorch-layout tests against real torch modules and transformers models
+    (the slow ones too), with XLA's default flags.
 
     torch is installed with pip, not uv: pip takes the CPU wheel the machine
     provides (its find-links, for Python 3.11), where uv would download a multi-GB
@@ -238,7 +243,7 @@ def tests_torch(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "install", "--quiet", *TORCH)
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,torch]")
     session.run("python", "-m", "pip", "install", "--quiet", *QUANT)
-    session.run("pytest", "-q", *TORCH_TESTS, *session.posargs)  # slow ones too
+    session.run("pytest", "-q", *TORCH_TESTS, *session.posargs, env=DEFAULT_XLA)
     if not session.posargs:  # the examples that `examples` can only skip
         for script in TORCH_EXAMPLES:
             session.log(f"--- {script}")
@@ -247,9 +252,18 @@ def tests_torch(session: nox.Session) -> None:
 
 @nox.session(python=NEWEST[1])
 def tests_slow(session: nox.Session) -> None:
-    """The tests marked `slow`, on the newest releases."""
+    """The tests marked `slow`, on the newest releases, with XLA's default flags."""
     session.install("--upgrade", "-e", ".[test]")
-    session.run("pytest", "-q", *WORKERS, "tests", "-m", "slow", *session.posargs)
+    session.run(
+        "pytest",
+        "-q",
+        *WORKERS,
+        "tests",
+        "-m",
+        "slow",
+        *session.posargs,
+        env=DEFAULT_XLA,
+    )
 
 
 @nox.session(python="3.11")
