@@ -16,18 +16,24 @@ at the largest size as one JSON line, in `benchmarks/table.py`'s format.
     python benchmarks/convert.py --quick    # 200 and 2k leaves
     python benchmarks/convert.py --json     # and the JSON line
 
-Measured (2 cores shared with other jobs, load 6-10, so ratios move by +-20%), at 20k
-leaves, one interleaved before/after pair of medians of 3, floor 27 ms (Linen):
-from_linen 19.2x -> 9.1x (26.6 -> 12.4 us per leaf), to_linen 4.1x -> 3.5x; NNX
-(floor: NNX's own flatten, 18-21 us per leaf) from 4.0x -> 4.4x, to 1.6x -> 2.0x;
-Equinox from 5.1x -> 5.3x, to 0.7x -> 0.9x (NNX and Equinox unchanged within the
-noise). At 100k leaves before the change (load 8): from_linen 16.8x, to_linen 4.0x,
-from_equinox 4.5x, to_equinox 0.9x. Where the first Linen conversion went: natural
-sort keys computed four times per key (now once, cached), a Python call per leaf
-for its kind, position and depth (now inline, the depth checked per node), the
-native order recomputed per node (now per distinct key tuple). Not yet at the goal:
-from_linen's walk is still ~3 us per node in Python, and its cache key walks every
-mapping once more; from_equinox spends half its time in `tree_flatten_with_path`.
+Measured (2 cores shared with other jobs; ratios move by +-20% with the load), one
+full run each, x the floor at 10k / 100k leaves:
+
+| direction    | before (8099da1), load 0.2-7.5      | e0cf733, load 8-9 |
+|--------------|-------------------------------------|-------------------|
+| from_linen   | 7.13 / 5.26                         | 7.92 / 6.13       |
+| to_linen     | 2.50 / 1.68                         | 3.04 / 1.94       |
+| from_nnx     | 4.05 / 4.18                         | 3.91 / 4.44       |
+| to_nnx       | 1.68 / 1.65                         | 1.54 / 1.72       |
+| from_equinox | 4.11 / 4.18                         | 2.52 / 2.72       |
+| to_equinox   | 0.70 / 0.87                         | 0.72 / 0.90       |
+
+Interleaved processes (old/new, median of 5, load 3-6), 100k leaves: from_equinox
+4.22x/3.71x -> 2.73x/2.69x (one walk over the model, no key paths, no `build`);
+Linen and NNX unchanged within the noise. Not yet at the goal: from_linen (its walk
+is ~7 us per Dense node in Python; the natural sort of 50k names at the root ~100 ms
+of ~700; the cache key walks every mapping once more) and from_nnx
+(`nnx.graph.flatten` alone is ~3x the floor).
 """
 
 from __future__ import annotations
