@@ -161,3 +161,46 @@ def test_bound_linen_modules_in_and_out():
     x = models.mlp_input()
     assert np.array_equal(ported(x), module.apply(variables, x))
     assert not np.array_equal(bound(x), module.apply(variables, x))
+
+
+class Stack(eqx.Module):
+    layers: list
+
+
+class Wrapped(eqx.Module):
+    net: Stack
+
+
+def _stack(n: int) -> Stack:
+    return Stack([eqx.nn.Linear(4, 4, key=KEY(i)) for i in range(n)])
+
+
+def test_pairing_by_order_asks_about_n_log_n_pairs_not_every_pair(monkeypatch):
+    """Layers that names do not pair (`.layers[i]` -> `.net.layers[i]`) pair by kind,
+    shapes and creation order, which is checked per node and sorted, not asked of
+    every two layers (issue 28: a 128-layer model's pairing was quadratic)."""
+    from bridge._port import _pairing
+
+    asked = []
+    compare, common_kind = _pairing.Order.compare, _pairing.common_kind
+
+    def counted_compare(self, a, b):
+        asked.append(1)
+        return compare(self, a, b)
+
+    def counted_kind(a, b):
+        asked.append(1)
+        return common_kind(a, b)
+
+    monkeypatch.setattr(_pairing.Order, "compare", counted_compare)
+    monkeypatch.setattr(_pairing, "common_kind", counted_kind)
+    counts = {}
+    for n in (32, 128):
+        asked.clear()
+        plan = bridge.port_plan(_stack(n), Wrapped(_stack(n)))
+        assert not plan.problems
+        assert [(s.source, s.target, s.by) for s in plan.steps] == [
+            (f".layers[{i}]", f".net.layers[{i}]", "order") for i in range(n)
+        ]
+        counts[n] = len(asked)
+    assert counts[128] < 6 * counts[32], counts  # every pair: 16x

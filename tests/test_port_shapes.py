@@ -142,3 +142,42 @@ def test_encode_and_bound(monkeypatch):
     assert len(_shapes._cache) == 2
     _shapes.encoded(codec, kernel, like, {})  # left the cache: traced again
     assert len(traces) == 5
+
+
+def test_flax_layout_codecs_give_a_traces_shapes_without_one():
+    """`same` and `same_as_like` (Flax's own layout) are not traced: their shapes
+    are the input's, with the dtypes a trace gives (64-bit ones narrowed without
+    x64), and nothing enters the cache."""
+    from bridge._port._codec import same, same_as_like
+
+    codec = Codec("Dense", "test", lambda cls, leaves: True, same, same_as_like)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    leaves = {
+        "kernel": jax.ShapeDtypeStruct((2, 3), jnp.float64),
+        "count": np.zeros((4,), np.int64),
+        "scale": jax.ShapeDtypeStruct((3,), jnp.bfloat16),
+        "key": key,
+    }
+    like = {"scale": leaves["scale"], "kernel": leaves["kernel"]}
+
+    def structs(tree):
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+
+    for wide in (False, True):
+        with _enable_x64() if wide else _nothing():
+            decoded = _shapes.decoded(codec, leaves, {})
+            traced = jax.eval_shape(lambda x: same(x, {}), structs(leaves))
+            assert decoded == traced and list(decoded) == list(traced)
+            assert (decoded["kernel"].dtype == jnp.float64) is wide
+            encoded = _shapes.encoded(codec, leaves, like, {})
+            traced = jax.eval_shape(
+                lambda c, k: same_as_like(c, k, {}), structs(leaves), structs(like)
+            )
+            assert encoded == traced and list(encoded) == list(traced)
+    assert len(_shapes._cache) == 0
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

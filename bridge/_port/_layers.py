@@ -35,6 +35,7 @@ ARRAY = "Array"
 (ViT's `pos_embedding`, `cls`), or by a module no codec claims. Its layout is the
 same in every framework: one entry, `array`."""
 _LOOSE: dict[str, Codec] = {}
+_UNSEEN = object()
 
 
 def _loose(framework: str) -> Codec:
@@ -104,16 +105,15 @@ def _subtree_leaves(node: Tree, roles: Tree) -> tuple[Leaves, dict[str, Path]]:
     leaves: Leaves = {}
     paths: dict[str, Path] = {}
 
-    def visit(n: Any, r: Any, rel: Path) -> None:
+    def visit(n: Any, r: Any, rel: Path, names: str) -> None:
         for (key, child), (_, role) in zip(items(n), items(r)):
             if isinstance(child, Tree):
-                visit(child, role, rel + (key,))
+                visit(child, role, rel + (key,), f"{names}{key}/")
             elif role not in NOT_PORTED:
-                name = "/".join(str(k) for k in rel + (key,))
-                leaves[name] = child
-                paths[name] = rel + (key,)
+                leaves[f"{names}{key}"] = child
+                paths[f"{names}{key}"] = rel + (key,)
 
-    visit(node, roles, ())
+    visit(node, roles, (), "")
     return leaves, paths
 
 
@@ -135,34 +135,135 @@ def _inputs_first(adapter: Adapter, node: Any, path: Path) -> bool:
 
 
 def _recognise(
-    adapter: Adapter, cls: Any, path: Path, leaves: Leaves, problems: list[str]
-):
-    """The codecs that recognise this node (empty: not a layer).
+    families: dict[str, list[Codec]],
+    adapter: Adapter,
+    cls: Any,
+    path: Path,
+    leaves: Leaves,
+) -> tuple[tuple[Codec, ...], str | None]:
+    """The codecs that recognise this node (empty: not a layer), and the problem
+    of a Linen auto-name whose codecs do not recognise its arrays (or None).
 
     A module class the Tree (or a checkpoint) recorded chooses its framework's codecs:
     an NNX class in a file read back as Flax variables is read by the NNX codecs.
     Where every module's class is known, the first codec that recognises it decides;
     otherwise (Linen) an auto-name (`Dense_0`) picks the codecs named for it, and
-    failing that every codec that recognises the arrays is a candidate."""
+    failing that every codec that recognises the arrays is a candidate. `families`:
+    the registered codecs by framework, read once per walk."""
     owner = adapter_of_class(cls)
     if owner is not None and owner.name != adapter.name:
         adapter = owner
-    family = codecs(adapter.name)
-    found = tuple(c for c in family if c.recognise(cls, leaves))
+    family = families.get(adapter.name)
+    if family is None:
+        family = families[adapter.name] = codecs(adapter.name)
     if adapter.records_classes:
-        return found[:1]
+        return next(((c,) for c in family if c.recognise(cls, leaves)), ()), None
+    found = tuple(c for c in family if c.recognise(cls, leaves))
     name = _auto_name(cls, path)
     named = [c for c in family if name in c.names]
     if not named:
-        return found
+        return found, None
     fitting = tuple(c for c in named if c in found)
     if not fitting and leaves:
-        problems.append(
-            _errors.MISNAMED.format(
-                where=path_str(path) or "(root)", name=name, names=sorted(leaves)
-            )
+        where = path_str(path) or "(root)"
+        return fitting, _errors.MISNAMED.format(
+            where=where, name=name, names=sorted(leaves)
         )
-    return fitting
+    return fitting, None
+
+
+class _Walk:
+    """What one walk over a Tree computes once per node and is asked again: each
+    node's native module (`module`: `native` at the root), its arrays (`leaves`),
+    seen whole or with a stack's layer axis dropped (`axis`), the codecs that
+    recognise them (`found`) and whether every array under the node is in a
+    recognised layer (`covered`). Asked per node by a walk that also asks for
+    every node's ancestors, these make it linear in the nodes (times the depth),
+    not quadratic."""
+
+    def __init__(
+        self, adapter: Adapter, tree: Tree, role_nodes: dict[Path, Tree], native: Any
+    ):
+        self.adapter = adapter
+        self.nodes = dict(walk(tree))
+        self.role_nodes = role_nodes
+        self.families: dict[str, list[Codec]] = {}
+        self._leaves: dict[Path, tuple[Leaves, dict[str, Path]]] = {}
+        self._sliced: dict[tuple[Path, int], Leaves] = {}
+        self._found: dict[tuple[Path, int | None], tuple] = {}
+        self._covered: dict[tuple[Path, int | None], bool] = {}
+        self._modules: dict[Path, Any] = {(): native}
+
+    def module(self, path: Path) -> Any:
+        """The native module at `path` (None without a native model)."""
+        got = self._modules.get(path, _UNSEEN)
+        if got is _UNSEEN:
+            got = self._modules[path] = at(self.module(path[:-1]), path[-1:])
+        return got
+
+    def arrays(self, path: Path) -> tuple[Leaves, dict[str, Path]]:
+        """The arrays under the node at `path` by relative name, and their paths."""
+        got = self._leaves.get(path)
+        if got is None:
+            got = _subtree_leaves(self.nodes[path], self.role_nodes[path])
+            self._leaves[path] = got
+        return got
+
+    def leaves(self, path: Path, axis: int | None) -> Leaves:
+        """The node's arrays, or their shapes with the layer axis `axis` dropped."""
+        if axis is None:
+            return self.arrays(path)[0]
+        got = self._sliced.get((path, axis))
+        if got is None:
+            got = {k: _drop(v, axis) for k, v in self.arrays(path)[0].items()}
+            self._sliced[(path, axis)] = got
+        return got
+
+    def found(self, path: Path, axis: int | None) -> tuple:
+        """`_recognise` of the node's `leaves(path, axis)`."""
+        got = self._found.get((path, axis))
+        if got is None:
+            got = _recognise(
+                self.families,
+                self.adapter,
+                kind(self.nodes[path]),
+                path,
+                self.leaves(path, axis),
+            )
+            self._found[(path, axis)] = got
+        return got
+
+    def covered(self, path: Path, axis: int | None) -> bool:
+        """Whether every array under the node (with the layer axis `axis` dropped)
+        is in a layer some codec recognises."""
+        got = self._covered.get((path, axis))
+        if got is None:
+            got = self._covers(path, axis)
+            self._covered[(path, axis)] = got
+        return got
+
+    def _covers(self, path: Path, axis: int | None) -> bool:
+        leaves = self.leaves(path, axis)
+        if not leaves:
+            return True
+        found, _ = self.found(path, axis)
+        if found and self.adapter.records_classes:
+            return _fits_flax(found[0], leaves)
+        if found:
+            return True
+        node, roles = self.nodes[path], self.role_nodes[path]
+        for (key, child), (_, role) in zip(items(node), items(roles)):
+            if not isinstance(child, Tree):
+                if role not in NOT_PORTED:
+                    return False
+            elif not self.covered(path + (key,), axis):
+                return False
+        return True
+
+
+def _under(path: Path, taken: set[Path]) -> bool:
+    """Whether `path` is in `taken` or under a path in it."""
+    return any(path[:n] in taken for n in range(len(path) + 1))
 
 
 def find_layers(
@@ -189,16 +290,16 @@ def find_layers(
     too (`_general.py`)."""
     name = framework(tree)  # a part: read in the canonical layout (Flax variables)
     adapter = canonical_adapter() if name is None else adapter_named(name)
-    all_roles = roles(tree)
-    role_nodes = dict(walk(all_roles))
+    role_nodes = dict(walk(roles(tree)))
     native = None if adapter.modules is None else adapter.modules(tree)
     wrapped = embedded(tree, native)  # models of other frameworks in wrappers
+    seen = _Walk(adapter, tree, role_nodes, native)
     layers: list[Layer] = []
-    taken: list[Path] = []
+    taken: set[Path] = set()
 
     def add(path: Path, found, leaves: Leaves, paths: dict[str, Path]) -> Layer:
-        module = None if native is None else at(native, path)
-        ordered = _inputs_first(adapter, at(tree, path), path)
+        module = None if native is None else seen.module(path)
+        ordered = _inputs_first(adapter, seen.nodes.get(path), path)
         # a layer of a file read without its model (an NNX class recorded in a
         # Flax file) has no module: its codecs read their settings from one
         expects = adapter_named(found[0].framework).records_classes
@@ -215,33 +316,31 @@ def find_layers(
     def add_loose(path: Path, leaf: Any) -> Layer:
         return add(path, (_loose(adapter.name),), {"array": leaf}, {"array": ()})
 
-    for path, node in walk(tree):
-        if any(path[: len(p)] == p for p in taken):
+    for path, node in seen.nodes.items():
+        if taken and _under(path, taken):
             continue
         if path in wrapped:
             prefix, inner = wrapped[path]
             for layer in find_layers(inner, problems, True, told, axes, views):
                 layer.path = prefix + layer.path
                 layers.append(layer)
-            taken.append(path)
+            taken.add(path)
             continue
-        leaves, paths = _subtree_leaves(node, role_nodes[path])
+        leaves, paths = seen.arrays(path)
         if not leaves:
             continue
         cls = kind(node)
-        length, axis = _stacked(
-            adapter, path, node, role_nodes[path], leaves, problems, axes
-        )
+        length, axis = _stacked(seen, path, leaves, problems, axes)
         if length and loose:
-            layers += _stack_layers(
-                adapter, path, node, role_nodes, (length, axis), problems, native, views
-            )
-            taken.append(path)
+            layers += _stack_layers(seen, path, (length, axis), problems, native, views)
+            taken.add(path)
             continue
-        found = _recognise(adapter, cls, path, leaves, problems)
+        found, misnamed = seen.found(path, None)
+        if misnamed is not None:
+            problems.append(misnamed)
         if found:
             add(path, found, leaves, paths)
-            taken.append(path)
+            taken.add(path)
             continue
         direct = {
             str(k): (k, child)
@@ -252,7 +351,7 @@ def find_layers(
             continue
         own = {name: child for name, (_, child) in direct.items()}
         if len(own) < len(leaves):  # a module next to its sublayers: its own arrays
-            found = _recognise(adapter, cls, path, own, [])
+            found, _ = _recognise(seen.families, adapter, cls, path, own)
             if found:
                 add(path, found, own, {name: (k,) for name, (k, _) in direct.items()})
                 continue
@@ -267,17 +366,15 @@ def find_layers(
                 names=list(direct),
             )
         )
-        taken.append(path)
+        taken.add(path)
     if not told:
         tell_settings((layers, []), problems)
     return layers
 
 
 def _stack_layers(
-    adapter: Adapter,
+    seen: _Walk,
     path: Path,
-    node: Tree,
-    role_nodes: dict[Path, Tree],
     stacked: tuple[int, int],
     problems: list[str],
     native: Any = None,
@@ -289,22 +386,22 @@ def _stack_layers(
     `stacked`: the stack's length and layer axis."""
     length, axis = stacked
     out: list[Layer] = []
-    taken: list[Path] = []
-    for sub_path, sub in walk(node, path):
-        if any(sub_path[: len(p)] == p for p in taken):
+    taken: set[Path] = set()
+    for sub_path, sub in walk(seen.nodes[path], path):
+        if taken and _under(sub_path, taken):
             continue
-        arrays, paths = _subtree_leaves(sub, role_nodes[sub_path])
-        one = {k: _drop(v, axis) for k, v in arrays.items()}
-        found = _recognise(adapter, kind(sub), sub_path, one, []) if one else ()
+        arrays, paths = seen.arrays(sub_path)
+        one = seen.leaves(sub_path, axis)
+        found = seen.found(sub_path, axis)[0] if one else ()
         if not found:
             continue
-        taken.append(sub_path)
+        taken.add(sub_path)
         rel = sub_path[len(path) :]
-        module = None if native is None else at(native, sub_path)
+        module = None if native is None else seen.module(sub_path)
         hyper = {} if module is None else found[0].hyperparameters(module)
         readings = ()
         if views:
-            ordered = _inputs_first(adapter, sub, sub_path)
+            ordered = _inputs_first(seen.adapter, sub, sub_path)
             found, readings = with_views(found, one, module, ordered)
         for i in range(length):
             layer = Layer(
@@ -330,10 +427,8 @@ def _drop(x: Any, axis: int) -> jax.ShapeDtypeStruct:
 
 
 def _stacked(
-    adapter: Adapter,
+    seen: _Walk,
     path: Path,
-    node: Tree,
-    roles: Tree,
     leaves: Leaves,
     problems: list[str],
     axes: dict[Path, Any] | None = None,
@@ -353,25 +448,24 @@ def _stacked(
     its axis from `axes`, else is left open there (see `find_layers`)."""
     if not path:
         return 0, 0
+    records = seen.adapter.records_classes
     ranks = {x.ndim for x in leaves.values()}
-    least = 1 if adapter.records_classes else 2
+    least = 1 if records else 2
     if not ranks or min(ranks) < least:
         return 0, 0
-    whole = _covered(adapter, node, roles, path, lambda x: x)
-    if whole and (
-        adapter.records_classes
-        or _sublayers(node) < 2
+    if seen.covered(path, None) and (
+        records
+        or _sublayers(seen.nodes[path]) < 2
         or max(ranks) < 3  # 2-D layers as they are: their slices would be vectors
-        or _recognise(adapter, kind(node), path, leaves, [])  # one layer (attention)
+        or seen.found(path, None)[0]  # one layer (attention)
     ):
         return 0, 0
     found = []
-    for axis in range(min(ranks) if not adapter.records_classes else 1):
+    for axis in range(min(ranks) if not records else 1):
         lengths = {x.shape[axis] for x in leaves.values()}
         if len(lengths) != 1:
             continue
-        sliced = lambda x, a=axis: _drop(x, a)  # noqa: E731
-        if _covered(adapter, node, roles, path, sliced):
+        if seen.covered(path, axis):
             found.append((lengths.pop(), axis))
     if len(found) > 1:
         chosen = None if axes is None else axes.get(path)
@@ -394,27 +488,6 @@ def _stacked(
 def _sublayers(node: Tree) -> int:
     """How many child modules a node holds (a scanned block holds several)."""
     return sum(isinstance(child, Tree) for _, child in items(node))
-
-
-def _covered(adapter: Adapter, node: Tree, roles: Tree, path: Path, view) -> bool:
-    """Whether every array under `node` (seen through `view`) is in a layer some
-    codec recognises."""
-    leaves, _ = _subtree_leaves(node, roles)
-    leaves = {k: view(v) for k, v in leaves.items()}
-    if not leaves:
-        return True
-    found = _recognise(adapter, kind(node), path, leaves, [])
-    if found and adapter.records_classes:
-        return _fits_flax(found[0], leaves)
-    if found:
-        return True
-    for (key, child), (_, role) in zip(items(node), items(roles)):
-        if not isinstance(child, Tree):
-            if role not in NOT_PORTED:
-                return False
-        elif not _covered(adapter, child, role, path + (key,), view):
-            return False
-    return True
 
 
 def _fits_flax(codec: Codec, leaves: Leaves) -> bool:

@@ -43,6 +43,14 @@ def common_kind(a: Layer, b: Layer) -> str | None:
     return None
 
 
+def _share_kinds(a: list[Layer], b: list[Layer]) -> bool:
+    """Whether every layer of `a` shares a kind with every layer of `b` (asked once
+    per distinct candidate kinds on each side, not per pair)."""
+    kinds_a = {x.kinds: x for x in a}.values()
+    kinds_b = {y.kinds: y for y in b}.values()
+    return all(common_kind(x, y) for x in kinds_a for y in kinds_b)
+
+
 def _same_shapes(a: Layer, b: Layer, kind: str) -> bool:
     sa, sb = a.specs[kind], b.specs[kind]
     return all(sa[k].shape == sb[k].shape for k in sa.keys() & sb.keys())
@@ -136,18 +144,29 @@ class Order:
             return None
         return (na[1] > nb[1]) - (na[1] < nb[1])
 
+    def _unknown(self, layers: list[Layer]) -> list[Path]:
+        """The nodes where two of `layers` part and `compare` does not know which
+        came first (not a stack, an order not known, names not numbered alike):
+        found per node from the keys the layers take there, not per pair."""
+        parting: dict[Path, set[Key]] = {}
+        for x in layers:
+            for n in range(len(x.path)):
+                parting.setdefault(x.path[:n], set()).add(x.path[n])
+        out = []
+        for prefix, keys in parting.items():
+            if len(keys) < 2 or prefix in self._stacks or self._node(prefix)[1]:
+                continue
+            numbers = [_number(k) for k in keys]
+            if None in numbers or len({n[0] for n in numbers if n}) > 1:
+                out.append(prefix)
+        return out
+
     def why(self, layers: list[Layer]) -> str:
         """Why the creation order of `layers` is not known, for an error message."""
-        for i, a in enumerate(layers):
-            for b in layers[i + 1 :]:
-                if self.compare(a.path, b.path) is None:
-                    n = 0
-                    while a.path[n] == b.path[n]:
-                        n += 1
-                    cls = self._kinds.get(a.path[:n])
-                    # a module whose framework keeps creation order: sorted
-                    if creation_order(cls, ()) is not None:
-                        return _errors.ORDER_SORTED
+        for prefix in self._unknown(layers):
+            # a module whose framework keeps creation order: sorted
+            if creation_order(self._kinds.get(prefix), ()) is not None:
+                return _errors.ORDER_SORTED
         return _errors.ORDER_DICT
 
     def traced(self, layers: list[Layer]) -> list[Layer] | None:
@@ -171,10 +190,8 @@ class Order:
 
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
-        for i, a in enumerate(layers):
-            for b in layers[i + 1 :]:
-                if self.compare(a.path, b.path) is None:
-                    return None
+        if self._unknown(layers):
+            return None
         return sorted(
             layers,
             key=functools.cmp_to_key(lambda a, b: self.compare(a.path, b.path) or 0),
@@ -209,7 +226,8 @@ class _Pairing:
 
     def rest(self, side: int) -> list[Layer]:
         layers = self.targets if side else self.sources
-        return [x for x in layers if id(x) not in self.paired | self.ambiguous]
+        done = self.paired | self.ambiguous
+        return [x for x in layers if id(x) not in done]
 
     def rules(self, rules: Mapping[str, str]) -> None:
         by_where = {t.where: t for t in self.targets}
@@ -289,7 +307,7 @@ class _Pairing:
             for x in self.rest(side):
                 groups.setdefault(_signature(x), ([], []))[side].append(x)
         for a, b in groups.values():
-            if not all(common_kind(x, y) for x in a for y in b):
+            if not _share_kinds(a, b):
                 continue
             if len(a) > 1 and len(b) > 1:
                 a, b = self._last_names(a, b)

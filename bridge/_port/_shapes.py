@@ -11,7 +11,9 @@ exception) is cached too, and a copy of it raised again (one that cannot be
 copied is not cached). Keys that cannot be hashed (a setting holding an array) are
 not cached. The cache is bounded (least recently used entries leave first) and
 results are handed out as new containers, so a caller changing one cannot change
-another's.
+another's. The codecs of Flax's own layout (`decode` is `same`, `encode` is
+`same_as_like`) are not traced at all: their result is their input's shapes, with the
+dtypes a trace would give (`float64` is `float32` without 64-bit).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import jax
 
-from ._codec import Codec
+from ._codec import Codec, same, same_as_like
 
 
 SIZE = 4096
@@ -38,8 +40,20 @@ def _structs(leaves: Mapping[Any, Any]) -> dict[Any, jax.ShapeDtypeStruct]:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in leaves.items()}
 
 
-def _signature(structs: Mapping[Any, Any]) -> tuple:
-    return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in structs.items())
+def _traced(leaves: Mapping[Any, Any]) -> Any:
+    """What a trace of the identity makes of `leaves`: their shapes, dtypes made
+    canonical (`float64` is `float32` without 64-bit), in a container rebuilt as a
+    trace rebuilds it (a dict's keys sorted)."""
+    flat, treedef = jax.tree.flatten(_structs(leaves))
+    canonical = jax.dtypes.canonicalize_dtype
+    return treedef.unflatten(
+        jax.ShapeDtypeStruct(x.shape, canonical(x.dtype, allow_extended_dtype=True))
+        for x in flat
+    )
+
+
+def _signature(leaves: Mapping[Any, Any]) -> tuple:
+    return tuple((k, tuple(v.shape), v.dtype) for k, v in leaves.items())
 
 
 def _key(*parts: Any) -> Any:
@@ -96,10 +110,12 @@ def _copy(error: Exception) -> Exception | None:
 
 def decoded(codec: Codec, leaves: Mapping[Any, Any], hyper: dict[str, Any]) -> Any:
     """`jax.eval_shape` of `codec.decode` on `leaves`' shapes and dtypes."""
-    structs = _structs(leaves)
-    key = _key("decode", codec.decode, _signature(structs), hyper)
+    if codec.decode is same:
+        return _traced(leaves)
+    key = _key("decode", codec.decode, _signature(leaves), hyper)
     return _cached(
-        key, lambda: jax.eval_shape(lambda x: codec.decode(x, hyper), structs)
+        key,
+        lambda: jax.eval_shape(lambda x: codec.decode(x, hyper), _structs(leaves)),
     )
 
 
@@ -110,11 +126,14 @@ def encoded(
     hyper: dict[str, Any],
 ) -> Any:
     """`jax.eval_shape` of `codec.encode` of `canonical`'s shapes into `like`'s."""
-    canonical, like = _structs(canonical), _structs(like)
+    if codec.encode is same_as_like:
+        return _traced({name: canonical[name] for name in like})
     key = _key("encode", codec.encode, _signature(canonical), _signature(like), hyper)
     return _cached(
         key,
-        lambda: jax.eval_shape(lambda c, k: codec.encode(c, k, hyper), canonical, like),
+        lambda: jax.eval_shape(
+            lambda c, k: codec.encode(c, k, hyper), _structs(canonical), _structs(like)
+        ),
     )
 
 
