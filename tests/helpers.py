@@ -29,6 +29,7 @@ To see a new test in the oldest cell (extra arguments: nothing is recorded), run
 """
 
 import dataclasses
+import gc
 import importlib.metadata
 import inspect
 import re
@@ -155,6 +156,27 @@ def in_threads(work: Callable[[int], Any], n: int = 8) -> list[Any]:
 
 
 # --- comparisons ---------------------------------------------------------------------
+
+
+def check_collector_paused(
+    call: Callable[[], Any], during: list, failing: Callable[[], Any], error: type
+) -> None:
+    """`call()` runs with Python's cyclic garbage collector off (`during`: what a
+    function patched inside it saw, `gc.isenabled()` per call) and leaves the
+    caller's setting as it was: on, off, and after `failing()` raised `error`."""
+    assert gc.isenabled()
+    try:
+        call()
+        assert during == [False] and gc.isenabled()
+        gc.disable()  # a caller's choice stays
+        call()
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(error):  # also after an error
+            failing()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def tree_equal_bits(a, b) -> bool:

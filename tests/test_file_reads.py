@@ -23,7 +23,7 @@ from bridge._io._read import open_checkpoint
 from bridge._lazy import LazyArray, ReadAhead
 from bridge._port import _port
 
-from .helpers import requires
+from .helpers import check_collector_paused, requires
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
 
 
@@ -467,16 +467,10 @@ def test_a_load_pauses_the_collector_and_restores_the_callers_state(
         yield from real(contents, names)
 
     monkeypatch.setattr(_safetensors, "read_many", seen)
-    assert gc.isenabled()
-    try:
-        bridge.load(path)
-        assert during == [False] and gc.isenabled()
-        gc.disable()  # a caller's choice stays
-        bridge.load(path)
-        assert not gc.isenabled()
-        gc.enable()
-        with pytest.raises(bridge.CheckpointError):  # also after an error
-            bridge.load(tmp_path / "missing.safetensors")
-        assert gc.isenabled()
-    finally:
-        gc.enable()
+    missing = tmp_path / "missing.safetensors"
+    check_collector_paused(
+        lambda: bridge.load(path),
+        during,
+        lambda: bridge.load(missing),
+        bridge.CheckpointError,
+    )

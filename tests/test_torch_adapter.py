@@ -2,6 +2,7 @@
 tensors and modules when torch is installed: exact round trips for every dtype,
 zero copy, prefixes, fused weights, tied weights, errors."""
 
+import gc
 import importlib.util
 
 import ml_dtypes
@@ -10,8 +11,9 @@ import pytest
 from flax import nnx
 
 import bridge
+from bridge._adapters import _torch
 
-from .helpers import requires
+from .helpers import check_collector_paused, requires
 
 
 pytestmark = requires("NNX")  # the targets are NNX models
@@ -196,3 +198,22 @@ def test_tied_names_one_tensor_from_jax_arrays():
     state = bridge.to_torch(tree, tensors=True)
     assert state["lm_head.weight"] is state["wte.weight"]
     np.testing.assert_array_equal(state["wte.weight"].numpy(), np.asarray(emb))
+
+
+def test_from_torch_pauses_the_collector_and_restores_the_callers_state(monkeypatch):
+    during = []
+    real = _torch.build
+
+    def seen(*args):
+        during.append(gc.isenabled())
+        return real(*args)
+
+    monkeypatch.setattr(_torch, "build", seen)
+    sd = {"fc.weight": np.ones((3, 2), "f4")}
+    not_arrays = {"fc.weight": "not an array"}
+    check_collector_paused(
+        lambda: bridge.from_torch(sd),
+        during,
+        lambda: bridge.from_torch(not_arrays),
+        TypeError,
+    )

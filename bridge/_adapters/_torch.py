@@ -24,6 +24,7 @@ import numpy as np
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
+from .._gc import paused
 from .._paths import Path
 from .._tree import Held, Tree
 from ._build import build, native_leaves, source_of
@@ -234,6 +235,7 @@ def _tensor_key(t: Any) -> tuple:
     )
 
 
+@paused()  # ~100k short-lived entries: the collector would walk them (bridge/_gc.py)
 def from_torch(
     obj: Any,
     *,

@@ -18,11 +18,9 @@ its file kind through its `Format` record (`_format.py`).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ from .._arguments import (
     check_step,
     check_str,
 )
+from .._gc import paused
 from .._port._errors import PortError
 from .._port._port import port_and_plan
 from .._quant import _gguf  # registers the GGUF format
@@ -408,7 +407,7 @@ def load(
             "training checkpoint: leave out `opt_state_like`."
         )
     check_dtype(dtype)
-    with _collection_paused():
+    with paused():
         target = None if like is None else to_neutral(placeholders(like))
         if target is None and opt_state_like is not None:
             raise TypeError("`opt_state_like` needs `like`, the model to load into.")
@@ -455,22 +454,6 @@ def load(
         if saved is None:
             return model
         return _training.restore(saved, source, model, opt_state_like)
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off, then as the caller had it (also on an
-    error). A load makes ~100k short-lived small objects (pairing's, not cycles):
-    they set off full collections that walk every object of the process (measured,
-    758 MiB HF Llama folder -> abstract NNX: one gen-2 collection of 0.11-0.19 s of
-    a ~1.3 s CPU load)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _port_file(
