@@ -12,7 +12,7 @@ The package is layered; a module imports only modules of its own layer or below:
     2  _adapters  one adapter per framework, the registry, the build kit
     1  _tree      the neutral Tree
     0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
-       quantized), _families (model families' names)
+       quantized), _families (model families' names), _gc (the collector paused)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -52,6 +52,7 @@ LAYERS = {
     "bridge._placement": 0,
     "bridge._qarray": 0,
     "bridge._families": 0,
+    "bridge._gc": 0,
 }
 FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
 ADAPTERS = {f"bridge._adapters._{n}" for n in ("linen", "nnx", "equinox", "torch")}
