@@ -12,16 +12,22 @@ a later write into that memory would change the "immutable" JAX array). So:
   it) is gone: a weight transposed into a new JAX array gives its buffer back for a
   later read, so its pages are written again instead of a fresh mapping faulted in
   and unmapped per weight (XLA lets go of a host array it copied only at its next
-  call, so a buffer comes back one read late: the pool keeps `Pool.keep` idle
-  buffers, the oldest unmapped first, all dropped when the pool is closed with its
-  checkpoint, at the end of `bridge.load`). Measured (758 MiB HF Llama folder ->
-  abstract NNX, `benchmarks/hf_load.py`, 3 interleaved rounds, peak / model, load
-  3-4): `keep` 4: 1.118 (idle buffers held at the peak), 2: 1.033, 1: 1.024, in
-  2.01 s, 1.81 s, 2.00 s (noise); 0: 1.009 but ~10% slower (a fresh mapping
-  faulted in per read). A new buffer
-  is a private anonymous mapping advised to use huge pages where the system allows
-  (Linux THP in `madvise` mode): measured, reading 11 MiB into one costs 5.8 ms of
-  CPU against 12.2 ms with 4 KiB pages, and 2.2 ms into a reused buffer.
+  call, so a buffer comes back one read late). Idle buffers are kept up to the
+  bytes of reads still expected (`Pool.expect`: a lazily read checkpoint tells its
+  arrays' total), the oldest unmapped first: every idle buffer can still serve a
+  read, none is held once the reads are done (the model filled + the idle buffers
+  stay under the model), all are dropped when the pool is closed with its
+  checkpoint, at the end of `bridge.load`. Measured (758 MiB HF Llama folder ->
+  abstract NNX, 4 interleaved rounds in fresh processes, load 5-7): 308k page
+  faults and 2.47 s of CPU with one idle buffer kept, 235k and 2.32 s now (the
+  floor, `safetensors.numpy.load_file`: 197k, 0.91 s), peak 1.05 / model both.
+- A new buffer is a private anonymous mapping of 4 KiB pages, not advised to use
+  huge pages: on the 2-core VM of the benchmarks, faulting in fresh transparent
+  huge pages (`MADV_HUGEPAGE`) cost up to 3x the system time of 4 KiB pages, and
+  varied 5x from run to run (the same 770 MiB: 0.23-1.3 s against 0.52-0.65 s).
+  Measured: the Llama folder -> abstract Equinox, where every read is kept as the
+  model's memory, took 1.79 s of CPU with huge pages and 0.80 s without (the
+  floor 0.91 s); -> NNX 2.59 s and 2.47 s (one idle buffer kept).
 - `to_jax` of any other numpy array (the caller's: a state dict given to
   `bridge.from_torch`) copies it once: the JAX array never shares the caller's
   memory.
@@ -94,16 +100,27 @@ def to_jax(x: np.ndarray) -> jax.Array:
 
 class Pool:
     """Page-aligned host buffers, reused once their arrays are gone (see the
-    module's docstring). Safe from several threads."""
+    module's docstring). Safe from several threads.
+
+    `expect(nbytes)` tells the pool that reads of `nbytes` more bytes are coming
+    (each `take` of at least `least` bytes counts against them): the pool keeps
+    idle buffers only up to the bytes still expected, the oldest dropped first, so
+    that every idle buffer can still serve a read and none is held once the reads
+    are done. Reads never expected keep no idle buffer."""
 
     least = 1 << 20  # bytes: smaller reads take `aligned` memory
-    keep = 1  # idle buffers kept (more raise the peak: the module's docstring)
     spare = 16 << 20  # bytes a buffer may have beyond twice what a read needs
 
     def __init__(self) -> None:
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._expected = 0  # bytes of reads still to come (`expect`)
+
+    def expect(self, nbytes: int) -> None:
+        """Reads of `nbytes` more bytes are coming (see the class's docstring)."""
+        with self._lock:
+            self._expected += nbytes
 
     def take(self, nbytes: int) -> np.ndarray:
         """`nbytes` bytes (uint8), page-aligned when at least `least`."""
@@ -115,10 +132,10 @@ class Pool:
             memory = min(fits, key=len, default=None)
             if memory is not None:
                 self._idle.remove(memory)
+            self._expected = max(0, self._expected - nbytes)
+            self._trim()
         if memory is None:
-            memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: 2 MiB pages, 512x fewer faults
-                memory.madvise(mmap.MADV_HUGEPAGE)
+            memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # 4 KiB pages
         base = np.frombuffer(memory, np.uint8)
         _own(base)
         weakref.finalize(base, self._give_back, memory)
@@ -128,7 +145,13 @@ class Pool:
         with self._lock:
             if not self._closed:
                 self._idle.append(memory)
-                del self._idle[: max(0, len(self._idle) - self.keep)]  # the oldest go
+                self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest idle buffers beyond the bytes still expected."""
+        idle = sum(len(m) for m in self._idle)
+        while self._idle and idle > self._expected:
+            idle -= len(self._idle.pop(0))
 
     def close(self) -> None:
         with self._lock:

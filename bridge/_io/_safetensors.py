@@ -364,13 +364,16 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
     its shards, `bridge._io._sharded.Source`): each array read from its file when
     used (as often as it is used), shard by shard (`LazyArray.order` is the shard's
     position); a read is plain (`LazyArray.plain`: a port may read it ahead, in a
-    thread)."""
+    thread). The checkpoint's buffer pool expects every array to be read once
+    (`bridge._buffers.Pool.expect`)."""
     if source is not None:
         shards = source.shards
     else:
         shards = ((contents, tuple(s.key for s in contents.tensors)),)
     stored = {s.key: s for s in contents.tensors}
     out = {}
+    pool = contents.source.files.pool  # its idle buffers serve the reads to come
+    pool.expect(sum(s.nbytes for s in stored.values() if s.nbytes >= pool.least))
     for order, (shard, names) in enumerate(shards):
         for name in names:
             s = stored[name]
