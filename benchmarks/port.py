@@ -67,6 +67,20 @@ import time
 from _common import reset_peak, rss
 
 
+def _result(seconds, nbytes, base, before, traced=0.0) -> dict:
+    """One run's figures: its peak RSS over the model's bytes, counted from `base` (the
+    interpreter, JAX and bridge, no model yet) and from `before` (the source in memory,
+    just before the port)."""
+    peak = rss("VmHWM")
+    return {
+        "seconds": seconds,
+        "bytes": nbytes,
+        "peak_over_model": (peak - base) / nbytes,
+        "extra_over_model": (peak - before) / nbytes,
+        "trace_seconds": traced,
+    }
+
+
 def _to_stack_worker(kind: str, size_mb: float, layers: int) -> dict:
     """Per-layer Equinox Linears -> an abstract Linen `nn.scan` stack
     (`blocks.Dense_0.kernel` of shape `(layers, n, n)`): the port fills the stack in
@@ -129,15 +143,8 @@ def _to_stack_worker(kind: str, size_mb: float, layers: int) -> dict:
         assert kernel.shape == (layers, n, n)
         assert float(kernel[1, 0, 1]) == float(first[1, 0])
     seconds = time.perf_counter() - start
-    peak = rss("VmHWM")
     del out
-    return {
-        "seconds": seconds,
-        "bytes": nbytes,
-        "peak_over_model": (peak - base) / nbytes,
-        "extra_over_model": (peak - before) / nbytes,
-        "trace_seconds": 0.0,
-    }
+    return _result(seconds, nbytes, base, before)
 
 
 def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
@@ -241,15 +248,8 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
         )
         assert check.shape == (n, n) and float(check[0, 1]) == float(first[1, 0])
     seconds = time.perf_counter() - start
-    peak = rss("VmHWM")
     del out
-    return {
-        "seconds": seconds,
-        "bytes": nbytes,
-        "peak_over_model": (peak - base) / nbytes,
-        "extra_over_model": (peak - before) / nbytes,
-        "trace_seconds": traced,
-    }
+    return _result(seconds, nbytes, base, before, traced)
 
 
 def _run(kind: str, args) -> dict:
