@@ -445,7 +445,7 @@ def load(
             else:
                 given = (example, example_kwargs)
                 source, model, plan = _port_file(
-                    contents, like, dtype, rules, strict, given
+                    contents, like, dtype, rules, strict, given, target
                 )
             if opt_state_like is not None:
                 saved = _training.read_state(everything, training)
@@ -463,10 +463,11 @@ def _port_file(
     rules: Mapping[str, str | None] | None,
     strict: bool,
     given: tuple[Any, Any] = (None, None),
+    target: Tree | None = None,
 ) -> tuple[Tree, Any, Any]:
     """`(the file's Tree, like filled from it by bridge.port, the port's plan)`; a
     format that reads lazily (`Format.lazy`) is read while porting, array by
-    array."""
+    array. `target`: `like`'s Tree, when made already (not converted again)."""
     arrays = lazy(contents, dtype)
     if arrays is None:
         arrays = read(contents)
@@ -474,7 +475,16 @@ def _port_file(
         source = file_tree(contents, arrays)
         example, example_kwargs = given
         model, plan = port_and_plan(
-            source, like, rules, strict, dtype, None, None, example, example_kwargs
+            source,
+            like,
+            rules,
+            strict,
+            dtype,
+            None,
+            None,
+            example,
+            example_kwargs,
+            target_tree=target,
         )
     except PortError as error:
         error.add_note(_PORTING.format(path=contents.path))

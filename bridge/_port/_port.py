@@ -167,12 +167,18 @@ def port_and_plan(
     example: Any = None,
     example_kwargs: Any = None,
     stacklevel: int = 2,
+    target_tree: Tree | None = None,
 ) -> tuple[Any, Plan]:
     """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
-    missing, unexpected and mismatched layers)."""
+    missing, unexpected and mismatched layers). `target_tree`: `target` already
+    converted (`to_neutral(placeholders(target))`, which `bridge.load` makes to
+    check the file against), planned with instead of converting `target` again."""
     plain, adapters = _carry.split(source)  # LoRA adapters follow their layers
     # and replace the target's own (port_opt_state ports into a LoRA model)
-    abstract = placeholders(_carry.split(target)[0] if adapters else target)
+    if adapters or target_tree is None:
+        abstract = placeholders(_carry.split(target)[0] if adapters else target)
+    else:
+        abstract = target_tree
     given = examples(example, example_kwargs, check, check_kwargs)
     plan, problems = make_plan(plain, abstract, rules, strict, dtype, given)
     if problems:
