@@ -64,6 +64,24 @@ gets about one core (wall ~2x CPU), so the threads hide little there. Tried, no
 gain: numpy's cache-blocked transposes (1.2-1.5x XLA's CPU), 1 or 3 copying
 threads instead of 2, `Pool.keep` 2-4 (peak 1.06-1.10, times within the noise):
 with keep 1, 612 of the 758 MiB read go into fresh mappings (281 MiB with keep 3).
+
+| load 7.0-8.8, 5 rounds | 0dfcc81 | dbef0e0 |
+|---|---|---|
+| NNX (CPU x) | 5.33 s, 2.45x (2.78x), 1.06 | 5.16 s, 2.37x (2.53x), 1.05 |
+| Equinox (CPU x) | 5.01 s, 2.30x (2.29x), 1.00 | 2.39 s, 1.10x (1.09x), 1.00 |
+| load_file | 2.18 s (1.08 s CPU) | |
+| load + host transpose | 2.53x (2.50x), 1.24 | |
+
+Both columns in one run, interleaved: this file's `prepare` and `sampled` in fresh
+processes, each commit's bridge (wall ~2x CPU at that load).
+Equinox's 1.7x of stop 33 was the read buffers' `MADV_HUGEPAGE`: on this 2-core VM
+fresh transparent huge pages fault in at up to 3x the system time of 4 KiB pages
+(Equinox keeps every read as the model: 1.64 s -> 0.76 s of system time). 5e8231b
+drops it and keeps idle read buffers up to the bytes still to read; dbef0e0 plans
+with the Tree `bridge.load` made of `like` (~28 ms of CPU for NNX).
+Goal missed: NNX time. Its CPU (2.2-2.7 s) is mostly XLA's transposing copies,
+1.0-2.2 ms of CPU per MiB of which ~1 ms/MiB is faulting in the destination (the
+model's new memory: load_file pays it too); the floor reads with no layout change.
 """
 
 from __future__ import annotations
