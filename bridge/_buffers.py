@@ -142,10 +142,17 @@ class Pool:
         return base[:nbytes]
 
     def _give_back(self, memory: mmap.mmap) -> None:
-        with self._lock:
+        # A finalizer: it may run inside this very pool's locked section (the cyclic
+        # collector can free an array at any allocation there), where waiting for the
+        # lock would wait forever. A busy lock drops the buffer instead of reusing it.
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if not self._closed:
                 self._idle.append(memory)
                 self._trim()
+        finally:
+            self._lock.release()
 
     def _trim(self) -> None:
         """Drop the oldest idle buffers beyond the bytes still expected."""

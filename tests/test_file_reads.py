@@ -328,6 +328,32 @@ def test_a_pool_keeps_idle_buffers_only_for_the_reads_still_expected():
     pool.close()
 
 
+def test_a_buffer_freed_inside_the_pools_locked_section_does_not_deadlock():
+    """The cyclic collector may free a pool's array while this thread holds the
+    pool's lock (`take` allocates in it): the give-back drops the buffer, never
+    waits."""
+    pool = _buffers.Pool()
+    pool.expect(4 * pool.least)
+    array = pool.take(pool.least)
+    given = threading.Event()
+
+    def free_while_locked():
+        with pool._lock:  # what `take` holds when the collector runs
+            nonlocal array
+            del array  # the finalizer runs here, in this thread
+            given.set()
+
+    worker = threading.Thread(target=free_while_locked, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert given.is_set() and not worker.is_alive()
+    assert not pool._idle  # dropped, not kept
+    again = pool.take(pool.least)  # and the pool still works
+    del again
+    assert len(pool._idle) == 1
+    pool.close()
+
+
 def test_pool_buffers_are_not_advised_to_use_huge_pages():
     """Fresh transparent huge pages fault in slower than 4 KiB pages on the
     benchmarks' VM (see bridge/_buffers.py): a pool's buffer is not `MADV_HUGEPAGE`
