@@ -55,7 +55,9 @@ LAYERS = {
     "bridge._gc": 0,
 }
 FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
-ADAPTERS = {f"bridge._adapters._{n}" for n in ("linen", "nnx", "equinox", "torch")}
+ADAPTERS = {
+    f"bridge._adapters._{n}" for n in ("linen", "nnx", "nnx_walk", "equinox", "torch")
+}
 
 # (importer, imported): what is still done against the rules, and why
 DEBTS: dict[tuple[str, str], str] = {}  # none left

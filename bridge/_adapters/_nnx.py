@@ -15,6 +15,7 @@ from flax.nnx.graph import Static
 from .._paths import Key, Path, canonical, natural
 from .._tree import Held, NativeOrder, Tree
 from ._build import build, native_leaves
+from ._nnx_walk import usable, walk
 from ._registry import Adapter, Optimizer, register_adapter
 
 
@@ -107,10 +108,22 @@ def from_nnx(module: nnx.Module) -> Tree:
             "bridge.from_equinox, or bridge.to_neutral for any of them."
         )
     check_flax()
+    walked = walk(module, _role) if usable() else None
+    if walked is not None:  # the common graph, read in one walk
+        held = _held(module, walked.graphdef)
+        record = NNXRecord(held, walked.mutable, NativeOrder(walked.layout))
+        return walked.maker.root(
+            walked.keys, walked.roles, walked.children, "nnx", record, walked.native
+        )
+    return _from_graph(module)
+
+
+def _from_graph(module: nnx.Module) -> Tree:
+    """`from_nnx` through `nnx.graph.flatten` (any graph: shared references,
+    cycles, unknown node kinds)."""
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
     leaves = flat.leaves
-    # a graph definition is slow to hash: hash a summary of it instead
-    held = Held(graphdef, (type(module), graphdef.num_leaves, len(graphdef.nodes)))
+    held = _held(module, graphdef)
     paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
 
     kinds: dict[Path, Any] = {(): type(module)}
@@ -141,6 +154,11 @@ def from_nnx(module: nnx.Module) -> Tree:
     layout = tuple((path, _keys(node)) for path, node in nodes.items())
     record = NNXRecord(held, _mutable_statics(graphdef), NativeOrder(layout))
     return build(entries, kinds, "nnx", record, _native(nodes, children))
+
+
+def _held(module: nnx.Module, graphdef: Any) -> Held:
+    # a graph definition is slow to hash: hash a summary of it instead
+    return Held(graphdef, (type(module), graphdef.num_leaves, len(graphdef.nodes)))
 
 
 def _native(
@@ -176,14 +194,17 @@ def _keys(node: Any) -> tuple | None:
 _ROLES: dict[type, str] = {}
 
 
-def _role_and_value(leaf: Any) -> tuple[str, Any]:
-    if not isinstance(leaf, nnx.Variable):
-        return "state", leaf  # an array attribute that is not a Variable
-    cls = type(leaf)
+def _role(cls: type) -> str:
     role = _ROLES.get(cls)
     if role is None:
         role = _ROLES[cls] = role_of(cls)
-    return role, leaf.get_raw_value()
+    return role
+
+
+def _role_and_value(leaf: Any) -> tuple[str, Any]:
+    if not isinstance(leaf, nnx.Variable):
+        return "state", leaf  # an array attribute that is not a Variable
+    return _role(type(leaf)), leaf.get_raw_value()
 
 
 def _mutable_statics(graphdef: Any) -> tuple[int, ...]:
