@@ -19,21 +19,24 @@ at the largest size as one JSON line, in `benchmarks/table.py`'s format.
 Measured (2 cores shared with other jobs; ratios move by +-20% with the load), one
 full run each, x the floor at 10k / 100k leaves:
 
-| direction    | before (8099da1), load 0.2-7.5      | e0cf733, load 8-9 |
-|--------------|-------------------------------------|-------------------|
-| from_linen   | 7.13 / 5.26                         | 7.92 / 6.13       |
-| to_linen     | 2.50 / 1.68                         | 3.04 / 1.94       |
-| from_nnx     | 4.05 / 4.18                         | 3.91 / 4.44       |
-| to_nnx       | 1.68 / 1.65                         | 1.54 / 1.72       |
-| from_equinox | 4.11 / 4.18                         | 2.52 / 2.72       |
-| to_equinox   | 0.70 / 0.87                         | 0.72 / 0.90       |
+| direction    | e0cf733, load 8-9 | 0dfcc81 (main), load 7-8 | linen3, load 5-8 |
+|--------------|-------------------|--------------------------|------------------|
+| from_linen   | 7.92 / 6.13       | 7.86 / 6.28              | 4.55 / 4.37      |
+| from, known  |                   | 2.46 / 2.17              | 2.23 / 2.22      |
+| to_linen     | 3.04 / 1.94       | 2.67 / 2.16              | 2.82 / 2.40      |
+| from_nnx     | 3.91 / 4.44       | 4.19 / -                 | 3.73 / -         |
+| to_nnx       | 1.54 / 1.72       | 1.63 / -                 | 1.57 / -         |
+| from_equinox | 2.52 / 2.72       | 2.62 / -                 | 2.46 / -         |
+| to_equinox   | 0.72 / 0.90       | 0.79 / -                 | 0.78 / -         |
 
-Interleaved processes (old/new, median of 5, load 3-6), 100k leaves: from_equinox
-4.22x/3.71x -> 2.73x/2.69x (one walk over the model, no key paths, no `build`);
-Linen and NNX unchanged within the noise. Not yet at the goal: from_linen (its walk
-is ~7 us per Dense node in Python; the natural sort of 50k names at the root ~100 ms
-of ~700; the cache key walks every mapping once more) and from_nnx
-(`nnx.graph.flatten` alone is ~3x the floor).
+Linen's first conversion (linen3): one walk over the variables (`_linen._walk`), a
+node of leaves and a node of alike layers in C-level passes, leaf positions found
+by identity in C, natural sort of many numbered names in C (`_paths._numbered`), no
+`is_leaf` flatten unless a leaf is a pytree. Interleaved processes (base/new, load
+8-9), 100k leaves: 6.3x / 4.2x. Not yet at the goal: what is left at 100k (load 8)
+is the walk ~38%, positions by identity ~19%, JAX's flatten ~15%, the cache key's
+walk over the mappings ~11%, the Tree's treedef (`tree_structure`) ~11%; from_nnx
+needs its own graph walk (`nnx.graph.flatten` alone is ~3x the floor).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Generic, TypeVar
 
 import jax.tree_util as jtu
@@ -137,15 +138,18 @@ class _Info:
     roles: tuple[str | None, ...]
     kind: Any
     source: Source[Any] | None
-    entries: tuple[Any, ...] = field(init=False, repr=False)
     _hash: int = field(init=False, repr=False)
 
     def __post_init__(self):
-        n = len(self.roles)
-        keys = tuple(range(n)) if self.keys is None else self.keys
-        seq = self.keys is None
-        object.__setattr__(self, "entries", tuple(_key_entry(k, seq) for k in keys))
         object.__setattr__(self, "_hash", hash(self._data()))
+
+    @cached_property
+    def entries(self) -> tuple[Any, ...]:
+        """The children's `jax.tree_util` key entries, made when first read (by a
+        flatten with keys: a root of many children makes many)."""
+        if self.keys is None:
+            return tuple([_key_entry(k, True) for k in range(len(self.roles))])
+        return tuple([_key_entry(k, False) for k in self.keys])
 
     def _data(self):
         return (self.keys, self.roles, self.kind, self.source)

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
+from itertools import chain, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from flax.core import FrozenDict
 from flax.errors import InvalidRngError
 from flax.training import train_state
 
 from .._arguments import is_array, type_error
 from .._paths import MAX_DEPTH, Key, Path, canonical, check_depth, path_of, path_str
 from .._qarray import is_quantized
-from .._tree import Held, NativeOrder, Tree, items, leaf_roles
+from .._tree import (
+    Held,
+    NativeOrder,
+    Tree,
+    _Info,
+    _new,
+    _set_children,
+    _set_info,
+    items,
+    leaf_roles,
+)
 from ._build import Maker, Recent, build, checked_leaves, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter
 
@@ -78,8 +92,9 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
         )
     if module is not None and module.scope is not None:
         module = module.clone(parent=None)  # a bound module: keep its definition
-    # a weight kept quantized is one leaf, as the Tree holds it
-    leaves, treedef = jtu.tree_flatten(variables, is_leaf=is_quantized)
+    # JAX's leaves (a weight kept quantized, a pytree, is one leaf of the Tree: then
+    # the variables are flattened again below, with an `is_leaf` call per node)
+    leaves, treedef = jtu.tree_flatten(variables)
     # the same structure as a recent call (JAX's treedef ignores dict order, so the key
     # orders and leaf types are part of the key): rebuild the Tree from its treedef
     known = _known_key(variables, treedef, leaves, module)
@@ -87,6 +102,22 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     if hit is not None:
         tree_def, order = hit
         return jtu.tree_unflatten(tree_def, [leaves[i] for i in order])
+    tree = _walk(variables, module, leaves, treedef)
+    if tree is None:  # content the one walk leaves to the general path
+        whole, whole_def = jtu.tree_flatten(variables, is_leaf=is_quantized)
+        if whole_def != treedef:  # the Tree's leaves are not JAX's: not cached
+            known = None
+        tree = _general(variables, module, whole, whole_def)
+    src = tree._info.source
+    assert src is not None
+    _KNOWN.put(known, (src._treedef, src.order))
+    return tree
+
+
+def _general(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree:
+    """`from_linen`'s general path: `_Walk` over the collections, merged by module
+    path, any content Linen makes (sequences, boxes of anything, collisions
+    reported, leaves found by path when not by identity)."""
     walk = _Walk(variables, leaves, {(): type(module)} if module is not None else {})
     parts = []
     for name in sorted(variables, key=lambda c: c != "params"):
@@ -105,11 +136,7 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
     orders = NativeOrder(tuple(walk.orders.items()))
     record = LinenRecord(treedef, Held(module), orders, plain)
-    tree = walk.maker.root(keys, roles, children, "linen", record, walk.native)
-    src = tree._info.source
-    assert src is not None
-    _KNOWN.put(known, (src._treedef, src.order))
-    return tree
+    return walk.maker.root(keys, roles, children, "linen", record, walk.native)
 
 
 class LinenRecord(NamedTuple):
@@ -146,8 +173,9 @@ def _key_orders(node: Any, out: list[tuple]) -> None:
     first: one fixed order), in their order."""
     kinds = _KINDS
     stack = [node]
+    pop, push = stack.pop, stack.append
     while stack:
-        node = stack.pop()
+        node = pop()
         kind = kinds.get(type(node))
         if kind is None:
             kind = _node_kind(type(node))
@@ -156,7 +184,9 @@ def _key_orders(node: Any, out: list[tuple]) -> None:
             kind = _node_kind(type(node))
         if kind == _MAPPING:
             out.append(tuple(node))
-            stack += node.values()
+            for value in node.values():  # once per value: a leaf appends nothing
+                if kinds.get(type(value)) != _LEAF:
+                    push(value)
         elif kind == _SEQUENCE:
             stack += node
 
@@ -187,6 +217,275 @@ def _node_kind(cls: type) -> int:
             kind = _LEAF
         _KINDS[cls] = kind
     return kind
+
+
+class _Unwalkable(Exception):
+    """Content `_walk` leaves to the general path (`_Walk`)."""
+
+
+# what `_walk` does with a value of each class: a mapping it reads (`dict`,
+# `FrozenDict`), a leaf, a box (`nn.Partitioned`, ...), None, or anything else
+# (a sequence, another mapping class: the general path)
+_DICT, _VALUE, _BOXED, _NONE, _OTHER = range(5)
+_WALK_KINDS: dict[type, int] = {}
+
+
+def _walk_kind(cls: type) -> int:
+    kind = _WALK_KINDS.get(cls)
+    if kind is None:
+        if cls is dict or cls is FrozenDict:
+            kind = _DICT
+        elif cls is type(None):
+            kind = _NONE
+        else:
+            kind = {_LEAF: _VALUE, _BOX: _BOXED}.get(_node_kind(cls), _OTHER)
+        _WALK_KINDS[cls] = kind
+    return kind
+
+
+def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree | None:
+    """`from_linen` in one walk over the variables, making the Tree's nodes as it
+    returns from them: the Tree `_general` makes, with fewer steps per node (a node
+    of leaves only in C-level passes; no position look-up per leaf: the leaves'
+    positions among JAX's `leaves` are found by identity at the end, in C). It reads
+    dicts and FrozenDicts, leaves, None and boxes of a leaf; None when the variables
+    hold anything else (sequences, other mappings, non-str collection names), a
+    collision, a path near `MAX_DEPTH`, or leaves that are not, one for one, JAX's
+    `leaves` (then `_general` decides)."""
+    if _walk_kind(type(variables)) != _DICT:
+        return None
+    parts = []
+    for name in sorted(variables, key=lambda c: c != "params"):
+        collection = variables[name]
+        if type(name) is not str or _walk_kind(type(collection)) != _DICT:
+            return None
+        parts.append((name, collection))
+    maker = Maker({(): type(module)} if module is not None else {})
+    paths = maker.paths
+    seen: list[Any] = []  # each Tree leaf, in Tree order
+    orders: dict[Path, tuple] = {}
+    _note_order(variables, (), orders)
+    native: dict[Path, tuple[Key, ...]] = {}
+    rough: list[Path] = []  # where the variables are not plain nested dicts
+    # per key tuple: the keys in canonical order, whether in order, `(key,)` each
+    shapes: dict[tuple, tuple[tuple[Key, ...], bool, tuple[Path, ...]]] = {}
+    infos: dict[tuple, _Info] = {}
+    made = [0]  # inner nodes
+    kinds = _WALK_KINDS
+    deep = MAX_DEPTH - 1
+
+    def node(path: Path, keys: tuple[Key, ...], roles: tuple, children: list) -> Tree:
+        data = (keys, roles)
+        info = infos.get(data)
+        if info is None:
+            info = infos[data] = _Info(*maker._data(path, keys, list(roles)), None)
+        made[0] += 1
+        self = _new(Tree)  # `Tree._make`, inline: once per node
+        _set_info(self, info)
+        _set_children(self, tuple(children))
+        return self
+
+    def listed_of(container: Any, role: str, path: Path) -> tuple[Key, ...]:
+        """A mapping's keys, in its order; notes that order (`orders`) and whether
+        the mapping is a plain dict (`rough`)."""
+        if len(path) >= deep:
+            raise _Unwalkable
+        if type(container) is not dict:
+            rough.append(path)
+        listed = tuple(container)
+        shape = shapes.get(listed)
+        if shape is None:  # nodes repeat their keys: `(kernel, bias)`
+            ordered = canonical(listed)
+            singles = tuple((key,) for key in ordered)
+            shape = shapes[listed] = (ordered, _in_order(listed), singles)
+        if not shape[1]:
+            orders[(role, *path)] = listed
+        return listed
+
+    def alike(role: str, path: Path, keys: tuple, values: list) -> list | None:
+        """The nodes of `values` (at `path + (key,)` for each of `keys`) when they
+        are alike, dicts of leaves with the same keys in the same order (`Dense_0`
+        ... `Dense_49999`): made in C-level passes, with what `one` notes for each
+        (`orders`, `native`, `rough`). None when they are not alike."""
+        listed = tuple(values[0])
+        if len(path) + 1 >= deep or not listed:
+            return None
+        if list(map(tuple, values)).count(listed) != len(values):
+            return None
+        shape = shapes.get(listed)
+        if shape is None:
+            ordered = canonical(listed)
+            singles = tuple((key,) for key in ordered)
+            shape = shapes[listed] = (ordered, _in_order(listed), singles)
+        ordered, in_order, _ = shape
+        get = itemgetter(*ordered)
+        leaves = list(map(get, values) if len(ordered) > 1 else zip(map(get, values)))
+        if any(kinds.get(t) != _VALUE for t in set(map(type, chain(*leaves)))):
+            return None
+        if set(map(type, values)) != {dict}:
+            rough.append(path)
+        if not in_order:  # `(role, *path, key)` for each
+            orders.update(zip(map((role, *path).__add__, zip(keys)), repeat(listed)))
+        paths.extend(
+            chain(*zip(*[map(path.__add__, zip(keys, repeat(k))) for k in ordered]))
+        )
+        seen.extend(chain(*leaves))
+        if listed != ordered:
+            native.update(zip(map(path.__add__, zip(keys)), repeat(listed)))
+        roles = (role,) * len(ordered)
+        info = infos.get((ordered, roles))
+        if info is None:
+            data = maker._data(path + (keys[0],), ordered, list(roles))
+            info = infos[(ordered, roles)] = _Info(*data, None)
+        nodes = list(map(_new, repeat(Tree, len(values))))  # `Tree._make`, in C
+        deque(map(_set_info, nodes, repeat(info)), maxlen=0)
+        deque(map(_set_children, nodes, leaves), maxlen=0)
+        made[0] += len(nodes)
+        return nodes
+
+    def one(container: Any, role: str, path: Path) -> tuple[tuple, tuple, list]:
+        """`(keys, roles, children)` of the node at `path`, in one collection."""
+        listed = listed_of(container, role, path)
+        ordered, _, singles = shapes[listed]
+        values = list(map(container.__getitem__, ordered))
+        found = list(map(kinds.get, map(type, values)))
+        if found.count(_VALUE) == len(values):
+            # leaves only (a Dense layer's kernel and bias): C-level passes
+            paths.extend(map(path.__add__, singles))
+            seen.extend(values)
+            if listed != ordered:
+                native[path] = listed
+            return ordered, (role,) * len(values), values
+        if len(values) >= _ALIKE and found.count(_DICT) == len(values):
+            layers = alike(role, path, ordered, values)
+            if layers is not None:
+                if listed != ordered:
+                    native[path] = listed
+                return ordered, (None,) * len(values), layers
+        keys: list[Key] = []
+        roles: list[str | None] = []
+        children: list[Any] = []
+        for key, child in zip(ordered, values):  # once per value of the variables
+            kind = kinds.get(type(child))
+            if kind is None:
+                kind = _walk_kind(type(child))
+            if kind == _DICT:
+                here = path + (key,)
+                sub = one(child, role, here)
+                if sub[0]:
+                    children.append(node(here, *sub))
+                    keys.append(key)
+                    roles.append(None)
+                else:  # an empty mapping is no module
+                    rough.append(here)
+                continue
+            if kind == _BOXED:
+                rough.append(path)
+                child = child.unbox()
+                kind = _walk_kind(type(child))
+            if kind == _VALUE:
+                paths.append(path + (key,))
+                seen.append(child)
+                children.append(child)
+                keys.append(key)
+                roles.append(role)
+            elif kind == _NONE:
+                rough.append(path)
+            else:
+                raise _Unwalkable
+        if listed != ordered:
+            native[path] = _present(listed, keys)
+        return tuple(keys), tuple(roles), children
+
+    def merge(parts: list[tuple[str, Any]], path: Path) -> tuple[tuple, tuple, list]:
+        """`(keys, roles, children)` of the node at `path`, in several collections."""
+        merged: dict[Key, list[tuple[str, Any]]] = {}
+        for part, container in parts:
+            listed_of(container, part, path)
+            for key, child in container.items():
+                merged.setdefault(key, []).append((part, child))
+        listed = tuple(merged)
+        ordered = canonical(listed)
+        keys: list[Key] = []
+        roles: list[str | None] = []
+        children: list[Any] = []
+        for key in ordered:
+            here = path + (key,)
+            inner, found = [], []
+            for role, child in merged[key]:
+                kind = _walk_kind(type(child))
+                if kind == _BOXED:
+                    rough.append(here)
+                    child = child.unbox()
+                    kind = _walk_kind(type(child))
+                if kind == _DICT:
+                    inner.append((role, child))
+                elif kind == _VALUE:
+                    found.append((role, child))
+                elif kind == _NONE:
+                    rough.append(here)
+                else:
+                    raise _Unwalkable
+            if found:
+                if inner or len(found) > 1:  # a collision: reported by `_general`
+                    raise _Unwalkable
+                role, leaf = found[0]
+                paths.append(here)
+                seen.append(leaf)
+                children.append(leaf)
+                keys.append(key)
+                roles.append(role)
+            elif inner:
+                if len(inner) == 1:
+                    sub = one(inner[0][1], inner[0][0], here)
+                else:
+                    sub = merge(inner, here)
+                if sub[0]:
+                    children.append(node(here, *sub))
+                    keys.append(key)
+                    roles.append(None)
+                else:
+                    rough.append(here)
+        if listed != ordered:
+            native[path] = _present(listed, keys)
+        return tuple(keys), tuple(roles), children
+
+    try:
+        if len(parts) == 1:
+            top = one(parts[0][1], parts[0][0], ())
+        else:
+            top = merge(parts, ())
+    except (_Unwalkable, TypeError):  # TypeError: keys that natural order cannot sort
+        return None
+    # each Tree leaf's position among JAX's leaves: the very same objects, one for one
+    n = len(leaves)
+    position = dict(zip(map(id, leaves), range(n)))
+    if len(seen) != n or len(position) != n:
+        return None
+    order: list[Any] = list(map(position.get, map(id, seen)))
+    found = set(order)
+    if len(found) != n or None in found:
+        return None
+    maker.order = order
+    maker.nodes = made[0]
+    one_dict = not rough and type(variables) is dict and len(parts) == 1
+    plain = parts[0][0] if one_dict else None
+    orders_ = NativeOrder(tuple(orders.items()))
+    record = LinenRecord(treedef, Held(module), orders_, plain)
+    return maker.root(top[0], list(top[1]), top[2], "linen", record, native)
+
+
+# from this many children on, `_walk` tries to make a node's children in C-level
+# passes (`alike`)
+_ALIKE = 8
+
+
+def _present(listed: tuple[Key, ...], keys: list[Key]) -> tuple[Key, ...]:
+    """A node's native key order (`listed`), of the keys the Tree has (`keys`)."""
+    if len(keys) == len(listed):
+        return listed
+    present = set(keys)
+    return tuple(k for k in listed if k in present)
 
 
 class _Walk:

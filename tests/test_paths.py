@@ -1,0 +1,69 @@
+"""`bridge._paths`: the canonical (natural) order of a node's keys."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bridge import _paths
+from bridge._paths import canonical
+
+
+def _reference(keys):
+    return tuple(sorted(keys, key=_paths._natural))
+
+
+# names as models have them, and the cases natural order must read right: numbers
+# of several lengths, leading zeros, digits inside a name, unicode digits (`٣`),
+# names that are a prefix of others, no digits at all
+_parts = st.sampled_from(
+    ["Dense_", "Dense", "Conv_", "layers_", "a", "ab", "_", "x1y", "٣", "ß", ""]
+)
+_numbers = st.sampled_from(["", "0", "1", "2", "9", "10", "11", "007", "00", "42"])
+_keys = st.lists(
+    st.builds(lambda p, n, q: p + n + q, _parts, _numbers, st.sampled_from(["", "z"])),
+    min_size=1,
+    max_size=200,
+    unique=True,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_keys, st.randoms())
+def test_canonical_is_the_natural_order(keys, rnd):
+    rnd.shuffle(keys)
+    _paths._NATURAL.clear()  # computed, not read from the cache
+    many = keys * (_paths._MANY // len(keys) + 1)  # the many-key path too
+    assert canonical(keys) == _reference(keys)
+    assert canonical(tuple(dict.fromkeys(many))) == _reference(keys)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [f"Dense_{i}" for i in range(300)],
+        [f"{p}_{i}" for p in ("Dense", "Conv", "BatchNorm") for i in range(100)]
+        + ["x"],
+        [f"layers{i}" for i in range(100)] + ["layers"],
+        [f"λß_{i}" for i in range(100)],  # a unicode name without digits
+    ],
+)
+def test_many_numbered_names_are_sorted_in_c(keys):
+    """`_numbered` (C-level passes, no `natural` per key) takes these, and agrees."""
+    random.Random(0).shuffle(keys)
+    assert _paths._numbered(keys) == _reference(keys)
+    _paths._NATURAL.clear()
+    assert canonical(keys) == _reference(keys)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["Dense_007", "Dense_00", "x1y_2", "Dense_٣", "٣4", 3],
+)
+def test_names_natural_reads_otherwise_are_left_to_natural(extra):
+    """A leading zero, a digit inside a name, a unicode digit, an int key: not for
+    `_numbered`; `canonical` still gives the natural order."""
+    keys = [f"Dense_{i}" for i in range(100)] + [extra]
+    assert _paths._numbered(keys) is None
+    _paths._NATURAL.clear()
+    assert canonical(keys) == _reference(keys)
