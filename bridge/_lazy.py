@@ -4,13 +4,17 @@ of the file, never the whole file.
 
 `ReadAhead` reads the next arrays of a port in a thread while the port converts the
 current one (a read is a `preadv`, a conversion mostly XLA's host copy: both let go of
-the GIL), with a bounded number of bytes read ahead.
+the GIL), with a bounded number of bytes read ahead. `read_early` starts reading the
+first shard's arrays in a thread before the port is planned (`bridge.load` of a
+lazily read file), so that the reads and the planning share the machine's cores.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Sequence
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -29,7 +33,17 @@ class LazyArray:
     `ReadAhead` may run it in another thread.
     """
 
-    __slots__ = ("shape", "dtype", "order", "_load", "read_runs", "plain", "_ahead")
+    __slots__ = (
+        "shape",
+        "dtype",
+        "order",
+        "_load",
+        "read_runs",
+        "plain",
+        "_ahead",
+        "size",
+        "nbytes",
+    )
 
     def __init__(
         self,
@@ -47,18 +61,12 @@ class LazyArray:
         self.read_runs = read_runs
         self.plain = plain
         self._ahead: concurrent.futures.Future | None = None  # `ReadAhead`'s read
+        self.size = math.prod(int(n) for n in self.shape)  # asked for per row of a port
+        self.nbytes = self.size * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
 
     def read(self) -> np.ndarray:
         """The array: read now, or the read `ReadAhead` started (once: a second
@@ -119,3 +127,34 @@ class ReadAhead:
         for row in self._rows:
             for array in row:
                 array._ahead = None
+
+
+@contextlib.contextmanager
+def read_early(arrays: Iterable[Any], budget: int) -> Iterator[None]:
+    """Read the `plain` `LazyArray`s of `arrays` that come first in reading order
+    (the lowest `order`: the first shard) in a thread, in the order given, up to
+    `budget` bytes (at least one array), while the block runs: `bridge.load` plans
+    its port meanwhile, on the main thread, and the port's rows take these reads
+    (`LazyArray.read`) instead of reading again. A port reads its rows shard by
+    shard, so these are its first rows' (their memory is the model's or one the
+    port gives back early). On leaving, the reads under way are waited for (the
+    files are closed after) and the ones not used are dropped."""
+    lazy = [a for a in arrays if isinstance(a, LazyArray) and a.plain]
+    first = min((a.order for a in lazy), default=0)
+    started: list[LazyArray] = []
+    total = 0
+    pool = concurrent.futures.ThreadPoolExecutor(1, "bridge-read-early")
+    try:
+        for array in lazy:
+            if array.order != first or array._ahead is not None:
+                continue
+            if started and total + array.nbytes > budget:
+                break
+            array._ahead = pool.submit(array._load)
+            started.append(array)
+            total += array.nbytes
+        yield
+    finally:
+        pool.shutdown(wait=True)
+        for array in started:
+            array._ahead = None

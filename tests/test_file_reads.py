@@ -18,9 +18,9 @@ import safetensors.numpy
 
 import bridge
 from bridge import _buffers
-from bridge._io import _files, _safetensors, _sharded
+from bridge._io import _checkpoint, _files, _safetensors, _sharded
 from bridge._io._read import open_checkpoint
-from bridge._lazy import LazyArray, ReadAhead
+from bridge._lazy import LazyArray, ReadAhead, read_early
 from bridge._port import _port
 
 from .helpers import check_collector_paused, requires
@@ -448,6 +448,37 @@ def test_reads_ahead_stay_under_the_budget_and_unused_ones_are_dropped():
     assert threads[7].startswith("bridge-read-ahead")  # read ahead, never used
 
 
+def test_early_reads_take_the_first_shard_under_the_budget_and_drop_the_unused():
+    """`read_early` (`bridge.load` reads while it plans): the first shard's plain
+    arrays in a thread, in the order given, up to the budget (at least one array);
+    a use takes the read made (an error raised there), nothing is held after."""
+    threads: dict[int, str] = {}
+
+    def array(i: int, order: int, size: int = 100, plain: bool = True) -> LazyArray:
+        def load():
+            threads.setdefault(i, threading.current_thread().name)
+            if i == 2:
+                raise OSError("disk gone")
+            return np.full(size, i, np.float32)
+
+        return LazyArray((size,), np.float32, order, load, plain=plain)
+
+    arrays = [array(0, 1), array(1, 0, size=1000), array(2, 0)]
+    arrays += [array(3, 0, plain=False), array(4, 0), array(5, 0), array(6, 1)]
+    with read_early([*arrays, "not an array"], budget=4800):  # 1000 + 2 x 100 floats
+        assert [a._ahead is not None for a in arrays] == [0, 1, 1, 0, 1, 0, 0]
+        np.testing.assert_array_equal(arrays[1].read(), np.ones(1000))
+        with pytest.raises(OSError, match="disk gone"):  # raised where it is used
+            arrays[2].read()
+        np.testing.assert_array_equal(arrays[5].read(), np.full(100, 5))
+    assert all(a._ahead is None for a in arrays)  # nothing held after the block
+    early = {i for i, t in threads.items() if t.startswith("bridge-read-early")}
+    assert early == {1, 2, 4}  # 4 read, never used; 3 not plain, 0 and 6 shard 1
+    with read_early([array(7, 0, size=10**4)], budget=1):
+        pass
+    assert threads[7].startswith("bridge-read-early")  # one array, over the budget
+
+
 @requires("NNX")
 @pytest.mark.parametrize("ahead", [1, 10**9])  # everything read ahead, nothing
 def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
@@ -485,12 +516,52 @@ def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
     loaded = bridge.load(tmp_path, like=nnx.eval_shape(lambda: MLP(1)))
     in_thread = sum(t.startswith("bridge-read-ahead") for t in threads)
     assert (in_thread > 0) == (ahead == 1) and len(threads) == 6  # each read once
+    # the first shard read while the port was planned, taken by the port's rows
+    assert threads[0].startswith("bridge-read-early")
     # the two kernels transposed by XLA's copy in a thread, the rest kept as read
     assert sum(t.startswith("bridge-place") for t in copies) == 2
     for a, b in zip(
         jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(source))
     ):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@requires("NNX")
+def test_an_early_read_no_row_uses_is_dropped_when_the_port_starts(
+    tmp_path, monkeypatch
+):
+    """`bridge.load` reads while it plans (here the whole file); an array the plan
+    leaves out (`strict=False`: a layer `like` lacks) is not held while the model
+    is filled."""
+    from flax import nnx
+
+    class Two(nnx.Module):
+        def __init__(self, seed, extra):
+            rngs = nnx.Rngs(seed)
+            self.up = nnx.Linear(5, 7, rngs=rngs)
+            if extra:
+                self.head = nnx.Linear(7, 2, rngs=rngs)
+
+    source = Two(0, extra=True)
+    bridge.save(tmp_path, source, layout="torch")
+    monkeypatch.setattr(_checkpoint, "EARLY", 1)  # the whole file read early
+    held = {}
+    read_ahead = _port._read_ahead
+
+    def seen(steps, source_tree):
+        ahead = read_ahead(steps, source_tree)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(source_tree):
+            held[jax.tree_util.keystr(path)] = leaf._ahead is not None
+        return ahead
+
+    monkeypatch.setattr(_port, "_read_ahead", seen)
+    like = nnx.eval_shape(lambda: Two(1, extra=False))
+    loaded = bridge.load(tmp_path, like=like, strict=False)  # logs `.head` unused
+    assert held and not any(v for k, v in held.items() if "head" in k)
+    assert any(v for k, v in held.items() if "up" in k)  # read early, kept for use
+    assert np.asarray(loaded.up.kernel[...]).tobytes() == (
+        np.asarray(source.up.kernel[...]).tobytes()
+    )
 
 
 @requires("NNX")
@@ -530,8 +601,10 @@ def test_layout_copies_in_threads_are_numpy_transposes_bit_for_bit(dtype):
         for x in arrays:
             placed.append(placing.put(x.T))
             assert placing._threads
-            waiting = sum(n for _, n in placing._waiting)
-            assert waiting <= max(budget, x.nbytes)
+            sizes = [n for _, n in placing._waiting]
+            # at most the budget, or one copy, or one up to it beside a larger one
+            assert sum(sizes) <= budget or len(sizes) == 1 or sizes[1:] == [x.nbytes]
+            assert x.nbytes <= budget or len(sizes) == 1
         broken = placing.put(np.zeros((4, 5), np.dtype("V2")).T)  # JAX refuses it
         with pytest.raises(TypeError):
             placing.result(broken)
@@ -539,6 +612,34 @@ def test_layout_copies_in_threads_are_numpy_transposes_bit_for_bit(dtype):
         out = placing.result(out)
         assert out.dtype == x.dtype and out.shape == x.T.shape
         assert np.asarray(out).tobytes() == np.ascontiguousarray(x.T).tobytes()
+
+
+def test_a_large_copy_under_way_does_not_hold_up_one_within_the_budget(monkeypatch):
+    """`Placing`: beside a single copy larger than the budget (a 64 MiB `lm_head`)
+    one more within the budget starts at once; a third waits for the large one."""
+    release = threading.Event()
+    to_jax = _buffers.to_jax
+
+    def slow(x):
+        if x.size > 1000:
+            assert release.wait(10)
+        return to_jax(x)
+
+    monkeypatch.setattr(_buffers, "to_jax", slow)
+    rng = np.random.default_rng(0)
+    large = rng.standard_normal((100, 20), np.float32)
+    small = rng.standard_normal((10, 5), np.float32)
+    with _buffers.Placing(budget=small.nbytes) as placing:
+        first = placing.put(large.T)
+        assert placing._threads
+        second = placing.put(small.T)  # did not wait for the large copy
+        assert [n for _, n in placing._waiting] == [large.nbytes, small.nbytes]
+        assert not first.done()
+        release.set()
+        third = placing.put(small.T)  # waited: the two before are done
+        assert first.done() and second.done()
+    for out, x in [(first, large), (second, small), (third, small)]:
+        assert np.asarray(placing.result(out)).tobytes() == x.T.tobytes()
 
 
 # --- the cyclic garbage collector during a load --------------------------------------

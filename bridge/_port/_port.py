@@ -239,7 +239,7 @@ def run(plan: Plan) -> Tree:
     fused: dict[Any, Any] = {}
     writes: dict[Any, Any] = {}
     steps = sorted(plan.steps, key=_reading_order)
-    ahead = _read_ahead(steps)
+    ahead = _read_ahead(steps, plan._source)
     with ahead, Placing(ahead.budget) as placing:
         for i, step in enumerate(steps):
             ahead.reached(i)
@@ -269,16 +269,22 @@ def run(plan: Plan) -> Tree:
 AHEAD = 32  # a port reads ahead at most 1/AHEAD of the bytes it reads lazily
 
 
-def _read_ahead(steps: list[PlanRow]) -> ReadAhead:
+def _read_ahead(steps: list[PlanRow], source: Tree | None) -> ReadAhead:
     """The reads of the arrays of a file each row reads whole, in a thread ahead of
     the row (`bridge._lazy.ReadAhead`), at most 1/`AHEAD` of them at once (their
-    memory is the peak's excess: 3%)."""
+    memory is the peak's excess: 3%). A read started before the plan was made
+    (`bridge._lazy.read_early`) of an array no row reads whole is dropped now."""
     rows = []
     for step in steps:
         s = step._source
         assert s is not None
         lazy = [] if s.index is not None else s.leaves.values()
         rows.append([v for v in lazy if isinstance(v, LazyArray)])
+    read = {id(v) for row in rows for v in row}
+    if source is not None:
+        for leaf in jax.tree.leaves(source):
+            if isinstance(leaf, LazyArray) and id(leaf) not in read:
+                leaf._ahead = None
     total = sum(v.nbytes for row in rows for v in row)
     return ReadAhead(rows, total // AHEAD)
 
