@@ -5,7 +5,7 @@ of the file, never the whole file.
 `ReadAhead` reads the next arrays of a port in a thread while the port converts the
 current one (a read is a `preadv`, a conversion mostly XLA's host copy: both let go of
 the GIL), with a bounded number of bytes read ahead. `read_early` starts reading the
-first shard's arrays in a thread before the port is planned (`bridge.load` of a
+first shards' arrays in a thread before the port is planned (`bridge.load` of a
 lazily read file), so that the reads and the planning share the machine's cores.
 """
 
@@ -132,7 +132,7 @@ class ReadAhead:
 @contextlib.contextmanager
 def read_early(arrays: Iterable[Any], budget: int) -> Iterator[None]:
     """Read the `plain` `LazyArray`s of `arrays` that come first in reading order
-    (the lowest `order`: the first shard) in a thread, in the order given, up to
+    (shard by shard: by `order`, then in the order given) in a thread, up to
     `budget` bytes (at least one array), while the block runs: `bridge.load` plans
     its port meanwhile, on the main thread, and the port's rows take these reads
     (`LazyArray.read`) instead of reading again. A port reads its rows shard by
@@ -140,13 +140,13 @@ def read_early(arrays: Iterable[Any], budget: int) -> Iterator[None]:
     port gives back early). On leaving, the reads under way are waited for (the
     files are closed after) and the ones not used are dropped."""
     lazy = [a for a in arrays if isinstance(a, LazyArray) and a.plain]
-    first = min((a.order for a in lazy), default=0)
+    lazy.sort(key=lambda a: a.order)
     started: list[LazyArray] = []
     total = 0
     pool = concurrent.futures.ThreadPoolExecutor(1, "bridge-read-early")
     try:
         for array in lazy:
-            if array.order != first or array._ahead is not None:
+            if array._ahead is not None:
                 continue
             if started and total + array.nbytes > budget:
                 break

@@ -448,10 +448,11 @@ def test_reads_ahead_stay_under_the_budget_and_unused_ones_are_dropped():
     assert threads[7].startswith("bridge-read-ahead")  # read ahead, never used
 
 
-def test_early_reads_take_the_first_shard_under_the_budget_and_drop_the_unused():
-    """`read_early` (`bridge.load` reads while it plans): the first shard's plain
-    arrays in a thread, in the order given, up to the budget (at least one array);
-    a use takes the read made (an error raised there), nothing is held after."""
+def test_early_reads_take_the_first_shards_under_the_budget_and_drop_the_unused():
+    """`read_early` (`bridge.load` reads while it plans): plain arrays in reading
+    order (by shard, then as given) in a thread, up to the budget (at least one
+    array); a use takes the read made (an error raised there), nothing is held
+    after."""
     threads: dict[int, str] = {}
 
     def array(i: int, order: int, size: int = 100, plain: bool = True) -> LazyArray:
@@ -463,17 +464,17 @@ def test_early_reads_take_the_first_shard_under_the_budget_and_drop_the_unused()
 
         return LazyArray((size,), np.float32, order, load, plain=plain)
 
-    arrays = [array(0, 1), array(1, 0, size=1000), array(2, 0)]
-    arrays += [array(3, 0, plain=False), array(4, 0), array(5, 0), array(6, 1)]
-    with read_early([*arrays, "not an array"], budget=4800):  # 1000 + 2 x 100 floats
-        assert [a._ahead is not None for a in arrays] == [0, 1, 1, 0, 1, 0, 0]
+    arrays = [array(0, 2), array(1, 0, size=1000), array(2, 1)]
+    arrays += [array(3, 0, plain=False), array(4, 1), array(5, 2), array(6, 3)]
+    with read_early([*arrays, "not an array"], budget=5200):  # 1000 + 3 x 100 floats
+        assert [a._ahead is not None for a in arrays] == [1, 1, 1, 0, 1, 0, 0]
         np.testing.assert_array_equal(arrays[1].read(), np.ones(1000))
         with pytest.raises(OSError, match="disk gone"):  # raised where it is used
             arrays[2].read()
         np.testing.assert_array_equal(arrays[5].read(), np.full(100, 5))
     assert all(a._ahead is None for a in arrays)  # nothing held after the block
     early = {i for i, t in threads.items() if t.startswith("bridge-read-early")}
-    assert early == {1, 2, 4}  # 4 read, never used; 3 not plain, 0 and 6 shard 1
+    assert early == {0, 1, 2, 4}  # 0 and 4 read, never used; 3 not plain
     with read_early([array(7, 0, size=10**4)], budget=1):
         pass
     assert threads[7].startswith("bridge-read-early")  # one array, over the budget
