@@ -101,6 +101,10 @@ layout copy within the budget starts beside a larger one under way (the 64 MiB
 `lm_head` held up the next weights). Then the early reads went on to the next
 shards, up to a quarter of the file (this folder's first shard holds `lm_head`
 alone): 1.33x -> 1.34x (CPU 2.31x -> 2.27x), within the noise (6 rounds, load 5.5).
+The copies beside the `lm_head`'s then went on within the budget (before, a third
+waited for the oldest, the `lm_head`'s, to end). 7 rounds, load 4.2-5.1, nice -19:
+18df13d 1.40 s, 1.42x (CPU 2.23x), 1.05; 1941151 1.25 s, 1.21x (2.17x), 1.05;
+this 1.23 s, 1.19x (2.11x), 1.05; load_file 0.97 s.
 """
 
 from __future__ import annotations
