@@ -269,9 +269,19 @@ def _hf_with(torch, transformers, state_dict):
 TOLERANCE = 1e-5
 
 
+# Slow (25 s on 2 shared cores: a decoder run eagerly under `nn.scan`). The default
+# session covers its paths on smaller models: an `nn.scan` stack of RMSNorm and
+# bias-free Dense layers, the params' layer axis at 1, into per-layer NNX layers and
+# back by example inputs (test_port_stacked.py::
+# test_a_stack_whose_axis_only_the_scan_tells_ports_with_example_inputs[1]); layers
+# whose names share nothing (Embed, Dense, LayerNorm, Conv) paired by the forward
+# pass, and refused as ambiguous without example inputs, proposing them
+# (test_port_property.py::
+# test_example_inputs_port_whatever_the_names_and_orders_a_few_cases).
+@pytest.mark.slow
 def test_maxtext_decoder_to_nnx_pairs_by_the_forward_pass():
-    """The fast hop: MaxText's names share nothing with Hugging Face's, and the
-    scanned kernels' layer axis is 1; one example input pairs every layer."""
+    """MaxText's names share nothing with Hugging Face's, and the scanned kernels'
+    layer axis is 1; one example input pairs every layer."""
     source = maxtext(0)
     assert source[1]["params"]["decoder"]["query"]["kernel"].shape == (
         DIM,

@@ -25,6 +25,7 @@ KEY = jax.random.key
 D = 4
 
 
+@jax.jit  # one program, not an eager op per parameter shape
 def _optax_step(params):
     """One Adam step: JAX gives the dicts back with sorted keys."""
     tx = optax.adam(0.1)
