@@ -105,6 +105,20 @@ The copies beside the `lm_head`'s then went on within the budget (before, a thir
 waited for the oldest, the `lm_head`'s, to end). 7 rounds, load 4.2-5.1, nice -19:
 18df13d 1.40 s, 1.42x (CPU 2.23x), 1.05; 1941151 1.25 s, 1.21x (2.17x), 1.05;
 this 1.23 s, 1.19x (2.11x), 1.05; load_file 0.97 s.
+
+| 8 rounds, load 2.3-4.0, nice -19 (*) | 18df13d | 495d8af |
+|---|---|---|
+| NNX (CPU x) | 1.24 s, 1.41x (2.28x), 1.06 | 1.12 s, 1.22x (2.16x), 1.05 |
+| Equinox (CPU x) | 0.84 s, 0.92x (1.02x), 1.00 | 0.86 s, 0.93x (1.04x), 1.00 |
+| load_file | 0.92 s (0.92 s CPU) | |
+
+Not yet measured on a quiet machine (18df13d there: NNX 1.63x). What is left over
+the floor is CPU: XLA's transposing copies take ~1.1-1.4 s of the NNX load's ~2 s
+(1.6-2 ms/MiB, the destination's page faults included), on 2 threads; the reads of
+a transposed weight into a pooled buffer ~0.2 ms/MiB; the planning ~0.1 s (now
+beside the early reads). Tried, no gain: reading weights into rows padded past
+4 KiB (XLA's copy alone 10-15% faster on 4 KiB rows, read + copy the same); numpy's
+blocked transposes through a small hot buffer (1.1-2x XLA's CPU on these shapes).
 """
 
 from __future__ import annotations
