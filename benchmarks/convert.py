@@ -19,24 +19,30 @@ at the largest size as one JSON line, in `benchmarks/table.py`'s format.
 Measured (2 cores shared with other jobs; ratios move by +-20% with the load), one
 full run each, x the floor at 10k / 100k leaves:
 
-| direction    | e0cf733, load 8-9 | 0dfcc81 (main), load 7-8 | linen3, load 5-8 |
-|--------------|-------------------|--------------------------|------------------|
-| from_linen   | 7.92 / 6.13       | 7.86 / 6.28              | 4.55 / 4.37      |
-| from, known  |                   | 2.46 / 2.17              | 2.23 / 2.22      |
-| to_linen     | 3.04 / 1.94       | 2.67 / 2.16              | 2.82 / 2.40      |
-| from_nnx     | 3.91 / 4.44       | 4.19 / -                 | 3.73 / -         |
-| to_nnx       | 1.54 / 1.72       | 1.63 / -                 | 1.57 / -         |
-| from_equinox | 2.52 / 2.72       | 2.62 / -                 | 2.46 / -         |
-| to_equinox   | 0.72 / 0.90       | 0.79 / -                 | 0.78 / -         |
+| direction    | 0dfcc81, load 7-8 | linen3, load 5-8 | linen4, load 4-5 |
+|--------------|-------------------|------------------|------------------|
+| from_linen   | 7.86 / 6.28       | 4.55 / 4.37      | 3.36 / 2.69      |
+| from, known  | 2.46 / 2.17       | 2.23 / 2.22      | 2.11 / 2.09      |
+| to_linen     | 2.67 / 2.16       | 2.82 / 2.40      | 3.17 / 2.08      |
+| from_nnx     | 4.19 / -          | 3.73 / -         | 1.51 / -         |
+| to_nnx       | 1.63 / -          | 1.57 / -         | 1.43 / -         |
+| from_equinox | 2.62 / -          | 2.46 / -         | 2.63 / -         |
+| to_equinox   | 0.79 / -          | 0.78 / -         | 0.69 / -         |
 
-Linen's first conversion (linen3): one walk over the variables (`_linen._walk`), a
-node of leaves and a node of alike layers in C-level passes, leaf positions found
-by identity in C, natural sort of many numbered names in C (`_paths._numbered`), no
-`is_leaf` flatten unless a leaf is a pytree. Interleaved processes (base/new, load
-8-9), 100k leaves: 6.3x / 4.2x. Not yet at the goal: what is left at 100k (load 8)
-is the walk ~38%, positions by identity ~19%, JAX's flatten ~15%, the cache key's
-walk over the mappings ~11%, the Tree's treedef (`tree_structure`) ~11%; from_nnx
-needs its own graph walk (`nnx.graph.flatten` alone is ~3x the floor).
+Linen's first conversion (linen3, linen4): one walk over the variables
+(`_linen._walk`), a node of leaves and a node of alike layers in C-level passes;
+each leaf's position among JAX's leaves computed from the structure (JAX lists a
+dict's children in sorted key order) and checked by identity in one C pass; the
+Tree's treedef made from its children's (`PyTreeDef.from_node_data_and_children`:
+alike layers share one); natural and sorted order of many numbered names in C
+(`_paths._numbered`); the cache key's walk reads alike layers in C, checked
+against JAX's count of inner nodes. Interleaved processes (18df13d / linen4, 3
+each, load 4-5), medians: 100k leaves 3.81x -> 2.74x (904 -> 489 ms), 10k 4.09x
+-> 2.80x (70 -> 39 ms); from, known 1.96x -> 1.98x (462 -> 371 ms); to_linen
+unchanged in ms (505-532 -> 474-509 ms at 100k, 46 -> 43 ms at 10k). The floor
+itself ran 15-25% faster in the linen4 processes (less garbage?), which lifts
+every ratio of that column: to_linen's 10k ratio 3.17 is 41.7 ms, as before.
+from_nnx reads the NNX graph in its own walk (`_nnx_walk.py`, nnxwalk).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any, cast
 
 import jax.tree_util as jtu
+import numpy as np
 
 
 Key = str | int
@@ -111,10 +112,23 @@ def canonical(keys: Sequence[Key]) -> tuple[Key, ...]:
     except KeyError:
         pass
     if len(keys) >= _MANY:
-        ordered = _numbered(keys)
-        if ordered is not None:
-            return ordered
+        both = _numbered(keys)
+        if both is not None:
+            return both[0]
     return tuple(sorted(keys, key=natural))
+
+
+def canonical_and_sorted(
+    keys: Sequence[Key],
+) -> tuple[tuple[Key, ...], list[Key], list[int] | None]:
+    """`(canonical(keys), sorted(keys), ranks)`: `ranks[i]` is the position of the
+    `i`-th canonical key in sorted order (JAX lists a dict's children sorted), or
+    None when not computed here. Raises `TypeError` for keys that do not sort."""
+    if len(keys) >= _MANY:
+        both = _numbered(keys)
+        if both is not None:
+            return both
+    return canonical(keys), sorted(keys), None
 
 
 # from this many keys on, `canonical` first tries `_numbered` (a few C-level passes)
@@ -123,12 +137,15 @@ _MANY = 64
 _ASCII_DIGITS = "0123456789"
 
 
-def _numbered(keys: Sequence[Key]) -> tuple[Key, ...] | None:
-    """`keys` in natural order when every key is a name without digits followed by
-    ASCII digits or nothing, with no leading zero (`Dense_0` ... `Dense_49999`, a
-    node of many numbered layers), sorted in C; None otherwise (then `canonical`
-    computes `natural` per key). For such keys `natural` orders by name, then by the
-    number, which for equal names is the order of `(length, key)`."""
+def _numbered(
+    keys: Sequence[Key],
+) -> tuple[tuple[Key, ...], list[Key], list[int]] | None:
+    """`canonical_and_sorted(keys)` when every key is a name without digits
+    followed by ASCII digits or nothing, with no leading zero (`Dense_0` ...
+    `Dense_49999`, a node of many numbered layers), sorted in C; None otherwise
+    (then `canonical` computes `natural` per key). For such keys `natural` orders by
+    name, then by the number, which for equal names is the order of `(length,
+    key)`."""
     if not all(map(str.__instancecheck__, keys)):
         return None
     names = list(map(str.rstrip, cast("Sequence[str]", keys), repeat(_ASCII_DIGITS)))
@@ -151,8 +168,19 @@ def _numbered(keys: Sequence[Key]) -> tuple[Key, ...] | None:
         for key, start in compress(zip(strs, lengths), zeros):
             if len(key) > start + 1:
                 return None
-    strs = cast("Sequence[str]", keys)
-    return tuple(map(itemgetter(2), sorted(zip(names, map(len, strs), strs))))
+    # natural order is the order of (name, length, key): sorted, then by length,
+    # then by name (stable sorts); `sorted` (JAX's order) on the way
+    jax_order: list[Key] = sorted(strs)
+    strs = cast("list[str]", jax_order)
+    n = len(strs)
+    perm = np.argsort(np.fromiter(map(len, strs), np.int64, n), kind="stable")
+    if names.count(names[0]) != n:  # several names: `Dense_0`, `Conv_0`, ...
+        names = list(map(str.rstrip, strs, repeat(_ASCII_DIGITS)))
+        index = {name: i for i, name in enumerate(sorted(set(names)))}
+        ids = np.fromiter(map(index.__getitem__, names), np.int64, n)
+        perm = perm[np.argsort(ids[perm], kind="stable")]
+    ranks = perm.tolist()
+    return tuple(map(jax_order.__getitem__, ranks)), jax_order, ranks
 
 
 _MARK_NAMES = bytes(c if chr(c) in _ASCII_DIGITS else ord("_") for c in range(256))

@@ -3,6 +3,7 @@ the same Tree, field by field, on the variables Linen makes; the general path on
 for content the walk does not read."""
 
 import random
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 from flax.core import FrozenDict, freeze
+from hypothesis import given, settings, strategies as st
 
 import bridge
 from bridge._adapters import _linen
@@ -31,14 +33,25 @@ def _shuffled(node, rnd):
     return node
 
 
-def _many(n):
-    """Numbered names past ten, in creation order (`Dense_2` before `Dense_10`)."""
+def _many(n, box=lambda i: False):
+    """Numbered names past ten, in creation order (`Dense_2` before `Dense_10`);
+    the kernels of the layers `box` picks in an `nn.Partitioned`."""
+
+    def kernel(i):
+        w = jnp.ones((2, 2))
+        return nn.Partitioned(w, names=(None, "model")) if box(i) else w
+
     return {
         "params": {
-            f"Dense_{i}": {"kernel": jnp.ones((2, 2)), "bias": jnp.zeros(2)}
-            for i in range(n)
+            f"Dense_{i}": {"kernel": kernel(i), "bias": jnp.zeros(2)} for i in range(n)
         }
     }
+
+
+def _tied(n):
+    """`n` layers holding one array (tied weights)."""
+    w = jnp.ones(3)
+    return {"params": {f"layers_{i}": {"w": w, "b": jnp.ones(1)} for i in range(n)}}
 
 
 def _cnn():
@@ -87,15 +100,51 @@ WALKED = {
         {"cache": {"x": {"k": jnp.ones(1)}}, "params": {"x": {"w": jnp.ones(1)}}},
     ),
     "int keys": lambda: (None, {"params": {0: {"w": jnp.ones(1)}, 1: jnp.ones(1)}}),
+    "many boxed": lambda: (None, _many(20, box=lambda i: True)),
+    "many, one boxed": lambda: (None, _many(20, box=lambda i: i == 13)),
+    "many, one none": lambda: (
+        None,
+        {
+            "params": {
+                **_many(20)["params"],
+                "Dense_9": {"kernel": None, "b": jnp.ones(1)},
+            }
+        },
+    ),
+    "many abstract": lambda: (None, jax.eval_shape(lambda: _many(20))),
+    "many, one nested": lambda: (
+        None,
+        {
+            "params": {
+                **_many(20)["params"],
+                "Dense_5": {"w": jnp.ones(1), "sub": {"z": jnp.ones(1), "a": None}},
+            }
+        },
+    ),
+    "many numpy, shuffled": lambda: (
+        None,
+        _shuffled(jax.tree.map(np.asarray, _many(150)), random.Random(3)),
+    ),
+    "many tied": lambda: (None, _tied(12)),
+    "many in two collections": lambda: (
+        None,
+        {
+            **_many(30),
+            "batch_stats": {
+                f"Dense_{i}": {"mean": jnp.ones(2), "var": jnp.ones(2)}
+                for i in range(12)
+            },
+        },
+    ),
+    "tied (one array twice)": lambda: (
+        None,
+        {"params": {"a": (w := jnp.ones(2)), "b": w}},
+    ),
 }
 
 # content left to the general path
 GENERAL = {
     "list": lambda: (None, {"params": {"layers": [{"w": jnp.ones(1)}]}}),
-    "tied (one array twice)": lambda: (
-        None,
-        {"params": {"a": (w := jnp.ones(2)), "b": w}},
-    ),
     "quantized": lambda: (
         None,
         {
@@ -132,7 +181,7 @@ def _same_tree(fast, general):
     assert a.record.treedef == b.record.treedef
     assert a.record.module == b.record.module
     assert a.record.plain == b.record.plain
-    assert a.record.orders.value == b.record.orders.value
+    assert list(a.record.orders.value.items()) == list(b.record.orders.value.items())
     assert dict(a.native) == dict(b.native) and list(a.native) == list(b.native)
     assert a._treedef == b._treedef and a._is_leaf is b._is_leaf
     assert leaf_roles(fast) == leaf_roles(general)
@@ -190,3 +239,170 @@ def test_a_known_structure_with_a_quantized_leaf_is_not_cached():
     second = bridge.from_linen(variables)
     assert isinstance(second.q, QuantizedArray) and second.q is variables["params"]["q"]
     assert jtu.tree_structure(second) == jtu.tree_structure(first)
+
+
+def _key(variables, module=None):
+    leaves, treedef = jtu.tree_flatten(variables)
+    return _linen._known_key(variables, treedef, tuple(map(type, leaves)), module)
+
+
+@pytest.mark.parametrize("name", WALKED)
+def test_a_second_conversion_reads_the_cache(name, monkeypatch):
+    """The structure is cached by the first conversion and found by the second
+    (no walk), giving the same Tree, with the cache key's orders those of a walk
+    over every mapping one by one."""
+    module, variables = WALKED[name]()
+    _linen._KNOWN.clear()
+    first = bridge.from_linen(variables, module)
+    key = _key(variables, module)
+    assert key is not None and _linen._KNOWN.get(key) is not None
+    one_by_one: list = []
+    leaves, treedef = jtu.tree_flatten(variables)
+    inner = _linen._key_orders(variables, one_by_one, alike=False)
+    assert inner == treedef.num_nodes - treedef.num_leaves
+    assert key[1] == tuple(one_by_one)
+
+    def no_walk(*args):
+        raise AssertionError("walked again")
+
+    monkeypatch.setattr(_linen, "_walk", no_walk)
+    second = bridge.from_linen(variables, module)
+    assert jtu.tree_structure(second) == jtu.tree_structure(first)
+    assert second._info.source.native == first._info.source.native
+    assert same_objects(leaf_objects(second), leaf_objects(first))
+
+
+def _reversed_layer(variables, name):
+    """The same variables with one layer's keys in the other order."""
+    params = dict(variables["params"])
+    params[name] = dict(reversed(list(params[name].items())))
+    return {**variables, "params": params}
+
+
+@pytest.mark.parametrize("layer", ["Dense_0", "Dense_7", "Dense_19"])
+def test_a_layer_listed_in_another_order_is_another_key(layer):
+    """The cache key sees every mapping's order, also inside alike layers: the
+    variables with one layer's keys reversed are converted afresh, and each gives
+    back its own order."""
+    _, variables = WALKED["many names"]()
+    other = _reversed_layer(variables, layer)
+    assert _key(variables) != _key(other)
+    _linen._KNOWN.clear()
+    for v in (variables, other, variables, other):
+        assert key_orders(bridge.to_linen(bridge.from_linen(v))) == key_orders(v)
+
+
+def test_a_key_that_cannot_be_shown_whole_is_none():
+    """A leaf of a mapping class (not a pytree for JAX) could hide a mapping from
+    the count that shows the key read every mapping: no cache key."""
+
+    class Leafy(Mapping):  # a Mapping JAX does not know: a leaf
+        def __getitem__(self, key):
+            return {"a": 1}[key]
+
+        def __iter__(self):
+            return iter(["a"])
+
+        def __len__(self):
+            return 1
+
+    variables = {"params": {"x": Leafy(), "w": jnp.ones(1)}}
+    assert _key(variables) is None
+    assert _key({"params": {"w": jnp.ones(1)}}) is not None
+
+
+@pytest.mark.parametrize("name", ["cnn batch_stats", "many names", "many boxed"])
+def test_without_treedefs_from_children_the_tree_is_the_same(name, monkeypatch):
+    """On a JAX without `PyTreeDef.from_node_data_and_children`, the Tree's treedef
+    is read from the Tree: the same Tree."""
+    module, variables = WALKED[name]()
+    general = _general(module, variables)
+    monkeypatch.setattr(_linen, "_FROM_DATA", None)
+    monkeypatch.setattr(bridge._adapters._build, "_FROM_DATA", None)
+    _linen._KNOWN.clear()
+    _same_tree(bridge.from_linen(variables, module), general)
+
+
+# --- varied variables (hypothesis) ----------------------------------------------
+
+_MODULES = st.sampled_from(["Dense_", "layers_", "Conv_", "block", "a"]).flatmap(
+    lambda name: st.integers(0, 12).map(lambda i: f"{name}{i}")
+)
+# leaf names differ per collection and from module names: no collision
+_LEAF_NAMES = {
+    "params": ["kernel", "bias", "scale", "embedding"],
+    "batch_stats": ["mean", "var"],
+    "cache": ["cached_key", "cache_index"],
+}
+_LEAVES = st.sampled_from(
+    [
+        lambda: jnp.ones(2),
+        lambda: np.zeros((1, 2), np.float32),
+        lambda: jax.ShapeDtypeStruct((3,), jnp.float32),
+        lambda: nn.Partitioned(jnp.ones(2), names=("model",)),
+        lambda: None,
+    ]
+).map(lambda make: make())
+
+
+def _module(collection):
+    leaves = st.dictionaries(
+        st.sampled_from(_LEAF_NAMES[collection]), _LEAVES, min_size=1, max_size=3
+    )
+    # alike layers: many modules with the same leaf names in the same order
+    layers = st.tuples(
+        st.integers(_linen._ALIKE, 24),
+        st.permutations(_LEAF_NAMES[collection]),
+        st.sampled_from(["layers_", "Dense_"]),
+        st.booleans(),
+    ).map(
+        lambda t: {
+            f"{t[2]}{i}": {
+                k: nn.Partitioned(jnp.ones(1), names=(None,))
+                if t[3] and i == 3
+                else jnp.ones(1)
+                for k in t[1]
+            }
+            for i in range(t[0])
+        }
+    )
+    return st.recursive(
+        leaves | layers,
+        lambda inner: st.tuples(
+            st.dictionaries(_MODULES, inner, min_size=1, max_size=10), leaves
+        ).map(lambda t: {**t[0], **t[1]}),
+        max_leaves=6,
+    )
+
+
+_VARIABLES = st.fixed_dictionaries(
+    {"params": _module("params")},
+    optional={"batch_stats": _module("batch_stats"), "cache": _module("cache")},
+)
+
+
+def _sorted_dicts(node):
+    """What an optax step gives back: every dict rebuilt in sorted key order."""
+    if isinstance(node, dict):
+        return {k: _sorted_dicts(node[k]) for k in sorted(node)}
+    return node
+
+
+@settings(max_examples=40, deadline=None)
+@given(_VARIABLES, st.sampled_from(["as made", "shuffled", "sorted", "frozen"]))
+def test_varied_variables_walk_to_the_tree_of_the_general_path(variables, form):
+    variables = {
+        "as made": lambda v: v,
+        "shuffled": lambda v: _shuffled(v, random.Random(len(str(v)))),
+        "sorted": _sorted_dicts,
+        "frozen": freeze,
+    }[form](variables)
+    leaves, treedef = jtu.tree_flatten(variables)
+    assert _linen._walk(variables, None, leaves, treedef) is not None
+    general = _general(None, variables)
+    _linen._KNOWN.clear()
+    first = bridge.from_linen(variables)
+    _same_tree(first, general)
+    again = bridge.from_linen(variables)  # from the cache
+    assert _linen._KNOWN.items
+    _same_tree(again, general)

@@ -36,6 +36,41 @@ def test_canonical_is_the_natural_order(keys, rnd):
     many = keys * (_paths._MANY // len(keys) + 1)  # the many-key path too
     assert canonical(keys) == _reference(keys)
     assert canonical(tuple(dict.fromkeys(many))) == _reference(keys)
+    for listed in (keys, tuple(dict.fromkeys(many))):
+        _paths._NATURAL.clear()
+        _same_orders(listed)
+
+
+def _same_orders(keys):
+    """`canonical_and_sorted` agrees with `natural` and `sorted`, and its ranks
+    (when given) place each canonical key in sorted order."""
+    ordered, jax_order, ranks = _paths.canonical_and_sorted(keys)
+    assert ordered == _reference(keys)
+    assert jax_order == sorted(keys)
+    if ranks is not None:
+        assert sorted(ranks) == list(range(len(keys)))
+        assert [jax_order[r] for r in ranks] == list(ordered)
+
+
+_numbered_keys = st.lists(
+    st.tuples(
+        st.sampled_from(["Dense_", "Conv_", "layers_", "a", "ab", "λß_", ""]),
+        st.none() | st.integers(0, 10**6),
+    ),
+    min_size=_paths._MANY,
+    max_size=300,
+    unique=True,
+).map(lambda pairs: [p + ("" if n is None else str(n)) for p, n in pairs])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_numbered_keys, st.randoms())
+def test_many_numbered_names_give_their_sorted_ranks(keys, rnd):
+    """Many numbered names (shuffled, of several names and lengths) are ordered in
+    C, with each one's rank in sorted order (JAX's): the same as key by key."""
+    rnd.shuffle(keys)
+    assert _paths._numbered(keys) is not None
+    _same_orders(keys)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +86,10 @@ def test_canonical_is_the_natural_order(keys, rnd):
 def test_many_numbered_names_are_sorted_in_c(keys):
     """`_numbered` (C-level passes, no `natural` per key) takes these, and agrees."""
     random.Random(0).shuffle(keys)
-    assert _paths._numbered(keys) == _reference(keys)
+    ordered, jax_order, ranks = _paths._numbered(keys)
+    assert ordered == _reference(keys)
+    assert jax_order == sorted(keys)
+    assert [jax_order[r] for r in ranks] == list(ordered)
     _paths._NATURAL.clear()
     assert canonical(keys) == _reference(keys)
 

@@ -20,6 +20,28 @@ from ._registry import display_name
 
 R = TypeVar("R", bound=Hashable)
 
+_REGISTRY = getattr(jtu, "default_registry", None)
+
+
+def _treedefs_from_children() -> Any:
+    """`PyTreeDef.from_node_data_and_children`: a treedef made in one C call from
+    its node's data and its children's treedefs (many alike children, one call), if
+    this JAX has it and it rebuilds a probe's treedef; else None (then `Maker.root`
+    reads the treedef from the Tree)."""
+    make = getattr(jtu.PyTreeDef, "from_node_data_and_children", None)
+    if make is None or _REGISTRY is None:
+        return None
+    probe = jtu.tree_structure({"a": (1, None), "b": [2]})
+    try:
+        made = make(_REGISTRY, probe.node_data(), probe.children())
+    except Exception:  # another signature
+        return None
+    return make if made == probe else None
+
+
+_FROM_DATA = _treedefs_from_children()
+_LEAF_DEF = jtu.tree_structure(0)  # one leaf
+
 
 def build(
     entries: Sequence[tuple[Path, str, Any, int]],
@@ -128,11 +150,21 @@ class Maker:
         framework: str,
         record: Hashable,
         native: Mapping[Path, tuple[Key, ...]] | None = None,
+        defs: list | None = None,
     ) -> Tree:
+        """The Tree, with its `Source`. `defs`: the children's treedefs, from a
+        caller that made them knowing every leaf is a JAX leaf (then the Tree's
+        treedef is made from them in one C call instead of read from the Tree)."""
         paths, order = tuple(self.paths), tuple(self.order)
         source = Source(framework, paths, order, record, native or {})
         keys_, roles_, kind_ = self._data((), keys, roles)
-        tree = Tree._make(_Info(keys_, roles_, kind_, source), children)
+        info = _Info(keys_, roles_, kind_, source)
+        tree = Tree._make(info, children)
+        if defs is not None and _FROM_DATA is not None:
+            object.__setattr__(
+                source, "_treedef", _FROM_DATA(_REGISTRY, (Tree, info), defs)
+            )
+            return tree
         treedef = jtu.tree_structure(tree)
         # a leaf that is a pytree (a QuantizedArray) adds nodes or leaves: then the
         # Tree is flattened with `is_leaf`, which keeps it whole

@@ -5,18 +5,28 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import add, is_, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from flax.core import FrozenDict
 from flax.errors import InvalidRngError
 from flax.training import train_state
 
 from .._arguments import is_array, type_error
-from .._paths import MAX_DEPTH, Key, Path, canonical, check_depth, path_of, path_str
+from .._paths import (
+    MAX_DEPTH,
+    Key,
+    Path,
+    canonical,
+    canonical_and_sorted,
+    check_depth,
+    path_of,
+    path_str,
+)
 from .._qarray import is_quantized
 from .._tree import (
     Held,
@@ -29,7 +39,17 @@ from .._tree import (
     items,
     leaf_roles,
 )
-from ._build import Maker, Recent, build, checked_leaves, native_leaves, source_of
+from ._build import (
+    _FROM_DATA,
+    _LEAF_DEF,
+    _REGISTRY,
+    Maker,
+    Recent,
+    build,
+    checked_leaves,
+    native_leaves,
+    source_of,
+)
 from ._registry import Adapter, Optimizer, register_adapter
 
 
@@ -97,12 +117,13 @@ def from_linen(variables: Mapping[str, Any], module: nn.Module | None = None) ->
     leaves, treedef = jtu.tree_flatten(variables)
     # the same structure as a recent call (JAX's treedef ignores dict order, so the key
     # orders and leaf types are part of the key): rebuild the Tree from its treedef
-    known = _known_key(variables, treedef, leaves, module)
+    types = tuple(map(type, leaves))
+    known = _known_key(variables, treedef, types, module)
     hit = _KNOWN.get(known)
     if hit is not None:
         tree_def, order = hit
         return jtu.tree_unflatten(tree_def, [leaves[i] for i in order])
-    tree = _walk(variables, module, leaves, treedef)
+    tree = _walk(variables, module, leaves, treedef, types)
     if tree is None:  # content the one walk leaves to the general path
         whole, whole_def = jtu.tree_flatten(variables, is_leaf=is_quantized)
         if whole_def != treedef:  # the Tree's leaves are not JAX's: not cached
@@ -134,7 +155,7 @@ def _general(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tre
         raise TypeError(_UNSUPPORTED.format(found=len(walk.maker.paths), n=len(leaves)))
     # one collection of plain dicts: they are the Tree's nodes, in the same order
     plain = parts[0][0] if walk.plain and len(parts) == 1 else None
-    orders = NativeOrder(tuple(walk.orders.items()))
+    orders = NativeOrder(walk.orders)
     record = LinenRecord(treedef, Held(module), orders, plain)
     return walk.maker.root(keys, roles, children, "linen", record, walk.native)
 
@@ -144,19 +165,31 @@ class LinenRecord(NamedTuple):
 
     treedef: Any  # of the variables, as given
     module: Held  # the nn.Module given to from_linen, or Held(None)
-    # mappings not in sorted and natural key order, `(path, keys)`: no part of
-    # equality (the same variables after an optax step have the same structure)
+    # mappings not in sorted and natural key order, a dict `{path: keys}` (read,
+    # never changed): no part of equality (the same variables after an optax step
+    # have the same structure)
     orders: NativeOrder
     plain: str | None  # one collection of plain dicts: its name
 
 
-def _known_key(variables: Mapping, treedef: Any, leaves: list, module: Any) -> Any:
+def _known_key(variables: Mapping, treedef: Any, types: tuple, module: Any) -> Any:
     """What `from_linen`'s walk depends on besides the leaves: the variables' treedef,
-    the key order of every mapping (a treedef ignores it), each leaf's type and the
-    module's identity (a cached Source holds the module: its id is not reused)."""
+    the key order of every mapping (a treedef ignores it), each leaf's type (`types`,
+    of JAX's leaves) and the module's identity (a cached Source holds the module: its
+    id is not reused). None (no cache) when the walk over the mappings cannot be
+    shown to have read every one of them."""
+    # each mapping, box or sequence the walk counts is one of JAX's inner nodes
+    # (none of those classes is a leaf for JAX here)
+    if any(_node_kind(cls) != _LEAF for cls in set(types)):
+        return None
+    inner = treedef.num_nodes - treedef.num_leaves
     orders: list[tuple] = []
-    _key_orders(variables, orders)
-    key = (treedef, tuple(orders), tuple(map(type, leaves)), id(module))
+    if _key_orders(variables, orders, alike=True) != inner:
+        # some alike-looking layers hold more than leaves: every mapping, one by one
+        orders = []
+        if _key_orders(variables, orders, alike=False) != inner:
+            return None
+    key = (treedef, tuple(orders), types, id(module))
     try:
         hash(key)
     except TypeError:  # unhashable box metadata: no cache
@@ -168,27 +201,57 @@ def _known_key(variables: Mapping, treedef: Any, leaves: list, module: Any) -> A
 _KNOWN = Recent()
 
 
-def _key_orders(node: Any, out: list[tuple]) -> None:
+def _key_orders(node: Any, out: list[tuple], alike: bool) -> int:
     """Append the keys of every mapping under `node`, depth first (last child
-    first: one fixed order), in their order."""
+    first: one fixed order), in their order; return the number of JAX inner nodes
+    (mappings, boxes, sequences, None) walked through. With `alike`, the values of a
+    mapping of many mappings that look alike (`Dense_0` ... `Dense_49999`, the first
+    holding leaves only) are taken to hold leaves only, in C-level passes: then
+    the count falls short of JAX's if one does not."""
     kinds = _KINDS
     stack = [node]
     pop, push = stack.pop, stack.append
+    inner = 0
     while stack:
         node = pop()
         kind = kinds.get(type(node))
         if kind is None:
             kind = _node_kind(type(node))
         if kind == _BOX:
+            inner += 1
             node = node.unbox()
             kind = _node_kind(type(node))
         if kind == _MAPPING:
+            inner += 1
             out.append(tuple(node))
-            for value in node.values():  # once per value: a leaf appends nothing
-                if kinds.get(type(value)) != _LEAF:
+            values = list(node.values())
+            if alike and len(values) >= _ALIKE and _look_alike(values):
+                # in the order the loop would append them (last first)
+                out += map(tuple, reversed(values))
+                inner += len(values)
+                continue
+            for value in values:  # once per value: a leaf appends nothing
+                if kinds.get(type(value)) != _LEAF or value is None:
                     push(value)
         elif kind == _SEQUENCE:
+            inner += 1
             stack += node
+        elif node is None:
+            inner += 1
+    return inner
+
+
+def _look_alike(values: list) -> bool:
+    """Whether `values` are all dicts or FrozenDicts, the first of leaves only (not
+    None)."""
+    if not set(map(type, values)) <= _PLAIN_MAPPINGS:
+        return False
+    first = set(map(type, values[0].values()))
+    return all(cls is not _NONE_TYPE and _KINDS.get(cls) == _LEAF for cls in first)
+
+
+_PLAIN_MAPPINGS = {dict, FrozenDict}
+_NONE_TYPE = type(None)
 
 
 _UNSUPPORTED = """\
@@ -243,15 +306,29 @@ def _walk_kind(cls: type) -> int:
     return kind
 
 
-def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree | None:
-    """`from_linen` in one walk over the variables, making the Tree's nodes as it
-    returns from them: the Tree `_general` makes, with fewer steps per node (a node
-    of leaves only in C-level passes; no position look-up per leaf: the leaves'
-    positions among JAX's `leaves` are found by identity at the end, in C). It reads
-    dicts and FrozenDicts, leaves, None and boxes of a leaf; None when the variables
-    hold anything else (sequences, other mappings, non-str collection names), a
-    collision, a path near `MAX_DEPTH`, or leaves that are not, one for one, JAX's
-    `leaves` (then `_general` decides)."""
+def _walk(
+    variables: Mapping,
+    module: Any,
+    leaves: list,
+    treedef: Any,
+    types: tuple | None = None,
+    checked: bool = False,
+) -> Tree | None:
+    """`from_linen` in one walk over the variables, making the Tree's nodes (and
+    their treedefs) as it returns from them: the Tree `_general` makes, with fewer
+    steps per node (a node of leaves, or of alike layers, in C-level passes). Each
+    leaf's position among JAX's `leaves` is computed from the structure (JAX lists a
+    mapping's children in sorted key order), then checked at the end, in C: JAX's
+    leaf at that position is the very same object (an array used twice is read
+    too). It reads dicts and FrozenDicts, leaves, None and boxes of a leaf; None
+    when the variables hold anything else (sequences, other mappings, non-str
+    collection names), a collision, a path near `MAX_DEPTH`, or leaves that are not,
+    one for one, JAX's `leaves` (then `_general` decides).
+
+    `types`: the classes of JAX's leaves, if known. Of alike layers only the first
+    layer's values are read by class (the others are shown to be leaves by the check
+    at the end, with `types`); a walk that fails the check is made again `checked`,
+    reading every value."""
     if _walk_kind(type(variables)) != _DICT:
         return None
     parts = []
@@ -267,14 +344,19 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
     _note_order(variables, (), orders)
     native: dict[Path, tuple[Key, ...]] = {}
     rough: list[Path] = []  # where the variables are not plain nested dicts
-    # per key tuple: the keys in canonical order, whether in order, `(key,)` each
-    shapes: dict[tuple, tuple[tuple[Key, ...], bool, tuple[Path, ...]]] = {}
+    shapes: dict[tuple, _Shape] = {}
     infos: dict[tuple, _Info] = {}
     made = [0]  # inner nodes
+    trusted = [False]  # alike layers taken to hold leaves, from their first
     kinds = _WALK_KINDS
     deep = MAX_DEPTH - 1
+    # the Tree's treedef is made node by node (alike layers share one), unless this
+    # JAX cannot: then `Maker.root` reads it from the Tree
+    from_data = _FROM_DATA
 
-    def node(path: Path, keys: tuple[Key, ...], roles: tuple, children: list) -> Tree:
+    def node(
+        path: Path, keys: tuple[Key, ...], roles: tuple, children: list, defs: list
+    ) -> tuple[Tree, Any]:
         data = (keys, roles)
         info = infos.get(data)
         if info is None:
@@ -283,7 +365,20 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
         self = _new(Tree)  # `Tree._make`, inline: once per node
         _set_info(self, info)
         _set_children(self, tuple(children))
-        return self
+        if from_data is None:
+            return self, None
+        return self, from_data(_REGISTRY, (Tree, info), defs)
+
+    def shape_of(listed: tuple[Key, ...]) -> _Shape:
+        shape = shapes.get(listed)
+        if shape is None:  # nodes repeat their keys: `(kernel, bias)`
+            # TypeError: keys that do not sort
+            ordered, jax_order, ranks = canonical_and_sorted(listed)
+            in_order = list(listed) == jax_order and listed == ordered
+            singles = tuple((key,) for key in ordered)
+            shape = _Shape(ordered, in_order, singles, jax_order, ranks)
+            shapes[listed] = shape
+        return shape
 
     def listed_of(container: Any, role: str, path: Path) -> tuple[Key, ...]:
         """A mapping's keys, in its order; notes that order (`orders`) and whether
@@ -293,43 +388,43 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
         if type(container) is not dict:
             rough.append(path)
         listed = tuple(container)
-        shape = shapes.get(listed)
-        if shape is None:  # nodes repeat their keys: `(kernel, bias)`
-            ordered = canonical(listed)
-            singles = tuple((key,) for key in ordered)
-            shape = shapes[listed] = (ordered, _in_order(listed), singles)
-        if not shape[1]:
+        if not shape_of(listed).in_order:
             orders[(role, *path)] = listed
         return listed
 
-    def alike(role: str, path: Path, keys: tuple, values: list) -> list | None:
-        """The nodes of `values` (at `path + (key,)` for each of `keys`) when they
-        are alike, dicts of leaves with the same keys in the same order (`Dense_0`
-        ... `Dense_49999`): made in C-level passes, with what `one` notes for each
-        (`orders`, `native`, `rough`). None when they are not alike."""
+    def alike(role: str, path: Path, shape: _Shape, values: list) -> tuple | None:
+        """The nodes of `values` (at `path + (key,)` for each key of the parent's
+        `shape`) when they are alike, dicts of leaves with the same keys in the
+        same order (`Dense_0` ... `Dense_49999`): made in C-level passes, with what
+        `one` notes for each (`orders`, `native`, `rough`). None when they are not
+        alike."""
+        keys = shape.ordered
         listed = tuple(values[0])
         if len(path) + 1 >= deep or not listed:
             return None
         if list(map(tuple, values)).count(listed) != len(values):
             return None
-        shape = shapes.get(listed)
-        if shape is None:
-            ordered = canonical(listed)
-            singles = tuple((key,) for key in ordered)
-            shape = shapes[listed] = (ordered, _in_order(listed), singles)
-        ordered, in_order, _ = shape
+        layer = shape_of(listed)
+        ordered, in_order = layer.ordered, layer.in_order
         get = itemgetter(*ordered)
         leaves = list(map(get, values) if len(ordered) > 1 else zip(map(get, values)))
-        if any(kinds.get(t) != _VALUE for t in set(map(type, chain(*leaves)))):
+        # leaves only: each layer's values read (`checked`), or the first layer's
+        # and then each leaf is one of JAX's leaves, all of kinds read as values
+        # (checked at the end; if not, the walk is made again, `checked`)
+        flat = chain.from_iterable(leaves) if checked else leaves[0]
+        if any(kinds.get(t) != _VALUE for t in set(map(type, flat))):
             return None
+        trusted[0] = not checked
         if set(map(type, values)) != {dict}:
             rough.append(path)
         if not in_order:  # `(role, *path, key)` for each
             orders.update(zip(map((role, *path).__add__, zip(keys)), repeat(listed)))
         paths.extend(
-            chain(*zip(*[map(path.__add__, zip(keys, repeat(k))) for k in ordered]))
+            chain.from_iterable(
+                zip(*[map(path.__add__, zip(keys, repeat(k))) for k in ordered])
+            )
         )
-        seen.extend(chain(*leaves))
+        seen.extend(chain.from_iterable(leaves))
         if listed != ordered:
             native.update(zip(map(path.__add__, zip(keys)), repeat(listed)))
         roles = (role,) * len(ordered)
@@ -341,30 +436,47 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
         deque(map(_set_info, nodes, repeat(info)), maxlen=0)
         deque(map(_set_children, nodes, leaves), maxlen=0)
         made[0] += len(nodes)
-        return nodes
+        defs: list[Any] = [None] * len(nodes)
+        if from_data is not None:
+            one_def = from_data(_REGISTRY, (Tree, info), [_LEAF_DEF] * len(ordered))
+            defs = [one_def] * len(nodes)
+        # JAX's position of each leaf: its layer's first (the layer's rank in
+        # the parent's sorted keys, times the layer's leaves), plus its rank within
+        # its layer
+        width = len(ordered)
+        starts = np.asarray(shape.ranks(), np.int64) * width
+        within = np.asarray(layer.ranks(), np.int64)
+        return nodes, defs, (starts[:, None] + within).ravel().tolist()
 
-    def one(container: Any, role: str, path: Path) -> tuple[tuple, tuple, list]:
-        """`(keys, roles, children)` of the node at `path`, in one collection."""
+    def one(container: Any, role: str, path: Path) -> tuple:
+        """`(keys, roles, children, their treedefs, the JAX positions of the
+        leaves below among those of `container`)` of the node at `path`, in one
+        collection."""
         listed = listed_of(container, role, path)
-        ordered, _, singles = shapes[listed]
+        shape = shapes[listed]
+        ordered = shape.ordered
         values = list(map(container.__getitem__, ordered))
         found = list(map(kinds.get, map(type, values)))
         if found.count(_VALUE) == len(values):
             # leaves only (a Dense layer's kernel and bias): C-level passes
-            paths.extend(map(path.__add__, singles))
+            paths.extend(map(path.__add__, shape.singles))
             seen.extend(values)
             if listed != ordered:
                 native[path] = listed
-            return ordered, (role,) * len(values), values
+            defs = [_LEAF_DEF] * len(values)
+            return ordered, (role,) * len(values), values, defs, shape.ranks()
         if len(values) >= _ALIKE and found.count(_DICT) == len(values):
-            layers = alike(role, path, ordered, values)
+            layers = alike(role, path, shape, values)
             if layers is not None:
                 if listed != ordered:
                     native[path] = listed
-                return ordered, (None,) * len(values), layers
+                return ordered, (None,) * len(values), *layers
         keys: list[Key] = []
         roles: list[str | None] = []
         children: list[Any] = []
+        defs = []
+        below: list[Any] = []  # per child, its leaves' positions among its own
+        counts: dict[Key, int] = {}  # per key, its JAX leaves (if not one)
         for key, child in zip(ordered, values):  # once per value of the variables
             kind = kinds.get(type(child))
             if kind is None:
@@ -372,8 +484,12 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
             if kind == _DICT:
                 here = path + (key,)
                 sub = one(child, role, here)
+                counts[key] = len(sub[4])
                 if sub[0]:
-                    children.append(node(here, *sub))
+                    made_node, made_def = node(here, *sub[:4])
+                    children.append(made_node)
+                    defs.append(made_def)
+                    below.append(sub[4])
                     keys.append(key)
                     roles.append(None)
                 else:  # an empty mapping is no module
@@ -387,18 +503,28 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
                 paths.append(path + (key,))
                 seen.append(child)
                 children.append(child)
+                defs.append(_LEAF_DEF)
+                below.append(_FIRST)
                 keys.append(key)
                 roles.append(role)
             elif kind == _NONE:
                 rough.append(path)
+                counts[key] = 0
             else:
                 raise _Unwalkable
         if listed != ordered:
             native[path] = _present(listed, keys)
-        return tuple(keys), tuple(roles), children
+        start = _starts(shape.jax_order, counts)
+        positions: list[int] = []
+        for key, inner in zip(keys, below):
+            first = start[key]
+            positions += map(add, inner, repeat(first)) if first else inner
+        return tuple(keys), tuple(roles), children, defs, positions
 
-    def merge(parts: list[tuple[str, Any]], path: Path) -> tuple[tuple, tuple, list]:
-        """`(keys, roles, children)` of the node at `path`, in several collections."""
+    def merge(parts: list[tuple[str, Any]], path: Path) -> tuple:
+        """`(keys, roles, children, their treedefs, positions, their collections)`
+        of the node at `path`, in several collections: each leaf's JAX position
+        among those of its collection's mapping at `path`."""
         merged: dict[Key, list[tuple[str, Any]]] = {}
         for part, container in parts:
             listed_of(container, part, path)
@@ -409,6 +535,9 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
         keys: list[Key] = []
         roles: list[str | None] = []
         children: list[Any] = []
+        defs: list[Any] = []
+        below: list[tuple[Any, Any]] = []  # per child: (positions, collection(s))
+        counts: dict[str, dict[Key, int]] = {part: {} for part, _ in parts}
         for key in ordered:
             here = path + (key,)
             inner, found = [], []
@@ -424,6 +553,7 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
                     found.append((role, child))
                 elif kind == _NONE:
                     rough.append(here)
+                    counts[role][key] = 0
                 else:
                     raise _Unwalkable
             if found:
@@ -433,46 +563,86 @@ def _walk(variables: Mapping, module: Any, leaves: list, treedef: Any) -> Tree |
                 paths.append(here)
                 seen.append(leaf)
                 children.append(leaf)
+                defs.append(_LEAF_DEF)
+                below.append((_FIRST, role))
                 keys.append(key)
                 roles.append(role)
             elif inner:
                 if len(inner) == 1:
-                    sub = one(inner[0][1], inner[0][0], here)
+                    role = inner[0][0]
+                    sub = one(inner[0][1], role, here)
+                    counts[role][key] = len(sub[4])
+                    whose: Any = role
                 else:
                     sub = merge(inner, here)
+                    whose = sub[5]
+                    for role, _ in inner:
+                        counts[role][key] = whose.count(role)
                 if sub[0]:
-                    children.append(node(here, *sub))
+                    made_node, made_def = node(here, *sub[:4])
+                    children.append(made_node)
+                    defs.append(made_def)
+                    below.append((sub[4], whose))
                     keys.append(key)
                     roles.append(None)
                 else:
                     rough.append(here)
         if listed != ordered:
             native[path] = _present(listed, keys)
-        return tuple(keys), tuple(roles), children
+        starts = {
+            part: _starts(shapes[tuple(container)].jax_order, counts[part])
+            for part, container in parts
+        }
+        positions: list[int] = []
+        collections: list[str] = []
+        for key, (inner, whose) in zip(keys, below):
+            if type(whose) is str:
+                first = starts[whose][key]
+                positions += map(add, inner, repeat(first)) if first else inner
+                collections += repeat(whose, len(inner))
+            else:
+                positions += [p + starts[c][key] for p, c in zip(inner, whose)]
+                collections += whose
+        return tuple(keys), tuple(roles), children, defs, positions, collections
 
     try:
         if len(parts) == 1:
             top = one(parts[0][1], parts[0][0], ())
+            order = top[4]
         else:
             top = merge(parts, ())
+            # JAX lists the collections in sorted order: each one's first position
+            first, total = {}, 0
+            for name in sorted(variables):
+                first[name] = total
+                total += top[5].count(name)
+            order = [p + first[c] for p, c in zip(top[4], top[5])]
     except (_Unwalkable, TypeError):  # TypeError: keys that natural order cannot sort
         return None
-    # each Tree leaf's position among JAX's leaves: the very same objects, one for one
+    # each Tree leaf is JAX's leaf at its position: the very same object
     n = len(leaves)
-    position = dict(zip(map(id, leaves), range(n)))
-    if len(seen) != n or len(position) != n:
-        return None
-    order: list[Any] = list(map(position.get, map(id, seen)))
-    found = set(order)
-    if len(found) != n or None in found:
+    if (
+        len(seen) != n
+        or len(order) != n
+        or not all(map(is_, seen, map(leaves.__getitem__, order)))
+        or (trusted[0] and not _all_values(types or tuple(map(type, leaves))))
+    ):
+        if trusted[0]:  # some alike layer holds more than leaves: read each value
+            return _walk(variables, module, leaves, treedef, types, checked=True)
         return None
     maker.order = order
     maker.nodes = made[0]
     one_dict = not rough and type(variables) is dict and len(parts) == 1
     plain = parts[0][0] if one_dict else None
-    orders_ = NativeOrder(tuple(orders.items()))
+    orders_ = NativeOrder(orders)
     record = LinenRecord(treedef, Held(module), orders_, plain)
-    return maker.root(top[0], list(top[1]), top[2], "linen", record, native)
+    defs = None if from_data is None else top[3]
+    return maker.root(top[0], list(top[1]), top[2], "linen", record, native, defs)
+
+
+def _all_values(types: tuple) -> bool:
+    """Whether the types of JAX's leaves are all classes `_walk` reads as values."""
+    return all(_WALK_KINDS.get(cls) == _VALUE for cls in set(types))
 
 
 # from this many children on, `_walk` tries to make a node's children in C-level
@@ -486,6 +656,48 @@ def _present(listed: tuple[Key, ...], keys: list[Key]) -> tuple[Key, ...]:
         return listed
     present = set(keys)
     return tuple(k for k in listed if k in present)
+
+
+class _Shape:
+    """What `_walk` reads off a mapping's keys (nodes repeat them: `(kernel,
+    bias)`): the keys in canonical order (`ordered`, the Tree's) and in sorted order
+    (`jax_order`, JAX's), whether they are listed in both, `(key,)` for each of
+    `ordered`."""
+
+    __slots__ = ("ordered", "in_order", "singles", "jax_order", "_ranks")
+
+    def __init__(self, ordered, in_order, singles, jax_order, ranks):
+        self.ordered: tuple[Key, ...] = ordered
+        self.in_order: bool = in_order
+        self.singles: tuple[Path, ...] = singles
+        self.jax_order: list[Key] = jax_order
+        self._ranks: list[int] | None = ranks
+
+    def ranks(self) -> list[int]:
+        """Each key of `ordered`'s position in `jax_order` (do not modify)."""
+        if self._ranks is None:
+            if list(self.ordered) == self.jax_order:
+                self._ranks = list(range(len(self.ordered)))
+            else:
+                rank = dict(zip(self.jax_order, range(len(self.jax_order))))
+                self._ranks = list(map(rank.__getitem__, self.ordered))
+        return self._ranks
+
+
+def _starts(jax_order: list[Key], counts: dict[Key, int]) -> dict[Key, int]:
+    """The position of each key's first leaf among a mapping's JAX leaves: JAX lists
+    the children in sorted key order (`jax_order`); `counts` holds the number of
+    leaves under each key that is not one leaf."""
+    start: dict[Key, int] = {}
+    total = 0
+    get = counts.get
+    for key in jax_order:
+        start[key] = total
+        total += get(key, 1)
+    return start
+
+
+_FIRST = (0,)  # the positions below a leaf: itself
 
 
 class _Walk:
@@ -681,7 +893,7 @@ def to_linen(tree: Tree) -> dict[str, Any]:
     `dict`, `FrozenDict` stays `FrozenDict`), boxes and their metadata restored.
     """
     record = source_of(tree, "linen", LinenRecord).record
-    orders = dict(record.orders.value)
+    orders = record.orders.value
     if record.plain is not None:  # the Tree's dicts, in their recorded order
         checked_leaves(tree, "linen")
         return {record.plain: _dicts(tree, (record.plain,), orders)}
