@@ -70,9 +70,8 @@ NEWEST = next(
 WORKERS = ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
 # The fast suite: the tests and the docstring examples of the package.
 PYTEST = ["pytest", "-q", *WORKERS, "tests", "bridge", "--doctest-modules"]
-# XLA's default flags, as users run (tests/conftest.py otherwise compiles at XLA's
-# optimisation level 0, faster for the fast suite's tiny programs): `tests_slow` and
-# `tests_torch` run with these.
+# XLA's default flags and the sharding tests' eight CPU devices (as tests/conftest.py
+# sets them when XLA_FLAGS is unset): `tests_slow` and `tests_torch` run with these.
 DEFAULT_XLA = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 # The oldest versions pyproject.toml claims: keep in sync with pyproject.toml.

@@ -3,15 +3,9 @@ from pathlib import Path
 
 
 # Eight CPU devices for the sharding tests; must be set before JAX starts a backend.
-# And XLA's LLVM backend at optimisation level 0: the tests compile thousands of tiny
-# programs, whose compile time it halves (the same programs, less optimised machine
-# code; see README). Users run with XLA's default flags: so do the `tests_slow` and
-# `tests_torch` sessions (noxfile.py sets XLA_FLAGS), the documentation pages
-# (tests/test_docs.py) and the multi-process workers. A user's XLA_FLAGS wins.
-os.environ.setdefault(
-    "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-)
+# XLA's own flags otherwise, as users run (its LLVM backend at optimisation level 0 was
+# tried: no gain on the whole fast suite, see README). A user's XLA_FLAGS wins.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Every compiled program in JAX's persistent cache, however small: the tests compile
 # thousands of small eager ops (90 ms of CPU each, 16 ms from the cache), which the
 # pytest-xdist workers, the subprocesses of the CLI tests (they inherit these
