@@ -406,3 +406,7 @@ def test_varied_variables_walk_to_the_tree_of_the_general_path(variables, form):
     again = bridge.from_linen(variables)  # from the cache
     assert _linen._KNOWN.items
     _same_tree(again, general)
+    back = bridge.to_linen(first)  # the very variables given, in their orders
+    assert jtu.tree_structure(back) == jtu.tree_structure(variables)
+    assert key_orders(back) == key_orders(variables)
+    assert same_objects(leaf_objects(back), leaf_objects(variables))

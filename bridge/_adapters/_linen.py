@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from itertools import chain, repeat
-from operator import add, is_, itemgetter
+from operator import add, attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import flax.linen as nn
@@ -33,6 +33,7 @@ from .._tree import (
     NativeOrder,
     Tree,
     _Info,
+    _keys,
     _new,
     _set_children,
     _set_info,
@@ -907,12 +908,52 @@ def to_linen(tree: Tree) -> dict[str, Any]:
 def _dicts(node: Tree, path: Path, orders: dict[Path, tuple]) -> dict[Key, Any]:
     """The nested dicts of a Tree, each in its order in `orders` (keyed by
     `(collection, *path)`) if there, else in the Tree's."""
-    out = {
-        k: _dicts(c, path + (k,), orders) if type(c) is Tree else c
-        for k, c in items(node)
-    }
+    layers = _alike_dicts(node, path, orders)
+    out: dict[Key, Any]
+    if layers is not None:
+        out = dict(zip(_keys(node), layers))
+    else:
+        out = {
+            k: _dicts(c, path + (k,), orders) if type(c) is Tree else c
+            for k, c in items(node)
+        }
     keys = orders.get(path)
     return out if keys is None else {k: out[k] for k in keys}
+
+
+def _alike_dicts(node: Tree, path: Path, orders: dict[Path, tuple]) -> list | None:
+    """The dicts of a node's children when they are alike layers (`Dense_0` ...
+    `Dense_49999`: Trees of one static record, of leaves only, all in the Tree's
+    order or all in one recorded order), made in C-level passes; else None."""
+    children = node._children
+    keys = node._info.keys
+    if len(children) < _ALIKE or keys is None:
+        return None
+    if set(map(type, children)) != {Tree}:
+        return None
+    infos = set(map(_INFO, children))
+    if len(infos) != 1:
+        return None
+    (info,) = infos
+    names = info.keys
+    if names is None or len(names) < 2 or None in info.roles:
+        return None
+    wanted = set(map(orders.get, map(path.__add__, zip(keys))))
+    if len(wanted) != 1:
+        return None
+    (listed,) = wanted
+    rows = map(_CHILDREN, children)
+    if listed is None:
+        listed = names
+    elif len(listed) != len(names) or set(listed) != set(names):
+        return None
+    else:  # each layer's children in the recorded order
+        rows = map(itemgetter(*map(names.index, listed)), rows)
+    return list(map(dict, map(zip, repeat(listed), rows)))
+
+
+_INFO = attrgetter("_info")
+_CHILDREN = attrgetter("_children")
 
 
 def _note_order(node: Mapping, path: Path, orders: dict[Path, tuple]) -> None:
