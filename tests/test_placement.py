@@ -209,7 +209,11 @@ def test_load_from_another_framework_reads_array_by_array(
 ):
     """Loading another framework's safetensors file into an abstract sharded target
     ports it while reading it: each layer's arrays are read from the file just before
-    they are converted and placed, never the whole file first."""
+    they are converted and placed, never the whole file first. Before the first
+    placement: the first row's two arrays and at most one more, the array
+    `bridge.load` reads in a thread while it plans (a quarter of the file, at least
+    one array: `bridge._lazy.read_early`); this file is too small to read a row
+    ahead (1/32 of it)."""
     model = concrete(source)
     bridge.save(tmp_path / "m.safetensors", model)
     read, placed = [], []
@@ -228,7 +232,7 @@ def test_load_from_another_framework_reads_array_by_array(
     abstract = ABSTRACT[target](mesh)
     out = bridge.load(tmp_path / "m.safetensors", like=abstract)
     assert_placed(out, abstract)
-    assert len(read) == 4 and placed[0] <= 2, (read, placed)
+    assert len(read) == 4 and placed[0] <= 3, (read, placed)
     x = jax.random.normal(jax.random.key(2), (3, IN))
     assert np.allclose(forward(out, x), forward(model, x), atol=1e-5)
 
