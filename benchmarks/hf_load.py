@@ -112,13 +112,16 @@ this 1.23 s, 1.19x (2.11x), 1.05; load_file 0.97 s.
 | Equinox (CPU x) | 0.84 s, 0.92x (1.02x), 1.00 | 0.86 s, 0.93x (1.04x), 1.00 |
 | load_file | 0.92 s (0.92 s CPU) | |
 
-Not yet measured on a quiet machine (18df13d there: NNX 1.63x). What is left over
-the floor is CPU: XLA's transposing copies take ~1.1-1.4 s of the NNX load's ~2 s
-(1.6-2 ms/MiB, the destination's page faults included), on 2 threads; the reads of
-a transposed weight into a pooled buffer ~0.2 ms/MiB; the planning ~0.1 s (now
-beside the early reads). Tried, no gain: reading weights into rows padded past
-4 KiB (XLA's copy alone 10-15% faster on 4 KiB rows, read + copy the same); numpy's
-blocked transposes through a small hot buffer (1.1-2x XLA's CPU on these shapes).
+On the quiet machine (dd4b596, 4 rounds, load 1.0 -> 1.2): NNX 1.04 s, 1.25x, peak
+1.04; Equinox 0.80 s, 0.96x, 1.00; load_file 0.83 s; load + host transpose 1.99x,
+1.16; from_pretrained 6.26x, 0.15 (18df13d there: NNX 1.63x): both goals met. What
+is left over the floor is CPU: XLA's transposing copies take ~1.1-1.4 s of the NNX
+load's ~2 s (1.6-2 ms/MiB, the destination's page faults included), on 2 threads;
+the reads of a transposed weight into a pooled buffer ~0.2 ms/MiB; the planning
+~0.1 s (now beside the early reads). Tried, no gain: reading weights into rows
+padded past 4 KiB (XLA's copy alone 10-15% faster on 4 KiB rows, read + copy the
+same); numpy's blocked transposes through a small hot buffer (1.1-2x XLA's CPU on
+these shapes).
 """
 
 from __future__ import annotations
