@@ -21,107 +21,31 @@ Goals (issue 28): time <= 1.5x the floor, peak <= 1.1x the model.
     python benchmarks/hf_load.py --quick     # ~24 MiB, 3 rounds (a smoke run)
     python benchmarks/hf_load.py --json      # + the JSON line benchmarks/table.py reads
 
-Measured (2 shared cores, 2026-12-02, 3 rounds; time x load_file, peak / model):
+Measured on a quiet 2-core machine (62ad82d, 4 interleaved rounds, load 1.0-1.2;
+time, x load_file, peak / model):
 
-| load | before (5a155d9, load 4.8-8.0) | 5b2f22e (load 4.2) | 6f679d1 (load 9.4-7.2) |
+| load | time | x floor | peak |
 |---|---|---|---|
-| NNX | 7.29 s, 3.43x, 1.01 (*) | 3.49 s, 2.46x, 1.12 | 5.38 s, 3.03x, 1.12 |
-| Equinox | 3.02 s, 1.42x, 1.08 (*) | 2.23 s, 1.57x, 1.00 | 3.86 s, 2.17x, 1.00 |
-| load_file | 2.12 s | 1.42 s | 1.78 s |
-| load + host transpose | 2.70x, 1.24 | 2.39x | 2.42x, 1.25 |
-| from_pretrained | 6.12x, 0.15 | | |
+| bridge.load(like=abstract NNX) | 1.04 s | 1.25 | 1.04 |
+| bridge.load(like=abstract Equinox) | 0.80 s | 0.96 | 1.00 |
+| safetensors.numpy.load_file (floor) | 0.83 s | 1.00 | 1.00 |
+| load_file + host transpose (anchor) | 1.65 s | 1.99 | 1.16 |
+| transformers from_pretrained | 5.19 s | 6.26 | 0.15 |
 
-| load | 4e1ed16 (load 3.4-2.6) | `Pool.keep` 4 -> 1 (load 2.5) |
-|---|---|---|
-| NNX | 1.60 s, 2.44x, 1.12 | 2.19 s, 2.83x, 1.02 |
-| Equinox | 1.04 s, 1.58x, 1.00 | 1.32 s, 1.70x, 1.00 |
-| load_file | 0.66 s | 0.77 s |
-
-(*) RssAnon only: the reads of then went into shared anonymous maps, not counted.
-The second table's columns ran back to back; the same change interleaved (keep 4, 2,
-1 in one run of 3 rounds, load 3-4): NNX 2.01 s, 1.81 s, 2.00 s; peak 1.118, 1.033,
-1.024.
-Goal missed: NNX time (XLA's transposing copy ~1.4 s and pairing ~0.9 s of a ~3.6 s
-load in the profile). The machine's load moves the times more than the changes
-between columns.
-
-| load | 8099da1 (load 0.2-4.8) | 6bb1184 (load 7.2-7.8) | 7558676 (load 9.0-10.3) |
-|---|---|---|---|
-| NNX | 2.56 s, 3.00x, 1.02 | 2.74 s, 1.92x, 1.05 | 3.73 s, 2.14x, 1.06 |
-| Equinox | 0.53 s, 0.62x, 1.00 | 2.05 s, 1.43x, 1.00 | 2.50 s, 1.44x, 1.00 |
-| load_file | 0.85 s | 1.43 s | 1.74 s |
-| load + host transpose | 2.03x, 1.24 | | 1.88x, 1.24 |
-
-6bb1184: the GC paused during bridge.load, the next arrays read in a thread;
-7558676: XLA's transposing copies in two threads. Each interleaved with the commit
-before it in one run (fresh processes, medians): 6bb1184, 5 rounds at load 7.2-9.1,
-NNX 2.30x -> 2.13x load_file (CPU 1.61 s -> 1.32 s); 7558676, 5 rounds at load
-5.6-6.7, 2.30x -> 2.19x, 4 rounds at load 9.1-9.5, 2.46x -> 2.15x.
-Goal missed: NNX time. Profile after 7558676 (load 6.7): 1.21 s of CPU, of which
-the transposing copies 0.69 s (in the threads), the reads ~0.3 s (a thread),
-make_plan 0.13 s; load_file takes 0.55-0.7 s. At load 5-10 on 2 cores the process
-gets about one core (wall ~2x CPU), so the threads hide little there. Tried, no
-gain: numpy's cache-blocked transposes (1.2-1.5x XLA's CPU), 1 or 3 copying
-threads instead of 2, `Pool.keep` 2-4 (peak 1.06-1.10, times within the noise):
-with keep 1, 612 of the 758 MiB read go into fresh mappings (281 MiB with keep 3).
-
-| load 7.0-8.8, 5 rounds | 0dfcc81 | dbef0e0 |
-|---|---|---|
-| NNX (CPU x) | 5.33 s, 2.45x (2.78x), 1.06 | 5.16 s, 2.37x (2.53x), 1.05 |
-| Equinox (CPU x) | 5.01 s, 2.30x (2.29x), 1.00 | 2.39 s, 1.10x (1.09x), 1.00 |
-| load_file | 2.18 s (1.08 s CPU) | |
-| load + host transpose | 2.53x (2.50x), 1.24 | |
-
-Both columns in one run, interleaved: this file's `prepare` and `sampled` in fresh
-processes, each commit's bridge (wall ~2x CPU at that load).
-Equinox's 1.7x of stop 33 was the read buffers' `MADV_HUGEPAGE`: on this 2-core VM
-fresh transparent huge pages fault in at up to 3x the system time of 4 KiB pages
-(Equinox keeps every read as the model: 1.64 s -> 0.76 s of system time). 5e8231b
-drops it and keeps idle read buffers up to the bytes still to read; dbef0e0 plans
-with the Tree `bridge.load` made of `like` (~28 ms of CPU for NNX).
-Goal missed: NNX time. Its CPU (2.2-2.7 s) is mostly XLA's transposing copies,
-1.0-2.2 ms of CPU per MiB of which ~1 ms/MiB is faulting in the destination (the
-model's new memory: load_file pays it too); the floor reads with no layout change.
-On the quiet machine (9b06166, 3 rounds, load 1.3 -> 1.1): NNX 1.24 s, 1.63x, peak
-1.05; Equinox 0.79 s, 1.04x, 1.00; load_file 0.76 s; load + host transpose 2.24x,
-1.16; from_pretrained 7.11x, 0.15. Run it with `PYTHONPATH=.` from a clone (the
-bridge of the environment is the one timed).
-
-| 8 rounds, load 3.2-4.2, nice -19 (*) | 18df13d | early reads |
-|---|---|---|
-| NNX (CPU x) | 1.22 s, 1.34x (2.15x), 1.06 | 1.13 s, 1.22x (2.08x), 1.05 |
-| load_file | 0.92 s (0.92 s CPU) | |
-
-(*) Both columns interleaved in one run, fresh processes, ratios the medians of each
-round's; the processes in a scheduling group of their own at nice -19 (writing
-`/proc/self/autogroup`), so that the other helpers' work on the 2 cores took little
-of theirs (load_file's wall = its CPU). Early reads: `bridge.load` reads the first
-shard in a thread while it plans the port (~0.15 s of one core before), and one
-layout copy within the budget starts beside a larger one under way (the 64 MiB
-`lm_head` held up the next weights). Then the early reads went on to the next
-shards, up to a quarter of the file (this folder's first shard holds `lm_head`
-alone): 1.33x -> 1.34x (CPU 2.31x -> 2.27x), within the noise (6 rounds, load 5.5).
-The copies beside the `lm_head`'s then went on within the budget (before, a third
-waited for the oldest, the `lm_head`'s, to end). 7 rounds, load 4.2-5.1, nice -19:
-18df13d 1.40 s, 1.42x (CPU 2.23x), 1.05; 1941151 1.25 s, 1.21x (2.17x), 1.05;
-this 1.23 s, 1.19x (2.11x), 1.05; load_file 0.97 s.
-
-| 8 rounds, load 2.3-4.0, nice -19 (*) | 18df13d | 495d8af |
-|---|---|---|
-| NNX (CPU x) | 1.24 s, 1.41x (2.28x), 1.06 | 1.12 s, 1.22x (2.16x), 1.05 |
-| Equinox (CPU x) | 0.84 s, 0.92x (1.02x), 1.00 | 0.86 s, 0.93x (1.04x), 1.00 |
-| load_file | 0.92 s (0.92 s CPU) | |
-
-On the quiet machine (dd4b596, 4 rounds, load 1.0 -> 1.2): NNX 1.04 s, 1.25x, peak
-1.04; Equinox 0.80 s, 0.96x, 1.00; load_file 0.83 s; load + host transpose 1.99x,
-1.16; from_pretrained 6.26x, 0.15 (18df13d there: NNX 1.63x): both goals met. What
-is left over the floor is CPU: XLA's transposing copies take ~1.1-1.4 s of the NNX
-load's ~2 s (1.6-2 ms/MiB, the destination's page faults included), on 2 threads;
-the reads of a transposed weight into a pooled buffer ~0.2 ms/MiB; the planning
-~0.1 s (now beside the early reads). Tried, no gain: reading weights into rows
-padded past 4 KiB (XLA's copy alone 10-15% faster on 4 KiB rows, read + copy the
-same); numpy's blocked transposes through a small hot buffer (1.1-2x XLA's CPU on
-these shapes).
+Both goals met. The NNX load over the issue's course (x load_file): 4.28 when the
+issue was filed, 3.43 (5a155d9), 2.13-2.19 (transposing copies in threads, reads
+ahead), 1.63 quiet (18df13d: read buffers without `MADV_HUGEPAGE`, idle buffers only
+up to the bytes still to read), 1.25 quiet (reads started while the port is planned;
+copies within the budget beside the `lm_head`'s). Each commit's message gives its
+interleaved A/B. What is left over the floor is CPU: XLA's transposing copies take
+~1.1-1.4 s of the NNX load's ~2 s (1.6-2 ms/MiB, the destination's page faults
+included, on 2 threads). Tried, no gain: reading weights into rows padded past 4 KiB;
+numpy's cache-blocked transposes, also through a small hot buffer (1.1-2x XLA's CPU
+on these shapes); 1 or 3 copying threads; XLA transposing into a donated buffer of
+bridge's (XLA ignores the donation). On a loaded machine run the sides in their own
+scheduling group (`setsid`, then `echo -19 > /proc/self/autogroup`): plain `nice`
+does nothing across autogroups. Run it with `PYTHONPATH=.` from a clone (the bridge
+of the environment is the one timed).
 """
 
 from __future__ import annotations
