@@ -181,7 +181,7 @@ def _jax_state() -> Any:
 class Placing:
     """`to_jax` of host arrays whose layout changes (not C-contiguous: XLA copies
     them) in `threads` threads, at most `budget` bytes of them waiting or under way
-    (more waits for the oldest: their host memory is the peak's excess), not
+    (more waits for any of them to end: their host memory is the peak's excess), not
     counting one copy larger than `budget` (a 64 MiB `lm_head` does not hold up
     the next weights: measured, 758 MiB HF Llama folder -> NNX, with
     `bridge.load`'s early reads, 8 interleaved rounds, 1.34x -> 1.22x

@@ -474,7 +474,7 @@ def _port_file(
     if arrays is None:
         arrays = read(contents)
     try:
-        # the first shard read in a thread while the port is planned
+        # the file's first arrays read in a thread while the port is planned
         with read_early(arrays.values() if early else (), _early_bytes(arrays)):
             source = file_tree(contents, arrays)
             example, example_kwargs = given
