@@ -43,10 +43,11 @@ from ._quant._read import quantization_summary
 
 
 _DESCRIPTION = """\
-Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models and PyTorch-
-layout checkpoints (Hugging Face's included), and run the demo. The checkpoint formats,
-chosen by each path: {formats}. A directory holding a model.safetensors.index.json is
-a sharded checkpoint. Pickle files (*.bin, *.pt) are refused, never unpickled."""
+Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models and
+PyTorch-layout checkpoints (Hugging Face's included), and run the demo. The checkpoint
+formats, chosen by each path: {formats}. A directory holding a
+model.safetensors.index.json is a sharded checkpoint. Pickle files (*.bin, *.pt) are
+refused, never unpickled."""
 
 _CONVERT_HELP = """\
 Convert a checkpoint between the formats ({formats}), keeping each array's role; the

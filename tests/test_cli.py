@@ -2,6 +2,7 @@
 script runs `bridge._cli:main`), and in-process through `main` for the many cases."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,12 +164,16 @@ def test_convert_refuses_to_replace_a_directory(tmp_path, cnn_file, capsys):
     assert os.path.isdir(tmp_path / "photos")
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert", "demo"])
+@pytest.mark.parametrize("command", [[], ["inspect"], ["convert"], ["demo"]])
 def test_help_on_every_subcommand(command, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main([command, "--help"])
+        main([*command, "--help"])
     assert exit_.value.code == 0
-    assert f"usage: bridge {command}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"usage: {' '.join(['bridge', *command])}" in out
+    # argparse joins a help text's lines with spaces: a source line that ends in a
+    # hyphen ("PyTorch-" / "layout") would print as "PyTorch- layout"
+    assert not re.search(r"[A-Za-z]- ", out), re.search(r"\S+- \S+", out)
 
 
 def test_usage_error_is_one_line(capsys):
