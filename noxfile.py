@@ -219,6 +219,7 @@ TORCH_TESTS = [
     "tests/test_torch_stack_export.py",
     "tests/test_torch_export_reference.py",
     "tests/test_torch_hf_moe.py",
+    "tests/test_torch_hf_families.py",
     "tests/test_quant_torch.py",
     "tests/test_quant_keep_torch.py",
     "tests/test_quant_gguf.py",
