@@ -69,3 +69,25 @@ def test_folder_in_and_out_without_rules(tmp_path, name, fw):
     assert loaded.keys() == hf.state_dict().keys()
     assert all(torch.equal(v, loaded[k]) for k, v in hf.state_dict().items())
     assert np.array_equal(_logits(back), expected)
+
+
+# Hugging Face RMSNorms computing `x * (1 + weight)` under names that do not start with
+# "Gemma" (transformers 5.x); their weight is not Flax's RMSNorm scale
+OFFSET_NORMS = [
+    ("qwen3_next", "Qwen3NextRMSNorm"),
+    ("qwen3_5", "Qwen3_5RMSNorm"),
+    ("vaultgemma", "VaultGemmaRMSNorm"),
+    ("recurrent_gemma", "RecurrentGemmaRMSNorm"),
+]
+
+
+@pytest.mark.parametrize("family,cls", OFFSET_NORMS)
+def test_a_norm_computing_one_plus_weight_is_not_a_flax_rms_norm(family, cls):
+    """Ported as Flax's RMSNorm, such a norm's output would change (by 2.1 on this
+    input, measured before the fix): it is refused, naming the layer."""
+    module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(module, cls)(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_()
+    with pytest.raises(bridge.PortError, match=r"unexpected: source layer \.weight"):
+        bridge.port(norm, nnx.RMSNorm(8, epsilon=1e-6, rngs=nnx.Rngs(0)))

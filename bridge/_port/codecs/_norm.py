@@ -5,8 +5,8 @@ Canonical (Flax): `scale` and `bias`, shape `(features,)`; Equinox calls them
 coming from Flax, and porting to Flax refuses a non-zero one. Either side may lack
 `scale` (1) or `bias` (0): a missing one is filled with that neutral value, a dropped
 one must hold it. PyTorch (`nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm`, and
-Hugging Face's `...LayerNorm`/`...RMSNorm` classes except Gemma's): `weight` ->
-`scale`.
+Hugging Face's `...LayerNorm`/`...RMSNorm` classes except those computing `x * (1 +
+weight)`, Gemma's and its kin's): `weight` -> `scale`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import equinox as eqx
 from flax import nnx
 
+from ..._families._offset_norms import one_plus_weight
 from .._codec import (
     Codec,
     Leaves,
@@ -173,11 +174,11 @@ _torch_group_norm = by_class("GroupNorm")(_torch_affine)
 
 def _norm_class(cls: Any, suffix: str) -> bool:
     """A norm written the Hugging Face way: a class (of any library) whose name ends
-    in `suffix` (`LlamaRMSNorm`, `Qwen2RMSNorm`); Gemma's norms, which compute
-    `x * (1 + weight)`, are not Flax's and are left to a codec of their own."""
-    return any(
-        c.__name__.endswith(suffix) and not c.__name__.startswith("Gemma")
-        for c in getattr(cls, "__mro__", ())
+    in `suffix` (`LlamaRMSNorm`, `Qwen2RMSNorm`); norms that compute `x * (1 +
+    weight)` (Gemma's, Qwen3-Next's: `one_plus_weight`) are not Flax's and are left
+    to a codec of their own."""
+    return not one_plus_weight(cls) and any(
+        c.__name__.endswith(suffix) for c in getattr(cls, "__mro__", ())
     )
 
 
