@@ -1,11 +1,12 @@
 """Tiny decoder-only language models of the Hugging Face families beyond Llama
-(Qwen2, Qwen3, Mistral, Phi-3), each written in NNX (one module per layer, an
-`nnx.List`) and in Equinox (the layers one `eqx.filter_vmap` stack, run with
-`lax.scan`), with transformers' names, computing what transformers' modeling files
-compute; and the matching transformers models (random weights, no download).
-Imported by `tests/test_torch_hf_families.py` only, after it skips without torch and
-transformers."""
+(Qwen2, Qwen3, Mistral, Phi-3; Gemma in NNX only), each written in NNX (one module
+per layer, an `nnx.List`) and in Equinox (the layers one `eqx.filter_vmap` stack,
+run with `lax.scan`), with transformers' names, computing what transformers'
+modeling files compute; and the matching transformers models (random weights, no
+download). Imported by `tests/test_torch_hf_families.py` only, after it skips
+without torch and transformers."""
 
+import functools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -29,6 +30,7 @@ class Family(NamedTuple):
     bias: bool = False  # q_proj, k_proj, v_proj with biases (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head of q and k (Qwen3)
     fused: bool = False  # qkv_proj and gate_up_proj, each one nn.Linear (Phi-3)
+    gemma: bool = False  # x * (1 + scale) norms, embedding tied and scaled, GELU
 
 
 FAMILIES = {
@@ -37,12 +39,12 @@ FAMILIES = {
     "mistral": Family("MistralConfig", "MistralForCausalLM"),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", fused=True),
 }
+GEMMA = Family("GemmaConfig", "GemmaForCausalLM", gemma=True)
 
 
-def hf_model(name: str, torch, transformers):
+def hf_model(family: Family, torch, transformers):
     """The family's transformers model, its parameters moved away from their initial
     values (norm scales 1, biases 0) so that a misplaced one shows in the logits."""
-    family = FAMILIES[name]
     config = getattr(transformers, family.config)(
         vocab_size=VOCAB,
         hidden_size=D,
@@ -53,7 +55,7 @@ def hf_model(name: str, torch, transformers):
         head_dim=HEAD_DIM,
         rms_norm_eps=EPS,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=family.gemma,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -80,6 +82,24 @@ def _heads(q, k, v):
     )
 
 
+class GemmaNorm(nnx.Module):
+    """Gemma's RMSNorm, as Google's JAX Gemma writes it: `x * (1 + scale)`, `scale`
+    starting at 0 (not Flax's RMSNorm)."""
+
+    def __init__(self, features: int):
+        self.scale = nnx.Param(jnp.zeros(features))
+
+    def __call__(self, x):
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS)
+        return x * (1 + self.scale[...]).reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+def _norm(family: Family, features: int, rngs: nnx.Rngs):
+    if family.gemma:
+        return GemmaNorm(features)
+    return nnx.RMSNorm(features, epsilon=EPS, rngs=rngs)
+
+
 # --- NNX: one module per layer --------------------------------------------------------
 
 
@@ -97,8 +117,8 @@ class Attention(nnx.Module):
             self.v_proj = linear(D, KV * HEAD_DIM, family.bias)
         self.o_proj = linear(HEADS * HEAD_DIM, D)
         if family.qk_norm:
-            self.q_norm = nnx.RMSNorm(HEAD_DIM, epsilon=EPS, rngs=rngs)
-            self.k_norm = nnx.RMSNorm(HEAD_DIM, epsilon=EPS, rngs=rngs)
+            self.q_norm = _norm(family, HEAD_DIM, rngs)
+            self.k_norm = _norm(family, HEAD_DIM, rngs)
 
     def __call__(self, x, cos, sin):
         b, t, _ = x.shape
@@ -130,15 +150,18 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        act = jax.nn.silu
+        if self.family.gemma:  # transformers' gelu_pytorch_tanh
+            act = functools.partial(jax.nn.gelu, approximate=True)
+        return self.down_proj(act(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, family: Family, rngs: nnx.Rngs):
         self.self_attn = Attention(family, rngs)
         self.mlp = MLP(family, rngs)
-        self.input_layernorm = nnx.RMSNorm(D, epsilon=EPS, rngs=rngs)
-        self.post_attention_layernorm = nnx.RMSNorm(D, epsilon=EPS, rngs=rngs)
+        self.input_layernorm = _norm(family, D, rngs)
+        self.post_attention_layernorm = _norm(family, D, rngs)
 
     def __call__(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -149,23 +172,31 @@ class Decoder(nnx.Module):
     def __init__(self, family: Family, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(VOCAB, D, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(family, rngs) for _ in range(LAYERS)])
-        self.norm = nnx.RMSNorm(D, epsilon=EPS, rngs=rngs)
+        self.norm = _norm(family, D, rngs)
 
 
 class CausalLM(nnx.Module):
     """`model.layers[i].self_attn.q_proj`, ..., `lm_head`: transformers' names.
-    `ids (batch, length)` -> logits `(batch, length, VOCAB)`."""
+    `ids (batch, length)` -> logits `(batch, length, VOCAB)`. Gemma: the embedding
+    scaled by `sqrt(D)` and tied (its `attend` gives the logits), no `lm_head`."""
 
     def __init__(self, family: Family, rngs: nnx.Rngs):
+        self.family = family
         self.model = Decoder(family, rngs)
-        self.lm_head = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+        if not family.gemma:
+            self.lm_head = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, ids):
         cos, sin = rotary(ids.shape[1], HEAD_DIM)
         x = self.model.embed_tokens(ids)
+        if self.family.gemma:
+            x = x * jnp.asarray(D**0.5, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        if self.family.gemma:
+            return self.model.embed_tokens.attend(x)
+        return self.lm_head(x)
 
 
 # --- Equinox: the layers one stack, run with lax.scan ---------------------------------

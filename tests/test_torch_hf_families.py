@@ -6,6 +6,8 @@ into the same model written in NNX (a module per layer) and in Equinox (the laye
 one `eqx.filter_vmap` stack), with no rules: logits as transformers'. Written back
 with `bridge.save(folder, model, layout="torch", config=...)`,
 `AutoModelForCausalLM.from_pretrained` opens it: the same weights, the same logits.
+Gemma's norms compute `x * (1 + weight)`: refused into Flax's RMSNorm (from a folder,
+told by its `config.json`), loaded into a norm of that kind (`same_layout`).
 Skipped without torch and transformers (`nox -s tests_torch`)."""
 
 import equinox as eqx
@@ -24,7 +26,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, requires("NNX")]
 
-from .hf_families import FAMILIES, CausalLM, EqxCausalLM, hf_model  # noqa: E402
+from .hf_families import (  # noqa: E402
+    FAMILIES,
+    GEMMA,
+    CausalLM,
+    EqxCausalLM,
+    GemmaNorm,
+    hf_model,
+)
 
 
 IDS = np.array([[1, 5, 9, 3, 7, 2, 11, 40], [4, 8, 15, 16, 23, 42, 0, 95]])
@@ -52,7 +61,7 @@ def _run(fw, model):
 @pytest.mark.parametrize("fw", ["nnx", "equinox"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_folder_in_and_out_without_rules(tmp_path, name, fw):
-    hf = hf_model(name, torch, transformers)
+    hf = hf_model(FAMILIES[name], torch, transformers)
     hf.save_pretrained(tmp_path / "hf")
     target = _abstract(fw, FAMILIES[name])
     plan = bridge.port_plan(bridge.load(tmp_path / "hf"), target)
@@ -83,11 +92,65 @@ OFFSET_NORMS = [
 
 @pytest.mark.parametrize("family,cls", OFFSET_NORMS)
 def test_a_norm_computing_one_plus_weight_is_not_a_flax_rms_norm(family, cls):
-    """Ported as Flax's RMSNorm, such a norm's output would change (by 2.1 on this
-    input, measured before the fix): it is refused, naming the layer."""
+    """Ported as Flax's RMSNorm, such a norm's output moved by 2.1 (measured before
+    the fix, with no error): it is refused, naming the layer and the fix."""
     module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
     norm = getattr(module, cls)(8, eps=1e-6)
     with torch.no_grad():
         norm.weight.uniform_()
-    with pytest.raises(bridge.PortError, match=r"unexpected: source layer \.weight"):
+    with pytest.raises(bridge.PortError, match=r"1 source layer\(s\) \(\(root\)\) com"):
         bridge.port(norm, nnx.RMSNorm(8, epsilon=1e-6, rngs=nnx.Rngs(0)))
+
+
+# --- Gemma: norms computing x * (1 + weight) ------------------------------------------
+
+
+@pytest.fixture
+def gemma_norm():
+    """`GemmaNorm` (NNX, `scale`) registered as the layer kind of Hugging Face's
+    Gemma norms, as docs/guides/pytorch.md says."""
+    bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", [GemmaNorm]))
+    yield
+    bridge.unregister_codec("GemmaRMSNorm", "nnx")
+
+
+def _gemma_with_flax_norms():
+    """Gemma written with Flax's RMSNorm (`x * scale`): not what Gemma computes."""
+    return nnx.eval_shape(lambda: CausalLM(GEMMA._replace(gemma=False), nnx.Rngs(0)))
+
+
+def test_gemma_folder_into_flax_rms_norms_is_refused(tmp_path):
+    """Loaded as Flax RMSNorm scales, Gemma's norm weights moved the logits by 4.2
+    (measured before the fix), with no error."""
+    hf = hf_model(GEMMA, torch, transformers)
+    hf.save_pretrained(tmp_path / "hf")
+    target = _gemma_with_flax_norms()
+    del target.lm_head  # Gemma ties it to the embedding
+    with pytest.raises(bridge.PortError) as info:
+        bridge.load(tmp_path / "hf", like=target)
+    message = str(info.value)
+    assert "unexpected: source layer .model.norm (GemmaRMSNorm: scale (32,))" in message
+    assert "missing: target layer .model.norm (RMSNorm: scale (32,))" in message
+    assert "x * (1 + weight)" in message
+    assert 'same_layout("GemmaRMSNorm"' in message  # the fix
+    with pytest.raises(bridge.PortError, match=r"GemmaRMSNorm"):
+        bridge.port(hf, target)  # the module: the same
+
+
+@pytest.mark.parametrize("source", ["folder", "module"])
+def test_gemma_into_its_own_norm_and_back(tmp_path, gemma_norm, source):
+    hf = hf_model(GEMMA, torch, transformers)
+    hf.save_pretrained(tmp_path / "hf")
+    target = nnx.eval_shape(lambda: CausalLM(GEMMA, nnx.Rngs(0)))
+    if source == "folder":
+        model = bridge.load(tmp_path / "hf", like=target)
+    else:
+        model = bridge.port(hf, target)
+    expected = _logits(hf)
+    np.testing.assert_allclose(_run("nnx", model), expected, **TOL)
+
+    bridge.save(tmp_path / "out", model, layout="torch", config=hf.config)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    loaded = back.state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in hf.state_dict().items())
+    assert np.array_equal(_logits(back), expected)

@@ -302,6 +302,17 @@ def from_torch(
         state = obj
     else:
         raise TypeError(_NOT_A_STATE_DICT.format(what=type(obj).__name__))
+    return _state_tree(state, kinds, module, prefix, split)
+
+
+def _state_tree(
+    state: Mapping[str, Any],
+    kinds: dict[Path, Any],
+    module: Any,
+    prefix: str,
+    split: dict[str, tuple[str, ...]] | None,
+) -> Tree:
+    """`from_torch` of a state dict whose modules' classes are `kinds`."""
     bad = [
         f"{k!r} is a {type(v).__name__}"
         for k, v in state.items()
@@ -654,12 +665,13 @@ def _from_file(
 ) -> Tree:
     """The Tree of a PyTorch-layout file: its state dict named by the arrays' paths
     (a `prefix=` taken off), in natural name order (2 before 10, as PyTorch), packed
-    experts tensors (transformers v5's `mlp.experts.gate_up_proj`) read per expert."""
+    experts tensors (transformers v5's `mlp.experts.gate_up_proj`) read per expert;
+    `kinds` the classes the file tells (`{path: class}`), as a module's."""
     ordered = sorted(tensors, key=lambda t: _natural(t[1]))
     state = {".".join(map(str, path)): array for _, path, _, array in ordered}
     if _experts.has_packed(state):
         state = _experts.unpack(state)
-    return from_torch(state)
+    return _state_tree(state, dict(kinds), None, "", None)
 
 
 def _natural(path: tuple) -> tuple:

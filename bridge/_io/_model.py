@@ -11,6 +11,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._adapters._registry import Adapter, file_reader, registered
+from .._families._offset_norms import file_norms
 from .._paths import Path as TreePath, at, path_of
 from .._tree import (
     Tree,
@@ -22,6 +23,7 @@ from .._tree import (
     walk,
 )
 from ._classes import resolve
+from ._config import model_type
 from ._contents import RESERVED, VERSION, Contents, Stored, dotted, is_key, split
 
 
@@ -120,7 +122,9 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     PyTorch-layout file, its state dict; from a Flax file (Linen, NNX) or any other,
     the Tree of Linen-style variables (`{role: {module: {name: array}}}`, Flax's
     layout), so `bridge.to_native` gives that dict. Each module's class is its kind
-    where that class is already imported.
+    where that class is already imported; in a Hugging Face folder whose
+    `config.json` names a family of `x * (1 + weight)` norms (Gemma), each norm's
+    kind is that norm's (`bridge/_families/_offset_norms.py`).
     """
     kinds = {p: cls for p, c, _ in contents.modules if (cls := resolve(c))}
     read = file_reader(contents.framework, contents.layout)
@@ -133,5 +137,8 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         else (name, split(name), "params", array)
         for name, array in arrays.items()
     ]
+    if contents.layout == "torch":  # a Hugging Face folder says its family
+        ndims = [(path, len(array.shape)) for _, path, _, array in tensors]
+        kinds.update(file_norms(model_type(contents.path), ndims))
     modules = {p: (c, f) for p, c, f in contents.modules}
     return read(tensors, modules, kinds, list(contents.empty))

@@ -40,6 +40,14 @@ UNEXPECTED = (
     "it with rules={{r'{source_re}': '<target path>'}}, or pass strict=False to leave "
     "it out."
 )
+ONE_PLUS_WEIGHT = (
+    "norm: {n} source layer(s) ({some}) compute x * (1 + weight), as Gemma's "
+    "RMSNorm does (layer kind GemmaRMSNorm); Flax's and Equinox's RMSNorm compute "
+    "x * scale, so these weights cannot go into them as they are. Write the norm as "
+    "x * (1 + scale), its array named `scale` (as Google's JAX Gemma does), and "
+    'register it: bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", '
+    "[MyNorm])) (docs/guides/pytorch.md, Gemma)."
+)
 SHAPE = (
     "shape: {source} -> {target} ({kind}): `{entry}` is {actual} in the "
     "source, the target expects {expected}. These are different layers: build the "

@@ -432,6 +432,10 @@ def make_plan(
         )
         for s in lone_sources
     ]
+    offset = [s.where for s in lone_sources if s.kinds == ("GemmaRMSNorm",)]
+    if offset:  # what no rule fixes: the fix
+        some = ", ".join(offset[:3]) + (", ..." if len(offset) > 3 else "")
+        unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
         problems += missing + unexpected
     if problems:

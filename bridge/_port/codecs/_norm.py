@@ -222,6 +222,26 @@ def _torch_hyper(**extra: str):
     return hyper
 
 
+def _torch_one_plus_weight(cls: Any, leaves: Leaves) -> bool:
+    """A norm computing `x * (1 + weight)` (Gemma's): from a module by its class (a
+    layer of a Hugging Face folder whose `config.json` names such a family has one);
+    without a class, a 1-D `weight` alone may be one (the other side decides)."""
+    if cls is not None and not one_plus_weight(cls):
+        return False
+    w = shape_of(leaves, "weight")
+    return set(leaves) == {"weight"} and w is not None and len(w) == 1
+
+
+# registered first: the last of a class-less weight's candidate kinds
+GEMMA_RMS_NORM_TORCH = register_torch(
+    "GemmaRMSNorm",
+    _torch_one_plus_weight,
+    _torch_decode,
+    _torch_encode,
+    _torch_hyper(),
+    "torch weight",
+    {},  # no entry is optional: its neutral weight is 0, not Flax's scale 1
+)
 LAYER_NORM_TORCH = register_torch(
     "LayerNorm",
     _torch_layer_norm,
@@ -240,6 +260,8 @@ RMS_NORM_TORCH = register_torch(
     "torch weight",
     _DEFAULTS,
 )
+
+
 GROUP_NORM_TORCH = register_torch(
     "GroupNorm",
     _torch_group_norm,
