@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.slow, requires("NNX")]
 from .hf_families import (  # noqa: E402
     FAMILIES,
     GEMMA,
+    HEAD_DIM,
+    HEADS,
+    KV,
     CausalLM,
     EqxCausalLM,
     GemmaNorm,
@@ -154,3 +157,49 @@ def test_gemma_into_its_own_norm_and_back(tmp_path, gemma_norm, source):
     loaded = back.state_dict()
     assert all(torch.equal(v, loaded[k]) for k, v in hf.state_dict().items())
     assert np.array_equal(_logits(back), expected)
+
+
+# --- Phi-3 into separate q/k/v and gate/up layers -------------------------------------
+
+# grouped-query attention: qkv_proj's rows are HEADS * HEAD_DIM of q, then KV *
+# HEAD_DIM of k and of v, unequal parts
+PHI3_SPLIT = {
+    r"model\.layers\.\d+\.self_attn\.qkv_proj": {
+        "q_proj": HEADS * HEAD_DIM,
+        "k_proj": KV * HEAD_DIM,
+        "v_proj": KV * HEAD_DIM,
+    },
+    r"model\.layers\.\d+\.mlp\.gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def test_phi3_split_into_separate_layers_and_fused_back(tmp_path):
+    """Phi-3 written as Llama (no fused layers): the folder's state dict split as it
+    is read (`from_torch(..., split=)` with each part's rows), and fused again on the
+    way out. Before sizes could be given, the split was refused: 'its output size 64
+    is not a multiple' of 3."""
+    hf = hf_model(FAMILIES["phi3"], torch, transformers)
+    hf.save_pretrained(tmp_path / "hf")
+    llama_like = FAMILIES["phi3"]._replace(fused=False)
+    target = nnx.eval_shape(lambda: CausalLM(llama_like, nnx.Rngs(0)))
+    with pytest.raises(bridge.PortError, match=r"unexpected: source layer .*qkv_proj"):
+        bridge.load(tmp_path / "hf", like=target)  # the fused layers pair with nothing
+    state = bridge.to_torch(bridge.load(tmp_path / "hf"))
+    model = bridge.port(bridge.from_torch(state, split=PHI3_SPLIT), target)
+    expected = _logits(hf)
+    np.testing.assert_allclose(_run("nnx", model), expected, **TOL)
+
+    fresh = bridge.from_torch(hf.state_dict(), split=PHI3_SPLIT)  # the fused layout
+    bridge.save(
+        tmp_path / "out", bridge.port(model, fresh), layout="torch", config=hf.config
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    loaded = back.state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in hf.state_dict().items())
+    assert np.array_equal(_logits(back), expected)
+
+
+def test_split_sizes_must_add_up():
+    state = {"qkv.weight": np.zeros((64, 32), "f4")}
+    with pytest.raises(ValueError, match=r"output size 64 is not 32 \+ 16 \+ 8\."):
+        bridge.from_torch(state, split={"qkv": {"q": 32, "k": 16, "v": 8}})

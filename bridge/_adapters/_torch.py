@@ -13,6 +13,7 @@ tensor or a module is given, or tensors are asked for.
 from __future__ import annotations
 
 import importlib
+import itertools
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -240,7 +241,7 @@ def from_torch(
     obj: Any,
     *,
     prefix: str = "",
-    split: Mapping[str, Sequence[str]] | None = None,
+    split: Mapping[str, Sequence[str] | Mapping[str, int]] | None = None,
 ) -> Tree:
     """Convert a PyTorch-layout state dict (or a `torch.nn.Module`) to a `bridge.Tree`.
 
@@ -271,6 +272,9 @@ def from_torch(
       `{r".*\\.c_attn": ("query", "key", "value")}` turns GPT-2's `c_attn`
       (`Conv1D`, weight `(in, 3*E)`) into three `nn.Linear`-layout layers
       (`query.weight` `(E, in)`, views, no copy); `to_torch` fuses them back.
+      Parts of other sizes are `{name: rows}`, in order: Phi-3's `qkv_proj` with
+      grouped-query attention is `{"q_proj": H * hd, "k_proj": KV * hd, "v_proj":
+      KV * hd}`.
 
     **Returns:**
 
@@ -310,7 +314,7 @@ def _state_tree(
     kinds: dict[Path, Any],
     module: Any,
     prefix: str,
-    split: dict[str, tuple[str, ...]] | None,
+    split: dict[str, Parts] | None,
 ) -> Tree:
     """`from_torch` of a state dict whose modules' classes are `kinds`."""
     bad = [
@@ -343,14 +347,33 @@ def _state_tree(
     return build(entries, kinds, "torch", record)
 
 
-def _check_split(split: Any) -> dict[str, tuple[str, ...]] | None:
+class Parts(NamedTuple):
+    """What `split` makes of a fused weight: the parts' names, and their numbers of
+    rows (None: equal parts)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...] | None
+
+
+def _check_split(split: Any) -> dict[str, Parts] | None:
     if split is None:
         return None
     if not isinstance(split, Mapping):
         raise type_error("split", "a dict of regex -> part names, or None", split)
     for pattern in split:
         check_pattern(pattern, "split")
-    return {p: check_names(parts, f"split[{p!r}]") for p, parts in split.items()}
+    return {p: _parts(parts, f"split[{p!r}]") for p, parts in split.items()}
+
+
+def _parts(parts: Any, argument: str) -> Parts:
+    """Part names, or `{name: rows}`: each part's size along the output axis."""
+    if not isinstance(parts, Mapping):
+        return Parts(check_names(parts, argument), None)
+    sizes = tuple(parts.values())
+    bad = [n for n in sizes if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise type_error(argument, "part names, or {name: rows} with rows > 0", bad[0])
+    return Parts(check_names(tuple(parts), argument), sizes)
 
 
 def _has(name: str, prefix: str) -> bool:
@@ -423,13 +446,13 @@ def _is_conv1d(cls: Any) -> bool:
 
 
 def _split(
-    arrays: dict[str, Any], split: Mapping[str, Sequence[str]], kinds: dict[Path, Any]
+    arrays: dict[str, Any], split: Mapping[str, Parts], kinds: dict[Path, Any]
 ) -> tuple[dict[str, Any], list[Split]]:
     """The arrays with each matched module's `weight` (and `bias`) replaced, where
     the weight was, by its parts; one pass over the entries, whatever their number."""
     modules = [n[: -len(".weight")] for n in arrays if n.endswith(".weight")]
     modules = [m for m in modules if np.ndim(arrays[m + ".weight"]) == 2]
-    chosen: dict[str, tuple[str, ...]] = {}
+    chosen: dict[str, Parts] = {}
     problems: list[str] = []
     for pattern, parts in split.items():
         matched = [m for m in modules if re.fullmatch(pattern, m)]
@@ -438,11 +461,11 @@ def _split(
         for module in matched:
             if module in chosen:
                 problems.append(f"split {module!r} twice (two patterns match it)")
-            chosen[module] = tuple(parts)
+            chosen[module] = parts
     pieces: dict[str, list[tuple[str, Any]]] = {}  # at the weight's name
     removed: set[str] = set()
     splits = []
-    for module, parts in chosen.items():
+    for module, (parts, sizes) in chosen.items():
         weight, bias = arrays[module + ".weight"], arrays.get(module + ".bias")
         cls = kinds.get(_split_name(module))
         if cls is not None:
@@ -452,21 +475,25 @@ def _split(
         else:
             conv1d = module.rsplit(".", 1)[-1] in CONV1D_NAMES
         size = weight.shape[1 if conv1d else 0]
-        if size % len(parts):
+        if sizes is None and size % len(parts):
+            reason = f"its output size {size} is not a multiple (give each part's rows)"
+        elif sizes is not None and sum(sizes) != size:
+            reason = f"its output size {size} is not {' + '.join(map(str, sizes))}"
+        else:
+            reason = ""
+        if reason:
             raise ValueError(
                 _SPLIT_SHAPE.format(
-                    module=module,
-                    n=len(parts),
-                    parts=parts,
-                    reason=f"its output size {size} is not a multiple",
+                    module=module, n=len(parts), parts=parts, reason=reason
                 )
             )
-        step = size // len(parts)
+        sizes = sizes or (size // len(parts),) * len(parts)
+        ends = list(itertools.accumulate(sizes))
         head = module.rsplit(".", 1)[0] + "." if "." in module else ""
         entries = ("weight", "bias") if bias is not None else ("weight",)
         new = []
-        for i, part in enumerate(parts):
-            piece = slice(i * step, (i + 1) * step)
+        for part, end, rows in zip(parts, ends, sizes):
+            piece = slice(end - rows, end)
             new.append(
                 (
                     f"{head}{part}.weight",
