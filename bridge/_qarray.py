@@ -155,7 +155,7 @@ class QuantizedArray:
         **Raises:** `ValueError` naming what qwix's form cannot hold: packed values
         (qwix keeps one value a byte), GPTQ's and AWQ's zero points and group
         indices, blocks that do not divide the weight, a reshape."""
-        import qwix
+        import qwix  # pyright: ignore[reportMissingImports] (optional, not a dependency)
 
         s = self.scheme
         problem = None

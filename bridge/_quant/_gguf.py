@@ -77,7 +77,7 @@ class Source(NamedTuple):
 
 def _gguf(path: Path) -> Any:
     try:
-        import gguf
+        import gguf  # pyright: ignore[reportMissingImports] (optional, not a dependency)
     except ImportError:
         raise unreadable(path, NAME, _NO_GGUF.format(path=path)) from None
     return gguf
@@ -119,7 +119,7 @@ def metadata(path: Path) -> Contents:
 
 def read_one(contents: Contents, name: str) -> np.ndarray:
     """Tensor `name`, dequantized to float32 by `gguf` if it is quantized."""
-    import gguf
+    gguf = _gguf(contents.path)
 
     stored, heads = contents.source.renamed.get(name, (name, 0))
     tensor: Tensor = contents.source.tensors[stored]
