@@ -40,6 +40,15 @@ UNEXPECTED = (
     "it with rules={{r'{source_re}': '<target path>'}}, or pass strict=False to leave "
     "it out."
 )
+FUSED = (
+    "fused: source layer {source} (Dense, {out} outputs) holds {parts} side by side; "
+    "a rule cannot split it. Split a PyTorch-layout source as it is read: "
+    "bridge.from_torch(bridge.to_torch(source), split={{r'{pattern}': {{...}}}}), "
+    "with `...` each part's name and rows, `'name': rows`, in the order the source's "
+    "forward pass cuts its output: the shapes do not tell it, and a wrong order ports "
+    "without an error. Port back into a Tree made with the same split to write the "
+    "fused layer again (docs/guides/pytorch.md, Fused QKV)."
+)
 ONE_PLUS_WEIGHT = (
     "norm: {n} source layer(s) ({some}) compute x * (1 + weight), as Gemma's "
     "RMSNorm does (layer kind GemmaRMSNorm); Flax's and Equinox's RMSNorm compute "

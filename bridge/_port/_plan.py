@@ -334,6 +334,50 @@ def _adopt(pairs: list[tuple[Layer, Layer]], problems: list[str]) -> None:
                 read_specs(a, problems)
 
 
+def _kernel(layer: Layer) -> tuple[int, ...] | None:
+    """A Dense layer's kernel shape `(in, out)` (Flax layout), else None."""
+    spec = (
+        layer.specs.get("Dense", {}).get("kernel") if "Dense" in layer.kinds else None
+    )
+    return None if spec is None or len(spec.shape) != 2 else tuple(spec.shape)
+
+
+def _fused(sources: list[Layer], targets: list[Layer]) -> list[str]:
+    """For each source Dense that pairs with nothing and whose output is that of
+    unpaired target Dense siblings side by side (Phi-3's `qkv_proj` for `q_proj`,
+    `k_proj`, `v_proj`): a rule cannot split it, `split=` can. One problem per
+    name, layer numbers aside."""
+    out: dict[str, str] = {}
+    for s in sources:
+        kernel = _kernel(s)
+        if kernel is None or not s.path:
+            continue
+        parts = [
+            t
+            for t in targets
+            if t.path[:-1] == s.path[:-1]
+            and (k := _kernel(t)) is not None
+            and k[0] == kernel[0]
+        ]
+        sizes = {str(t.path[-1]): _kernel(t)[1] for t in parts}  # type: ignore[index]
+        if len(sizes) < 2 or sum(sizes.values()) != kernel[1]:
+            continue
+        dotted = ".".join(map(str, s.path))
+        pattern = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(dotted))
+        out.setdefault(
+            pattern,
+            _errors.FUSED.format(
+                source=s.where,
+                out=kernel[1],
+                parts=", ".join(
+                    f"{t.where} ({n} rows)" for t, n in zip(parts, sizes.values())
+                ),
+                pattern=pattern,
+            ),
+        )
+    return list(out.values())
+
+
 def make_plan(
     source: Any,
     target: Any,
@@ -432,6 +476,7 @@ def make_plan(
         )
         for s in lone_sources
     ]
+    unexpected += _fused(lone_sources, lone_targets)
     offset = [s.where for s in lone_sources if s.kinds == ("GemmaRMSNorm",)]
     if offset:  # what no rule fixes: the fix
         some = ", ".join(offset[:3]) + (", ..." if len(offset) > 3 else "")
