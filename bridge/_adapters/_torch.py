@@ -294,7 +294,7 @@ def from_torch(
     ```
     """
     check_str(prefix, "prefix")
-    split = _check_split(split)
+    checked = _check_split(split)
     module = None
     kinds: dict[Path, Any] = {}
     if is_module(obj):
@@ -306,7 +306,7 @@ def from_torch(
         state = obj
     else:
         raise TypeError(_NOT_A_STATE_DICT.format(what=type(obj).__name__))
-    return _state_tree(state, kinds, module, prefix, split)
+    return _state_tree(state, kinds, module, prefix, checked)
 
 
 def _state_tree(
