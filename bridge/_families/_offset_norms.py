@@ -5,6 +5,7 @@ its folder's `config.json` (`model_type`)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ class FileNorm:
     such a norm (the layer holds a 1-D `weight` alone, in a `MODEL_TYPES` folder)."""
 
 
+@functools.cache  # a source read once per class, not once per layer
 def one_plus_weight(cls: Any) -> bool:
     """Whether the norm class `cls` computes `x * (1 + weight)`: `FileNorm`, a class
     of its lineage named after Gemma, or a `forward` whose source multiplies by `(1 +
