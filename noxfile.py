@@ -255,10 +255,16 @@ def tests_torch(session: nox.Session) -> None:
             session.run("python", script)
 
 
+# What the docs' code imports beyond bridge's dependencies: `tests_slow` runs every
+# ```python block of the pages (tests/test_docs.py); the quantized guide reads a GGUF
+# file with gguf
+GUIDE_PACKAGES = ["gguf"]
+
+
 @nox.session(python=NEWEST[1])
 def tests_slow(session: nox.Session) -> None:
     """The tests marked `slow`, on the newest releases, with XLA's default flags."""
-    session.install("--upgrade", "-e", ".[test]")
+    session.install("--upgrade", "-e", ".[test]", *GUIDE_PACKAGES)
     session.run(
         "pytest",
         "-q",
