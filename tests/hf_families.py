@@ -1,5 +1,5 @@
 """Tiny decoder-only language models of the Hugging Face families beyond Llama
-(Qwen2, Qwen3, Mistral, Phi-3; Gemma in NNX only), each written in NNX (one module
+(Qwen2, Qwen3, Mistral, Phi-3, Gemma), each written in NNX (one module
 per layer, an `nnx.List`) and in Equinox (the layers one `eqx.filter_vmap` stack,
 run with `lax.scan`), with transformers' names, computing what transformers'
 modeling files compute; and the matching transformers models (random weights, no
@@ -150,10 +150,7 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        act = jax.nn.silu
-        if self.family.gemma:  # transformers' gelu_pytorch_tanh
-            act = functools.partial(jax.nn.gelu, approximate=True)
-        return self.down_proj(act(gate) * up)
+        return self.down_proj(_act(self.family)(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -206,14 +203,38 @@ def _apply(layer, x):
     return over_leading(layer, x)
 
 
+class EqxGemmaNorm(eqx.Module):
+    """`GemmaNorm` in Equinox, one vector: `x * (1 + scale)`."""
+
+    scale: jax.Array
+
+    def __init__(self, features: int):
+        self.scale = jnp.zeros(features)
+
+    def __call__(self, x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x) + EPS) * (1 + self.scale)
+
+
+def _eqx_norm(family: Family, features: int):
+    if family.gemma:
+        return EqxGemmaNorm(features)
+    return eqx.nn.RMSNorm(features, eps=EPS, use_bias=False)
+
+
+def _act(family: Family):
+    if family.gemma:  # transformers' gelu_pytorch_tanh
+        return functools.partial(jax.nn.gelu, approximate=True)
+    return jax.nn.silu
+
+
 class EqxAttention(eqx.Module):
     q_proj: eqx.nn.Linear | None
     k_proj: eqx.nn.Linear | None
     v_proj: eqx.nn.Linear | None
     qkv_proj: eqx.nn.Linear | None
     o_proj: eqx.nn.Linear
-    q_norm: eqx.nn.RMSNorm | None
-    k_norm: eqx.nn.RMSNorm | None
+    q_norm: eqx.Module | None
+    k_norm: eqx.Module | None
 
     def __init__(self, family: Family, key):
         keys = iter(jax.random.split(key, 5))
@@ -231,8 +252,8 @@ class EqxAttention(eqx.Module):
         self.o_proj = linear(HEADS * HEAD_DIM, D)
         self.q_norm = self.k_norm = None
         if family.qk_norm:
-            self.q_norm = eqx.nn.RMSNorm(HEAD_DIM, eps=EPS, use_bias=False)
-            self.k_norm = eqx.nn.RMSNorm(HEAD_DIM, eps=EPS, use_bias=False)
+            self.q_norm = _eqx_norm(family, HEAD_DIM)
+            self.k_norm = _eqx_norm(family, HEAD_DIM)
 
     def __call__(self, x, cos, sin):  # x: (T, D)
         if self.qkv_proj is not None:
@@ -251,8 +272,10 @@ class EqxMLP(eqx.Module):
     up_proj: eqx.nn.Linear | None
     gate_up_proj: eqx.nn.Linear | None
     down_proj: eqx.nn.Linear
+    family: Family = eqx.field(static=True)
 
     def __init__(self, family: Family, key):
+        self.family = family
         keys = iter(jax.random.split(key, 3))
 
         def linear(i, o):
@@ -270,20 +293,20 @@ class EqxMLP(eqx.Module):
             gate, up = jnp.split(_apply(self.gate_up_proj, x), 2, axis=-1)
         else:
             gate, up = _apply(self.gate_proj, x), _apply(self.up_proj, x)
-        return _apply(self.down_proj, jax.nn.silu(gate) * up)
+        return _apply(self.down_proj, _act(self.family)(gate) * up)
 
 
 class EqxDecoderLayer(eqx.Module):
     self_attn: EqxAttention
     mlp: EqxMLP
-    input_layernorm: eqx.nn.RMSNorm
-    post_attention_layernorm: eqx.nn.RMSNorm
+    input_layernorm: eqx.Module
+    post_attention_layernorm: eqx.Module
 
     def __init__(self, family: Family, key):
         k1, k2 = jax.random.split(key)
         self.self_attn, self.mlp = EqxAttention(family, k1), EqxMLP(family, k2)
-        self.input_layernorm = eqx.nn.RMSNorm(D, eps=EPS, use_bias=False)
-        self.post_attention_layernorm = eqx.nn.RMSNorm(D, eps=EPS, use_bias=False)
+        self.input_layernorm = _eqx_norm(family, D)
+        self.post_attention_layernorm = _eqx_norm(family, D)
 
     def __call__(self, x, cos, sin):
         x = x + self.self_attn(_apply(self.input_layernorm, x), cos, sin)
@@ -293,14 +316,14 @@ class EqxDecoderLayer(eqx.Module):
 class EqxDecoder(eqx.Module):
     embed_tokens: eqx.nn.Embedding
     layers: EqxDecoderLayer  # a stack: every array has a leading layer axis
-    norm: eqx.nn.RMSNorm
+    norm: eqx.Module
 
     def __init__(self, family: Family, key):
         k1, k2 = jax.random.split(key)
         self.embed_tokens = eqx.nn.Embedding(VOCAB, D, key=k1)
         make = eqx.filter_vmap(lambda k: EqxDecoderLayer(family, k))
         self.layers = make(jax.random.split(k2, LAYERS))
-        self.norm = eqx.nn.RMSNorm(D, eps=EPS, use_bias=False)
+        self.norm = _eqx_norm(family, D)
 
 
 class EqxCausalLM(eqx.Module):
@@ -308,12 +331,16 @@ class EqxCausalLM(eqx.Module):
     `(length, VOCAB)`."""
 
     model: EqxDecoder
-    lm_head: eqx.nn.Linear
+    lm_head: eqx.nn.Linear | None  # Gemma: none, the embedding gives the logits
+    gemma: bool = eqx.field(static=True)
 
     def __init__(self, family: Family, key):
         k1, k2 = jax.random.split(key)
+        self.gemma = family.gemma
         self.model = EqxDecoder(family, k1)
-        self.lm_head = eqx.nn.Linear(D, VOCAB, use_bias=False, key=k2)
+        self.lm_head = None
+        if not family.gemma:
+            self.lm_head = eqx.nn.Linear(D, VOCAB, use_bias=False, key=k2)
 
     def __call__(self, ids):
         cos, sin = rotary(ids.shape[0], HEAD_DIM)
@@ -322,5 +349,11 @@ class EqxCausalLM(eqx.Module):
         def step(x, layer):
             return eqx.combine(layer, static)(x, cos, sin), None
 
-        x, _ = jax.lax.scan(step, _apply(self.model.embed_tokens, ids), layers)
-        return _apply(self.lm_head, _apply(self.model.norm, x))
+        x = _apply(self.model.embed_tokens, ids)
+        if self.gemma:
+            x = x * jnp.asarray(D**0.5, x.dtype)
+        x, _ = jax.lax.scan(step, x, layers)
+        x = _apply(self.model.norm, x)
+        if self.lm_head is None:
+            return x @ self.model.embed_tokens.weight.T
+        return _apply(self.lm_head, x)

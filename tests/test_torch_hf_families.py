@@ -34,6 +34,7 @@ from .hf_families import (  # noqa: E402
     KV,
     CausalLM,
     EqxCausalLM,
+    EqxGemmaNorm,
     GemmaNorm,
     hf_model,
 )
@@ -110,11 +111,13 @@ def test_a_norm_computing_one_plus_weight_is_not_a_flax_rms_norm(family, cls):
 
 @pytest.fixture
 def gemma_norm():
-    """`GemmaNorm` (NNX, `scale`) registered as the layer kind of Hugging Face's
-    Gemma norms, as docs/guides/pytorch.md says."""
-    bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", [GemmaNorm]))
+    """`GemmaNorm` (NNX) and `EqxGemmaNorm` (`scale` both) registered as the layer
+    kind of Hugging Face's Gemma norms, as docs/guides/pytorch.md says."""
+    norms = [GemmaNorm, EqxGemmaNorm]
+    bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", norms))
     yield
     bridge.unregister_codec("GemmaRMSNorm", "nnx")
+    bridge.unregister_codec("GemmaRMSNorm", "equinox")
 
 
 def _gemma_with_flax_norms():
@@ -140,17 +143,19 @@ def test_gemma_folder_into_flax_rms_norms_is_refused(tmp_path):
         bridge.port(hf, target)  # the module: the same
 
 
-@pytest.mark.parametrize("source", ["folder", "module"])
-def test_gemma_into_its_own_norm_and_back(tmp_path, gemma_norm, source):
+@pytest.mark.parametrize(
+    "fw,source", [("nnx", "folder"), ("nnx", "module"), ("equinox", "folder")]
+)
+def test_gemma_into_its_own_norm_and_back(tmp_path, gemma_norm, fw, source):
     hf = hf_model(GEMMA, torch, transformers)
     hf.save_pretrained(tmp_path / "hf")
-    target = nnx.eval_shape(lambda: CausalLM(GEMMA, nnx.Rngs(0)))
+    target = _abstract(fw, GEMMA)
     if source == "folder":
         model = bridge.load(tmp_path / "hf", like=target)
     else:
         model = bridge.port(hf, target)
     expected = _logits(hf)
-    np.testing.assert_allclose(_run("nnx", model), expected, **TOL)
+    np.testing.assert_allclose(_run(fw, model), expected, **TOL)
 
     bridge.save(tmp_path / "out", model, layout="torch", config=hf.config)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

@@ -248,7 +248,8 @@ class _Walk:
             return True
         found, _ = self.found(path, axis)
         if found and self.adapter.records_classes:
-            return _fits_flax(found[0], leaves)
+            fits = _fits_flax(found[0], leaves)
+            return fits is not False  # None: no shape tells, the siblings decide
         if found:
             return True
         node, roles = self.nodes[path], self.role_nodes[path]
@@ -490,13 +491,14 @@ def _sublayers(node: Tree) -> int:
     return sum(isinstance(child, Tree) for _, child in items(node))
 
 
-def _fits_flax(codec: Codec, leaves: Leaves) -> bool:
+def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
     """Whether a layer's arrays (shapes), decoded to the Flax layout by its codec,
-    are what the Flax (Linen) codec of its kind recognises; False where there is no
-    such codec, or the arrays do not decode."""
+    are what the Flax (Linen) codec of its kind recognises; False where the arrays do
+    not decode; None where the kind has no Flax codec (a `Codec.same_layout` norm):
+    its shapes tell nothing, and in a stack the other layers decide."""
     flax = codec_of(codec.kind, canonical_adapter().name)
     if flax is None:
-        return False
+        return None
     try:
         canonical = _shapes.decoded(codec, leaves, {})
     except Exception:  # the codec's own refusal: not this layout
