@@ -10,6 +10,8 @@ Gemma's norms compute `x * (1 + weight)`: refused into Flax's RMSNorm (from a fo
 told by its `config.json`), loaded into a norm of that kind (`same_layout`).
 Skipped without torch and transformers (`nox -s tests_torch`)."""
 
+import importlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -92,6 +94,25 @@ OFFSET_NORMS = [
     ("vaultgemma", "VaultGemmaRMSNorm"),
     ("recurrent_gemma", "RecurrentGemmaRMSNorm"),
 ]
+
+
+def test_the_folder_families_of_offset_norms_are_transformers():
+    """Each `model_type` whose folders' norms are read as `x * (1 + weight)` is one
+    whose transformers modeling file has such an RMSNorm (checked on its source)."""
+    from transformers import CONFIG_MAPPING
+
+    from bridge._families._offset_norms import MODEL_TYPES, one_plus_weight
+
+    for model_type in sorted(MODEL_TYPES):
+        config = CONFIG_MAPPING[model_type]
+        modeling = config.__module__.replace(".configuration_", ".modeling_")
+        module = importlib.import_module(modeling)
+        norms = [
+            c
+            for name, c in vars(module).items()
+            if name.endswith("RMSNorm") and isinstance(c, type)
+        ]
+        assert any(one_plus_weight(c) for c in norms), (model_type, norms)
 
 
 @pytest.mark.parametrize("family,cls", OFFSET_NORMS)

@@ -29,7 +29,12 @@ MODEL_TYPES = frozenset(
         "recurrent_gemma",
         "vaultgemma",
         "t5gemma",
+        "t5gemma2",
         "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
     }
 )
 """The `model_type`s (a Hugging Face folder's `config.json`) whose every norm holding
