@@ -238,7 +238,10 @@ class _Mixed(eqx.Module):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: _Mixed(jax.random.key(0)),
+        pytest.param(
+            lambda: _Mixed(jax.random.key(0)),
+            marks=requires("eqx.nn.BatchNorm(mode=...)"),
+        ),
         lambda: WithNones(jax.random.key(0)),
         lambda: models.equinox_block(),
         lambda: eqx.nn.MLP(2, 3, 4, 2, key=jax.random.key(0)),

@@ -22,6 +22,7 @@ import bridge
 from bridge._quant import _fp8
 
 from . import quant_llama as ql
+from .helpers import requires, skip_unless
 
 
 C = ql.Config(dim=128, hidden=256, layers=1, heads=2, kv_heads=1)
@@ -78,6 +79,7 @@ def _same_bits(a, b):
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
     """A Llama folder written FP8 block-scaled (128x128) by `bridge.save`."""
+    skip_unless("NNX")  # written from an NNX model
     folder = tmp_path_factory.mktemp("fp8")
     source = ql.make(ql.nnx_layers(), ql.HF, C)
     bridge.save(
@@ -334,6 +336,7 @@ def _torch_shapes(folder):
     return {k: v.shape for k, v in stored.items() if not k.endswith("_scale_inv")}
 
 
+@requires("NNX")
 def test_nothing_quantized_loads_as_usual(tmp_path):
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     bridge.save(tmp_path / "m.safetensors", model)
