@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,74 @@ def test_page_runs_as_pasted_and_prints_what_it_shows(page, tmp_path):
             assert out.strip() == shown.strip(), (
                 f"{page}: printed\n{out}\nshown\n{shown}"
             )
+
+
+def _imported(code: str) -> set[str]:
+    """The top-level modules `code` imports."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _canonical(name: str) -> str:
+    """A distribution's name as the package index compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_with(dist: str, extra: str) -> set[str]:
+    """The distributions `pip install dist[extra]` installs (whatever the markers),
+    as far as they are installed here."""
+    seen: set[str] = set()
+    todo = [(dist, extra)]
+    while todo:
+        name, wanted = todo.pop()
+        if _canonical(name) in seen:
+            continue
+        seen.add(_canonical(name))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for req in requires:
+            marker = req.partition(";")[2]
+            if "extra" in marker and f'"{wanted}"' not in marker:
+                continue
+            todo.append((re.split(r"[<>=!~\[ (;]", req.strip(), maxsplit=1)[0], ""))
+    return seen
+
+
+def test_the_pages_import_what_tests_slow_installs():
+    # `tests_slow`, which CI does not run, runs every ```python block of these pages
+    # with bridge[test] and the noxfile's GUIDE_PACKAGES: a page importing anything
+    # else fails there only
+    nox = ast.parse((ROOT / "noxfile.py").read_text())
+    extras = next(
+        ast.literal_eval(node.value)
+        for node in nox.body
+        if isinstance(node, ast.Assign)
+        and [t.id for t in node.targets if isinstance(t, ast.Name)]
+        == ["GUIDE_PACKAGES"]
+    )
+    dists = _installed_with("bridge", "test") | {_canonical(e) for e in extras}
+    provided = {
+        module
+        for module, names in metadata.packages_distributions().items()
+        if any(_canonical(n) in dists for n in names)
+    }
+    allowed = set(sys.stdlib_module_names) | provided | set(extras) | {"bridge"}
+    pages = ["README.md", "docs/getting-started.md"]
+    imported = {
+        page: set().union(*(_imported(code) for code, _ in blocks(ROOT / page)))
+        for page in [*pages, *[f"docs/guides/{g}" for g in GUIDES]]
+    }
+    assert {"optax", "flax", "gguf"} <= set().union(*imported.values())
+    missing = {page: sorted(names - allowed) for page, names in imported.items()}
+    missing = {page: names for page, names in missing.items() if names}
+    assert not missing, (
+        f"pages import what `nox -s tests_slow` does not install: {missing}; add "
+        "them to GUIDE_PACKAGES in noxfile.py, or show that code in a ```py block"
+    )
