@@ -234,3 +234,18 @@ def test_split_sizes_must_add_up():
     state = {"qkv.weight": np.zeros((64, 32), "f4")}
     with pytest.raises(ValueError, match=r"output size 64 is not 32 \+ 16 \+ 8\."):
         bridge.from_torch(state, split={"qkv": {"q": 32, "k": 16, "v": 8}})
+
+
+@pytest.mark.parametrize("layout", ["flax", "equinox"])
+def test_gemma_folder_is_not_converted_without_the_model(tmp_path, layout, capsys):
+    """`bridge convert --to-layout flax` wrote Gemma's norm weights as Flax RMSNorm
+    scales (measured before the fix: exit 0), which a Flax RMSNorm then reads as
+    `x * scale`, silently; both layouts now refuse, naming each norm."""
+    from bridge._cli import main
+
+    hf = hf_model(GEMMA, torch, transformers)
+    hf.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(tmp_path / "hf"), str(out), "--to-layout", layout]) == 1
+    assert ".model.norm (GemmaRMSNorm) has no" in capsys.readouterr().err
+    assert not out.exists()

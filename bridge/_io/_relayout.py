@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from .._adapters._native import to_native, to_neutral
-from .._adapters._registry import adapter_named, names, of_layout
+from .._adapters._registry import adapter_named, canonical_adapter, names, of_layout
 from .._paths import Path, parse
 from .._port._codec import codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
@@ -48,6 +48,12 @@ _NO_EQUINOX = (
     "register an Equinox codec of kind {kind!r} with a `build` "
     "(bridge.register_codec(bridge.Codec(kind={kind!r}, framework='equinox', ..., "
     "build=...)), see docs/guides/porting.md)"
+)
+_NO_FLAX = (
+    "unsupported: {where} ({kinds}) has no Flax counterpart: in the Flax layout its "
+    "arrays would read as another layer's (a Gemma norm's x * (1 + weight) as Flax "
+    "RMSNorm's x * scale). Load the file into the model itself instead: "
+    "bridge.load(path, like=model)"
 )
 _NO_BUILD = (
     "unsupported: {where} ({kinds}): the Equinox codec of kind {kind!r} has no "
@@ -179,6 +185,11 @@ def relayout(
     if layout == "equinox":
         mode = batch_norm_mode or "batch"
         return _to_equinox(contents, layers, problems, rename, mode)
+    flax = canonical_adapter().name
+    for layer in layers:
+        if all(codec_of(kind, flax) is None for kind in layer.kinds):
+            kinds = "/".join(layer.kinds)
+            problems.append(_NO_FLAX.format(where=layer.where, kinds=kinds))
     _raise(contents, "Flax", problems)
     return _to_flax(contents, arrays, layers)
 
