@@ -18,7 +18,8 @@ ONE_PLUS_WEIGHT = re.compile(r"\(\s*1(?:\.0)?\s*\+\s*self\.weight\b")
 
 NAMED = "Gemma"
 """A norm class whose name has this in it is taken as one, whatever its source says
-(a class without source: refused rather than guessed)."""
+or when it has none. Any other class whose source cannot be read (defined in a REPL)
+is taken as a plain `x * weight` norm, as nearly every Hugging Face norm is."""
 
 MODEL_TYPES = frozenset(
     {
