@@ -97,30 +97,9 @@ def llama_in(fw):
     return f["node"](model=body, lm_head=lin(D, VOCAB))
 
 
-NORMS = [
-    f"model.layers.{i}.{n}"
-    for i in range(LAYERS)
-    for n in ("input_layernorm", "post_attention_layernorm")
-] + ["model.norm"]
-
-
 def ported(hf, fw):
-    """`hf`'s weights in the NNX or Equinox Llama. (transformers' `LlamaRMSNorm` is
-    not a layer bridge recognises yet: its scales are set by name.)"""
-    model = bridge.port(hf, llama_in(fw), strict=False)
-    state = hf.state_dict()
-    tree = bridge.to_neutral(model)
-    for name in NORMS:
-        parts = [int(p) if p.isdigit() else p for p in name.split(".")]
-        leaf = "scale" if fw == "nnx" else "weight"
-
-        def where(t, parts=parts, leaf=leaf):
-            for p in parts:
-                t = t[p]
-            return t[leaf]
-
-        tree = eqx.tree_at(where, tree, jnp.asarray(state[name + ".weight"].numpy()))
-    return bridge.to_native(tree)
+    """`hf`'s weights in the NNX or Equinox Llama (its `LlamaRMSNorm`s are RMSNorms)."""
+    return bridge.port(hf, llama_in(fw))
 
 
 @pytest.mark.parametrize("fw", ["nnx", "equinox"])
