@@ -1,4 +1,6 @@
+import ast
 import os
+import re
 from pathlib import Path
 
 
@@ -17,6 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -46,3 +49,45 @@ def pytest_collection_modifyitems(config, items):
             "nnx." in example.source for example in item.dtest.examples
         ):
             item.add_marker(requires("NNX"))
+
+
+# What only `nox -s tests_torch` installs (its TORCH and QUANT lists, and what they
+# bring): a test skipped for lack of one runs in that session or in none
+_TORCH_SESSION_ONLY = re.compile(
+    r"could not import '(torch|transformers|peft|qwix|gguf|compressed_tensors|"
+    r"huggingface_hub)\b"
+)
+
+
+def _torch_session_files() -> set[str]:
+    """The test files `nox -s tests_torch` runs (TORCH_TESTS in noxfile.py)."""
+    noxfile = ast.parse((Path(__file__).parents[1] / "noxfile.py").read_text())
+    return next(
+        set(ast.literal_eval(node.value))
+        for node in noxfile.body
+        if isinstance(node, ast.Assign)
+        and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["TORCH_TESTS"]
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test skipped for lack of torch (or another package only `tests_torch`
+    installs) fails unless that session runs it: its file is in TORCH_TESTS, or it is
+    marked `torch`. Otherwise it would run in no session at all."""
+    report = yield
+    if (
+        report.skipped
+        and call.excinfo is not None
+        and _TORCH_SESSION_ONLY.match(str(call.excinfo.value))
+        and item.get_closest_marker("torch") is None
+        and item.path.relative_to(item.config.rootpath).as_posix()
+        not in _torch_session_files()
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} was skipped ({call.excinfo.value}), and no nox session "
+            "that has that package runs it: mark it @pytest.mark.torch (`nox -s "
+            "tests_torch` runs those) or add its file to TORCH_TESTS in noxfile.py"
+        )
+    return report

@@ -237,6 +237,7 @@ def test_training_record_strings_are_escaped(tmp_path):
     assert "\x1b" not in done.stdout and "\\x1b[2Jname" in done.stdout
 
 
+@pytest.mark.torch
 def test_the_pickle_refusal_command_works_when_pasted(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

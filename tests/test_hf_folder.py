@@ -70,6 +70,7 @@ def test_sizes_as_save_pretrained_reads_them():
             shard_size(bad)
 
 
+@pytest.mark.torch
 def test_shards_cut_as_huggingface_hub_cuts_them():
     hub = pytest.importorskip("huggingface_hub")
     sizes = [40, 40, 16, 200, 8, 8, 40]  # bytes: one larger than the limit

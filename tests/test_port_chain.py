@@ -305,6 +305,7 @@ def test_maxtext_decoder_to_nnx_pairs_by_the_forward_pass():
     assert bridge.compare(source, ported, ids) < TOLERANCE
 
 
+@pytest.mark.torch
 @pytest.mark.slow  # four hops each way, transformers' model run at each end
 def test_a_llama_through_every_framework_and_back_without_rules(tmp_path):
     torch, transformers = _torch()

@@ -396,6 +396,7 @@ def test_lora_steps_on_a_quantized_base_small(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.torch
 def test_qwix_arrays_of_the_kept_weights(fp8, tmp_path):
     """qwix's own QArray, dequantization and dot_general as the oracle."""
     qwix = pytest.importorskip("qwix")
@@ -480,6 +481,7 @@ def test_peft_files_and_merge_on_a_quantized_base(fp8, tmp_path, name):
         assert _same_bits(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.torch
 def test_gguf_is_not_kept(tmp_path):
     pytest.importorskip("gguf")
     from . import test_quant_gguf as qg
