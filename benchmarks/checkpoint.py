@@ -10,11 +10,16 @@ that becomes the JAX array, so it is shown against load_file alone (which maps t
 file and reads nothing), load_file followed by reading every array once, and
 safetensors.flax.load_file (JAX arrays too; goal: bridge <= 1.0x).
 
+Five rounds: the disk's write-back makes single saves vary by 2x. With 2 rounds
+(2026-12-03, quiet machine) save read 2.46x and 2.80x the fsync floor, that floor once
+faster than save_file without fsync (0.96 s vs 2.10 s); with 5, 0.80x (0.85 s vs 1.05
+s), and load 0.5-0.6x safetensors.flax.load_file.
+
 Peak memory is measured in a fresh subprocess per operation: the peak anonymous
 resident memory (file pages of a memory map are page cache, not counted) above the
 process's just before the operation, as a multiple of the model's size.
 
-    python benchmarks/checkpoint.py            # ~1 GB, 2 rounds
+    python benchmarks/checkpoint.py            # ~1 GB, 5 rounds
     python benchmarks/checkpoint.py --quick    # ~64 MB (a smoke run)
     python benchmarks/checkpoint.py --size-mb 256
     python benchmarks/checkpoint.py --json     # + the JSON line of benchmarks/table.py
@@ -181,7 +186,7 @@ def main() -> None:
     if args.child:
         child(int(args.child[0]), int(args.child[1]), size_mb, Path(args.dir))
         return
-    rounds = args.rounds or 2
+    rounds = args.rounds or 5
 
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
         directory = Path(tmp)
