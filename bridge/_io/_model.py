@@ -138,7 +138,7 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         for name, array in arrays.items()
     ]
     if contents.layout == "torch":  # a Hugging Face folder says its family
-        ndims = [(path, len(array.shape)) for _, path, _, array in tensors]
-        kinds.update(file_norms(model_type(contents.path), ndims))
+        ndims = ((path, len(array.shape)) for _, path, _, array in tensors)
+        kinds.update(file_norms(model_type(contents.path), ndims))  # read if listed
     modules = {p: (c, f) for p, c, f in contents.modules}
     return read(tensors, modules, kinds, list(contents.empty))

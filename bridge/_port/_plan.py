@@ -352,15 +352,14 @@ def _fused(sources: list[Layer], targets: list[Layer]) -> list[str]:
         kernel = _kernel(s)
         if kernel is None or not s.path:
             continue
-        parts = [
-            t
+        parts = [  # (target sibling, its rows)
+            (t, k[1])
             for t in targets
             if t.path[:-1] == s.path[:-1]
             and (k := _kernel(t)) is not None
             and k[0] == kernel[0]
         ]
-        sizes = {str(t.path[-1]): _kernel(t)[1] for t in parts}  # type: ignore[index]
-        if len(sizes) < 2 or sum(sizes.values()) != kernel[1]:
+        if len(parts) < 2 or sum(n for _, n in parts) != kernel[1]:
             continue
         dotted = ".".join(map(str, s.path))
         pattern = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(dotted))
@@ -369,9 +368,7 @@ def _fused(sources: list[Layer], targets: list[Layer]) -> list[str]:
             _errors.FUSED.format(
                 source=s.where,
                 out=kernel[1],
-                parts=", ".join(
-                    f"{t.where} ({n} rows)" for t, n in zip(parts, sizes.values())
-                ),
+                parts=", ".join(f"{t.where} ({n} rows)" for t, n in parts),
                 pattern=pattern,
             ),
         )

@@ -177,9 +177,8 @@ def _norm_class(cls: Any, suffix: str) -> bool:
     in `suffix` (`LlamaRMSNorm`, `Qwen2RMSNorm`); norms that compute `x * (1 +
     weight)` (Gemma's, Qwen3-Next's: `one_plus_weight`) are not Flax's and are left
     to a codec of their own."""
-    return not one_plus_weight(cls) and any(
-        c.__name__.endswith(suffix) for c in getattr(cls, "__mro__", ())
-    )
+    named = any(c.__name__.endswith(suffix) for c in getattr(cls, "__mro__", ()))
+    return named and not one_plus_weight(cls)  # a class's source read for norms only
 
 
 def _torch_layer_norm(cls: Any, leaves: Leaves) -> bool:
