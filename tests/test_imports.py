@@ -2,9 +2,10 @@
 
 The package is layered; a module imports only modules of its own layer or below:
 
-    7  bridge (the public API), _cli, _demo, __main__
+    8  bridge (the public API), _cli, _demo, __main__
+    7  _quant     quantized weights: schemes, dequantized and kept reads, the GGUF
+                  format; plug-ins of `_io` (it registers them, `_io` never imports it)
     6  _io        checkpoints: save/load, formats, training state, relayout;
-       _quant     quantized weights: schemes, dequantized reads, GGUF format;
        _lora      LoRA adapters: inject, merge, PEFT files
     5  _train     trainable specs, make_step, optimizer states
     4  _port      layers, pairing, plan, port, compare; codecs/
@@ -33,13 +34,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "bridge"
 
 LAYERS = {
-    "bridge": 7,
-    "bridge._cli": 7,
-    "bridge._demo": 7,
-    "bridge.__main__": 7,
+    "bridge": 8,
+    "bridge._cli": 8,
+    "bridge._demo": 8,
+    "bridge.__main__": 8,
+    "bridge._quant": 7,
     "bridge._io": 6,
     "bridge._lora": 6,
-    "bridge._quant": 6,
     "bridge._train": 5,
     "bridge._port": 4,
     "bridge._embed": 3,

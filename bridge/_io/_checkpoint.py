@@ -44,10 +44,7 @@ from .._gc import paused
 from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
 from .._port._port import port_and_plan
-from .._quant import _gguf  # registers the GGUF format
-from .._quant._keep import load_kept, refuse_saving_kept, refuse_without_like
-from .._quant._read import dequantized
-from .._tree import Tree, framework
+from .._tree import framework
 from . import (  # noqa: F401  (they register formats)
     _msgpack,
     _orbax,
@@ -58,14 +55,15 @@ from . import (  # noqa: F401  (they register formats)
 from ._contents import Contents
 from ._format import format_named
 from ._model import describe, file_tree
+from ._plugins import Filled, Request, plugins, renamed
 from ._read import (
-    cast,
     fill,
     lazy,
     misfits,
     open_checkpoint,
     prefix_hint,
     read,
+    read_all,
     without_prefix,
 )
 from ._write import FOLDER_OPTIONS, given, save_layout, write
@@ -216,18 +214,19 @@ def save(
             "`like` is the PyTorch model a layout='torch' export is checked against: "
             'pass layout="torch" with it.'
         )
-    if layout is not None or rules is not None or prefix or quantize is not None:
-        if training:
-            raise ValueError(
-                "A PyTorch-layout file holds the model's arrays only: save the "
-                "training state (`opt_state`, `step`, `extra`) in bridge's layout."
-            )
-        tree = to_neutral(obj)
-        refuse_saving_kept(path, tree)
+    plain = layout is not None or rules is not None or prefix or quantize is not None
+    if plain and training:
+        raise ValueError(
+            "A PyTorch-layout file holds the model's arrays only: save the "
+            "training state (`opt_state`, `step`, `extra`) in bridge's layout."
+        )
+    tree = to_neutral(obj)
+    for plugin in plugins():  # what a plug-in cannot write yet (weights kept quantized)
+        if plugin.check_save is not None:
+            plugin.check_save(path, tree)
+    if plain:
         save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize, like)
         return
-    tree = to_neutral(obj)
-    refuse_saving_kept(path, tree)
     contents, arrays = describe(tree, metadata)
     if training:
         contents, arrays = _training.add(contents, arrays, tree, opt_state, step, extra)
@@ -392,84 +391,105 @@ def load(
 
     ```
     """
-    path = _path(path)
+    request = _checked(
+        Request(
+            path=_path(path),
+            like=like,
+            target=None,  # made below, with the collector paused
+            dtype=dtype,
+            rules=rules,
+            prefix=prefix,
+            strict=strict,
+            example=example,
+            example_kwargs=example_kwargs,
+            keep_quantized=keep_quantized,
+            opt_state_like=opt_state_like,
+        )
+    )
+    with paused():
+        if like is not None:
+            request = request._replace(target=to_neutral(placeholders(like)))
+        elif opt_state_like is not None:
+            raise TypeError("`opt_state_like` needs `like`, the model to load into.")
+        with open_checkpoint(request.path) as everything:
+            # 1. the file's contents: the model's arrays, the training state's apart
+            contents, training = _training.split(everything)
+            if request.target is None:
+                return file_tree(contents, read_all(contents, request.dtype))
+            # 2. under the names `like` gives its layers
+            contents = _named(contents, request)
+            # 3. `like` filled by the first reader that can
+            filled = _fill(everything, contents, request)
+            saved = None
+            if opt_state_like is not None:
+                saved = _training.read_state(everything, training)
+        # 4. what a non-strict port left, reported
+        if filled.plan is not None:
+            _report(filled.plan, contents.path, like)
+        if saved is None:
+            return filled.model
+        return _training.restore(saved, filled.source, filled.model, opt_state_like)
+
+
+def _checked(request: Request) -> Request:
+    """`request` once `load`'s arguments are checked (each plug-in checking those
+    it serves: `keep_quantized`)."""
+    like, example = request.like, request.example
     if like is not None:
         check_model(like, "like")
     check_inputs(example, "example")
-    check_pair_or_mapping(example_kwargs, "example_kwargs")
+    check_pair_or_mapping(request.example_kwargs, "example_kwargs")
     if example is not None and like is None:
         raise TypeError("`example` needs `like`, the model whose inputs they are.")
-    check_bool(keep_quantized, "keep_quantized")
-    if keep_quantized and like is None:
-        refuse_without_like(path)
-    if keep_quantized and opt_state_like is not None:
-        raise TypeError(
-            "keep_quantized=True loads a model to run or to train adapters on, not a "
-            "training checkpoint: leave out `opt_state_like`."
+    check_bool(request.keep_quantized, "keep_quantized")
+    for plugin in plugins():
+        if plugin.check is not None:
+            plugin.check(request)
+    check_dtype(request.dtype)
+    return request
+
+
+def _named(contents: Contents, request: Request) -> Contents:
+    """The file's contents under the names `like` gives its layers: as the plug-ins
+    rename them (a GGUF file under Hugging Face's names), `prefix` taken off."""
+    assert request.target is not None
+    contents = renamed(contents, request.target)
+    if request.prefix:
+        contents = without_prefix(contents, request.prefix)
+    return contents
+
+
+def _fill(everything: Contents, contents: Contents, request: Request) -> Filled:
+    """`like` filled from the file by the first reader that can: a plug-in's (weights
+    kept quantized), the arrays read straight into `like` (a file with exactly its
+    arrays), else `bridge.port` (a file of another framework, or `rules`/`prefix`
+    given). `everything`: the whole checkpoint, the training state's arrays too."""
+    for plugin in plugins():
+        filled = None if plugin.fill is None else plugin.fill(contents, request)
+        if filled is not None:
+            return filled
+    target = request.target
+    assert target is not None
+    problems = misfits(contents, target, request.dtype)
+    if not problems and request.as_saved:
+        # a format that places arrays itself (orbax) restores into `like`'s
+        # shardings only when every array is named
+        whole = everything if format_named(everything.format).places else contents
+        source = fill(whole, target, request.dtype)
+        return Filled(like_form(request.like, source), source, None)
+    if contents.framework == framework(target) and request.as_saved and request.strict:
+        raise ValueError(
+            _MISMATCH.format(path=contents.path, problems="\n".join(problems))
+            + prefix_hint(contents, target)
         )
-    check_dtype(dtype)
-    with paused():
-        target = None if like is None else to_neutral(placeholders(like))
-        if target is None and opt_state_like is not None:
-            raise TypeError("`opt_state_like` needs `like`, the model to load into.")
-        model = saved = plan = None
-        with open_checkpoint(path) as everything:
-            contents, training = _training.split(everything)
-            if target is None:
-                arrays = dequantized(contents, dtype)  # None: not quantized
-                if arrays is None:
-                    arrays = {k: cast(v, dtype) for k, v in read(contents).items()}
-                return file_tree(contents, arrays)
-            contents = _gguf.named_like(contents, target)  # GGUF -> HF names
-            if prefix:
-                contents = without_prefix(contents, prefix)
-            if keep_quantized:
-                given = (example, example_kwargs)
-                model, plan = load_kept(contents, like, dtype, rules, strict, given)
-                if model is not None:
-                    _report(plan, contents.path, like)
-                    return model
-            problems = misfits(contents, target, dtype)
-            as_saved = rules is None and not prefix  # else: ported, by the paths
-            if not problems and as_saved:
-                # a format that places arrays itself (orbax) restores into `like`'s
-                # shardings only when every array is named
-                places = format_named(everything.format).places
-                whole = everything if places else contents
-                source = fill(whole, target, dtype)
-                model = like_form(like, source)
-            elif contents.framework == framework(target) and as_saved and strict:
-                raise ValueError(
-                    _MISMATCH.format(path=contents.path, problems="\n".join(problems))
-                    + prefix_hint(contents, target)
-                )
-            else:
-                given = (example, example_kwargs)
-                source, model, plan = _port_file(
-                    contents, like, dtype, rules, strict, given, target
-                )
-            if opt_state_like is not None:
-                saved = _training.read_state(everything, training)
-        if plan is not None:
-            _report(plan, contents.path, like)
-        if saved is None:
-            return model
-        return _training.restore(saved, source, model, opt_state_like)
+    return _port_file(contents, request)
 
 
-def _port_file(
-    contents: Contents,
-    like: Any,
-    dtype: Any,
-    rules: Mapping[str, str | None] | None,
-    strict: bool,
-    given: tuple[Any, Any] = (None, None),
-    target: Tree | None = None,
-) -> tuple[Tree, Any, Any]:
-    """`(the file's Tree, like filled from it by bridge.port, the port's plan)`; a
-    format that reads lazily (`Format.lazy`) is read while porting, array by
-    array. `target`: `like`'s Tree, when made already (not converted again)."""
-    arrays = lazy(contents, dtype)
+def _port_file(contents: Contents, request: Request) -> Filled:
+    """`like` filled from the file by `bridge.port`, with the file's Tree and the
+    port's plan; a format that reads lazily (`Format.lazy`) is read while porting,
+    array by array."""
+    arrays = lazy(contents, request.dtype)
     early = arrays is not None
     if arrays is None:
         arrays = read(contents)
@@ -477,23 +497,22 @@ def _port_file(
         # the file's first arrays read in a thread while the port is planned
         with read_early(arrays.values() if early else (), _early_bytes(arrays)):
             source = file_tree(contents, arrays)
-            example, example_kwargs = given
             model, plan = port_and_plan(
                 source,
-                like,
-                rules,
-                strict,
-                dtype,
+                request.like,
+                request.rules,
+                request.strict,
+                request.dtype,
                 None,
                 None,
-                example,
-                example_kwargs,
-                target_tree=target,
+                request.example,
+                request.example_kwargs,
+                target_tree=request.target,
             )
     except PortError as error:
         error.add_note(_PORTING.format(path=contents.path))
         raise
-    return source, model, plan
+    return Filled(model, source, plan)
 
 
 EARLY = 4  # a load reads at most 1/EARLY of a lazily read file while it plans

@@ -17,11 +17,11 @@ import numpy as np
 
 from .._paths import path_of
 from .._placement import place, sharding_of
-from .._quant._read import dense
 from .._tree import Tree
 from ._contents import Contents, dotted
 from ._errors import CheckpointError
 from ._format import format_named, format_of, formats, probing
+from ._plugins import dense
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -147,11 +147,14 @@ def lazy(contents: Contents, dtype: Any = None) -> dict[str, Any] | None:
     model being filled plus about one array of the file. Typed PRNG keys and 64-bit
     arrays JAX would truncate (small) are read now, as `read` gives them. None when
     the format reads no array lazily. The tensors of each quantized weight come as
-    one `LazyArray` that dequantizes them into `dtype` (see `bridge._quant._read`)."""
+    one `LazyArray` that dequantizes them into `dtype` (as a plug-in reads them:
+    `bridge._io._plugins`)."""
     fmt = format_named(contents.format)
     if fmt.lazy is None:
         return None
-    arrays: dict[str, Any] = dense(contents, fmt.lazy(contents), dtype)
+    stored = fmt.lazy(contents)
+    found = dense(contents, stored, dtype)
+    arrays: dict[str, Any] = dict(stored) if found is None else found
     for s in contents.tensors:
         if s.key not in arrays:  # a part of a quantized weight
             continue
@@ -161,6 +164,27 @@ def lazy(contents: Contents, dtype: Any = None) -> dict[str, Any] | None:
         elif not fits_jax(np.dtype(arrays[s.key].dtype)):
             arrays[s.key] = np.array(arrays[s.key].read())
     return arrays
+
+
+def read_all(contents: Contents, dtype: Any = None) -> dict[str, Any]:
+    """Every array of a checkpoint, read now, floating-point ones cast to `dtype`
+    (what `load` without `like` gives): by `read`, or where a plug-in changes the
+    file's arrays (`_plugins.dense`: quantized weights dequantized), each as it
+    gives it. A 64-bit array JAX would truncate stays a NumPy array."""
+    fmt = format_named(contents.format)
+    found = None if fmt.lazy is None else dense(contents, fmt.lazy(contents), dtype)
+    if found is None:
+        return {k: cast(v, dtype) for k, v in read(contents).items()}
+    out = {}
+    for name, array in found.items():
+        value = array.read()
+        if not fits_jax(value.dtype):
+            out[name] = np.array(value)
+            continue
+        if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(jnp.dtype(dtype))
+        out[name] = jnp.asarray(value)
+    return out
 
 
 def cast(array: Any, dtype: Any) -> Any:

@@ -11,12 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._quant import _write as _quant_write
 from .._tree import Tree
 from . import _hf_folder
 from ._contents import Contents, Stored, is_key
 from ._format import format_of, formats
 from ._model import _NOT_STRINGS, both_str
+from ._plugins import quantizer
 from ._reference import check, reference_of
 from ._torch_layout import torch_state
 
@@ -124,14 +124,14 @@ def save_layout(
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
     reference = None if like is None else reference_of(like)
-    _quant_write.check(quantize)
+    scheme = quantizer(quantize)  # a plug-in's (bridge._quant), or a ValueError
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
     if bad:
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
     fmt = format_of(path)
     if not fmt.suffixes:  # a folder: save_pretrained's layout
-        if quantize is not None:
+        if scheme is not None:
             raise ValueError(_QUANTIZE_FOLDER.format(path=path))
         if not path.parent.is_dir():
             raise FileNotFoundError(
@@ -158,14 +158,14 @@ def save_layout(
     state = torch_state(tree, rules, prefix, kinds=kinds)
     if reference is not None:
         check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
-    if quantize is not None:
+    if scheme is not None:
         linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
-        state = _quant_write.quantized_state(state, linear)
+        state = scheme.state(state, linear)
     tensors = tuple(
         Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))
         for k, v in state.items()
     )
     contents = Contents(path, fmt.name, None, "", None, (), user, tensors)
     fmt.save_plain(path, contents, state, {**user, "format": "pt"})
-    if quantize is not None:
-        _quant_write.write_config(path.parent)
+    if scheme is not None:
+        scheme.config(path.parent)

@@ -36,6 +36,7 @@ from .._adapters._native import (
 from .._io._contents import Contents
 from .._io._format import format_named
 from .._io._model import file_tree
+from .._io._plugins import Filled, Request
 from .._io._read import lazy
 from .._paths import Path, path_of, path_str
 from .._port import _errors
@@ -122,23 +123,32 @@ def refuse_saving_kept(path: Any, tree: Tree) -> None:
         raise ValueError(_NO_SAVE.format(path=path, n=len(kept), paths=shown))
 
 
-def refuse_without_like(path: Any) -> None:
-    raise TypeError(
-        f"{path}: keep_quantized=True needs `like`, the model to load into (a "
-        "quantized weight is kept in the place of a model's dense weight)."
+def check(request: Request) -> None:
+    """Refuse `keep_quantized=True` without `like` or with `opt_state_like`."""
+    if request.keep_quantized and request.like is None:
+        raise TypeError(
+            f"{request.path}: keep_quantized=True needs `like`, the model to load "
+            "into (a quantized weight is kept in the place of a model's dense weight)."
+        )
+    if request.keep_quantized and request.opt_state_like is not None:
+        raise TypeError(
+            "keep_quantized=True loads a model to run or to train adapters on, not a "
+            "training checkpoint: leave out `opt_state_like`."
+        )
+
+
+def load_kept(contents: Contents, request: Request) -> Filled | None:
+    """`like` filled from the checkpoint, quantized weights kept quantized (see the
+    module's note), with the plan; None without `keep_quantized=True` or for a
+    checkpoint with nothing quantized (loaded as usual)."""
+    if not request.keep_quantized:
+        return None
+    like, dtype, rules, strict = (
+        request.like,
+        request.dtype,
+        request.rules,
+        request.strict,
     )
-
-
-def load_kept(
-    contents: Contents,
-    like: Any,
-    dtype: Any,
-    rules: Mapping[str, str | None] | None,
-    strict: bool,
-    given: tuple[Any, Any],
-) -> tuple[Any, Any]:
-    """`(like filled from the checkpoint, the plan)`, quantized weights kept
-    quantized (see the module's note)."""
     if isinstance(contents.source, _gguf.Source):
         raise KeepError(
             f"{contents.path}: keep_quantized=True does not keep GGUF weights "
@@ -165,22 +175,21 @@ def load_kept(
     fmt = format_named(contents.format)
     arrays = lazy(contents, dtype)
     if arrays is None or fmt.lazy is None or not applies(contents):
-        return None, None  # nothing quantized: an ordinary load
+        return None  # nothing quantized: an ordinary load
     stored = fmt.lazy(contents)
     found = scan(contents, stored).quantized
     if not found:
-        return None, None
+        return None
     # each quantized weight's LazyArray (of the dense dtype) -> its description
     by_id = {id(arrays[name]): (q, arrays[name].dtype) for name, q in found.items()}
     source = file_tree(contents, arrays)
-    example, example_kwargs = given
     plan, problems = make_plan(
         source,
         placeholders(like),
         rules,
         strict,
         dtype,
-        examples(example, example_kwargs),
+        examples(request.example, request.example_kwargs),
     )
     if problems:
         error = _errors.PortError(problems)
@@ -230,7 +239,7 @@ def load_kept(
         warnings.warn(
             "Port warnings:\n  " + "\n  ".join(said), _errors.PortWarning, stacklevel=4
         )
-    return like_form(like, tree), plan
+    return Filled(like_form(like, tree), None, plan)
 
 
 def _sharded_leaves(target: Tree) -> list[str]:

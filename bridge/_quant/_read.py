@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,16 +88,18 @@ def dense_dtype(contents: Contents, found: Scan, dtype: Any = None) -> np.dtype:
 
 def dense(
     contents: Contents, arrays: Mapping[str, LazyArray], dtype: Any = None
-) -> dict[str, LazyArray]:
+) -> dict[str, LazyArray] | None:
     """`arrays` (a checkpoint's tensors, each read when used) with every quantized
     weight's tensors replaced by one `LazyArray` under the weight's name that reads
     and dequantizes them when used, and the tensors a dense model has no use for
-    (activation scales) left out. Unquantized checkpoints come back as they are."""
+    (activation scales) left out; None for a checkpoint with no quantized weight
+    (its arrays are read as they are). `load` asks it as a plug-in
+    (`bridge._io._plugins`): for a port read lazily and for a read without `like`."""
     if not applies(contents):
-        return dict(arrays)
+        return None
     found = scan(contents, arrays)
     if not found.quantized:
-        return dict(arrays)
+        return None
     return _replaced(contents, arrays, found, dtype)
 
 
@@ -110,30 +111,6 @@ def _replaced(
     out = {k: v for k, v in arrays.items() if k not in hidden}
     for name, q in found.quantized.items():
         out[name] = _dequantizing(q, arrays, out_dtype)
-    return out
-
-
-def dequantized(contents: Contents, dtype: Any = None) -> dict[str, Any] | None:
-    """Every array of a quantized checkpoint, each quantized weight dequantized (into
-    `dtype` if given, as every other floating-point array), read now: what `load`
-    without `like` gives. None for a checkpoint that holds no quantized weight
-    (read it as usual). A 64-bit array JAX would truncate stays a NumPy array."""
-    fmt = format_named(contents.format)
-    if fmt.lazy is None or not applies(contents):
-        return None
-    arrays = fmt.lazy(contents)
-    found = scan(contents, arrays)
-    if not found.quantized:
-        return None
-    out = {}
-    for name, array in _replaced(contents, arrays, found, dtype).items():
-        value = array.read()
-        if jax.dtypes.canonicalize_dtype(value.dtype) != value.dtype:
-            out[name] = np.array(value)
-            continue
-        if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
-            value = value.astype(jnp.dtype(dtype))
-        out[name] = jnp.asarray(value)
     return out
 
 

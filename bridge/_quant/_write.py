@@ -19,7 +19,7 @@ from .._io._atomic import atomic_file
 from . import _fp8
 
 
-SCHEMES = ("fp8-block",)
+NAME = "fp8-block"  # `save(..., quantize=NAME)`
 BLOCK = (128, 128)
 CONFIG = {
     "quant_method": "fp8",
@@ -29,15 +29,6 @@ CONFIG = {
     "modules_to_not_convert": None,
 }
 _KEEP = ("lm_head",)  # the output head stays dense, as transformers keeps it
-
-_UNKNOWN = """\
-`quantize` must be one of {schemes} (with layout="torch"), got {got!r}."""
-
-
-def check(quantize: str | None) -> None:
-    """Refuse an unknown `quantize`."""
-    if quantize is not None and quantize not in SCHEMES:
-        raise ValueError(_UNKNOWN.format(schemes=SCHEMES, got=quantize))
 
 
 def quantized_state(
