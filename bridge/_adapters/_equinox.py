@@ -21,7 +21,7 @@ from ._skeleton import settings, skeleton
 
 
 if TYPE_CHECKING:
-    from .._embed._keys import Keys
+    from ._keys import Keys
 
 
 _FOREIGN_STATE = """\

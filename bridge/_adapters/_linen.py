@@ -55,7 +55,7 @@ from ._registry import Adapter, Optimizer, register_adapter
 
 
 if TYPE_CHECKING:
-    from .._embed._keys import Keys
+    from ._keys import Keys
 
 
 _COLLISION = """\

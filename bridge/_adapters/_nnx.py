@@ -20,7 +20,7 @@ from ._registry import Adapter, Optimizer, register_adapter
 
 
 if TYPE_CHECKING:
-    from .._embed._keys import Keys
+    from ._keys import Keys
 
 
 FLAX_FOR_NNX = "0.12.1"

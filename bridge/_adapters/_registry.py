@@ -124,7 +124,7 @@ class Adapter(NamedTuple):
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
-      keys (`bridge._embed._keys.Keys`: one key, a key per stream, or every stream),
+      keys (`bridge._adapters._keys.Keys`: one key, a key per stream, or every stream),
       `inference` the mode (True: evaluation, False: training, None: the model's
       own). Returns the output, the Tree after the call (None: the call writes no
       state) and the roles whose new values are not kept (an NNX module's RNG

@@ -7,10 +7,10 @@ from typing import Any
 import equinox as eqx
 import jax.tree_util as jtu
 
+from .._adapters._keys import same_key
 from .._paths import Path
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
-from ._keys import same_key
 
 
 _NO_STATE = """\

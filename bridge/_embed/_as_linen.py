@@ -7,12 +7,12 @@ from typing import Any
 
 import flax.linen as nn
 
+from .._adapters._keys import Keys
 from .._adapters._registry import declared, records_no_module
 from .._arguments import check_bool, check_name
 from .._paths import Key, Path, path_str
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
-from ._keys import Keys
 
 
 _NOT_MUTABLE = """\

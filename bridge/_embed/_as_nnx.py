@@ -8,12 +8,12 @@ import jax
 from flax import nnx
 from flax.nnx import variablelib
 
+from .._adapters._keys import Keys, same_key
 from .._adapters._registry import require
 from .._arguments import check_name
 from .._paths import Path, path_str
 from .._tree import Tree, items
 from ._inner import Inner, inner_of, run
-from ._keys import Keys, same_key
 
 
 _OWN = ("deterministic", "rngs", "stream")

@@ -16,11 +16,11 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .._adapters._keys import Keys
 from .._adapters._native import to_neutral
 from .._adapters._registry import adapter_for, adapter_named
 from .._paths import Path, path_of
 from .._tree import Tree, framework, leaf_roles
-from ._keys import Keys
 
 
 _NOT_A_MODEL = """\
