@@ -1,26 +1,32 @@
-"""Walk `bridge.load`'s `like` (and `bridge.port`'s `source`) through the code: which
-modules one call visits, and how often it climbs back up the import layers.
+"""Walk `bridge.load`'s `like` (and `bridge.port`'s `source`) through the code: the
+modules it passes through, and how often the walk climbs back up the import layers.
 
 Every Python call made inside one `bridge.load(path, like=...)` (or one
 `bridge.port(source, target)`) is recorded with `sys.setprofile`, on the calling
-thread. A call into a `bridge` module is attributed to the nearest `bridge` frame
-below it on the stack (a callback that `jax.tree_util` or `jax.make_jaxpr` makes
-counts as a call from the `bridge` code that called jax). Then:
+thread. The walk follows the object: a call into a `bridge` function carries it when
+one of its arguments is the object, or holds it one level down (a tuple, a named
+tuple such as a request record, a list, a dict's values), or is a form of it an
+earlier call that carried it returned (a `bridge.Tree`: `to_neutral(like)`; an object
+of its type: `placeholders(like)`). Then:
 
-- rooms: the `bridge` modules visited;
-- stays: the walk as a sequence of rooms (each call's caller's room, then its
-  callee's, with consecutive repeats merged): how many times the walk moves in;
-- climbs: calls from a module of a lower import layer into one of a higher layer
-  (the layers of `tests/test_imports.py`: `_io` calling a plug-in registered from
-  `_quant`, `_port` reading an array whose reader `_quant` made). Shown as the
-  number of such calls and the distinct `caller -> callee` functions that make them.
+- rooms: the `bridge` modules the walk visits, above the floor every module stands on
+  (layers 0 and 1: `_tree`, `_paths`, `_lazy`, ...; a Tree's accessor is no room);
+- stays: the walk as the sequence of the rooms of the calls that carry the object,
+  consecutive repeats merged;
+- climbs: the steps of that sequence from a module of a lower import layer to one of
+  a higher layer (the layers of `tests/test_imports.py`), whether the higher one is
+  called or returned to: `_io -> _quant -> _adapters -> _port` climbs twice;
+- calls up: apart from the walk, every call from a `bridge` module of a lower layer
+  into a higher one (a call is attributed to the nearest `bridge` frame below it, so
+  a callback `jax.tree_util` makes counts as made by the `bridge` code that called
+  jax), with the distinct `caller -> callee` functions that make them (`--climbs`).
 
-Each scenario runs once untraced (compiles, caches) and once traced, on tiny models:
-the figures do not grow with a model's size except where a climb is made per array
-(listed with its count).
+Each scenario runs once untraced (compiles, caches) and once traced, on tiny models.
 
     PYTHONPATH=$PWD python scripts/walk_layers.py            # the table
-    PYTHONPATH=$PWD python scripts/walk_layers.py --climbs   # and every climb
+    PYTHONPATH=$PWD python scripts/walk_layers.py --climbs   # and where
+    # older code, today's layers:
+    PYTHONPATH=OLD python scripts/walk_layers.py --layers tests/test_imports.py
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ def _layers(table: Path) -> Callable[[str], int | None]:
 
 class Walk(NamedTuple):
     rooms: set[str]
-    stays: list[str]
-    climbs: collections.Counter  # (caller function, callee function) -> calls
+    stays: list[str]  # the modules of the calls that carry the object, merged
+    climbs: list[tuple[str, str]]  # the steps up of `stays`
+    calls_up: collections.Counter  # (caller function, callee function) -> calls
 
 
 def _where(frame: Any) -> str | None:
@@ -63,47 +70,86 @@ def _where(frame: Any) -> str | None:
     return name if name == "bridge" or name.startswith("bridge.") else None
 
 
-def walk(run: Callable[[], Any], layer: Callable[[str], int | None]) -> Walk:
-    """Trace `run()` (see the module's note)."""
+def _arguments(frame: Any) -> list[Any]:
+    code = frame.f_code
+    n = code.co_argcount + code.co_kwonlyargcount
+    n += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)  # *args, **kwargs
+    values = frame.f_locals
+    return [values[k] for k in code.co_varnames[:n] if k in values]
+
+
+def _held(value: Any) -> list[Any]:
+    """`value` and what it holds one level down."""
+    if isinstance(value, tuple | list):
+        return [value, *value]
+    if isinstance(value, dict):
+        return [value, *value.values()]
+    return [value]
+
+
+# the layers every room stands on (`_tree`, `_paths`, `_lazy`, ...): a call into them
+# (a Tree's accessor, a path helper) is no stay of the walk
+FLOOR = 1
+
+
+def walk(
+    run: Callable[[], Any], carried: Any, layer: Callable[[str], int | None]
+) -> Walk:
+    """Trace `run()`, following `carried` (see the module's note)."""
+    from bridge import Tree
+
+    tracked: dict[int, Any] = {id(carried): carried}  # kept alive: ids stay unique
+    carrying: set[int] = set()  # frames of the calls that carry it
     rooms: set[str] = set()
     stays: list[str] = []
-    climbs: collections.Counter = collections.Counter()
-
-    def enter(room: str) -> None:
-        rooms.add(room)
-        if not stays or stays[-1] != room:
-            stays.append(room)
+    calls_up: collections.Counter = collections.Counter()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event != "call":
-            return
         callee = _where(frame)
         if callee is None:
             return
+        if event == "return":
+            if id(frame) in carrying:
+                carrying.discard(id(frame))
+                for value in _held(arg):
+                    if isinstance(value, Tree | type(carried)):
+                        tracked.setdefault(id(value), value)
+            return
+        if event != "call":
+            return
+        values = [v for a in _arguments(frame) for v in _held(a)]
+        if any(id(v) in tracked for v in values):
+            carrying.add(id(frame))
+            floor = layer(callee)
+            if floor is not None and floor > FLOOR:
+                rooms.add(callee)
+                if not stays or stays[-1] != callee:
+                    stays.append(callee)
         caller_frame = frame.f_back
         while caller_frame is not None and _where(caller_frame) is None:
             caller_frame = caller_frame.f_back
-        if caller_frame is None:  # the call from this script
-            enter(callee)
+        caller = None if caller_frame is None else _where(caller_frame)
+        if caller_frame is None or caller is None:
             return
-        caller = _where(caller_frame)
-        assert caller is not None
-        enter(caller)
-        enter(callee)
         here, there = layer(caller), layer(callee)
         if here is not None and there is not None and there > here:
             what = (
                 f"{caller}.{caller_frame.f_code.co_name}",
                 f"{callee}.{frame.f_code.co_name}",
             )
-            climbs[what] += 1
+            calls_up[what] += 1
 
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
-    return Walk(rooms, stays, climbs)
+    climbs = []
+    for a, b in zip(stays, stays[1:]):
+        low, high = layer(a), layer(b)
+        if low is not None and high is not None and high > low:
+            climbs.append((a, b))
+    return Walk(rooms, stays, climbs, calls_up)
 
 
 # --- the scenarios: tiny models, named as transformers names a Llama's MLP ----------
@@ -147,7 +193,8 @@ def eqx_model() -> Any:
     return Model(Layers([Layer(mlp)]))
 
 
-def scenarios(folder: Path) -> dict[str, Callable[[], Any]]:
+def scenarios(folder: Path) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """`{name: (run, the object its walk follows)}`."""
     import bridge
 
     plain, fp8 = folder / "nnx.safetensors", folder / "fp8"
@@ -156,21 +203,24 @@ def scenarios(folder: Path) -> dict[str, Callable[[], Any]]:
     bridge.save(
         fp8 / "model.safetensors", nnx_model(), layout="torch", quantize="fp8-block"
     )
-    abstract = lambda: nnx.eval_shape(lambda: nnx_model(1))  # noqa: E731
-    source, target = nnx_model(), eqx_model()
+    abstract = nnx.eval_shape(lambda: nnx_model(1))
+    equinox, source, target = eqx_model(), nnx_model(), eqx_model()
+    f32 = jnp.float32
     return {
-        "load, same framework": lambda: bridge.load(plain, like=abstract()),
-        "load, ported (NNX file -> Equinox)": lambda: bridge.load(
-            plain, like=eqx_model()
+        "load, same framework": (lambda: bridge.load(plain, like=abstract), abstract),
+        "load, ported (NNX file -> Equinox)": (
+            lambda: bridge.load(plain, like=equinox),
+            equinox,
         ),
-        "load, FP8 dequantized": lambda: bridge.load(
-            fp8, like=abstract(), dtype=jnp.float32
+        "load, FP8 dequantized": (
+            lambda: bridge.load(fp8, like=abstract, dtype=f32),
+            abstract,
         ),
-        "load, FP8 kept quantized": lambda: bridge.load(
-            fp8, like=abstract(), keep_quantized=True
+        "load, FP8 kept quantized": (
+            lambda: bridge.load(fp8, like=abstract, keep_quantized=True),
+            abstract,
         ),
-        "load, no like": lambda: bridge.load(plain),
-        "port (NNX -> Equinox)": lambda: bridge.port(source, target),
+        "port (NNX -> Equinox)": (lambda: bridge.port(source, target), source),
     }
 
 
@@ -188,32 +238,33 @@ def main() -> None:
     layer = _layers(args.layers)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, run in scenarios(Path(tmp)).items():
+        for name, (run, carried) in scenarios(Path(tmp)).items():
             run()  # compile and fill caches untraced
-            found = walk(run, layer)
-            rows[name] = found
-    print(f"{'walk':40} {'rooms':>5} {'stays':>5} {'climbs':>6} {'places':>6}")
+            rows[name] = walk(run, carried, layer)
+    head = f"{'walk':36} {'rooms':>5} {'stays':>5} {'climbs':>6} {'calls up':>8}"
+    print(head)
     for name, w in rows.items():
-        calls = sum(w.climbs.values())
-        print(
-            f"{name:40} {len(w.rooms):5} {len(w.stays):5} {calls:6} {len(w.climbs):6}"
-        )
+        up = sum(w.calls_up.values())
+        print(f"{name:36} {len(w.rooms):5} {len(w.stays):5} {len(w.climbs):6} {up:8}")
         if args.climbs:
-            for (caller, callee), n in sorted(w.climbs.items()):
-                print(f"    {caller} -> {callee}  x{n}")
+            print("    walk: " + " > ".join(_short(r) for r in w.stays))
+            for (caller, callee), n in sorted(w.calls_up.items()):
+                print(f"    call up: {caller} -> {callee}  x{n}")
     if args.json:
         figures = {
             name: {
                 "rooms": sorted(w.rooms),
-                "stays": len(w.stays),
-                "climbs": sum(w.climbs.values()),
-                "places": [
-                    f"{a} -> {b} x{n}" for (a, b), n in sorted(w.climbs.items())
-                ],
+                "stays": w.stays,
+                "climbs": [f"{a} -> {b}" for a, b in w.climbs],
+                "calls_up": {f"{a} -> {b}": n for (a, b), n in w.calls_up.items()},
             }
             for name, w in rows.items()
         }
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _short(module: str) -> str:
+    return module.removeprefix("bridge.")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from . import (  # noqa: F401  (they register formats)
 from ._contents import Contents
 from ._format import format_named
 from ._model import describe, file_tree
-from ._plugins import Filled, Request, plugins, renamed
+from ._plugins import Filled, Request, asked, plugins
 from ._read import (
     fill,
     lazy,
@@ -442,7 +442,7 @@ def _checked(request: Request) -> Request:
     if example is not None and like is None:
         raise TypeError("`example` needs `like`, the model whose inputs they are.")
     check_bool(request.keep_quantized, "keep_quantized")
-    for plugin in plugins():
+    for plugin in asked(request):
         if plugin.check is not None:
             plugin.check(request)
     check_dtype(request.dtype)
@@ -450,10 +450,12 @@ def _checked(request: Request) -> Request:
 
 
 def _named(contents: Contents, request: Request) -> Contents:
-    """The file's contents under the names `like` gives its layers: as the plug-ins
-    rename them (a GGUF file under Hugging Face's names), `prefix` taken off."""
-    assert request.target is not None
-    contents = renamed(contents, request.target)
+    """The file's contents under the names `like` gives its layers: as its format
+    renames them (`Format.rename`: a GGUF file under Hugging Face's names), `prefix`
+    taken off."""
+    rename = format_named(contents.format).rename
+    if rename is not None:
+        contents = rename(contents, request.target)
     if request.prefix:
         contents = without_prefix(contents, request.prefix)
     return contents
@@ -464,7 +466,7 @@ def _fill(everything: Contents, contents: Contents, request: Request) -> Filled:
     kept quantized), the arrays read straight into `like` (a file with exactly its
     arrays), else `bridge.port` (a file of another framework, or `rules`/`prefix`
     given). `everything`: the whole checkpoint, the training state's arrays too."""
-    for plugin in plugins():
+    for plugin in asked(request):
         filled = None if plugin.fill is None else plugin.fill(contents, request)
         if filled is not None:
             return filled

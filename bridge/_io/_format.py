@@ -10,7 +10,8 @@ A format states what it can do in its record (reads lazily, places arrays itself
 holds a training state, writes plain files, finds itself in a directory), and
 `save`, `load`, `bridge inspect` and `bridge convert` ask it: no code outside a
 format's module names a format. Adding a format is one module that builds a `Format`
-and calls `register_format`, imported by `bridge._io._checkpoint`; or a
+and calls `register_format`, imported by `bridge._io._checkpoint` (or, for a format
+of a layer above, by that layer: GGUF's by `bridge._quant`); or a
 `register_format` call anywhere before use (`tests/test_formats.py` registers a toy
 format from inside a test).
 """
@@ -65,6 +66,10 @@ class Format(NamedTuple):
     - `files(contents)`: `{array name: file name}` for a checkpoint of several
       files (the shards of a sharded folder; `bridge inspect` shows the column);
       `None`: one file.
+    - `rename(contents, target)`: for a format whose files name layers their own
+      way, `contents` under the names `target` (a Tree) gives its layers where it
+      can (a GGUF Llama file under Hugging Face's names), else as it is; `None`:
+      the names are the file's own.
     """
 
     name: str
@@ -80,6 +85,7 @@ class Format(NamedTuple):
     save_plain: Callable[[Path, Contents, Mapping[str, Any], dict], None] | None = None
     probe: Callable[[Path], Path | None] | None = None
     files: Callable[[Contents], Mapping[str, str]] | None = None
+    rename: Callable[[Contents, Any], Contents] | None = None
 
 
 _FORMATS: dict[str, Format] = {}

@@ -5,17 +5,19 @@ that `_io` never names them.
 `load` is a few steps (`bridge._io._checkpoint`), and at each it asks every
 registered plug-in, in registration order, what it can do for this file:
 
-1. `check(request)`: refuse arguments it cannot serve, before the file is opened
-   (`keep_quantized=True` without `like`).
-2. `rename(contents, target)`: the file's contents under the names `like` gives its
-   layers (a GGUF Llama file under Hugging Face's names), or `contents` as it is.
-3. `dense(contents, arrays, dtype)`: the file's arrays (`{name: LazyArray}`, as its
-   format reads them lazily) as a dense model holds them (each quantized weight's
-   tensors as one `LazyArray` that dequantizes them), or None when it has nothing
-   to change. Both the lazy read of a port and the read without `like` take it.
-4. `fill(contents, request)`: `like` filled from the file its own way (`Filled`),
-   or None to leave the file to the ordinary readers (quantized weights kept as
-   `QuantizedArray`s with `keep_quantized=True`).
+- `check(request)`: refuse arguments it cannot serve, before the file is opened
+  (`keep_quantized=True` without `like`);
+- `dense(contents, arrays, dtype)`: the file's arrays (`{name: LazyArray}`, as its
+  format reads them lazily) as a dense model holds them (each quantized weight's
+  tensors as one `LazyArray` that dequantizes them), or None when it has nothing to
+  change. Both the lazy read of a port and the read without `like` take it;
+- `fill(contents, request)`: `like` filled from the file its own way (`Filled`), or
+  None to leave the file to the ordinary readers (quantized weights kept as
+  `QuantizedArray`s with `keep_quantized=True`).
+
+A plug-in that serves one argument of `load` names it (`option`, a `Request` field):
+its `check` and `fill` are asked only when that argument is given. (A format whose
+files name layers their own way renames them itself: `Format.rename`.)
 
 `save` asks `check_save(path, tree)` of each (weights kept quantized are refused) and
 takes `save(..., layout="torch", quantize=name)`'s scheme from the plug-in whose
@@ -85,8 +87,8 @@ class Plugin(NamedTuple):
     note); a capability left None is not asked."""
 
     name: str
+    option: str | None = None
     check: Callable[[Request], None] | None = None
-    rename: Callable[[Contents, Tree], Contents] | None = None
     dense: (
         Callable[[Contents, Mapping[str, LazyArray], Any], dict[str, LazyArray] | None]
         | None
@@ -114,13 +116,10 @@ def plugins() -> tuple[Plugin, ...]:
     return tuple(_PLUGINS.values())
 
 
-def renamed(contents: Contents, target: Tree) -> Contents:
-    """`contents` under the names `target` gives its layers, as the plug-ins rename
-    it (each in turn); as it is when none does."""
-    for plugin in plugins():
-        if plugin.rename is not None:
-            contents = plugin.rename(contents, target)
-    return contents
+def asked(request: Request) -> tuple[Plugin, ...]:
+    """The plug-ins `request` asks for: those serving no one argument, and those
+    whose argument (`Plugin.option`) it gives."""
+    return tuple(p for p in plugins() if p.option is None or getattr(request, p.option))
 
 
 def dense(

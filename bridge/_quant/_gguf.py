@@ -32,7 +32,6 @@ from .._families import _gguf_llama
 from .._io._contents import Contents, Stored, dotted, split
 from .._io._errors import CheckpointError, unreadable
 from .._io._format import Format, register_format
-from .._io._plugins import Plugin, register_plugin
 from .._lazy import LazyArray
 from .._paths import path_of
 
@@ -252,8 +251,6 @@ FORMAT = register_format(
         frozenset(),  # written by no one: bridge reads GGUF only
         lazy=lazy,
         training=False,
+        rename=named_like,
     )
 )
-
-# `load` asks it for the names `like` gives the file's layers
-PLUGIN = register_plugin(Plugin(NAME, rename=named_like))

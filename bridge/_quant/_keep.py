@@ -30,7 +30,6 @@ from jax.extend.core import Literal
 from .._adapters._native import (
     check_model,
     like as like_form,
-    placeholders,
     to_neutral,
 )
 from .._io._contents import Contents
@@ -155,7 +154,8 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
             "quantized yet (their blocks are dequantized by the gguf package's "
             "NumPy code, not inside jax.jit). Load it without keep_quantized."
         )
-    target = to_neutral(placeholders(like))
+    target = request.target  # like's Tree, its leaves placeholders
+    assert target is not None
     if framework(target) == "torch":
         raise KeepError(
             f"{contents.path}: keep_quantized=True keeps weights quantized in Flax "
@@ -185,7 +185,7 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
     source = file_tree(contents, arrays)
     plan, problems = make_plan(
         source,
-        placeholders(like),
+        target,
         rules,
         strict,
         dtype,

@@ -9,7 +9,8 @@
 - `save`: a model holding kept weights refused (`_keep.refuse_saving_kept`);
   `save(..., layout="torch", quantize="fp8-block")` (`_write`).
 
-GGUF registers its own format and its Hugging Face names (`_gguf`).
+GGUF registers its own format, which names the file's layers as Hugging Face does
+where `like` asks for those names (`_gguf`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from . import _keep, _read, _write
 PLUGIN = register_plugin(
     Plugin(
         "quantized",
+        option="keep_quantized",  # its check and fill: with keep_quantized=True
         check=_keep.check,
         dense=_read.dense,
         fill=_keep.load_kept,
