@@ -19,6 +19,7 @@ become trainable (`bridge.make_step` refuses a spec that says so). Its `shape` a
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -155,7 +156,7 @@ class QuantizedArray:
         **Raises:** `ValueError` naming what qwix's form cannot hold: packed values
         (qwix keeps one value a byte), GPTQ's and AWQ's zero points and group
         indices, blocks that do not divide the weight, a reshape."""
-        import qwix  # pyright: ignore[reportMissingImports] (optional, not a dependency)
+        qwix = importlib.import_module("qwix")  # optional, not a dependency
 
         s = self.scheme
         problem = None

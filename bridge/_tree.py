@@ -24,7 +24,8 @@ from ._qarray import QuantizedArray
 
 def _key_entry(key: Key, sequence: bool) -> Any:
     if sequence:
-        return jtu.SequenceKey(key)  # pyright: ignore[reportArgumentType]
+        assert isinstance(key, int)  # a sequence node's keys are its indices
+        return jtu.SequenceKey(key)
     if isinstance(key, str) and key.isidentifier():
         return jtu.GetAttrKey(key)
     return jtu.DictKey(key)

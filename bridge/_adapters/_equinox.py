@@ -156,9 +156,10 @@ def from_equinox(model: Any, state: eqx.nn.State | None = None) -> Tree:
         index_paths = _index_paths(model)
         by_marker = {index.marker: p for p, index in index_paths.items()}
         state_flat, state_def = jtu.tree_flatten_with_path(state)
-        markers = tuple(state_def.node_data()[1])  # pyright: ignore
+        # the State's entries by position (its key path's first entry)
+        markers: dict[Key, Any] = dict(enumerate(state_def.node_data()[1]))
         for j, (keypath, leaf) in enumerate(state_flat):
-            marker = markers[key_of(keypath[0])]  # pyright: ignore
+            marker = markers[key_of(keypath[0])]
             if marker not in by_marker:
                 raise ValueError(_FOREIGN_STATE)
             at = by_marker[marker]
@@ -187,7 +188,8 @@ def _class_of(value: Any) -> Any:
     cls = type(value)
     known = _CLASSES.get(cls)
     if known is None:
-        pairs = _flatten_one_keyed(value)  # pyright: ignore[reportOptionalCall]
+        assert _flatten_one_keyed is not None  # `_walk`, its only caller, checks
+        pairs = _flatten_one_keyed(value)
         if pairs is None:
             known = _LEAF
         elif cls in (list, tuple):
@@ -218,7 +220,8 @@ def _walk(model: Any) -> Tree | None:
     them: no key paths, no second pass. None when the model holds a node of
     another kind or is deeper than `MAX_DEPTH` (then `from_equinox` takes the
     general path), or when its leaves are not `jax.tree_util`'s (checked)."""
-    if _flatten_one is None or _flatten_one_keyed is None:
+    flatten_one, flatten_keyed = _flatten_one, _flatten_one_keyed
+    if flatten_one is None or flatten_keyed is None:
         return None
     kinds: dict[Path, Any] = {(): type(model)}
     maker = Maker(kinds)
@@ -234,14 +237,11 @@ def _walk(model: Any) -> Tree | None:
         if len(path) >= MAX_DEPTH:
             raise _Unwalkable
         if type(how) is tuple:  # an Equinox module
-            pairs: Any = zip(how, _flatten_one(node)[0])  # pyright: ignore
+            pairs: Any = zip(how, flatten_one(node)[0])
         elif how == _SEQUENCE:
             pairs = enumerate(node)
         elif how == _DICT:
-            pairs = (
-                (key_of(k), v)
-                for k, v in _flatten_one_keyed(node)[0]  # pyright: ignore
-            )
+            pairs = ((key_of(k), v) for k, v in flatten_keyed(node)[0])
         elif how == _NONE:
             return (), [], []
         else:

@@ -763,6 +763,7 @@ class _Walk:
     ) -> tuple[tuple[Key, ...], list, list]:
         """`(keys, roles, children)` of the node at `path`, from its containers
         in each collection, `parts = [(collection, mapping), ...]`."""
+        merged: dict[Key, list[tuple[str, Any]]] = {}
         if len(parts) == 1:
             role, container = parts[0]
             one = self.children(role, container, path)
@@ -772,7 +773,6 @@ class _Walk:
                 ordered = self.canonical[listed] = canonical(listed)
         else:
             one, role = None, ""
-            merged: dict[Key, list[tuple[str, Any]]] = {}
             for part, container in parts:
                 for key, child in self.children(part, container, path).items():
                     merged.setdefault(key, []).append((part, child))
@@ -818,7 +818,7 @@ class _Walk:
                     continue
                 group = [(role, child)]
             else:
-                group = merged[key]  # pyright: ignore[reportPossiblyUnboundVariable]
+                group = merged[key]
             self.group(here, group, keys, roles, children)
         if listed is not ordered and listed != ordered:
             if len(keys) == len(listed):

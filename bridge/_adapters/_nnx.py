@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax.numpy as jnp
 from flax import __version__ as flax_version, nnx
@@ -62,9 +62,11 @@ def _child_order(node: Any) -> dict[Key, int]:
 
 
 def _child(node: Any, key: Key) -> Any:
-    if isinstance(node, nnx.List) or not isinstance(node, nnx.Pytree):
-        return node[key]  # pyright: ignore[reportCallIssue, reportArgumentType]
-    return getattr(node, key)  # pyright: ignore[reportArgumentType]
+    if isinstance(node, nnx.Pytree) and not isinstance(node, nnx.List):
+        assert isinstance(key, str)  # a Pytree's children are its attributes
+        return getattr(node, key)
+    items: Any = node  # an nnx.List, or a plain list or dict
+    return items[key]
 
 
 def from_nnx(module: nnx.Module) -> Tree:
@@ -124,7 +126,8 @@ def _from_graph(module: nnx.Module) -> Tree:
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
     leaves = flat.leaves
     held = _held(module, graphdef)
-    paths: list[Path] = [tuple(p) for p in flat.paths]  # pyright: ignore
+    # flax types a path's keys as any hashable; they are `str` and `int`
+    paths = cast(list[Path], [tuple(p) for p in flat.paths])
 
     kinds: dict[Path, Any] = {(): type(module)}
     nodes: dict[Path, Any] = {(): module}

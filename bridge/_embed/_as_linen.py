@@ -156,17 +156,20 @@ class LinenWrapper(nn.Module):
         return self.make_rng(tag) if self.has_rng(tag) else None
 
     def _every_key(self) -> dict[str, Any]:
-        return {tag: self.make_rng(tag) for tag in self.scope.rngs}  # pyright: ignore
+        scope = self.scope
+        assert scope is not None  # called inside apply, where the module is bound
+        return {tag: self.make_rng(tag) for tag in scope.rngs}
 
     def _write(self, inner, groups, variables, leaves, changed) -> None:
         refused = sorted({inner.roles[i] for i in changed} - set(self._mutable()))
         if refused:
+            assert self.scope is not None  # bound: called inside apply
             paths = ", ".join(
                 path_str(inner.paths[i]) for i in changed if inner.roles[i] in refused
             )
             raise ValueError(
                 _NOT_MUTABLE.format(
-                    where="/".join(self.scope.path) or "(root)",  # pyright: ignore
+                    where="/".join(self.scope.path) or "(root)",
                     collections=refused,
                     paths=paths,
                 )

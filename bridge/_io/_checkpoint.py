@@ -428,6 +428,8 @@ def load(
             _report(filled.plan, contents.path, like)
         if saved is None:
             return filled.model
+        # a plug-in that fills `like` its own way refuses `opt_state_like` (`check`)
+        assert filled.source is not None
         return _training.restore(saved, filled.source, filled.model, opt_state_like)
 
 

@@ -87,7 +87,9 @@ def merge_lora(model: Any) -> Any:
         # weight (`QuantizedArray.__jax_array__`), so the merged layer is dense
         w = jnp.asarray(getattr(node, target.weight))
         d = delta_weight(target, getattr(node, A), getattr(node, B), w.shape)
-        scaling = target.settings.scaling  # pyright: ignore[reportOptionalMemberAccess]
+        settings = target.settings
+        assert settings is not None  # `found` holds the targets with an adapter
+        scaling = settings.scaling
         weights[target.path] = (w.astype(jnp.float32) + scaling * d).astype(w.dtype)
     out = frame.strip(tree, weights)
     return out if isinstance(model, Tree) else frame.native(model, out)

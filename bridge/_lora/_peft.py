@@ -249,7 +249,8 @@ def save_peft(
         owners[name] = target.where
         ka, kb = _keys(name, target)
         tensors[ka], tensors[kb] = to_peft(target, a, b)
-        written.append((name, target.settings))  # pyright: ignore[reportArgumentType]
+        assert target.settings is not None  # `found` holds those with an adapter
+        written.append((name, target.settings))
     if fused:
         every = {n: t for n, t, _ in names(tree, frame.targets(tree), rules, prefix)}
         for name, (part, pieces) in fused.items():

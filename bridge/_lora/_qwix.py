@@ -161,7 +161,8 @@ def _settings(
         )
         return None
     if rules is None:
-        return Settings(rank, float(alpha), False, 0.0)  # pyright: ignore[reportArgumentType]
+        assert alpha is not None  # from_qwix_lora takes `rules` or `alpha`
+        return Settings(rank, float(alpha), False, 0.0)
     op = _OPS[target.kind]
     rule = next(
         (

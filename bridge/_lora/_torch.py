@@ -21,6 +21,7 @@ base arrays under `<layer>.base_layer.`, the adapters under
 from __future__ import annotations
 
 import threading
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -156,7 +157,7 @@ def _rebuild(
     entries: list[_Entry],
     renamed: dict[str, str],
     kinds: dict[Path, Any],
-    added: set[str] = frozenset(),  # pyright: ignore[reportArgumentType]
+    added: AbstractSet[str] = frozenset(),
 ) -> Tree:
     """A PyTorch-layout Tree of `entries` (in state dict order), the record's names,
     stripped prefix and ties following `renamed` (`{old name: new name}`); `added`:

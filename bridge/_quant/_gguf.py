@@ -19,6 +19,7 @@ does, not to the two halves of each head as transformers' Llama does.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -77,10 +78,9 @@ class Source(NamedTuple):
 
 def _gguf(path: Path) -> Any:
     try:
-        import gguf  # pyright: ignore[reportMissingImports] (optional, not a dependency)
+        return importlib.import_module("gguf")  # optional, not a dependency
     except ImportError:
         raise unreadable(path, NAME, _NO_GGUF.format(path=path)) from None
-    return gguf
 
 
 def _scalar(field: Any) -> str | None:
