@@ -5,9 +5,9 @@ dequantizes the frozen base inside its compiled step. The same training on the
 dequantized model gives the same losses; the base comes back untouched, still FP8.
 No torch.
 
-The model is a Llama-style SwiGLU MLP stack named as transformers names it
-(`model.layers.0.mlp.gate_proj`), so a hub folder of a Llama (Qwen3-FP8, ...) loads
-the same way.
+The model is `examples/quantized.py`'s: a Llama-style SwiGLU MLP stack named as
+transformers names it (`model.layers.0.mlp.gate_proj`), so a hub folder of a Llama
+(Qwen3-FP8, ...) loads the same way.
 """
 
 import tempfile
@@ -18,34 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from quantized import (  # the model of examples/quantized.py
+    D,
+    forward as forward_with,
+    nnx_model,
+)
 
 import bridge
 
 
-D, HIDDEN, LAYERS = 256, 512, 2
-
-
-class Node(nnx.Module):
-    def __init__(self, **children):
-        for name, child in children.items():
-            setattr(self, name, child)
-
-
 def model(rngs):
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-    mlp = lambda: Node(  # noqa: E731
-        gate_proj=linear(D, HIDDEN),
-        up_proj=linear(D, HIDDEN),
-        down_proj=linear(HIDDEN, D),
-    )
-    return Node(model=Node(layers=nnx.List([Node(mlp=mlp()) for _ in range(LAYERS)])))
+    return nnx_model(jnp.float32, rngs)
 
 
 def forward(model, x):
-    for layer in model.model.layers:
-        m = layer.mlp
-        x = x + m.down_proj(jax.nn.silu(m.gate_proj(x)) * m.up_proj(x))
-    return x
+    return forward_with(model, x, lambda layer, y: layer(y))
 
 
 def loss_fn(model, x, y):
