@@ -30,7 +30,7 @@ full run each, x the floor at 10k / 100k leaves:
 | to_equinox   | 0.79 / -          | 0.78 / -         | 0.69 / -         |
 
 Linen's first conversion (linen3, linen4): one walk over the variables
-(`_linen._walk`), a node of leaves and a node of alike layers in C-level passes;
+(`_linen_walk._walk`), a node of leaves and a node of alike layers in C-level passes;
 each leaf's position among JAX's leaves computed from the structure (JAX lists a
 dict's children in sorted key order) and checked by identity in one C pass; the
 Tree's treedef made from its children's (`PyTreeDef.from_node_data_and_children`:
@@ -66,7 +66,7 @@ from flax import nnx
 
 import bridge
 from bridge import _paths
-from bridge._adapters import _linen
+from bridge._adapters import _linen_walk
 
 
 WIDTH = 4
@@ -130,7 +130,7 @@ def first_time(convert: Callable[[], object]) -> Callable[[], object]:
     cache of recent structures and the cache of natural sort keys emptied first."""
 
     def run():
-        _linen._KNOWN.clear()
+        _linen_walk._KNOWN.clear()
         _paths._NATURAL.clear()
         return convert()
 

@@ -60,7 +60,8 @@ LAYERS = {
 }
 FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
 ADAPTERS = {
-    f"bridge._adapters._{n}" for n in ("linen", "nnx", "nnx_walk", "equinox", "torch")
+    f"bridge._adapters._{n}"
+    for n in ("linen", "linen_walk", "nnx", "nnx_walk", "equinox", "torch")
 }
 
 # (importer, imported): what is still done against the rules, and why

@@ -1,4 +1,4 @@
-"""`from_linen`'s one walk (`_linen._walk`) against its general path (`_general`):
+"""`from_linen`'s one walk (`_linen_walk._walk`) against its general path (`_general`):
 the same Tree, field by field, on the variables Linen makes; the general path only
 for content the walk does not read."""
 
@@ -15,7 +15,7 @@ from flax.core import FrozenDict, freeze
 from hypothesis import given, settings, strategies as st
 
 import bridge
-from bridge._adapters import _linen
+from bridge._adapters import _linen, _linen_walk
 from bridge._qarray import QuantizedArray, Scheme
 from bridge._tree import leaf_roles
 
@@ -166,9 +166,9 @@ GENERAL = {
 
 def _general(module, variables):
     """The oracle: the Tree of `_general`, the path every variables took before."""
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     leaves, treedef = jtu.tree_flatten(variables, is_leaf=bridge._qarray.is_quantized)
-    return _linen._general(variables, module, leaves, treedef)
+    return _linen_walk._general(variables, module, leaves, treedef)
 
 
 def _same_tree(fast, general):
@@ -201,7 +201,7 @@ def test_the_walk_makes_the_tree_of_the_general_path(name, monkeypatch):
     monkeypatch.setattr(
         _linen, "_general", lambda *a: calls.append(a) or general
     )  # taken: a failure below
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     fast = bridge.from_linen(variables, module)
     assert not calls, f"{name}: the one walk left these variables to _general"
     _same_tree(fast, general)
@@ -211,8 +211,8 @@ def test_the_walk_makes_the_tree_of_the_general_path(name, monkeypatch):
 def test_other_content_takes_the_general_path(name):
     _, variables = GENERAL[name]()
     leaves, treedef = jtu.tree_flatten(variables)
-    assert _linen._walk(variables, None, leaves, treedef) is None
-    _linen._KNOWN.clear()
+    assert _linen_walk._walk(variables, None, leaves, treedef) is None
+    _linen_walk._KNOWN.clear()
     _same_tree(bridge.from_linen(variables), _general(None, variables))
 
 
@@ -222,7 +222,7 @@ def test_a_collision_is_reported_by_the_general_path():
         "batch_stats": {"Dense_0": {"kernel": jnp.ones(2)}},
     }
     leaves, treedef = jtu.tree_flatten(variables)
-    assert _linen._walk(variables, None, leaves, treedef) is None
+    assert _linen_walk._walk(variables, None, leaves, treedef) is None
     with pytest.raises(
         ValueError, match="is in collections 'params' and 'batch_stats'"
     ):
@@ -233,9 +233,9 @@ def test_a_known_structure_with_a_quantized_leaf_is_not_cached():
     """The cache key is read from JAX's leaves; a quantized weight is several of
     them but one leaf of the Tree: such variables are converted afresh each time."""
     _, variables = GENERAL["quantized"]()
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     first = bridge.from_linen(variables)
-    assert not _linen._KNOWN.items
+    assert not _linen_walk._KNOWN.items
     second = bridge.from_linen(variables)
     assert isinstance(second.q, QuantizedArray) and second.q is variables["params"]["q"]
     assert jtu.tree_structure(second) == jtu.tree_structure(first)
@@ -243,7 +243,7 @@ def test_a_known_structure_with_a_quantized_leaf_is_not_cached():
 
 def _key(variables, module=None):
     leaves, treedef = jtu.tree_flatten(variables)
-    return _linen._known_key(variables, treedef, tuple(map(type, leaves)), module)
+    return _linen_walk._known_key(variables, treedef, tuple(map(type, leaves)), module)
 
 
 @pytest.mark.parametrize("name", WALKED)
@@ -252,13 +252,13 @@ def test_a_second_conversion_reads_the_cache(name, monkeypatch):
     (no walk), giving the same Tree, with the cache key's orders those of a walk
     over every mapping one by one."""
     module, variables = WALKED[name]()
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     first = bridge.from_linen(variables, module)
     key = _key(variables, module)
-    assert key is not None and _linen._KNOWN.get(key) is not None
+    assert key is not None and _linen_walk._KNOWN.get(key) is not None
     one_by_one: list = []
     leaves, treedef = jtu.tree_flatten(variables)
-    inner = _linen._key_orders(variables, one_by_one, alike=False)
+    inner = _linen_walk._key_orders(variables, one_by_one, alike=False)
     assert inner == treedef.num_nodes - treedef.num_leaves
     assert key[1] == tuple(one_by_one)
 
@@ -287,7 +287,7 @@ def test_a_layer_listed_in_another_order_is_another_key(layer):
     _, variables = WALKED["many names"]()
     other = _reversed_layer(variables, layer)
     assert _key(variables) != _key(other)
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     for v in (variables, other, variables, other):
         assert key_orders(bridge.to_linen(bridge.from_linen(v))) == key_orders(v)
 
@@ -326,12 +326,12 @@ def test_without_treedefs_from_children_the_tree_is_the_same(name, monkeypatch):
             return real(*args)
 
         monkeypatch.setattr(bridge._adapters._build, "_FROM_DATA", spy)
-        _linen._KNOWN.clear()
+        _linen_walk._KNOWN.clear()
         bridge.from_linen(variables, module)
         assert calls
-    monkeypatch.setattr(_linen, "_FROM_DATA", None)
+    monkeypatch.setattr(_linen_walk, "_FROM_DATA", None)
     monkeypatch.setattr(bridge._adapters._build, "_FROM_DATA", None)
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     tree = bridge.from_linen(variables, module)
     assert tree._info.source._treedef == jtu.tree_structure(tree)
     _same_tree(tree, general)
@@ -365,7 +365,7 @@ def _module(collection):
     )
     # alike layers: many modules with the same leaf names in the same order
     layers = st.tuples(
-        st.integers(_linen._ALIKE, 24),
+        st.integers(_linen_walk._ALIKE, 24),
         st.permutations(_LEAF_NAMES[collection]),
         st.sampled_from(["layers_", "Dense_"]),
         st.booleans(),
@@ -412,13 +412,13 @@ def test_varied_variables_walk_to_the_tree_of_the_general_path(variables, form):
         "frozen": freeze,
     }[form](variables)
     leaves, treedef = jtu.tree_flatten(variables)
-    assert _linen._walk(variables, None, leaves, treedef) is not None
+    assert _linen_walk._walk(variables, None, leaves, treedef) is not None
     general = _general(None, variables)
-    _linen._KNOWN.clear()
+    _linen_walk._KNOWN.clear()
     first = bridge.from_linen(variables)
     _same_tree(first, general)
     again = bridge.from_linen(variables)  # from the cache
-    assert _linen._KNOWN.items
+    assert _linen_walk._KNOWN.items
     _same_tree(again, general)
     back = bridge.to_linen(first)  # the very variables given, in their orders
     assert jtu.tree_structure(back) == jtu.tree_structure(variables)
