@@ -196,6 +196,7 @@ def save(
 
     ```
     """
+    # 1. the arguments checked
     path = _path(path)
     check_model(obj, "obj")
     check_str(layout, "layout", optional=True)
@@ -220,10 +221,14 @@ def save(
             "A PyTorch-layout file holds the model's arrays only: save the "
             "training state (`opt_state`, `step`, `extra`) in bridge's layout."
         )
+    # 2. the model as a Tree, refused by a plug-in that cannot write what it holds
+    # (weights kept quantized)
     tree = to_neutral(obj)
-    for plugin in plugins():  # what a plug-in cannot write yet (weights kept quantized)
+    for plugin in plugins():
         if plugin.check_save is not None:
             plugin.check_save(path, tree)
+    # 3. written: as another library writes it (`layout`, a `quantize` scheme a
+    # plug-in gives), or bridge's own file with its metadata and training state
     if plain:
         save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize, like)
         return
@@ -391,6 +396,7 @@ def load(
 
     ```
     """
+    # 0. the arguments checked, as one record the steps pass on
     request = _checked(
         Request(
             path=_path(path),
@@ -423,7 +429,7 @@ def load(
             saved = None
             if opt_state_like is not None:
                 saved = _training.read_state(everything, training)
-        # 4. what a non-strict port left, reported
+        # 4. what a non-strict port left, reported; the optimizer state ported
         if filled.plan is not None:
             _report(filled.plan, contents.path, like)
         if saved is None:
