@@ -1,6 +1,6 @@
 """Plug-ins: what a kind of stored weights adds to `save` and `load`, registered from
-the layer above `_io` (quantized schemes and GGUF's names, from `bridge._quant`), so
-that `_io` never names them.
+the layer above `_io` (quantized schemes: `bridge._quant/_plugin.py`), so that `_io`
+never names them nor imports that layer.
 
 `load` is a few steps (`bridge._io._checkpoint`), and at each it asks every
 registered plug-in, in registration order, what it can do for this file:
