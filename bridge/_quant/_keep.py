@@ -142,12 +142,7 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
     checkpoint with nothing quantized (loaded as usual)."""
     if not request.keep_quantized:
         return None
-    like, dtype, rules, strict = (
-        request.like,
-        request.dtype,
-        request.rules,
-        request.strict,
-    )
+    like, dtype = request.like, request.dtype
     if isinstance(contents.source, _gguf.Source):
         raise KeepError(
             f"{contents.path}: keep_quantized=True does not keep GGUF weights "
@@ -186,8 +181,8 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
     plan, problems = make_plan(
         source,
         target,
-        rules,
-        strict,
+        request.rules,
+        request.strict,
         dtype,
         examples(request.example, request.example_kwargs),
     )
