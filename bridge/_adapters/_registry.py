@@ -72,6 +72,12 @@ class Adapter(NamedTuple):
     - `shape_hint`: what to try when one of this framework's models, run inside a
       wrapper of another framework, fails on the shapes of its arguments (Equinox:
       a model takes one example, not a batch); empty when there is nothing to add.
+    - `called`: optional, `called(run) -> (run(), {path: class})`: a forward pass
+      of this framework's model run with the class of every submodule it calls
+      recorded by path, for a framework whose Trees do not record them
+      (`records_classes` False: Linen's compact submodules); the port's trace uses
+      it to tell layers whose arrays fit several kinds (a square `Conv` or
+      `ConvTranspose`).
     - `modules`: optional, `modules(tree) -> native model` whose submodules, found
       by path, the codecs read hyperparameters from; `None` when they are not
       available (Linen submodules exist only inside `apply`).
@@ -148,6 +154,7 @@ class Adapter(NamedTuple):
     shape_hint: str = ""
     modules: Callable[[Tree], Any] | None = None
     records_classes: bool = True
+    called: Callable[[Callable[[], Any]], tuple[Any, dict[tuple, type]]] | None = None
     settings: Callable[[Any], dict[str, Any]] | None = None
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
@@ -170,15 +177,16 @@ class LayoutWriter(NamedTuple):
 
     - `own(tree, prefix) -> {name: array}`: one of this adapter's own Trees, by the
       names its files hold them under (`prefix` before each; `""`: the Tree's own).
-    - `node(name) -> node`: what this adapter's codecs' `hyperparameters` read for a
-      layer known by its name alone (no module: GPT-2's `c_attn` is a `Conv1D`).
+    - `node(name, family) -> node`: what this adapter's codecs' `hyperparameters`
+      read for a layer known by its name alone (no module) in a model of `family`
+      (a Hugging Face `model_type`, or None): GPT-2's `c_attn` is a `Conv1D`.
     - `fresh`: `{kind: {entry: array}}`, the entries a layer of `kind` has in this
       layout that no other framework keeps, written fresh (BatchNorm's
       `num_batches_tracked`).
     """
 
     own: Callable[[Tree, str], dict[str, Any]]
-    node: Callable[[str], Any]
+    node: Callable[[str, str | None], Any]
     fresh: Mapping[str, Mapping[str, Any]]
 
 

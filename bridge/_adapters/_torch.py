@@ -24,10 +24,10 @@ import numpy as np
 
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
-from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
+from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path
-from .._tree import Held, Tree
+from .._tree import Held, Tree, kind, walk
 from ._build import build, native_leaves, source_of
 from ._registry import Adapter, LayoutWriter, register_adapter
 
@@ -621,8 +621,16 @@ class TorchNode(Mapping):
     `torch.nn.Module` at this path (None for a state dict, a file, or a split part),
     its class, and the dotted name. Children by key (`node["layer"][0]`)."""
 
-    def __init__(self, root: Any, prefix: str, split: frozenset[str], name: str):
+    def __init__(
+        self,
+        root: Any,
+        prefix: str,
+        split: frozenset[str],
+        name: str,
+        kinds: Mapping[str, type] | None = None,
+    ):
         self.root, self.prefix, self.split, self.name = root, prefix, split, name
+        self.kinds = kinds or {}
         self.module = None
         if root is not None and name not in split:
             for full in (prefix + name, name):
@@ -631,11 +639,11 @@ class TorchNode(Mapping):
                     break
                 except AttributeError:
                     continue
-        self.cls = None if self.module is None else type(self.module)
+        self.cls = self.kinds.get(name) if self.module is None else type(self.module)
 
     def __getitem__(self, key: Any) -> TorchNode:
         name = f"{self.name}.{key}" if self.name else str(key)
-        return TorchNode(self.root, self.prefix, self.split, name)
+        return TorchNode(self.root, self.prefix, self.split, name, self.kinds)
 
     def __iter__(self):
         return iter(())
@@ -648,7 +656,14 @@ def modules(tree: Tree) -> TorchNode:
     """The root `TorchNode` of a PyTorch-layout Tree."""
     record = source_of(tree, "torch", TorchRecord).record
     split = frozenset(p for s in record.splits for p in s.parts)
-    return TorchNode(record.module.value, record.prefix, split, "")
+    kinds = None
+    if record.module.value is None:  # a file's classes, where its folder told them
+        kinds = {
+            ".".join(map(str, path)): cls
+            for path, node in walk(tree)
+            if (cls := kind(node)) is not None
+        }
+    return TorchNode(record.module.value, record.prefix, split, "", kinds)
 
 
 def wants_tensors(obj: Any) -> bool:
@@ -709,10 +724,12 @@ COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
 """Entries a PyTorch layer has that no other framework keeps: written fresh."""
 
 
-def _named(name: str) -> TorchNode:
+def _named(name: str, family: str | None = None) -> TorchNode:
     """A layer known by its dotted name alone, as the codecs' `hyperparameters` see
-    it: no module, so the name decides (GPT-2's `c_attn` is a `Conv1D`)."""
-    return TorchNode(None, "", frozenset(), name)
+    it: no module, so the name and the model family (`model_type`, or None) decide
+    (GPT-2's `c_attn` is a `Conv1D`, GPT-Neo's `c_fc` an `nn.Linear`)."""
+    cls = named_class(family, name)
+    return TorchNode(None, "", frozenset(), name, None if cls is None else {name: cls})
 
 
 WRITER = LayoutWriter(

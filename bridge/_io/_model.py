@@ -11,6 +11,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._adapters._registry import Adapter, file_reader, registered
+from .._families._gpt2 import file_linears
 from .._families._offset_norms import file_norms
 from .._paths import Path as TreePath, at, path_of
 from .._tree import (
@@ -138,7 +139,9 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         for name, array in arrays.items()
     ]
     if contents.layout == "torch":  # a Hugging Face folder says its family
-        ndims = ((path, len(array.shape)) for _, path, _, array in tensors)
-        kinds.update(file_norms(model_type(contents.path), ndims))  # read if listed
+        ndims = [(path, len(array.shape)) for _, path, _, array in tensors]
+        family = model_type(contents.path)
+        kinds.update(file_norms(family, ndims))  # read if listed
+        kinds.update(file_linears(family, ndims))
     modules = {p: (c, f) for p, c, f in contents.modules}
     return read(tensors, modules, kinds, list(contents.empty))

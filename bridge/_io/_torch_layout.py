@@ -81,6 +81,7 @@ def torch_state(
     prefix: str = "",
     rename: Rename | None = None,
     kinds: dict[str, str] | None = None,
+    family: str | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
@@ -90,12 +91,14 @@ def torch_state(
     name. Raises `ValueError` listing every layer without a PyTorch-layout codec,
     every rule that cannot be read backwards, every unused or malformed rename, and
     every name two layers would share. `kinds`, if given, receives the kind of the
-    layer of each name written (`{"fc.weight": "Dense", ...}`).
+    layer of each name written (`{"fc.weight": "Dense", ...}`). `family`: the
+    Hugging Face `model_type` written for, where known (GPT-2's `c_fc` is a
+    `Conv1D`, GPT-Neo's an `nn.Linear`).
     """
     if _own(tree):
         return _writer()[1].own(tree, prefix)
     out = {}
-    for layer in torch_layers(tree, rules, prefix, rename):
+    for layer in torch_layers(tree, rules, prefix, rename, family):
         encoded = layer.encode(layer.leaves)
         if kinds is not None:
             kinds.update(dict.fromkeys(encoded, layer.kind))
@@ -120,6 +123,7 @@ def torch_layers(
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
     rename: Rename | None = None,
+    family: str | None = None,
 ) -> list[TorchLayer]:
     """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
     errors, raised before anything is converted."""
@@ -144,10 +148,10 @@ def torch_layers(
     for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
         leaves = layer.leaves if layer.arrays is None else layer.arrays
-        encoder = _encoder(layer, kind, name, prefix)
+        encoder = _encoder(layer, kind, name, prefix, family)
         out.append(TorchLayer(dict(leaves), encoder, kind))
         if kind != ARRAY:
-            _check(layer, kind, name, problems)
+            _check(layer, kind, name, family, problems)
     for name, wheres in owners.items():
         if len(wheres) > 1 and rename is None:  # `rename` reports its own clashes
             problems.append(_CLASH.format(layers=wheres, name=name))
@@ -158,7 +162,7 @@ def torch_layers(
 
 
 def _encoder(
-    layer: Layer, kind: str, name: str, prefix: str
+    layer: Layer, kind: str, name: str, prefix: str, family: str | None
 ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The function converting `layer`'s leaves to its PyTorch entries."""
     if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
@@ -168,7 +172,7 @@ def _encoder(
     assert codec is not None
     # no module: the codec's settings are those a file's reader takes from the name
     # (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
-    hyper = codec.hyperparameters(writer.node(name))
+    hyper = codec.hyperparameters(writer.node(name, family))
 
     def encode(leaves: dict[str, Any]) -> dict[str, Any]:
         leaves = {k: materialise(v) for k, v in leaves.items()}
@@ -186,19 +190,25 @@ def _encoder(
     return encode
 
 
-def _check(layer: Layer, kind: str, name: str, problems: list[str]) -> None:
+def _check(
+    layer: Layer, kind: str, name: str, family: str | None, problems: list[str]
+) -> None:
     """Whether the layer's PyTorch entries (shapes only, `jax.eval_shape`) are what
     its PyTorch codec recognises (a `Linear` weight is 2-D), before anything is
     written: a stack no codec read as one, a 3-D kernel under a `Linear` name."""
     adapter, writer = _writer()
     codec = codec_of(kind, adapter.name)
     assert codec is not None
-    hyper = codec.hyperparameters(writer.node(name))
+    hyper = codec.hyperparameters(writer.node(name, family))
     one = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()}
-    encoded = jax.eval_shape(
-        lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
-        one,
-    )
+    try:
+        encoded = jax.eval_shape(
+            lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
+            one,
+        )
+    except ValueError as error:  # a layout nothing tells (a square GPT-2 name)
+        problems.append(f"{layer.where} -> {name}: {error}")
+        return
     if not codec.recognise(None, encoded):
         problems.append(
             _MALFORMED.format(

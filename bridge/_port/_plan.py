@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +16,12 @@ from .._adapters._registry import ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
-from .._tree import Tree
+from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
-from ._pairing import Order, Pair, common_kind, normalised, pair
+from ._pairing import Order, Pair, common_kind, normalised, pair, same_shapes
 from ._trace import Contraction, Example, Position, first_uses
 
 
@@ -225,7 +225,13 @@ def _applied(codec: Codec, layer: Layer) -> str:
         conv1d = [c for c in choices if "Conv1D" in c]
         other = [c for c in choices if "Conv1D" not in c]
         if conv1d and other:
-            return (conv1d if layer.hyper["conv1d"] else other)[0]
+            chosen = layer.hyper["conv1d"]
+            if chosen is None:  # the name did not say: the shapes did (in, out)
+                weight = layer.leaves.get("weight")
+                kernel = layer.specs.get(codec.kind, {}).get("kernel")
+                chosen = weight is not None and kernel is not None
+                chosen = chosen and tuple(weight.shape) == tuple(kernel.shape)
+            return (conv1d if chosen else other)[0]
     return codec.layout
 
 
@@ -432,6 +438,7 @@ def make_plan(
     sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
     _adopt([(p.source, p.target) for p in pairs], problems)
     problems += _undecided(pairs)
+    problems += _open_kinds(pairs)
     problems += _contradicted(pairs, traces)
     problems += _conv_layouts(pairs, traces)
     steps, warnings, casts, mismatched = [], list(told), [], []
@@ -458,6 +465,13 @@ def make_plan(
                 )
     if casts:
         warnings.append(_errors.CAST.format(casts="\n    ".join(casts)))
+    guessed = [
+        f"{x.source} -> {x.target} ({x.by})"
+        for x in steps
+        if x.renamed and x.by in _POSITIONAL
+    ]
+    if guessed and framework(source) == framework(target):
+        warnings.append(_errors.POSITIONAL.format(pairs="\n    ".join(guessed)))
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
@@ -505,6 +519,11 @@ def make_plan(
         tuple(s.where for s in dropped),
     )
     return plan, problems
+
+
+_POSITIONAL = frozenset({"shape", "order", "kind"})
+"""What pairs two layers whose names differ by their place among alike layers, not
+by what they compute or are called."""
 
 
 def _sizes(s: Layer, t: Layer, kind: str) -> str:
@@ -588,6 +607,8 @@ def _paired(
     sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
     targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
     told = tell_settings((sources, targets), problems)
+    _called_kinds(sources, traces[0])
+    _called_kinds(targets, traces[1])
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)
     orders = (
@@ -597,6 +618,49 @@ def _paired(
     kept, sources, dropped = _dropped(rules, sources, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, kept, problems, orders)
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
+
+
+def _called_kinds(layers: list[Layer], trace: _Trace | None) -> None:
+    """Layers whose arrays fit several kinds (a Linen `conv` of no auto-name: a
+    `Conv` or a `ConvTranspose`), narrowed to the kind of the class the forward
+    pass called them as (`_Trace.classes`)."""
+    open_ = [x for x in layers if len(x.codecs) > 1]
+    if not open_ or trace is None or not trace():
+        return
+    classes = trace.classes()
+    for x in open_:
+        cls = classes.get(x.real if x.index is not None else x.path)
+        name = getattr(cls, "__name__", None)
+        named = tuple(c for c in x.codecs if name in c.names)
+        if named:
+            x.codecs = named
+            if all(reading_of(c) is None for c in named):
+                x.readings = ()  # no per-head view left to read
+
+
+def _open_kinds(pairs: list[Pair]) -> list[str]:
+    """Pairs whose arrays fit several kinds of different layouts on both sides (a
+    square convolution read from a file, a Conv or a ConvTranspose; a Linen
+    `conv` its forward pass did not tell): the shapes cannot say which, so the
+    port is refused rather than guessed."""
+    out = []
+    for s, t, _ in pairs:
+        fitting = [k for k in s.kinds if k in t.kinds and same_shapes(s, t, k)]
+        transforms = {  # a per-head kernel's Dense view reads it the same way
+            (s.codec(k).decode, t.codec(k).encode)
+            for k in fitting
+            if reading_of(s.codec(k)) is None and reading_of(t.codec(k)) is None
+        }
+        if len(transforms) > 1:
+            out.append(
+                _errors.OPEN_KIND.format(
+                    source=s.where,
+                    target=t.where,
+                    kinds=" and a ".join(fitting),
+                    shapes=s.shapes(fitting[0]),
+                )
+            )
+    return out
 
 
 def _traced_axes(open_: list, traces: tuple[Any, Any]) -> dict[tuple, int]:
@@ -748,79 +812,91 @@ def _undecided(pairs: list[Pair]) -> list[str]:
     return out
 
 
-def _tracer(
-    tree: Tree, example: Example | None, side: int, problems: list[str]
-) -> Callable[[], Mapping[Path, Position] | None] | None:
-    """The first use of each of `tree`'s arrays on the example inputs, computed
-    when pairing first needs it; a forward pass that fails is a problem."""
-    if example is None:
-        return None
+class _Trace:
+    """One side's forward pass on the example inputs, traced when pairing first
+    needs it (`first_uses`); a pass that fails is a problem. Called, it gives the
+    first use of each of the Tree's arrays (None: no trace); its methods give the
+    other facts the same trace records."""
 
-    done: list[Mapping[Path, Position] | None] = []
-    contracted: dict[Path, Contraction] = {}
-    scanned: dict[Path, int] = {}
-    needs: dict[Path, tuple[int, int]] = {}
-    convolved: dict[Path, tuple[int, ...]] = {}
+    def __init__(self, tree: Tree, example: Example, side: int, problems: list[str]):
+        self.tree, self.example, self.side, self.problems = (
+            tree,
+            example,
+            side,
+            problems,
+        )
+        self.done: list[Mapping[Path, Position] | None] = []
+        self.contracted: dict[Path, Contraction] = {}
+        self.scanned: dict[Path, int] = {}
+        self.needs: dict[Path, tuple[int, int]] = {}
+        self.convolved: dict[Path, tuple[int, ...]] = {}
+        self.called: dict[Path, type] = {}
 
-    def trace() -> Mapping[Path, Position] | None:
-        if not done:
-            done.append(_trace_once())
-        return done[0]
+    def __call__(self) -> Mapping[Path, Position] | None:
+        if not self.done:
+            self.done.append(self._once())
+        return self.done[0]
 
-    def contractions() -> Mapping[Path, Contraction]:
+    def contractions(self) -> Mapping[Path, Contraction]:
         """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
-        trace()
-        return contracted
+        self()
+        return self.contracted
 
-    def layer_axes() -> Mapping[Path, int]:
+    def layer_axes(self) -> Mapping[Path, int]:
         """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
-        trace()
-        return scanned
+        self()
+        return self.scanned
 
-    def upstream() -> Mapping[Path, tuple[int, int]]:
+    def upstream(self) -> Mapping[Path, tuple[int, int]]:
         """`{leaf path: (its bit, the bits of the leaves its first use is computed
         from)}` (see `first_uses`)."""
-        trace()
-        return needs
+        self()
+        return self.needs
 
-    trace.contractions = contractions  # pyright: ignore[reportFunctionMemberAccess]
-
-    def kernels() -> Mapping[Path, tuple[int, ...]]:
+    def kernels(self) -> Mapping[Path, tuple[int, ...]]:
         """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
-        trace()
-        return convolved
+        self()
+        return self.convolved
 
-    trace.upstream = upstream  # pyright: ignore[reportFunctionMemberAccess]
-    trace.kernels = kernels  # pyright: ignore[reportFunctionMemberAccess]
-    trace.layer_axes = layer_axes  # pyright: ignore[reportFunctionMemberAccess]
+    def classes(self) -> Mapping[Path, type]:
+        """`{module path: class}` of the submodules the pass calls, where the Tree
+        does not record them (Linen's compact submodules)."""
+        self()
+        return self.called
 
-    def _trace_once() -> Mapping[Path, Position] | None:
+    def _once(self) -> Mapping[Path, Position] | None:
         try:
-            native = to_native(tree)
+            native = to_native(self.tree)
         except (TypeError, ValueError):  # a part of a model: nothing to run
             return None
         if isinstance(native, Mapping):  # arrays without a model to run (Linen
             return None  # variables alone, a state dict): the order known decides
         try:
             return first_uses(
-                tree,
-                example.inputs,
-                example.kwargs[side],
-                contracted,
-                scanned,
-                needs,
-                convolved,
+                self.tree,
+                self.example.inputs,
+                self.example.kwargs[self.side],
+                self.contracted,
+                self.scanned,
+                self.needs,
+                self.convolved,
+                self.called,
             )
         except Exception as error:  # the model's own error on these inputs
-            problems.append(
+            self.problems.append(
                 _errors.TRACE.format(
-                    side=("source", "target")[side],
+                    side=("source", "target")[self.side],
                     error=f"{type(error).__name__}: {error}",
                 )
             )
             return None
 
-    return trace
+
+def _tracer(
+    tree: Tree, example: Example | None, side: int, problems: list[str]
+) -> _Trace | None:
+    """The side's `_Trace`, or None without example inputs."""
+    return None if example is None else _Trace(tree, example, side, problems)
 
 
 def port_plan(

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend.core
 
-from .._adapters._native import to_native
+from .._adapters._native import adapter_of_tree, to_native
 from .._paths import Path
 from .._tree import Tree, map_with_path
 from ._compare import forward, model_of
@@ -89,6 +89,7 @@ def first_uses(
     scanned: dict[Path, int] | None = None,
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
+    classes: dict[Path, type] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -102,6 +103,9 @@ def first_uses(
     operation: an order of dependence, which no two implementations of one model
     can disagree on). With `convolved`, fills it with `{leaf path: its stored axes
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
+    With `classes`, fills it with `{module path: class}` for every submodule the
+    pass calls, where the framework records them only then (Linen's compact
+    submodules: `Adapter.called`).
 
     **Arguments:**
 
@@ -130,7 +134,13 @@ def first_uses(
             xs[i] = x
         model = to_native(jax.tree_util.tree_unflatten(treedef, leaves))
         channel_first = bool(getattr(model_of(model), "channel_first", False))
-        return forward(model, tuple(xs), kwargs, channel_first)
+        if called is None or classes is None:
+            return forward(model, tuple(xs), kwargs, channel_first)
+        out, seen = called(lambda: forward(model, tuple(xs), kwargs, channel_first))
+        classes.update(seen)
+        return out
+
+    called = adapter_of_tree(tree).called
 
     closed = jax.make_jaxpr(run)(structs, [examples[i] for i in arrays])
     jaxpr = closed.jaxpr

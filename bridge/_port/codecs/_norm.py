@@ -16,7 +16,7 @@ from typing import Any
 import equinox as eqx
 from flax import nnx
 
-from ..._families._offset_norms import one_plus_weight
+from ..._families._offset_norms import one_plus_weight, subtracts_no_mean
 from .._codec import (
     Codec,
     Leaves,
@@ -184,11 +184,14 @@ def _norm_class(cls: Any, suffix: str) -> bool:
 def _torch_layer_norm(cls: Any, leaves: Leaves) -> bool:
     if cls is not None and not _norm_class(cls, "LayerNorm"):
         return False
+    if cls is not None and subtracts_no_mean(cls):  # T5LayerNorm: an RMS norm
+        return False
     return _torch_affine(leaves)
 
 
 def _torch_rms_norm(cls: Any, leaves: Leaves) -> bool:
-    if cls is not None and not _norm_class(cls, "RMSNorm"):
+    rms = cls is not None and _norm_class(cls, "LayerNorm") and subtracts_no_mean(cls)
+    if cls is not None and not (rms or _norm_class(cls, "RMSNorm")):
         return False
     w = shape_of(leaves, "weight")
     return set(leaves) == {"weight"} and w is not None and len(w) == 1
