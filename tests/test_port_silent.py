@@ -14,6 +14,8 @@ from flax import nnx
 
 import bridge
 
+from .helpers import requires
+
 
 def _torch_conv1d(x, weight, bias):
     """PyTorch's `Conv1d` on channel-last `x` `(batch, length, in)`: `weight` `(out,
@@ -83,6 +85,7 @@ def _folder(tmp_path, model_type):
     return folder, tensors
 
 
+@requires("NNX")
 @pytest.mark.parametrize("model_type", ["gpt_neo", "gpt2", None])
 def test_square_gpt2_names_follow_the_family(tmp_path, model_type):
     """GPT-Neo keeps GPT-2's `c_fc`/`c_proj` names on `nn.Linear`s (weight `(out,
@@ -101,6 +104,7 @@ def test_square_gpt2_names_follow_the_family(tmp_path, model_type):
     np.testing.assert_array_equal(loaded.c_fc.kernel[...], expected)
 
 
+@requires("NNX")
 @pytest.mark.parametrize("model_type", ["gpt_neo", "gpt2", None])
 def test_square_gpt2_names_written_by_the_family(tmp_path, model_type):
     """Writing the PyTorch layout: a square `c_fc` kernel is written `(out, in)` into
@@ -129,6 +133,7 @@ class _Heads(nnx.Module):
         setattr(self, second, nnx.Linear(4, 3, rngs=rngs))
 
 
+@requires("NNX")
 def test_positional_pairs_in_one_framework_warn():
     """Two NNX models whose heads have unrelated names (`sentiment_head` ->
     `topic_head`) were paired by their shapes without a word: a `PortWarning` now

@@ -122,9 +122,14 @@ def first_uses(
     map_with_path(lambda p, _: paths.append(p), tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    # the inputs as pytrees: a cache object the pass writes into (an NNX module)
+    # is rebuilt inside the trace from its arrays, as nnx.jit does, never mutated
+    given_leaves, given_tree = jax.tree_util.tree_flatten((tuple(inputs), kwargs))
     examples = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-        for x in inputs
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+        else x
+        for x in given_leaves
     ]
     arrays = [i for i, x in enumerate(examples) if isinstance(x, jax.ShapeDtypeStruct)]
 
@@ -132,11 +137,12 @@ def first_uses(
         xs = list(examples)
         for i, x in zip(arrays, given):
             xs[i] = x
+        args, kw = jax.tree_util.tree_unflatten(given_tree, xs)
         model = to_native(jax.tree_util.tree_unflatten(treedef, leaves))
         channel_first = bool(getattr(model_of(model), "channel_first", False))
         if called is None or classes is None:
-            return forward(model, tuple(xs), kwargs, channel_first)
-        out, seen = called(lambda: forward(model, tuple(xs), kwargs, channel_first))
+            return forward(model, args, kw, channel_first)
+        out, seen = called(lambda: forward(model, args, kw, channel_first))
         classes.update(seen)
         return out
 
