@@ -13,6 +13,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+Where = str | tuple[str | int, ...]
+"""What a `Uses` is keyed by: a state-dict name (`trace_module`), or a Tree's leaf
+path (an adapter's `trace`)."""
+
+
 class Contraction(NamedTuple):
     """How a kernel meets the input in the product (`dot_general`, `F.linear`,
     `addmm`, `matmul`, `einsum`) that first contracts it, in the axes of the array as
@@ -38,8 +43,9 @@ class Uses(NamedTuple):
     """Per parameter name, what one forward pass did with it (a traced PyTorch
     module's record: `bridge._adapters._torch_trace.trace_module`).
 
-    Names are the module's state-dict names; tied names (one tensor under several
-    names) each appear, with the same values.
+    Keys are the module's state-dict names (`trace_module`; tied names, one tensor
+    under several names, each appear with the same values), or a Tree's leaf paths
+    (an adapter's `trace`: the paths the Tree has).
 
     **Fields:**
 
@@ -73,10 +79,10 @@ class Uses(NamedTuple):
       evaluation).
     """
 
-    positions: dict[str, tuple[int, ...]]
-    contracted: dict[str, Contraction]
-    convolved: dict[str, tuple[int, ...]]
-    norms: dict[str, str]
-    weight_norm: dict[str, tuple[str, str]]
-    needs: dict[str, tuple[int, int]]
-    unused: tuple[str, ...]
+    positions: dict[Where, tuple[int, ...]]
+    contracted: dict[Where, Contraction]
+    convolved: dict[Where, tuple[int, ...]]
+    norms: dict[Where, str]
+    weight_norm: dict[Where, tuple[Where, Where]]
+    needs: dict[Where, tuple[int, int]]
+    unused: tuple[Where, ...]

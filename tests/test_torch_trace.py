@@ -551,3 +551,79 @@ def test_folder_module_says_why_it_built_nothing(monkeypatch):
     assert folder_module(CONFIGS["bert"]).reason.startswith(
         "transformers is not installed"
     )
+
+
+def test_folder_keys_of_older_checkpoints_and_base_models():
+    """Wav2Vec2 checkpoints store `weight_g`/`weight_v` (transformers renames them
+    to a parametrization on load); a base model's keys lack the head's prefix; a
+    head the file does not hold is unmatched, not guessed."""
+    names = list(_real("wav2vec2").state_dict())
+    legacy = [
+        n.replace("parametrizations.weight.original0", "weight_g").replace(
+            "parametrizations.weight.original1", "weight_v"
+        )
+        for n in names
+    ]
+    built = folder_module(CONFIGS["wav2vec2"], keys=legacy)
+    conv = "wav2vec2.encoder.pos_conv_embed.conv"
+    assert built.keys == {
+        f"{conv}.parametrizations.weight.original0": f"{conv}.weight_g",
+        f"{conv}.parametrizations.weight.original1": f"{conv}.weight_v",
+    }
+    assert built.unmatched == ()
+    base = [n.removeprefix("wav2vec2.") for n in names if n.startswith("wav2vec2.")]
+    built = folder_module(CONFIGS["wav2vec2"], keys=base)
+    assert built.keys[f"{conv}.bias"] == "encoder.pos_conv_embed.conv.bias"
+    assert built.unmatched == ("lm_head.weight", "lm_head.bias")
+
+
+def _adapter_trace():
+    from bridge._adapters._registry import adapter_named
+
+    return adapter_named("torch").trace
+
+
+def test_adapter_trace_keys_by_tree_path():
+    """The torch adapter's `trace`: the module a Tree holds, keyed by leaf path (a
+    stripped prefix off, a tie's second name left out as the Tree leaves it out)."""
+    import bridge
+
+    model = _real("gpt2")
+    tree = bridge.from_torch(model, prefix="transformer.")
+    uses = _adapter_trace()(tree, *INPUTS["gpt2"])
+    assert uses.contracted[("h", 0, "attn", "c_attn", "weight")] == CONV1D
+    assert uses.contracted[("wte", "weight")] == LINEAR  # the tied head's product
+    paths = []
+    bridge._tree.map_with_path(lambda p, _: paths.append(p), tree)
+    assert sorted(uses.positions, key=str) == sorted(paths, key=str)
+    assert _adapter_trace()(bridge.from_torch(model.state_dict()), TOKENS, {}) is None
+
+
+def test_adapter_trace_of_a_folder(tmp_path):
+    """A folder's Tree (no module) with its config recorded is traced on the model
+    built from config.json, by the file's names: as the real module reads."""
+    import bridge
+    from bridge._adapters._torch import with_config
+
+    model = _real("wav2vec2")
+    model.save_pretrained(tmp_path)
+    tree = with_config(bridge.load(tmp_path), tmp_path)
+    args, kwargs = INPUTS["wav2vec2"]
+    from_folder = _adapter_trace()(tree, args, kwargs)
+    assert from_folder == _adapter_trace()(bridge.from_torch(model), args, kwargs)
+    conv = ("wav2vec2", "encoder", "pos_conv_embed", "conv")
+    g = (*conv, "parametrizations", "weight", "original0")
+    v = (*conv, "parametrizations", "weight", "original1")
+    assert from_folder.weight_norm == {(*conv, "weight"): (g, v)}
+    unknown = with_config(tree, {"model_type": "no-such-model"})
+    with pytest.raises(ValueError, match="could not be traced: its config.json"):
+        _adapter_trace()(unknown, args, kwargs)
+
+
+def test_the_docstring_example():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    uses = trace_module(m, (torch.ones(2, 3),))
+    assert uses.contracted["0.weight"] == Contraction(
+        inputs=(1,), outputs=(0,), batch=()
+    )
+    assert uses.norms["1.weight"] == "mean"

@@ -192,7 +192,7 @@ class _Recorder:
         self.count = 0
         self.names: dict[Any, tuple[str, bool]] = {}
         self.positions: dict[int, tuple[int, ...]] = {}
-        self.needs: dict[int, int] = {}
+        self.needs: dict[int, tuple[int, int]] = {}
         self.contracted: dict[int, Contraction] = {}
         self.convolved: dict[int, tuple[int, ...]] = {}
         self.norms: dict[int, str] = {}
@@ -301,7 +301,7 @@ class _Recorder:
             for s in e.sources:
                 if s.index not in self.positions:
                     self.positions[s.index] = (self.count,)
-                    self.needs[s.index] = others
+                    self.needs[s.index] = (1 << s.index, others)
                 self.roles(name, args, slot, s, operands)
                 kind = self.scaled(name, slot, operands, s)
                 if kind is not None:
@@ -315,9 +315,9 @@ class _Recorder:
         or bias, a convolution's kernel, a product's contracted axes."""
         if name in _NORMS and slot in ("weight", "bias"):
             self.norms.setdefault(s.index, _NORMS[name] + ("+1" if s.plus1 else ""))
-        axes = s.axes
-        if axes is None or None in axes:
+        if s.axes is None or None in s.axes:
             return
+        axes = tuple(a for a in s.axes if a is not None)
         if slot == "weight" and name.startswith("conv_transpose"):
             self.convolved.setdefault(s.index, (axes[1], axes[0], *axes[2:]))
         elif slot == "weight" and name in ("conv1d", "conv2d", "conv3d"):
@@ -382,9 +382,9 @@ class _Recorder:
         if name in ("mul", "div") and len(tags) == 2:
             wanted = "inv" if name == "mul" else "std"
             for k in (0, 1) if name == "mul" else (1,):
-                if kinds[k] == wanted:
-                    x = tags[1 - k]
-                    return ("normed", bool(tags[k][1] or (x and x[1])))
+                scale, x = tags[k], tags[1 - k]
+                if scale is not None and scale[0] == wanted:
+                    return ("normed", bool(scale[1] or (x and x[1])))
         if (
             name in _PASS_TAG
             and len(operands) >= 1
@@ -491,7 +491,7 @@ def _product(name: str, args: tuple, slot: Any, axes: tuple) -> Contraction | No
         if rank == 1:
             return Contraction((axes[0],), (), ())
         return Contraction((axes[-1],), (axes[-2],), tuple(axes[:-2]))
-    if name == "einsum" and isinstance(args[0], str):
+    if name == "einsum" and isinstance(args[0], str) and isinstance(slot, int):
         return _einsum(args[0], slot, axes)
     return None
 
@@ -638,16 +638,17 @@ def trace_module(
 
     A `bridge._uses.Uses`, by state-dict name.
 
-    **Example:**
+    **Example** (needs torch, so not run as a doctest; `tests/test_torch_trace.py`
+    runs it):
 
     ```python
-    >>> import torch
-    >>> from bridge._adapters._torch_trace import trace_module
-    >>> m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
-    >>> uses = trace_module(m, (torch.ones(2, 3),))
-    >>> uses.contracted["0.weight"], uses.norms["1.weight"]
-    (Contraction(inputs=(1,), outputs=(0,), batch=()), 'mean')
+    import torch
+    from bridge._adapters._torch_trace import trace_module
 
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    uses = trace_module(m, (torch.ones(2, 3),))
+    uses.contracted["0.weight"]  # Contraction(inputs=(1,), outputs=(0,), batch=())
+    uses.norms["1.weight"]  # 'mean'
     ```
     """
     torch = importlib.import_module("torch")
@@ -657,17 +658,17 @@ def trace_module(
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     inputs = _to_torch(inputs, torch, fake, meta)
-    kwargs = _to_torch(dict(kwargs or {}), torch, fake, meta)
+    call: dict[str, Any] = _to_torch(dict(kwargs or {}), torch, fake, meta)
     if fake is not None or meta:
-        kwargs = _with_mask(module, inputs, kwargs, torch)
+        call = _with_mask(module, inputs, call, torch)
     recorder = _Recorder(torch, objects)
     with torch.no_grad():
         if fake is not None:
             with fake, _mode_class(torch)(recorder):
-                module(*inputs, **kwargs)
+                module(*inputs, **call)
         else:
             with _mode_class(torch)(recorder):
-                module(*inputs, **kwargs)
+                module(*inputs, **call)
     return _uses(recorder, names, of)
 
 
@@ -685,22 +686,26 @@ def _weight_name(g: str, v: str) -> str:
     return v
 
 
+_PER_NAME = ("positions", "contracted", "convolved", "norms", "needs")
+"""The fields of a `Uses` that map each name to a value."""
+
+
+def _made(pick: Any, of: Any, weight_norm: dict, unused: tuple) -> Uses:
+    """A `Uses` whose per-name fields are `pick` of `of`'s fields of that name."""
+    fields = {f: pick(getattr(of, f)) for f in _PER_NAME}
+    return Uses(**fields, weight_norm=weight_norm, unused=unused)
+
+
 def _uses(r: _Recorder, names: list[str], of: list[int]) -> Uses:
     first: dict[int, str] = {}
     for name, i in zip(names, of):
         first.setdefault(i, name)
-    pick = lambda d: {n: d[i] for n, i in zip(names, of) if i in d}  # noqa: E731
-    return Uses(
-        positions=pick(r.positions),
-        contracted=pick(r.contracted),
-        convolved=pick(r.convolved),
-        norms=pick(r.norms),
-        weight_norm={
-            _weight_name(first[g], first[v]): (first[g], first[v])
-            for g, v in r.weight_norm
-        },
-        needs={n: (1 << i, r.needs[i]) for n, i in zip(names, of) if i in r.needs},
-        unused=tuple(n for n, i in zip(names, of) if i not in r.positions),
+    weight_norm = {
+        _weight_name(first[g], first[v]): (first[g], first[v]) for g, v in r.weight_norm
+    }
+    unused = tuple(n for n, i in zip(names, of) if i not in r.positions)
+    return _made(
+        lambda d: {n: d[i] for n, i in zip(names, of) if i in d}, r, weight_norm, unused
     )
 
 
@@ -937,3 +942,23 @@ def _renamer(module: Any, transformers: Any, names: list[str]) -> Any:
         return with_prefix(key)
 
     return rename_4
+
+
+def rekeyed(uses: Uses, names: Mapping[Any, str], path: Any) -> Uses:
+    """`uses` keyed by `path(names[name])`: `names` maps the module's state-dict
+    names to those of a Tree (a folder's keys, a prefix taken off), `path` a Tree
+    name to its leaf path. Names `names` lacks (a tie's second name, a fused weight
+    that was split) are left out; a weight-normed weight is keyed by the weight
+    its `g` and `v` make under the Tree's names."""
+    weight_norm = {
+        path(_weight_name(names[g], names[v])): (path(names[g]), path(names[v]))
+        for g, v in uses.weight_norm.values()
+        if g in names and v in names
+    }
+    unused = tuple(path(names[n]) for n in uses.unused if n in names)
+    return _made(
+        lambda d: {path(names[n]): v for n, v in d.items() if n in names},
+        uses,
+        weight_norm,
+        unused,
+    )
