@@ -224,6 +224,7 @@ TORCH_TESTS = [
     "tests/test_quant_keep_torch.py",
     "tests/test_quant_gguf.py",
     "tests/test_opt_state_torch.py",
+    "tests/test_torch_trace.py",
 ]
 # examples that need torch, transformers, peft or qwix (the `examples` session, which
 # has none of them, runs them to their "skipped" line)

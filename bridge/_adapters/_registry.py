@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from .._paths import Key, Path
     from .._tree import Tree
+    from .._uses import Uses
 
 
 _RNGS_HINT = (
@@ -127,6 +128,15 @@ class Adapter(NamedTuple):
       the installed framework is too old for this adapter (`require`).
     - `writer`: optional, a `LayoutWriter`: how a Tree of any framework is written
       in this adapter's layout and names (`bridge.save(..., layout="torch")`).
+    - `trace`: optional, `trace(tree, inputs, kwargs) -> bridge._uses.Uses | None`:
+      what the native model's forward pass on example inputs (batched, as
+      `infer` takes them) does with each of the Tree's arrays, keyed by leaf path
+      (`Path`): order of first use, contracted axes, convolution kernels, norms,
+      weight norm, dependence (the PyTorch adapter's: `_torch_trace.trace_module`
+      on the module the Tree holds, or on one built from the Hugging Face config
+      it records). None when the Tree holds nothing to run (a bare state dict).
+      Without it, a framework whose forward pass `jax.make_jaxpr` cannot trace has
+      no trace.
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
@@ -169,6 +179,7 @@ class Adapter(NamedTuple):
     ) = None
     check: Callable[[], None] | None = None
     writer: LayoutWriter | None = None
+    trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
 
 
 class LayoutWriter(NamedTuple):

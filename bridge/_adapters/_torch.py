@@ -12,6 +12,7 @@ tensor or a module is given, or tensors are asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import re
@@ -27,7 +28,9 @@ from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path
-from .._tree import Held, Tree, kind, walk
+from .._tree import Held, Source, Tree, items, kind, walk
+from .._uses import Uses
+from . import _torch_trace
 from ._build import build, native_leaves, source_of
 from ._registry import Adapter, LayoutWriter, register_adapter
 
@@ -57,7 +60,9 @@ class Split(NamedTuple):
 class TorchRecord(NamedTuple):
     """What `to_torch` needs: the Tree's names in native order, the tied names
     (`(name, same as)`), `prefix` and the names (without it) that had it, the
-    splits, and the module (or None) whose classes and settings the codecs read."""
+    splits, and the module (or None) whose classes and settings the codecs read;
+    `config`, a Hugging Face folder (or its `config.json` as a dict) whose model
+    `trace` builds when there is no module (None: none)."""
 
     names: tuple[str, ...]
     ties: tuple[tuple[str, str], ...]
@@ -65,6 +70,7 @@ class TorchRecord(NamedTuple):
     stripped: frozenset[str]
     splits: tuple[Split, ...]
     module: Held
+    config: Held = Held(None)
 
 
 _NOT_A_STATE_DICT = """\
@@ -720,6 +726,68 @@ def _natural(path: tuple) -> tuple:
     return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
 
 
+_NOT_BUILT = """\
+The PyTorch side of this Tree could not be traced: {reason}."""
+
+
+def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses | None:
+    """What the forward pass of the module a PyTorch-layout Tree holds (or of the
+    model built from the Hugging Face config it records, on fake tensors) does with
+    each of its arrays, keyed by leaf path (`_torch_trace.trace_module`).
+
+    Names the Tree does not hold (a tie's second name, a fused weight it split) are
+    left out; a folder's keys are matched as transformers renames them on load.
+
+    **Returns:**
+
+    A `bridge._uses.Uses`, or None when the Tree holds no module and no config (a
+    bare state dict or file).
+
+    **Raises:**
+
+    `ValueError` naming why when it records a config but no model could be built
+    from it (torch or transformers missing, an unknown class); whatever the
+    module's forward pass raises on these inputs.
+    """
+    record = source_of(tree, "torch", TorchRecord).record
+    module, renamed = record.module.value, {}
+    if not is_module(module) and record.config.value is not None:
+        files = [_unstrip(n, record) for n in record.names]
+        files += [_unstrip(a, record) for a, _ in record.ties]
+        built = _torch_trace.folder_module(record.config.value, keys=files)
+        if built.module is None:
+            raise ValueError(_NOT_BUILT.format(reason=built.reason))
+        module, renamed = built.module, built.keys
+    if not is_module(module):
+        return None
+    uses = _torch_trace.trace_module(module, inputs, kwargs)
+    held = set(record.names)
+    names = {}
+    for name in [*uses.positions, *uses.unused]:
+        if not isinstance(name, str):  # trace_module's keys are names
+            continue
+        file = renamed.get(name, name)
+        own = _strip(file, record.prefix)
+        if own in held and (own == file or own in record.stripped):
+            names[name] = own
+    return _torch_trace.rekeyed(uses, names, _split_name)
+
+
+def with_config(tree: Tree, config: Any) -> Tree:
+    """The same PyTorch-layout Tree (the same arrays) recording `config`, a Hugging
+    Face folder or its `config.json` as a dict, whose model `trace` builds (on fake
+    tensors) when the Tree holds no module: a folder's Tree read from its files."""
+    src = source_of(tree, "torch", TorchRecord)
+    record = src.record._replace(config=Held(config))
+    source = Source(src.framework, src.paths, src.order, record, src.native)
+    info = dataclasses.replace(tree._info, source=source)
+    return Tree._make(info, [child for _, child in items(tree)])
+
+
+def _unstrip(name: str, record: TorchRecord) -> str:
+    return record.prefix + name if name in record.stripped else name
+
+
 COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
 """Entries a PyTorch layer has that no other framework keeps: written fresh."""
 
@@ -757,5 +825,6 @@ ADAPTER = register_adapter(
         plain_file=is_torch_layout,
         role_of=role_of,
         writer=WRITER,
+        trace=trace,
     )
 )

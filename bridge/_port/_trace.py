@@ -19,7 +19,7 @@ changes the computation.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.extend.core
@@ -27,6 +27,7 @@ import jax.extend.core
 from .._adapters._native import adapter_of_tree, to_native
 from .._paths import Path
 from .._tree import Tree, map_with_path
+from .._uses import Contraction as Contraction  # defined once, shared with torch
 from ._compare import forward, model_of
 
 
@@ -65,20 +66,6 @@ class Example:
             self.kwargs = (dict(kwargs[0]), dict(kwargs[1]))
         else:
             self.kwargs = (dict(kwargs or {}), dict(kwargs or {}))
-
-
-class Contraction(NamedTuple):
-    """How a kernel meets the input in the `dot_general` that first uses it, in the
-    axes of the array as stored (a stack's layer axis is in none of them)."""
-
-    inputs: tuple[int, ...]
-    """The axes contracted with the input, in the order of the input's axes."""
-    outputs: tuple[int, ...]
-    """The other axes, in the order the result (after a transpose that directly
-    follows, as `jnp.einsum` emits) has them."""
-    batch: tuple[int, ...]
-    """Axes the product runs over in parallel (a kernel applied per head): no
-    `Dense` layer reads such a kernel."""
 
 
 def first_uses(
