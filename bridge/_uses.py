@@ -86,3 +86,11 @@ class Uses(NamedTuple):
     weight_norm: dict[Where, tuple[Where, Where]]
     needs: dict[Where, tuple[int, int]]
     unused: tuple[Where, ...]
+
+
+class Untraced(Exception):
+    """Raised by an adapter's `trace` when it has no model to run for a Tree that
+    says where one could come from (a Hugging Face folder's `config.json` with torch
+    or transformers missing, or a class transformers does not have): the message
+    says why. The port goes on without that side's trace and says so where it
+    would have decided."""

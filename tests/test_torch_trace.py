@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from bridge._uses import Contraction
+from bridge._uses import Contraction, Untraced
 
 
 torch = pytest.importorskip("torch")
@@ -616,7 +616,7 @@ def test_adapter_trace_of_a_folder(tmp_path):
     v = (*conv, "parametrizations", "weight", "original1")
     assert from_folder.weight_norm == {(*conv, "weight"): (g, v)}
     unknown = with_config(tree, {"model_type": "no-such-model"})
-    with pytest.raises(ValueError, match="could not be traced: its config.json"):
+    with pytest.raises(Untraced, match="could not be traced: its config.json"):
         _adapter_trace()(unknown, args, kwargs)
 
 

@@ -137,6 +137,9 @@ class Adapter(NamedTuple):
       it records). None when the Tree holds nothing to run (a bare state dict).
       Without it, a framework whose forward pass `jax.make_jaxpr` cannot trace has
       no trace.
+    - `with_config`: optional, `with_config(tree, folder) -> Tree`: the same Tree
+      read from the files of a Hugging Face folder, recording that folder, whose
+      `config.json` `trace` builds the model from (the PyTorch adapter's).
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
@@ -180,6 +183,7 @@ class Adapter(NamedTuple):
     check: Callable[[], None] | None = None
     writer: LayoutWriter | None = None
     trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
+    with_config: Callable[[Tree, Any], Tree] | None = None
 
 
 class LayoutWriter(NamedTuple):

@@ -29,7 +29,7 @@ from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path
 from .._tree import Held, Source, Tree, items, kind, walk
-from .._uses import Uses
+from .._uses import Untraced, Uses
 from . import _torch_trace
 from ._build import build, native_leaves, source_of
 from ._registry import Adapter, LayoutWriter, register_adapter
@@ -756,7 +756,7 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         files += [_unstrip(a, record) for a, _ in record.ties]
         built = _torch_trace.folder_module(record.config.value, keys=files)
         if built.module is None:
-            raise ValueError(_NOT_BUILT.format(reason=built.reason))
+            raise Untraced(_NOT_BUILT.format(reason=built.reason))
         module, renamed = built.module, built.keys
     if not is_module(module):
         return None
@@ -826,5 +826,6 @@ ADAPTER = register_adapter(
         role_of=role_of,
         writer=WRITER,
         trace=trace,
+        with_config=with_config,
     )
 )

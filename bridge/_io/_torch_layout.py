@@ -22,6 +22,7 @@ from .._adapters._registry import Adapter, LayoutWriter, of_layout, registered
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
+from .._port._errors import SETTINGS
 from .._port._layers import ARRAY, Layer, find_layers
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import kinds_by_name
@@ -206,8 +207,15 @@ def _check(
             lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
             one,
         )
-    except ValueError as error:  # a layout nothing tells (a square GPT-2 name)
-        problems.append(f"{layer.where} -> {name}: {error}")
+    except KeyError as error:  # a layout nothing tells (a square GPT-2 name)
+        setting = error.args[0] if error.args else ""
+        if setting not in SETTINGS:
+            raise
+        shape = tuple(layer.leaves["kernel"].shape) if "kernel" in layer.leaves else ()
+        problems.append(
+            f"{layer.where} -> {name}: "
+            + SETTINGS[setting].format(where=layer.where, shape=shape)
+        )
         return
     if not codec.recognise(None, encoded):
         problems.append(

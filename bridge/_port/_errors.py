@@ -199,6 +199,17 @@ SETTING = (
     "it (their values: {values}). Port the whole model, or give the other side as a "
     "model whose {kind} layers have one `{name}`."
 )
+SETTINGS = {
+    "conv1d": (
+        "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "
+        "names: stored (in, out) as GPT-2's Conv1D, or (out, in) as an nn.Linear "
+        "(GPT-Neo keeps GPT-2's names), and nothing tells which. Give example inputs "
+        "with the torch module (its forward pass decides), port from the module "
+        "itself, or from a Hugging Face folder whose config.json names the "
+        "model_type (or pass config= to bridge.save)."
+    )
+}
+"""Messages of settings nothing told, where the setting decides a layout."""
 UNFIT = (
     "shape: {source} -> {target} ({kind}): the {kind} codec made {made} for the "
     "target, which holds {like}."

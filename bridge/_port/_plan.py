@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import check_model, placeholders, to_native, to_neutral
+from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._registry import ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
@@ -19,10 +19,11 @@ from .._paths import Path, path_str
 from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
+from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
 from ._pairing import Order, Pair, common_kind, normalised, pair, same_shapes
-from ._trace import Contraction, Example, Position, first_uses
+from ._trace import Example, Trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -494,6 +495,8 @@ def make_plan(
         unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
         problems += missing + unexpected
+    if (missing or unexpected) and strict:  # what would have paired them
+        problems += _untraced(traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
     for side, tree, layers in (
@@ -606,9 +609,8 @@ def _paired(
     source layers dropped by rules)`."""
     sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
     targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
+    computed((sources, targets), traces, problems)
     told = tell_settings((sources, targets), problems)
-    _called_kinds(sources, traces[0])
-    _called_kinds(targets, traces[1])
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)
     orders = (
@@ -620,22 +622,21 @@ def _paired(
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
 
 
-def _called_kinds(layers: list[Layer], trace: _Trace | None) -> None:
-    """Layers whose arrays fit several kinds (a Linen `conv` of no auto-name: a
-    `Conv` or a `ConvTranspose`), narrowed to the kind of the class the forward
-    pass called them as (`_Trace.classes`)."""
-    open_ = [x for x in layers if len(x.codecs) > 1]
-    if not open_ or trace is None or not trace():
-        return
-    classes = trace.classes()
-    for x in open_:
-        cls = classes.get(x.real if x.index is not None else x.path)
-        name = getattr(cls, "__name__", None)
-        named = tuple(c for c in x.codecs if name in c.names)
-        if named:
-            x.codecs = named
-            if all(reading_of(c) is None for c in named):
-                x.readings = ()  # no per-head view left to read
+def _untraced(traces: tuple[Trace | None, Trace | None]) -> list[str]:
+    """Where example inputs were given but a side has no forward pass to trace: one
+    problem saying which, and why (layers left unpaired would have been paired by
+    it)."""
+    sides = [
+        (side, trace.why)
+        for side, trace in zip(("source", "target"), traces)
+        if trace is not None and not trace()
+    ]
+    if not sides:
+        return []
+    text = " and the ".join(side for side, _ in sides)
+    why = " ".join(w for _, w in sides if w)
+    why = why if len(why) <= 300 else why[:300] + " ..."  # transformers lists all
+    return [_errors.UNTRACED.format(sides=text) + (f" ({why})" if why else "")]
 
 
 def _open_kinds(pairs: list[Pair]) -> list[str]:
@@ -812,91 +813,11 @@ def _undecided(pairs: list[Pair]) -> list[str]:
     return out
 
 
-class _Trace:
-    """One side's forward pass on the example inputs, traced when pairing first
-    needs it (`first_uses`); a pass that fails is a problem. Called, it gives the
-    first use of each of the Tree's arrays (None: no trace); its methods give the
-    other facts the same trace records."""
-
-    def __init__(self, tree: Tree, example: Example, side: int, problems: list[str]):
-        self.tree, self.example, self.side, self.problems = (
-            tree,
-            example,
-            side,
-            problems,
-        )
-        self.done: list[Mapping[Path, Position] | None] = []
-        self.contracted: dict[Path, Contraction] = {}
-        self.scanned: dict[Path, int] = {}
-        self.needs: dict[Path, tuple[int, int]] = {}
-        self.convolved: dict[Path, tuple[int, ...]] = {}
-        self.called: dict[Path, type] = {}
-
-    def __call__(self) -> Mapping[Path, Position] | None:
-        if not self.done:
-            self.done.append(self._once())
-        return self.done[0]
-
-    def contractions(self) -> Mapping[Path, Contraction]:
-        """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
-        self()
-        return self.contracted
-
-    def layer_axes(self) -> Mapping[Path, int]:
-        """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
-        self()
-        return self.scanned
-
-    def upstream(self) -> Mapping[Path, tuple[int, int]]:
-        """`{leaf path: (its bit, the bits of the leaves its first use is computed
-        from)}` (see `first_uses`)."""
-        self()
-        return self.needs
-
-    def kernels(self) -> Mapping[Path, tuple[int, ...]]:
-        """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
-        self()
-        return self.convolved
-
-    def classes(self) -> Mapping[Path, type]:
-        """`{module path: class}` of the submodules the pass calls, where the Tree
-        does not record them (Linen's compact submodules)."""
-        self()
-        return self.called
-
-    def _once(self) -> Mapping[Path, Position] | None:
-        try:
-            native = to_native(self.tree)
-        except (TypeError, ValueError):  # a part of a model: nothing to run
-            return None
-        if isinstance(native, Mapping):  # arrays without a model to run (Linen
-            return None  # variables alone, a state dict): the order known decides
-        try:
-            return first_uses(
-                self.tree,
-                self.example.inputs,
-                self.example.kwargs[self.side],
-                self.contracted,
-                self.scanned,
-                self.needs,
-                self.convolved,
-                self.called,
-            )
-        except Exception as error:  # the model's own error on these inputs
-            self.problems.append(
-                _errors.TRACE.format(
-                    side=("source", "target")[self.side],
-                    error=f"{type(error).__name__}: {error}",
-                )
-            )
-            return None
-
-
 def _tracer(
     tree: Tree, example: Example | None, side: int, problems: list[str]
-) -> _Trace | None:
-    """The side's `_Trace`, or None without example inputs."""
-    return None if example is None else _Trace(tree, example, side, problems)
+) -> Trace | None:
+    """The side's `Trace`, or None without example inputs."""
+    return None if example is None else Trace(tree, example, side, problems)
 
 
 def port_plan(

@@ -18,7 +18,7 @@ changes the computation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,7 +27,12 @@ import jax.extend.core
 from .._adapters._native import adapter_of_tree, to_native
 from .._paths import Path
 from .._tree import Tree, map_with_path
-from .._uses import Contraction as Contraction  # defined once, shared with torch
+from .._uses import (
+    Contraction as Contraction,  # defined once, shared with torch
+    Untraced,
+    Uses,
+)
+from . import _errors
 from ._compare import forward, model_of
 
 
@@ -323,3 +328,116 @@ def layer_position(
     if ITER in first:
         return tuple(index if x == ITER else x for x in first)
     return first + (index,)
+
+
+class Trace:
+    """One side's forward pass on the example inputs, traced when pairing first
+    needs it (`first_uses`); a pass that fails is a problem. Called, it gives the
+    first use of each of the Tree's arrays (None: no trace); its methods give the
+    other facts the same trace records."""
+
+    def __init__(self, tree: Tree, example: Example, side: int, problems: list[str]):
+        self.tree, self.example, self.side, self.problems = (
+            tree,
+            example,
+            side,
+            problems,
+        )
+        self.done: list[Mapping[Path, Position] | None] = []
+        self.contracted: dict[Path, Contraction] = {}
+        self.scanned: dict[Path, int] = {}
+        self.needs: dict[Path, tuple[int, int]] = {}
+        self.convolved: dict[Path, tuple[int, ...]] = {}
+        self.called: dict[Path, type] = {}
+        self.normalised: dict[Path, str] = {}
+        self.why = ""
+        """Why there is no trace, where the adapter says (`Untraced`)."""
+
+    def __call__(self) -> Mapping[Path, Position] | None:
+        if not self.done:
+            self.done.append(self._once())
+        return self.done[0]
+
+    def contractions(self) -> Mapping[Path, Contraction]:
+        """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
+        self()
+        return self.contracted
+
+    def layer_axes(self) -> Mapping[Path, int]:
+        """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
+        self()
+        return self.scanned
+
+    def upstream(self) -> Mapping[Path, tuple[int, int]]:
+        """`{leaf path: (its bit, the bits of the leaves its first use is computed
+        from)}` (see `first_uses`)."""
+        self()
+        return self.needs
+
+    def kernels(self) -> Mapping[Path, tuple[int, ...]]:
+        """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
+        self()
+        return self.convolved
+
+    def norms(self) -> Mapping[Path, str]:
+        """`{leaf path: "mean", "rms" or "rms+1"}` of the arrays a normalisation
+        scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
+        self()
+        return self.normalised
+
+    def classes(self) -> Mapping[Path, type]:
+        """`{module path: class}` of the submodules the pass calls, where the Tree
+        does not record them (Linen's compact submodules)."""
+        self()
+        return self.called
+
+    def _once(self) -> Mapping[Path, Position] | None:
+        adapter = adapter_of_tree(self.tree)
+        if adapter.trace is not None:  # a framework JAX does not trace (PyTorch)
+            return self._by(adapter.trace)
+        try:
+            native = to_native(self.tree)
+        except (TypeError, ValueError):  # a part of a model: nothing to run
+            return None
+        if isinstance(native, Mapping):  # arrays without a model to run (Linen
+            return None  # variables alone, a state dict): the order known decides
+        try:
+            return first_uses(
+                self.tree,
+                self.example.inputs,
+                self.example.kwargs[self.side],
+                self.contracted,
+                self.scanned,
+                self.needs,
+                self.convolved,
+                self.called,
+            )
+        except Exception as error:  # the model's own error on these inputs
+            self._failed(error)
+            return None
+
+    def _by(self, trace: Callable[..., Uses | None]) -> Mapping[Path, Position] | None:
+        """The adapter's own trace (`Adapter.trace`), its records kept."""
+        try:
+            uses = trace(self.tree, self.example.inputs, self.example.kwargs[self.side])
+        except Untraced as why:  # nothing to run: no trace, and the reason
+            self.why = str(why)
+            return None
+        except Exception as error:  # the model's own error on these inputs
+            self._failed(error)
+            return None
+        if uses is None:
+            return None
+        self.contracted.update(uses.contracted)
+        self.convolved.update(uses.convolved)
+        self.needs.update(uses.needs)
+        self.normalised.update(uses.norms)
+        return uses.positions
+
+    def _failed(self, error: Exception) -> None:
+        self.problems.append(
+            _errors.TRACE.format(
+                side=("source", "target")[self.side],
+                error=f"{type(error).__name__}: {error}",
+            )
+        )

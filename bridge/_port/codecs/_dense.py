@@ -174,14 +174,6 @@ def _torch_hyper(layer: Any) -> dict[str, Any]:
     return bias_flag(layer, {"conv1d": conv1d})
 
 
-_SQUARE = (
-    "a square weight {shape} under one of GPT-2's Conv1D names: stored (in, out) as "
-    "GPT-2's Conv1D, or (out, in) as an nn.Linear (GPT-Neo keeps GPT-2's names), and "
-    "nothing tells which. Port from the torch module itself, or from a Hugging Face "
-    "folder whose config.json names the model_type (or pass config= to bridge.save)."
-)
-
-
 def _is_conv1d(leaves: Leaves, hyper: dict[str, Any]) -> bool:
     """`Conv1D` when the class says so, or when only its layout fits the bias; a
     name alone decides a weight that is not square, never a square one."""
@@ -190,8 +182,8 @@ def _is_conv1d(leaves: Leaves, hyper: dict[str, Any]) -> bool:
     if b is not None and w[0] != w[1]:
         return b == (w[1],)
     conv1d = hyper.get("conv1d", False)  # absent: read as another kind first
-    if conv1d is None and w[0] == w[1]:
-        raise ValueError(_SQUARE.format(shape=w))
+    if conv1d is None and w[0] == w[1]:  # a setting nothing gave: see SETTING
+        raise KeyError("conv1d")
     return conv1d is not False
 
 
