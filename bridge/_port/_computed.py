@@ -49,9 +49,11 @@ def _by_class(x: Layer, trace: Trace) -> None:
     compact submodules, by `nn.intercept_methods`): that kind."""
     cls = trace.classes().get(x.real if x.index is not None else x.path)
     name = getattr(cls, "__name__", None)
-    named = tuple(c for c in x.codecs if name in c.names)
+    named = [c for c in x.codecs if name in c.names]
+    if any(c.kind == "DenseGeneral" for c in named):  # and its per-head Dense view
+        named += [c for c in x.codecs if reading_of(c) is not None]
     if named:
-        _keep(x, named)
+        _keep(x, tuple(c for c in x.codecs if c in named))
 
 
 def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:

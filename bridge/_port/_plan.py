@@ -469,7 +469,7 @@ def make_plan(
     guessed = [
         f"{x.source} -> {x.target} ({x.by})"
         for x in steps
-        if x.renamed and x.by in _POSITIONAL
+        if x.renamed and x.by in _POSITIONAL and _chosen(x.source) and _chosen(x.target)
     ]
     if guessed and framework(source) == framework(target):
         warnings.append(_errors.POSITIONAL.format(pairs="\n    ".join(guessed)))
@@ -527,6 +527,16 @@ def make_plan(
 _POSITIONAL = frozenset({"shape", "order", "kind"})
 """What pairs two layers whose names differ by their place among alike layers, not
 by what they compute or are called."""
+
+
+_NUMBERED = re.compile(r"_\d+$|\[\d+\]$|^\(root\)$")
+
+
+def _chosen(where: str) -> bool:
+    """Whether a layer's last name was chosen by its author (`sentiment_head`), not
+    made by a framework or a list (`Dense_0`, `layers_1`, `layers[2]`): two chosen
+    names that differ are two meanings."""
+    return _NUMBERED.search(where) is None
 
 
 def _sizes(s: Layer, t: Layer, kind: str) -> str:
