@@ -595,10 +595,22 @@ def _to_torch(x: Any, torch: Any, fake: Any, meta: bool) -> Any:
     return t
 
 
+def _named(module: Any, inputs: tuple, kwargs: dict) -> dict:
+    """The keyword arguments the module's `forward` names and the positional inputs
+    do not already give: the example's keyword arguments are often the JAX
+    model's (Flax's `deterministic=`), which a PyTorch `forward` does not take."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    given = list(params)[: len(inputs)]
+    return {k: v for k, v in kwargs.items() if k in params and k not in given}
+
+
 def _with_mask(module: Any, inputs: tuple, kwargs: dict, torch: Any) -> dict:
     """An attention mask of ones for a text model given token ids alone (fake
     tensors cannot take the data-dependent path taken without one)."""
-    if "attention_mask" in kwargs or not inputs:
+    if "attention_mask" in kwargs or len(inputs) != 1:
         return kwargs
     ids = inputs[0]
     if (
@@ -659,6 +671,7 @@ def trace_module(
         inputs = (inputs,)
     inputs = _to_torch(inputs, torch, fake, meta)
     call: dict[str, Any] = _to_torch(dict(kwargs or {}), torch, fake, meta)
+    call = _named(module, inputs, call)
     if fake is not None or meta:
         call = _with_mask(module, inputs, call, torch)
     recorder = _Recorder(torch, objects)

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 
-ONE_PLUS_WEIGHT = re.compile(r"\(\s*1(?:\.0)?\s*\+\s*self\.weight\b")
-"""What such a norm's `forward` computes with, in transformers' source
-(`output * (1.0 + self.weight.float())`)."""
+ONE_PLUS_WEIGHT = re.compile(r"\(\s*1(?:\.0)?\s*\+\s*\w+\.(?:weight|scale)\b")
+"""What such a norm's `forward` (or `__call__`) computes with, in transformers' source
+(`output * (1.0 + self.weight.float())`) or JAX code's (`(1.0 + self.scale[...])`)."""
 
 NAMED = "Gemma"
 """A norm class whose name has this in it is taken as one, whatever its source says
@@ -61,10 +61,14 @@ _PROSE = re.compile(r"(\"\"\"|\'\'\')[\s\S]*?\1|#[^\n]*")
 
 @functools.cache
 def _forward_source(cls: Any) -> str | None:
-    """The source of `cls.forward` without its docstring and comments."""
+    """The source of `cls.forward` (PyTorch), else `cls.__call__` (NNX, Equinox,
+    Linen), without its docstring and comments."""
+    call = getattr(cls, "forward", None) or getattr(cls, "__call__", None)
+    if call is None:
+        return None
     try:
-        return _PROSE.sub("", inspect.getsource(cls.forward))
-    except (AttributeError, OSError, TypeError):
+        return _PROSE.sub("", inspect.getsource(call))
+    except (OSError, TypeError):
         return None
 
 
