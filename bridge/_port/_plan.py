@@ -469,7 +469,7 @@ def make_plan(
     guessed = [
         f"{x.source} -> {x.target} ({x.by})"
         for x in steps
-        if x.renamed and x.by in _POSITIONAL and _chosen(x.source) and _chosen(x.target)
+        if x.renamed and x.by in _POSITIONAL and _meanings(x.source, x.target)
     ]
     if guessed and framework(source) == framework(target):
         warnings.append(_errors.POSITIONAL.format(pairs="\n    ".join(guessed)))
@@ -532,11 +532,12 @@ by what they compute or are called."""
 _NUMBERED = re.compile(r"_\d+$|\[\d+\]$|^\(root\)$")
 
 
-def _chosen(where: str) -> bool:
-    """Whether a layer's last name was chosen by its author (`sentiment_head`), not
-    made by a framework or a list (`Dense_0`, `layers_1`, `layers[2]`): two chosen
-    names that differ are two meanings."""
-    return _NUMBERED.search(where) is None
+def _meanings(source: str, target: str) -> bool:
+    """Whether two layers' last names were both chosen by their authors
+    (`sentiment_head`, `topic_head`), not made by a framework or a list (`Dense_0`,
+    `layers_1`, `layers[2]`), and differ: two meanings."""
+    a, b = source.rsplit(".", 1)[-1], target.rsplit(".", 1)[-1]
+    return a != b and not (_NUMBERED.search(a) or _NUMBERED.search(b))
 
 
 def _sizes(s: Layer, t: Layer, kind: str) -> str:
