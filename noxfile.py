@@ -224,6 +224,8 @@ TORCH_TESTS = [
     "tests/test_quant_keep_torch.py",
     "tests/test_quant_gguf.py",
     "tests/test_opt_state_torch.py",
+    "tests/test_torch_trace.py",
+    "tests/test_torch_port_traced.py",
 ]
 # examples that need torch, transformers, peft or qwix (the `examples` session, which
 # has none of them, runs them to their "skipped" line)

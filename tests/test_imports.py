@@ -13,7 +13,8 @@ The package is layered; a module imports only modules of its own layer or below:
     2  _adapters  one adapter per framework, the registry, the build kit
     1  _tree      the neutral Tree
     0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
-       quantized), _families (model families' names), _gc (the collector paused)
+       quantized), _families (model families' names), _gc (the collector paused),
+       _uses (what a traced forward pass tells about each parameter)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -57,11 +58,20 @@ LAYERS = {
     "bridge._qarray": 0,
     "bridge._families": 0,
     "bridge._gc": 0,
+    "bridge._uses": 0,
 }
 FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
 ADAPTERS = {
     f"bridge._adapters._{n}"
-    for n in ("linen", "linen_walk", "nnx", "nnx_walk", "equinox", "torch")
+    for n in (
+        "linen",
+        "linen_walk",
+        "nnx",
+        "nnx_walk",
+        "equinox",
+        "torch",
+        "torch_trace",
+    )
 }
 
 # (importer, imported): what is still done against the rules, and why

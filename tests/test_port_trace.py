@@ -5,6 +5,7 @@ A dict's order is never evidence (test_port_property)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -260,3 +261,52 @@ def test_a_conv_kernel_the_trace_shows_in_another_layout_is_refused():
         bridge.port(source, NNXConv(nnx.Rngs(0)), example=x)
     flax_layout = bridge.port(NNXConv(nnx.Rngs(2)), NNXConv(nnx.Rngs(3)), example=x)
     assert bridge.compare(NNXConv(nnx.Rngs(2)), flax_layout, x) < 1e-6
+
+
+class _Cache(nnx.Module):
+    """A KV cache passed to the model as an argument, as bonsai's decoders take it."""
+
+    def __init__(self):
+        self.k = nnx.Cache(jnp.zeros((2, 3, 4)))
+        self.index = nnx.Variable(jnp.array(0))
+
+
+class _Cached(nnx.Module):
+    def __init__(self, rngs):
+        self.q = nnx.Linear(4, 4, rngs=rngs)
+        self.o = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, cache):
+        h = self.q(x)
+        cache.k[...] = cache.k[...].at[:, 0].set(h)
+        cache.index[...] += 1
+        return self.o(h + cache.k[...].sum(1))
+
+
+class _Renamed(nnx.Module):
+    def __init__(self, rngs):
+        self.second = nnx.Linear(4, 4, rngs=rngs)  # created first, used second
+        self.first = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, cache):
+        h = self.first(x)
+        cache.k[...] = cache.k[...].at[:, 0].set(h)
+        return self.second(h + cache.k[...].sum(1))
+
+
+def test_a_forward_pass_writing_a_cache_argument_is_traced():
+    """A forward pass that writes into an NNX cache given as an example input raised
+    `TraceContextError` (the cache was mutated from inside the trace): the inputs
+    are rebuilt inside the trace from their arrays, as `nnx.jit` does. The trace
+    pairs the layers (`q` -> `first`, `o` -> `second`, against their creation
+    order), the port is exact, and the caller's cache is untouched."""
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    cache = _Cache()
+    source = _Cached(nnx.Rngs(0))
+    ported = bridge.port(source, _Renamed(nnx.Rngs(1)), example=(x, cache))
+    assert int(cache.index[...]) == 0
+    np.testing.assert_array_equal(ported.first.kernel[...], source.q.kernel[...])
+    np.testing.assert_array_equal(ported.second.kernel[...], source.o.kernel[...])
+    np.testing.assert_allclose(
+        ported(x, _Cache()), source(x, _Cache()), rtol=1e-6, atol=1e-6
+    )

@@ -173,12 +173,15 @@ def test_gpt2_fused_from_file_and_export(tmp_path, fw):
 
 
 def test_gpt2_file_split_needs_the_state_dict(tmp_path):
-    """A file's tree is split by giving its state dict to `from_torch`; the split
-    parts port into query/key/value layers."""
+    """A file's tree is split by giving its state dict to `from_torch`; a state dict
+    records no classes, and GPT-2's square `attn.c_proj` under its Conv1D name may be
+    stored either way (GPT-Neo's `c_proj` is an `nn.Linear`): refused, never guessed.
+    The module's classes tell, and its split parts port into query/key/value
+    layers."""
     hf = _hf(transformers.GPT2Model)
     hf.save_pretrained(tmp_path / "hf")
     state = bridge.to_torch(bridge.load(tmp_path / "hf"))
-    ported = bridge.port(
-        bridge.from_torch(state, split=SPLIT), _gpt2(nnx_layers(), False)
-    )
+    with pytest.raises(bridge.PortError, match=r"(?s)attn\.c_proj holds a square weight"):
+        bridge.port(bridge.from_torch(state, split=SPLIT), _gpt2(nnx_layers(), False))
+    ported = bridge.port(bridge.from_torch(hf, split=SPLIT), _gpt2(nnx_layers(), False))
     assert excess(_gpt2_forward(ported, nnx_call), _torch_out(hf)) <= 0

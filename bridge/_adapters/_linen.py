@@ -345,6 +345,23 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise TypeError(_NO_MODULE)
 
 
+def _called(run: Callable[[], Any]) -> tuple[Any, dict[tuple, type]]:
+    """`run()` (a forward pass), with the class of every submodule it calls by its
+    path (`("conv",)`): Linen records the classes of compact submodules nowhere
+    else."""
+    seen: dict[tuple, type] = {}
+
+    def record(method: Callable, args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        if module.scope is not None:
+            seen.setdefault(tuple(module.scope.path), type(module))
+        return method(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        out = run()
+    return out, seen
+
+
 def _from_file(
     tensors: list[tuple[str, Path, str, Any]],
     modules: dict[Path, tuple[str, dict[str, Any]]],
@@ -447,6 +464,7 @@ ADAPTER = register_adapter(
         infer=_infer,
         bind=bind,
         records_classes=False,
+        called=_called,
         empty=_empty,
         embed=_embed,
         from_file=_from_file,

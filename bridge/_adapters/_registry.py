@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from .._paths import Key, Path
     from .._tree import Tree
+    from .._uses import Uses
 
 
 _RNGS_HINT = (
@@ -72,6 +73,12 @@ class Adapter(NamedTuple):
     - `shape_hint`: what to try when one of this framework's models, run inside a
       wrapper of another framework, fails on the shapes of its arguments (Equinox:
       a model takes one example, not a batch); empty when there is nothing to add.
+    - `called`: optional, `called(run) -> (run(), {path: class})`: a forward pass
+      of this framework's model run with the class of every submodule it calls
+      recorded by path, for a framework whose Trees do not record them
+      (`records_classes` False: Linen's compact submodules); the port's trace uses
+      it to tell layers whose arrays fit several kinds (a square `Conv` or
+      `ConvTranspose`).
     - `modules`: optional, `modules(tree) -> native model` whose submodules, found
       by path, the codecs read hyperparameters from; `None` when they are not
       available (Linen submodules exist only inside `apply`).
@@ -121,6 +128,18 @@ class Adapter(NamedTuple):
       the installed framework is too old for this adapter (`require`).
     - `writer`: optional, a `LayoutWriter`: how a Tree of any framework is written
       in this adapter's layout and names (`bridge.save(..., layout="torch")`).
+    - `trace`: optional, `trace(tree, inputs, kwargs) -> bridge._uses.Uses | None`:
+      what the native model's forward pass on example inputs (batched, as
+      `infer` takes them) does with each of the Tree's arrays, keyed by leaf path
+      (`Path`): order of first use, contracted axes, convolution kernels, norms,
+      weight norm, dependence (the PyTorch adapter's: `_torch_trace.trace_module`
+      on the module the Tree holds, or on one built from the Hugging Face config
+      it records). None when the Tree holds nothing to run (a bare state dict).
+      Without it, a framework whose forward pass `jax.make_jaxpr` cannot trace has
+      no trace.
+    - `with_config`: optional, `with_config(tree, folder) -> Tree`: the same Tree
+      read from the files of a Hugging Face folder, recording that folder, whose
+      `config.json` `trace` builds the model from (the PyTorch adapter's).
     - `embed`: optional, `embed(tree, args, kwargs, keys, inference) -> (output,
       after, kept)`: run the model once inside a wrapper of another framework
       (`bridge.as_nnx`, `as_linen`, `as_equinox`). `keys` is the caller's random
@@ -148,6 +167,7 @@ class Adapter(NamedTuple):
     shape_hint: str = ""
     modules: Callable[[Tree], Any] | None = None
     records_classes: bool = True
+    called: Callable[[Callable[[], Any]], tuple[Any, dict[tuple, type]]] | None = None
     settings: Callable[[Any], dict[str, Any]] | None = None
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
@@ -162,6 +182,8 @@ class Adapter(NamedTuple):
     ) = None
     check: Callable[[], None] | None = None
     writer: LayoutWriter | None = None
+    trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
+    with_config: Callable[[Tree, Any], Tree] | None = None
 
 
 class LayoutWriter(NamedTuple):
@@ -170,15 +192,16 @@ class LayoutWriter(NamedTuple):
 
     - `own(tree, prefix) -> {name: array}`: one of this adapter's own Trees, by the
       names its files hold them under (`prefix` before each; `""`: the Tree's own).
-    - `node(name) -> node`: what this adapter's codecs' `hyperparameters` read for a
-      layer known by its name alone (no module: GPT-2's `c_attn` is a `Conv1D`).
+    - `node(name, family) -> node`: what this adapter's codecs' `hyperparameters`
+      read for a layer known by its name alone (no module) in a model of `family`
+      (a Hugging Face `model_type`, or None): GPT-2's `c_attn` is a `Conv1D`.
     - `fresh`: `{kind: {entry: array}}`, the entries a layer of `kind` has in this
       layout that no other framework keeps, written fresh (BatchNorm's
       `num_batches_tracked`).
     """
 
     own: Callable[[Tree, str], dict[str, Any]]
-    node: Callable[[str], Any]
+    node: Callable[[str, str | None], Any]
     fresh: Mapping[str, Mapping[str, Any]]
 
 

@@ -12,6 +12,7 @@ tensor or a module is given, or tensors are asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import re
@@ -24,10 +25,12 @@ import numpy as np
 
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
-from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES
+from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path
-from .._tree import Held, Tree
+from .._tree import Held, Source, Tree, items, kind, walk
+from .._uses import Untraced, Uses
+from . import _torch_trace
 from ._build import build, native_leaves, source_of
 from ._registry import Adapter, LayoutWriter, register_adapter
 
@@ -57,7 +60,9 @@ class Split(NamedTuple):
 class TorchRecord(NamedTuple):
     """What `to_torch` needs: the Tree's names in native order, the tied names
     (`(name, same as)`), `prefix` and the names (without it) that had it, the
-    splits, and the module (or None) whose classes and settings the codecs read."""
+    splits, and the module (or None) whose classes and settings the codecs read;
+    `config`, a Hugging Face folder (or its `config.json` as a dict) whose model
+    `trace` builds when there is no module (None: none)."""
 
     names: tuple[str, ...]
     ties: tuple[tuple[str, str], ...]
@@ -65,6 +70,7 @@ class TorchRecord(NamedTuple):
     stripped: frozenset[str]
     splits: tuple[Split, ...]
     module: Held
+    config: Held = Held(None)
 
 
 _NOT_A_STATE_DICT = """\
@@ -621,8 +627,16 @@ class TorchNode(Mapping):
     `torch.nn.Module` at this path (None for a state dict, a file, or a split part),
     its class, and the dotted name. Children by key (`node["layer"][0]`)."""
 
-    def __init__(self, root: Any, prefix: str, split: frozenset[str], name: str):
+    def __init__(
+        self,
+        root: Any,
+        prefix: str,
+        split: frozenset[str],
+        name: str,
+        kinds: Mapping[str, type] | None = None,
+    ):
         self.root, self.prefix, self.split, self.name = root, prefix, split, name
+        self.kinds = kinds or {}
         self.module = None
         if root is not None and name not in split:
             for full in (prefix + name, name):
@@ -631,11 +645,11 @@ class TorchNode(Mapping):
                     break
                 except AttributeError:
                     continue
-        self.cls = None if self.module is None else type(self.module)
+        self.cls = self.kinds.get(name) if self.module is None else type(self.module)
 
     def __getitem__(self, key: Any) -> TorchNode:
         name = f"{self.name}.{key}" if self.name else str(key)
-        return TorchNode(self.root, self.prefix, self.split, name)
+        return TorchNode(self.root, self.prefix, self.split, name, self.kinds)
 
     def __iter__(self):
         return iter(())
@@ -648,7 +662,14 @@ def modules(tree: Tree) -> TorchNode:
     """The root `TorchNode` of a PyTorch-layout Tree."""
     record = source_of(tree, "torch", TorchRecord).record
     split = frozenset(p for s in record.splits for p in s.parts)
-    return TorchNode(record.module.value, record.prefix, split, "")
+    kinds = None
+    if record.module.value is None:  # a file's classes, where its folder told them
+        kinds = {
+            ".".join(map(str, path)): cls
+            for path, node in walk(tree)
+            if (cls := kind(node)) is not None
+        }
+    return TorchNode(record.module.value, record.prefix, split, "", kinds)
 
 
 def wants_tensors(obj: Any) -> bool:
@@ -705,14 +726,78 @@ def _natural(path: tuple) -> tuple:
     return tuple((0, k, "") if isinstance(k, int) else (1, 0, k) for k in path)
 
 
+_NOT_BUILT = """\
+The PyTorch side of this Tree could not be traced: {reason}."""
+
+
+def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses | None:
+    """What the forward pass of the module a PyTorch-layout Tree holds (or of the
+    model built from the Hugging Face config it records, on fake tensors) does with
+    each of its arrays, keyed by leaf path (`_torch_trace.trace_module`).
+
+    Names the Tree does not hold (a tie's second name, a fused weight it split) are
+    left out; a folder's keys are matched as transformers renames them on load.
+
+    **Returns:**
+
+    A `bridge._uses.Uses`, or None when the Tree holds no module and no config (a
+    bare state dict or file).
+
+    **Raises:**
+
+    `ValueError` naming why when it records a config but no model could be built
+    from it (torch or transformers missing, an unknown class); whatever the
+    module's forward pass raises on these inputs.
+    """
+    record = source_of(tree, "torch", TorchRecord).record
+    module, renamed = record.module.value, {}
+    if not is_module(module) and record.config.value is not None:
+        files = [_unstrip(n, record) for n in record.names]
+        files += [_unstrip(a, record) for a, _ in record.ties]
+        built = _torch_trace.folder_module(record.config.value, keys=files)
+        if built.module is None:
+            raise Untraced(_NOT_BUILT.format(reason=built.reason))
+        module, renamed = built.module, built.keys
+    if not is_module(module):
+        return None
+    uses = _torch_trace.trace_module(module, inputs, kwargs)
+    held = set(record.names)
+    names = {}
+    for name in [*uses.positions, *uses.unused]:
+        if not isinstance(name, str):  # trace_module's keys are names
+            continue
+        file = renamed.get(name, name)
+        own = _strip(file, record.prefix)
+        if own in held and (own == file or own in record.stripped):
+            names[name] = own
+    return _torch_trace.rekeyed(uses, names, _split_name)
+
+
+def with_config(tree: Tree, config: Any) -> Tree:
+    """The same PyTorch-layout Tree (the same arrays) recording `config`, a Hugging
+    Face folder or its `config.json` as a dict, whose model `trace` builds (on fake
+    tensors) when the Tree holds no module: a folder's Tree read from its files."""
+    src = source_of(tree, "torch", TorchRecord)
+    record = src.record._replace(config=Held(config))
+    source = Source(src.framework, src.paths, src.order, record, src.native)
+    info = dataclasses.replace(tree._info, source=source)
+    return Tree._make(info, [child for _, child in items(tree)])
+
+
+def _unstrip(name: str, record: TorchRecord) -> str:
+    return record.prefix + name if name in record.stripped else name
+
+
 COUNTERS = {"BatchNorm": {"num_batches_tracked": np.zeros((), np.int64)}}
 """Entries a PyTorch layer has that no other framework keeps: written fresh."""
 
 
-def _named(name: str) -> TorchNode:
+def _named(name: str, family: str | None = None) -> TorchNode:
     """A layer known by its dotted name alone, as the codecs' `hyperparameters` see
-    it: no module, so the name decides (GPT-2's `c_attn` is a `Conv1D`)."""
-    return TorchNode(None, "", frozenset(), name)
+    it: no module, so the name and the model family (`model_type`, or None) decide
+    (GPT-2's `c_attn` is a `Conv1D`, GPT-Neo's `c_fc` an `nn.Linear`)."""
+    cls = named_class(family, name)
+    return TorchNode(None, "", frozenset(), name, None if cls is None else {name: cls})
 
 
 WRITER = LayoutWriter(
@@ -740,5 +825,7 @@ ADAPTER = register_adapter(
         plain_file=is_torch_layout,
         role_of=role_of,
         writer=WRITER,
+        trace=trace,
+        with_config=with_config,
     )
 )

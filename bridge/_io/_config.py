@@ -18,8 +18,24 @@ def model_type(weights: Path) -> str | None:
     try:
         with open(Path(weights).parent / CONFIG, "rb") as f:
             text = f.read(LIMIT + 1)
-        config = json.loads(text) if len(text) <= LIMIT else None
-    except (OSError, ValueError):
+    except OSError:
+        return None
+    return named_type(text) if len(text) <= LIMIT else None
+
+
+def named_type(text: str | bytes) -> str | None:
+    """The `model_type` a `config.json`'s text names (None: none, or not JSON)."""
+    try:
+        config = json.loads(text)
+    except ValueError:
         return None
     found = config.get("model_type") if isinstance(config, dict) else None
     return found if isinstance(found, str) else None
+
+
+def written_type(configs: dict[str, str], folder: Path) -> str | None:
+    """The `model_type` of a Hugging Face folder being written: its new
+    `config.json` (`configs`, `{file name: text}`), else the one it holds."""
+    if CONFIG in configs:
+        return named_type(configs[CONFIG])
+    return model_type(Path(folder) / CONFIG)

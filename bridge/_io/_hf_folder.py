@@ -38,6 +38,7 @@ from .._families import _experts
 from .._families._experts import Place
 from .._tree import Tree
 from ._atomic import _barrier, atomic_dir
+from ._config import written_type
 from ._reference import Reference, check
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
 from ._sharded import INDEX_SUFFIX
@@ -458,7 +459,7 @@ def save_folder(
     its own (`_reference.check`)."""
     configs = config_files(config, generation_config)
     family = None if packed_experts is None else _experts.family(packed_experts)
-    layers = torch_layers(tree, rules, prefix)
+    layers = torch_layers(tree, rules, prefix, family=written_type(configs, path))
     tensors = [t for layer in layers for t in _described(layer)]
     places: dict[str, Place] = {}
     if family is not None:

@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import jax.tree_util as jtu
 
-from .._adapters._registry import Adapter, file_reader, registered
+from .._adapters._registry import Adapter, adapters, file_reader, registered
+from .._families._gpt2 import file_linears
 from .._families._offset_norms import file_norms
 from .._paths import Path as TreePath, at, path_of
 from .._tree import (
@@ -23,7 +24,7 @@ from .._tree import (
     walk,
 )
 from ._classes import resolve
-from ._config import model_type
+from ._config import CONFIG, model_type
 from ._contents import RESERVED, VERSION, Contents, Stored, dotted, is_key, split
 
 
@@ -138,7 +139,16 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         for name, array in arrays.items()
     ]
     if contents.layout == "torch":  # a Hugging Face folder says its family
-        ndims = ((path, len(array.shape)) for _, path, _, array in tensors)
-        kinds.update(file_norms(model_type(contents.path), ndims))  # read if listed
+        ndims = [(path, len(array.shape)) for _, path, _, array in tensors]
+        family = model_type(contents.path)
+        kinds.update(file_norms(family, ndims))  # read if listed
+        kinds.update(file_linears(family, ndims))
     modules = {p: (c, f) for p, c, f in contents.modules}
-    return read(tensors, modules, kinds, list(contents.empty))
+    tree = read(tensors, modules, kinds, list(contents.empty))
+    told = next(
+        (a.with_config for a in adapters() if a.layout == contents.layout), None
+    )
+    folder = Path(contents.path).parent
+    if told is not None and (folder / CONFIG).is_file():  # a Hugging Face folder:
+        tree = told(tree, str(folder))  # its model is built when a trace needs it
+    return tree

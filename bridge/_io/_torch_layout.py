@@ -22,6 +22,7 @@ from .._adapters._registry import Adapter, LayoutWriter, of_layout, registered
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
+from .._port._errors import SETTINGS
 from .._port._layers import ARRAY, Layer, find_layers
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import kinds_by_name
@@ -81,6 +82,7 @@ def torch_state(
     prefix: str = "",
     rename: Rename | None = None,
     kinds: dict[str, str] | None = None,
+    family: str | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
@@ -90,12 +92,14 @@ def torch_state(
     name. Raises `ValueError` listing every layer without a PyTorch-layout codec,
     every rule that cannot be read backwards, every unused or malformed rename, and
     every name two layers would share. `kinds`, if given, receives the kind of the
-    layer of each name written (`{"fc.weight": "Dense", ...}`).
+    layer of each name written (`{"fc.weight": "Dense", ...}`). `family`: the
+    Hugging Face `model_type` written for, where known (GPT-2's `c_fc` is a
+    `Conv1D`, GPT-Neo's an `nn.Linear`).
     """
     if _own(tree):
         return _writer()[1].own(tree, prefix)
     out = {}
-    for layer in torch_layers(tree, rules, prefix, rename):
+    for layer in torch_layers(tree, rules, prefix, rename, family):
         encoded = layer.encode(layer.leaves)
         if kinds is not None:
             kinds.update(dict.fromkeys(encoded, layer.kind))
@@ -120,6 +124,7 @@ def torch_layers(
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
     rename: Rename | None = None,
+    family: str | None = None,
 ) -> list[TorchLayer]:
     """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
     errors, raised before anything is converted."""
@@ -144,10 +149,10 @@ def torch_layers(
     for (layer, kind), name in zip(chosen, names):
         owners.setdefault(name, []).append(layer.where)
         leaves = layer.leaves if layer.arrays is None else layer.arrays
-        encoder = _encoder(layer, kind, name, prefix)
+        encoder = _encoder(layer, kind, name, prefix, family)
         out.append(TorchLayer(dict(leaves), encoder, kind))
         if kind != ARRAY:
-            _check(layer, kind, name, problems)
+            _check(layer, kind, name, family, problems)
     for name, wheres in owners.items():
         if len(wheres) > 1 and rename is None:  # `rename` reports its own clashes
             problems.append(_CLASH.format(layers=wheres, name=name))
@@ -158,7 +163,7 @@ def torch_layers(
 
 
 def _encoder(
-    layer: Layer, kind: str, name: str, prefix: str
+    layer: Layer, kind: str, name: str, prefix: str, family: str | None
 ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The function converting `layer`'s leaves to its PyTorch entries."""
     if kind == ARRAY:  # a loose array (ViT's `cls_token`): under its own name
@@ -168,7 +173,7 @@ def _encoder(
     assert codec is not None
     # no module: the codec's settings are those a file's reader takes from the name
     # (GPT-2's `c_attn`, `c_proj`, ... are Conv1D, weight (in, out))
-    hyper = codec.hyperparameters(writer.node(name))
+    hyper = codec.hyperparameters(writer.node(name, family))
 
     def encode(leaves: dict[str, Any]) -> dict[str, Any]:
         leaves = {k: materialise(v) for k, v in leaves.items()}
@@ -186,19 +191,32 @@ def _encoder(
     return encode
 
 
-def _check(layer: Layer, kind: str, name: str, problems: list[str]) -> None:
+def _check(
+    layer: Layer, kind: str, name: str, family: str | None, problems: list[str]
+) -> None:
     """Whether the layer's PyTorch entries (shapes only, `jax.eval_shape`) are what
     its PyTorch codec recognises (a `Linear` weight is 2-D), before anything is
     written: a stack no codec read as one, a 3-D kernel under a `Linear` name."""
     adapter, writer = _writer()
     codec = codec_of(kind, adapter.name)
     assert codec is not None
-    hyper = codec.hyperparameters(writer.node(name))
+    hyper = codec.hyperparameters(writer.node(name, family))
     one = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in layer.leaves.items()}
-    encoded = jax.eval_shape(
-        lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
-        one,
-    )
+    try:
+        encoded = jax.eval_shape(
+            lambda x: codec.encode(layer.codec(kind).decode(x, layer.hyper), {}, hyper),
+            one,
+        )
+    except KeyError as error:  # a layout nothing tells (a square GPT-2 name)
+        setting = error.args[0] if error.args else ""
+        if setting not in SETTINGS:
+            raise
+        shape = tuple(layer.leaves["kernel"].shape) if "kernel" in layer.leaves else ()
+        problems.append(
+            f"{layer.where} -> {name}: "
+            + SETTINGS[setting].format(where=layer.where, shape=shape)
+        )
+        return
     if not codec.recognise(None, encoded):
         problems.append(
             _MALFORMED.format(

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._tree import Tree
 from . import _hf_folder
+from ._config import model_type
 from ._contents import Contents, Stored, is_key
 from ._format import format_of, formats
 from ._model import _NOT_STRINGS, both_str
@@ -155,7 +156,7 @@ def save_layout(
     if any(v is not None for v in folder.values()):
         raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
     kinds: dict[str, str] = {}
-    state = torch_state(tree, rules, prefix, kinds=kinds)
+    state = torch_state(tree, rules, prefix, kinds=kinds, family=model_type(path))
     if reference is not None:
         check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
     if scheme is not None:

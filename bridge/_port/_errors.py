@@ -92,17 +92,30 @@ HIDDEN_WRAPPER = (
 )
 AMBIGUOUS = (
     "ambiguous: source layer {source} ({kind}) could pair with {choices}: kind, shapes "
-    "and order leave a choice. Give example inputs (example=(x,), as "
-    "bridge.compare takes them) so that the forward passes decide, or say which "
-    "with rules={{r'{source_re}': '{target}'}}."
+    "and order leave a choice. {decide} Or say which with rules={{r'{source_re}': "
+    "'<target path>'}} (nothing is offered here: a guess is not a port)."
 )
 AMBIGUOUS_ORDER = (
     "ambiguous: source layers {sources} could pair with target layers {targets} "
     "({kind}: {shapes}): their names differ, and the {side}'s order is not known to "
-    "be the order the layers were created in ({why}). Give example inputs "
-    "(example=(x,), as bridge.compare takes them) so that the order in which each "
-    "forward pass uses its layers decides, or say which with rules, e.g. "
-    "rules={{{example}}} (check each pair)."
+    "be the order the layers were created in ({why}). {decide} Or say which with "
+    "rules, one per pair: rules={{r'{source_re}': '<target path>', ...}} (nothing "
+    "is offered here: pairing by names or their order would be a guess)."
+)
+GIVE_EXAMPLE = (
+    "Give example inputs (example=(x,), as bridge.compare takes them) so that the "
+    "order in which each forward pass uses its layers decides."
+)
+UNTRACED = (
+    "The example inputs were given, but the {sides} has no forward pass to trace "
+    "(arrays without their model: a file or a state dict). Port from the model "
+    "itself (a torch.nn.Module, a Flax or Equinox model), or from a Hugging Face "
+    "folder whose config.json names the model (with torch and transformers "
+    "installed)."
+)
+TRACED_ALIKE = (
+    "Both forward passes were traced on the example inputs and use these layers "
+    "alike (in parallel, or not at all): inputs that reach every layer would decide."
 )
 ORDER_SORTED = (
     "its attributes are in sorted order, as NNX leaves a module after nnx.jit, "
@@ -111,6 +124,20 @@ ORDER_SORTED = (
 ORDER_DICT = (
     "its layers are the keys of a dict, as Linen variables and the names in a "
     "checkpoint file are, which do not record the order they were created in"
+)
+POSITIONAL = (
+    "paired by their place, not by name: layers of one framework whose names differ "
+    "were paired because they are the only ones (or the n-th) of their kind and "
+    "shapes:\n    {pairs}\n  Check that each pair is the same layer; say so with "
+    "rules={{...}} to silence this, or give example inputs (example=(x,)) so that "
+    "the forward passes pair them."
+)
+OPEN_KIND = (
+    "kind: {source} -> {target} fit a {kinds} alike ({shapes}), which store their "
+    "arrays in different layouts, and nothing tells which the source is (a file "
+    "records no classes; the shapes are square). Give example inputs "
+    "(example=(x,), as bridge.compare takes them) so that the forward passes "
+    "decide, or port from the model itself (a torch.nn.Module, whose classes say)."
 )
 TRACE = (
     "trace: the {side}'s forward pass on the example inputs failed ({error}), so it "
@@ -172,6 +199,17 @@ SETTING = (
     "it (their values: {values}). Port the whole model, or give the other side as a "
     "model whose {kind} layers have one `{name}`."
 )
+SETTINGS = {
+    "conv1d": (
+        "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "
+        "names: stored (in, out) as GPT-2's Conv1D, or (out, in) as an nn.Linear "
+        "(GPT-Neo keeps GPT-2's names), and nothing tells which. Give example inputs "
+        "with the torch module (its forward pass decides), port from the module "
+        "itself, or from a Hugging Face folder whose config.json names the "
+        "model_type (or pass config= to bridge.save)."
+    )
+}
+"""Messages of settings nothing told, where the setting decides a layout."""
 UNFIT = (
     "shape: {source} -> {target} ({kind}): the {kind} codec made {made} for the "
     "target, which holds {like}."

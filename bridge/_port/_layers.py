@@ -536,11 +536,14 @@ def tell_settings(
                     )
                     continue
                 problems.append(
-                    _errors.SETTING.format(
+                    _errors.SETTINGS.get(name, _errors.SETTING).format(
                         where=layer.where,
                         kind=kind_,
                         name=name,
                         values=sorted(values) or "none",
+                        shape=tuple(layer.leaves["weight"].shape)
+                        if "weight" in layer.leaves
+                        else (),
                     )
                 )
                 layer.unknown.pop(kind_, None)
@@ -559,7 +562,7 @@ def read_specs(layer: Layer, problems: list[str]) -> None:
             layer.specs[codec.kind] = _shapes.decoded(codec, layer.leaves, layer.hyper)
         except KeyError as error:  # a setting the module did not give
             name = error.args[0] if error.args else None
-            if isinstance(name, str) and name not in layer.hyper:
+            if isinstance(name, str) and layer.hyper.get(name) is None:
                 layer.unknown[codec.kind] = name
             else:
                 problems.append(

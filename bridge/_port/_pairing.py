@@ -35,6 +35,19 @@ class Pair(NamedTuple):
     by: str
 
 
+def undecided(orders: tuple[Order, Order] | list[Order]) -> str:
+    """What would decide a choice names, shapes and order leave open: example
+    inputs when none were given, else which side's forward pass could not be
+    traced (never "give example inputs" when they were given)."""
+    traced = [o.was_traced() for o in orders]
+    if traced == [None, None]:
+        return _errors.GIVE_EXAMPLE
+    untraced = [side for side, t in zip(("source", "target"), traced) if not t]
+    if untraced:
+        return _errors.UNTRACED.format(sides=" and the ".join(untraced))
+    return _errors.TRACED_ALIKE
+
+
 def common_kind(a: Layer, b: Layer) -> str | None:
     """The kind two layers share (a Linen layer may have several candidates)."""
     for k in a.kinds:
@@ -51,14 +64,14 @@ def _share_kinds(a: list[Layer], b: list[Layer]) -> bool:
     return all(common_kind(x, y) for x in kinds_a for y in kinds_b)
 
 
-def _same_shapes(a: Layer, b: Layer, kind: str) -> bool:
+def same_shapes(a: Layer, b: Layer, kind: str) -> bool:
     sa, sb = a.specs[kind], b.specs[kind]
     return all(sa[k].shape == sb[k].shape for k in sa.keys() & sb.keys())
 
 
 def _fits(a: Layer, b: Layer) -> bool:
     k = common_kind(a, b)
-    return k is not None and _same_shapes(a, b, k)
+    return k is not None and same_shapes(a, b, k)
 
 
 def normalised(path: Path) -> tuple:
@@ -115,6 +128,11 @@ class Order:
             keys = list(native.get(path, ())) or [k for k, _ in items(node)]
             self._nodes[path] = ({k: i for i, k in enumerate(keys)}, _known(node, keys))
             self._kinds[path] = kind(node)
+
+    def was_traced(self) -> bool | None:
+        """None without example inputs; else whether the forward pass was traced
+        (a file or a state dict has none to trace)."""
+        return None if self._trace is None else bool(self._trace())
 
     def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
         real = tuple(
@@ -356,9 +374,6 @@ class _Pairing:
         a = sorted(a, key=lambda x: _sortable(normalised(x.path)))
         b = sorted(b, key=lambda x: _sortable(normalised(x.path)))
         self.ambiguous.update(map(id, a + b))
-        example = ", ".join(
-            f"r'{re.escape(s.where)}': '{t.where}'" for s, t in zip(a, b)
-        )
         self.problems.append(
             _errors.AMBIGUOUS_ORDER.format(
                 kind="/".join(a[0].kinds),
@@ -366,8 +381,9 @@ class _Pairing:
                 sources=[s.where for s in a],
                 targets=[t.where for t in b],
                 side=("source", "target")[side],
-                example=example,
                 why=self.orders[side].why((a, b)[side]),
+                decide=undecided(self.orders),
+                source_re=re.escape(a[0].where),
             )
         )
 
@@ -380,7 +396,9 @@ class _Pairing:
             return
         oa, ob, by = self.in_order(rest_s, rest_t)
         if oa is not None and ob is not None:
-            for s, t in _align(oa, ob, self.problems, self.ambiguous):
+            for s, t in _align(
+                oa, ob, self.problems, self.ambiguous, undecided(self.orders)
+            ):
                 self.add(s, t, by)
             return
         for s in rest_s:
@@ -424,7 +442,7 @@ def _weight(a: Layer, b: Layer) -> int:
     k = common_kind(a, b)
     if k is None:
         return 0
-    return _EQUAL if _same_shapes(a, b, k) else _UNEQUAL
+    return _EQUAL if same_shapes(a, b, k) else _UNEQUAL
 
 
 def _align(
@@ -432,10 +450,11 @@ def _align(
     targets: list[Layer],
     problems: list[str],
     ambiguous: set[int],
+    decide: str,
 ) -> list[tuple[Layer, Layer]]:
     """The order-preserving pairing with the most pairs of equal shapes, then the
     most pairs. When two pairings tie, the layers they pair differently are
-    ambiguous.
+    ambiguous (`decide`: what would decide, for the message).
 
     Dynamic programming over `(i, j, phase)`: between two pairs, unpaired sources
     come before unpaired targets (`phase` 1 once a target was skipped), so every
@@ -503,7 +522,7 @@ def _align(
                     kind="/".join(s.kinds),
                     choices=" or ".join(choices),
                     source_re=re.escape(s.where),
-                    target=targets[j].where,
+                    decide=decide,
                 )
             )
         return [(sources[i], targets[j]) for i, j in first if (i, j) in second]

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .._adapters._native import check_model, placeholders, to_native, to_neutral
+from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._registry import ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
-from .._tree import Tree
+from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
+from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
-from ._pairing import Order, Pair, common_kind, normalised, pair
-from ._trace import Contraction, Example, Position, first_uses
+from ._pairing import Order, Pair, common_kind, normalised, pair, same_shapes
+from ._trace import Example, Trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,7 +226,13 @@ def _applied(codec: Codec, layer: Layer) -> str:
         conv1d = [c for c in choices if "Conv1D" in c]
         other = [c for c in choices if "Conv1D" not in c]
         if conv1d and other:
-            return (conv1d if layer.hyper["conv1d"] else other)[0]
+            chosen = layer.hyper["conv1d"]
+            if chosen is None:  # the name did not say: the shapes did (in, out)
+                weight = layer.leaves.get("weight")
+                kernel = layer.specs.get(codec.kind, {}).get("kernel")
+                chosen = weight is not None and kernel is not None
+                chosen = chosen and tuple(weight.shape) == tuple(kernel.shape)
+            return (conv1d if chosen else other)[0]
     return codec.layout
 
 
@@ -432,6 +439,7 @@ def make_plan(
     sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
     _adopt([(p.source, p.target) for p in pairs], problems)
     problems += _undecided(pairs)
+    problems += _open_kinds(pairs)
     problems += _contradicted(pairs, traces)
     problems += _conv_layouts(pairs, traces)
     steps, warnings, casts, mismatched = [], list(told), [], []
@@ -458,6 +466,13 @@ def make_plan(
                 )
     if casts:
         warnings.append(_errors.CAST.format(casts="\n    ".join(casts)))
+    guessed = [
+        f"{x.source} -> {x.target} ({x.by})"
+        for x in steps
+        if x.renamed and x.by in _POSITIONAL and _meanings(x.source, x.target)
+    ]
+    if guessed and framework(source) == framework(target):
+        warnings.append(_errors.POSITIONAL.format(pairs="\n    ".join(guessed)))
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
@@ -480,6 +495,8 @@ def make_plan(
         unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
         problems += missing + unexpected
+    if (missing or unexpected) and strict:  # what would have paired them
+        problems += _untraced(traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
     for side, tree, layers in (
@@ -505,6 +522,22 @@ def make_plan(
         tuple(s.where for s in dropped),
     )
     return plan, problems
+
+
+_POSITIONAL = frozenset({"shape", "order", "kind"})
+"""What pairs two layers whose names differ by their place among alike layers, not
+by what they compute or are called."""
+
+
+_NUMBERED = re.compile(r"_\d+$|\[\d+\]$|^\(root\)$")
+
+
+def _meanings(source: str, target: str) -> bool:
+    """Whether two layers' last names were both chosen by their authors
+    (`sentiment_head`, `topic_head`), not made by a framework or a list (`Dense_0`,
+    `layers_1`, `layers[2]`), and differ: two meanings."""
+    a, b = source.rsplit(".", 1)[-1], target.rsplit(".", 1)[-1]
+    return a != b and not (_NUMBERED.search(a) or _NUMBERED.search(b))
 
 
 def _sizes(s: Layer, t: Layer, kind: str) -> str:
@@ -587,6 +620,7 @@ def _paired(
     source layers dropped by rules)`."""
     sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
     targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
+    computed((sources, targets), traces, problems)
     told = tell_settings((sources, targets), problems)
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)
@@ -597,6 +631,48 @@ def _paired(
     kept, sources, dropped = _dropped(rules, sources, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, kept, problems, orders)
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
+
+
+def _untraced(traces: tuple[Trace | None, Trace | None]) -> list[str]:
+    """Where example inputs were given but a side has no forward pass to trace: one
+    problem saying which, and why (layers left unpaired would have been paired by
+    it)."""
+    sides = [
+        (side, trace.why)
+        for side, trace in zip(("source", "target"), traces)
+        if trace is not None and not trace()
+    ]
+    if not sides:
+        return []
+    text = " and the ".join(side for side, _ in sides)
+    why = " ".join(w for _, w in sides if w)
+    why = why if len(why) <= 300 else why[:300] + " ..."  # transformers lists all
+    return [_errors.UNTRACED.format(sides=text) + (f" ({why})" if why else "")]
+
+
+def _open_kinds(pairs: list[Pair]) -> list[str]:
+    """Pairs whose arrays fit several kinds of different layouts on both sides (a
+    square convolution read from a file, a Conv or a ConvTranspose; a Linen
+    `conv` its forward pass did not tell): the shapes cannot say which, so the
+    port is refused rather than guessed."""
+    out = []
+    for s, t, _ in pairs:
+        fitting = [k for k in s.kinds if k in t.kinds and same_shapes(s, t, k)]
+        transforms = {  # a per-head kernel's Dense view reads it the same way
+            (s.codec(k).decode, t.codec(k).encode)
+            for k in fitting
+            if reading_of(s.codec(k)) is None and reading_of(t.codec(k)) is None
+        }
+        if len(transforms) > 1:
+            out.append(
+                _errors.OPEN_KIND.format(
+                    source=s.where,
+                    target=t.where,
+                    kinds=" and a ".join(fitting),
+                    shapes=s.shapes(fitting[0]),
+                )
+            )
+    return out
 
 
 def _traced_axes(open_: list, traces: tuple[Any, Any]) -> dict[tuple, int]:
@@ -750,77 +826,9 @@ def _undecided(pairs: list[Pair]) -> list[str]:
 
 def _tracer(
     tree: Tree, example: Example | None, side: int, problems: list[str]
-) -> Callable[[], Mapping[Path, Position] | None] | None:
-    """The first use of each of `tree`'s arrays on the example inputs, computed
-    when pairing first needs it; a forward pass that fails is a problem."""
-    if example is None:
-        return None
-
-    done: list[Mapping[Path, Position] | None] = []
-    contracted: dict[Path, Contraction] = {}
-    scanned: dict[Path, int] = {}
-    needs: dict[Path, tuple[int, int]] = {}
-    convolved: dict[Path, tuple[int, ...]] = {}
-
-    def trace() -> Mapping[Path, Position] | None:
-        if not done:
-            done.append(_trace_once())
-        return done[0]
-
-    def contractions() -> Mapping[Path, Contraction]:
-        """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
-        trace()
-        return contracted
-
-    def layer_axes() -> Mapping[Path, int]:
-        """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
-        trace()
-        return scanned
-
-    def upstream() -> Mapping[Path, tuple[int, int]]:
-        """`{leaf path: (its bit, the bits of the leaves its first use is computed
-        from)}` (see `first_uses`)."""
-        trace()
-        return needs
-
-    trace.contractions = contractions  # pyright: ignore[reportFunctionMemberAccess]
-
-    def kernels() -> Mapping[Path, tuple[int, ...]]:
-        """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
-        trace()
-        return convolved
-
-    trace.upstream = upstream  # pyright: ignore[reportFunctionMemberAccess]
-    trace.kernels = kernels  # pyright: ignore[reportFunctionMemberAccess]
-    trace.layer_axes = layer_axes  # pyright: ignore[reportFunctionMemberAccess]
-
-    def _trace_once() -> Mapping[Path, Position] | None:
-        try:
-            native = to_native(tree)
-        except (TypeError, ValueError):  # a part of a model: nothing to run
-            return None
-        if isinstance(native, Mapping):  # arrays without a model to run (Linen
-            return None  # variables alone, a state dict): the order known decides
-        try:
-            return first_uses(
-                tree,
-                example.inputs,
-                example.kwargs[side],
-                contracted,
-                scanned,
-                needs,
-                convolved,
-            )
-        except Exception as error:  # the model's own error on these inputs
-            problems.append(
-                _errors.TRACE.format(
-                    side=("source", "target")[side],
-                    error=f"{type(error).__name__}: {error}",
-                )
-            )
-            return None
-
-    return trace
+) -> Trace | None:
+    """The side's `Trace`, or None without example inputs."""
+    return None if example is None else Trace(tree, example, side, problems)
 
 
 def port_plan(

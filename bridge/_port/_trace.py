@@ -18,15 +18,21 @@ changes the computation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.extend.core
 
-from .._adapters._native import to_native
+from .._adapters._native import adapter_of_tree, to_native
 from .._paths import Path
 from .._tree import Tree, map_with_path
+from .._uses import (
+    Contraction as Contraction,  # defined once, shared with torch
+    Untraced,
+    Uses,
+)
+from . import _errors
 from ._compare import forward, model_of
 
 
@@ -67,20 +73,6 @@ class Example:
             self.kwargs = (dict(kwargs or {}), dict(kwargs or {}))
 
 
-class Contraction(NamedTuple):
-    """How a kernel meets the input in the `dot_general` that first uses it, in the
-    axes of the array as stored (a stack's layer axis is in none of them)."""
-
-    inputs: tuple[int, ...]
-    """The axes contracted with the input, in the order of the input's axes."""
-    outputs: tuple[int, ...]
-    """The other axes, in the order the result (after a transpose that directly
-    follows, as `jnp.einsum` emits) has them."""
-    batch: tuple[int, ...]
-    """Axes the product runs over in parallel (a kernel applied per head): no
-    `Dense` layer reads such a kernel."""
-
-
 def first_uses(
     tree: Tree,
     inputs: tuple[Any, ...],
@@ -89,6 +81,7 @@ def first_uses(
     scanned: dict[Path, int] | None = None,
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
+    classes: dict[Path, type] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -102,6 +95,9 @@ def first_uses(
     operation: an order of dependence, which no two implementations of one model
     can disagree on). With `convolved`, fills it with `{leaf path: its stored axes
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
+    With `classes`, fills it with `{module path: class}` for every submodule the
+    pass calls, where the framework records them only then (Linen's compact
+    submodules: `Adapter.called`).
 
     **Arguments:**
 
@@ -118,9 +114,14 @@ def first_uses(
     map_with_path(lambda p, _: paths.append(p), tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    # the inputs as pytrees: a cache object the pass writes into (an NNX module)
+    # is rebuilt inside the trace from its arrays, as nnx.jit does, never mutated
+    given_leaves, given_tree = jax.tree_util.tree_flatten((tuple(inputs), kwargs))
     examples = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x
-        for x in inputs
+        jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+        else x
+        for x in given_leaves
     ]
     arrays = [i for i, x in enumerate(examples) if isinstance(x, jax.ShapeDtypeStruct)]
 
@@ -128,9 +129,16 @@ def first_uses(
         xs = list(examples)
         for i, x in zip(arrays, given):
             xs[i] = x
+        args, kw = jax.tree_util.tree_unflatten(given_tree, xs)
         model = to_native(jax.tree_util.tree_unflatten(treedef, leaves))
         channel_first = bool(getattr(model_of(model), "channel_first", False))
-        return forward(model, tuple(xs), kwargs, channel_first)
+        if called is None or classes is None:
+            return forward(model, args, kw, channel_first)
+        out, seen = called(lambda: forward(model, args, kw, channel_first))
+        classes.update(seen)
+        return out
+
+    called = adapter_of_tree(tree).called
 
     closed = jax.make_jaxpr(run)(structs, [examples[i] for i in arrays])
     jaxpr = closed.jaxpr
@@ -320,3 +328,116 @@ def layer_position(
     if ITER in first:
         return tuple(index if x == ITER else x for x in first)
     return first + (index,)
+
+
+class Trace:
+    """One side's forward pass on the example inputs, traced when pairing first
+    needs it (`first_uses`); a pass that fails is a problem. Called, it gives the
+    first use of each of the Tree's arrays (None: no trace); its methods give the
+    other facts the same trace records."""
+
+    def __init__(self, tree: Tree, example: Example, side: int, problems: list[str]):
+        self.tree, self.example, self.side, self.problems = (
+            tree,
+            example,
+            side,
+            problems,
+        )
+        self.done: list[Mapping[Path, Position] | None] = []
+        self.contracted: dict[Path, Contraction] = {}
+        self.scanned: dict[Path, int] = {}
+        self.needs: dict[Path, tuple[int, int]] = {}
+        self.convolved: dict[Path, tuple[int, ...]] = {}
+        self.called: dict[Path, type] = {}
+        self.normalised: dict[Path, str] = {}
+        self.why = ""
+        """Why there is no trace, where the adapter says (`Untraced`)."""
+
+    def __call__(self) -> Mapping[Path, Position] | None:
+        if not self.done:
+            self.done.append(self._once())
+        return self.done[0]
+
+    def contractions(self) -> Mapping[Path, Contraction]:
+        """`{leaf path: how the forward pass contracts it}` (see `first_uses`)."""
+        self()
+        return self.contracted
+
+    def layer_axes(self) -> Mapping[Path, int]:
+        """`{leaf path: the stored axis a scan iterates over}` (see `first_uses`)."""
+        self()
+        return self.scanned
+
+    def upstream(self) -> Mapping[Path, tuple[int, int]]:
+        """`{leaf path: (its bit, the bits of the leaves its first use is computed
+        from)}` (see `first_uses`)."""
+        self()
+        return self.needs
+
+    def kernels(self) -> Mapping[Path, tuple[int, ...]]:
+        """`{leaf path: stored axes as (out, in, *spatial)}` of convolution kernels."""
+        self()
+        return self.convolved
+
+    def norms(self) -> Mapping[Path, str]:
+        """`{leaf path: "mean", "rms" or "rms+1"}` of the arrays a normalisation
+        scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
+        self()
+        return self.normalised
+
+    def classes(self) -> Mapping[Path, type]:
+        """`{module path: class}` of the submodules the pass calls, where the Tree
+        does not record them (Linen's compact submodules)."""
+        self()
+        return self.called
+
+    def _once(self) -> Mapping[Path, Position] | None:
+        adapter = adapter_of_tree(self.tree)
+        if adapter.trace is not None:  # a framework JAX does not trace (PyTorch)
+            return self._by(adapter.trace)
+        try:
+            native = to_native(self.tree)
+        except (TypeError, ValueError):  # a part of a model: nothing to run
+            return None
+        if isinstance(native, Mapping):  # arrays without a model to run (Linen
+            return None  # variables alone, a state dict): the order known decides
+        try:
+            return first_uses(
+                self.tree,
+                self.example.inputs,
+                self.example.kwargs[self.side],
+                self.contracted,
+                self.scanned,
+                self.needs,
+                self.convolved,
+                self.called,
+            )
+        except Exception as error:  # the model's own error on these inputs
+            self._failed(error)
+            return None
+
+    def _by(self, trace: Callable[..., Uses | None]) -> Mapping[Path, Position] | None:
+        """The adapter's own trace (`Adapter.trace`), its records kept."""
+        try:
+            uses = trace(self.tree, self.example.inputs, self.example.kwargs[self.side])
+        except Untraced as why:  # nothing to run: no trace, and the reason
+            self.why = str(why)
+            return None
+        except Exception as error:  # the model's own error on these inputs
+            self._failed(error)
+            return None
+        if uses is None:
+            return None
+        self.contracted.update(uses.contracted)
+        self.convolved.update(uses.convolved)
+        self.needs.update(uses.needs)
+        self.normalised.update(uses.norms)
+        return uses.positions
+
+    def _failed(self, error: Exception) -> None:
+        self.problems.append(
+            _errors.TRACE.format(
+                side=("source", "target")[self.side],
+                error=f"{type(error).__name__}: {error}",
+            )
+        )

@@ -162,23 +162,29 @@ def _torch_dense(leaves: Leaves) -> bool:
 
 
 def _torch_hyper(layer: Any) -> dict[str, Any]:
+    """`conv1d`: True for GPT-2's `Conv1D` (weight `(in, out)`), False for an
+    `nn.Linear`, by the class; None where only a name speaks (a state dict, a file
+    of no known family) and the name is one of GPT-2's `Conv1D` names."""
     cls = getattr(layer, "cls", None)
     name = getattr(layer, "name", "")
     if cls is not None:
         conv1d = CONV1D_CLASS in class_names(cls)
     else:
-        conv1d = name.rsplit(".", 1)[-1] in CONV1D_NAMES
+        conv1d = None if name.rsplit(".", 1)[-1] in CONV1D_NAMES else False
     return bias_flag(layer, {"conv1d": conv1d})
 
 
 def _is_conv1d(leaves: Leaves, hyper: dict[str, Any]) -> bool:
-    """`Conv1D` when the class (or, in a state dict, the name) says so, or when only
-    its layout fits the bias."""
+    """`Conv1D` when the class says so, or when only its layout fits the bias; a
+    name alone decides a weight that is not square, never a square one."""
     w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
     assert w is not None
     if b is not None and w[0] != w[1]:
         return b == (w[1],)
-    return bool(hyper.get("conv1d"))
+    conv1d = hyper.get("conv1d", False)  # absent: read as another kind first
+    if conv1d is None and w[0] == w[1]:  # a setting nothing gave: see SETTING
+        raise KeyError("conv1d")
+    return conv1d is not False
 
 
 def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
@@ -191,7 +197,13 @@ def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
 
 def _torch_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
     kernel = canonical["kernel"]
-    conv1d = _is_conv1d(like, hyper) if like else bool(hyper.get("conv1d"))
+    if like:
+        conv1d = _is_conv1d(like, hyper)
+    else:  # written with no model to follow: the class, else the name's family
+        shape = tuple(kernel.shape)
+        conv1d = _is_conv1d(
+            {"weight": jax.ShapeDtypeStruct(shape, kernel.dtype)}, hyper
+        )
     out = {"weight": kernel if conv1d else transpose(kernel)}
     if "bias" in canonical and (not like or "bias" in like):
         out["bias"] = canonical["bias"]

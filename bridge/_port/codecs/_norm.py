@@ -16,7 +16,7 @@ from typing import Any
 import equinox as eqx
 from flax import nnx
 
-from ..._families._offset_norms import one_plus_weight
+from ..._families._offset_norms import one_plus_weight, subtracts_no_mean
 from .._codec import (
     Codec,
     Leaves,
@@ -146,6 +146,58 @@ RMS_NORM_EQUINOX = _equinox(
     "RMSNorm", eqx.nn.RMSNorm, attributes(epsilon="eps"), _build_rms_norm
 )
 
+# --- norms written by hand: one 1-D array, by what their `__call__` computes ------
+
+
+def _single(leaves: Leaves, names: tuple[str, ...]) -> bool:
+    return len(leaves) == 1 and all(
+        k in names and len(getattr(v, "shape", ())) == 1 for k, v in leaves.items()
+    )
+
+
+def _written(test):
+    """`recognise`: a module written by hand (not flax's or equinox's own) holding
+    one 1-D `weight` or `scale`, whose `__call__` computes what `test(cls)` says
+    (transformers' Flax `FlaxLlamaRMSNorm`, bonsai's `T5LayerNorm`, `Gemma3RMSNorm`,
+    Mamba2's `RMSNorm`). A Linen module records no class: a `weight` alone is a
+    candidate of each kind, which its forward pass's class or the other side
+    decides."""
+
+    def recognise(cls: Any, leaves: Leaves) -> bool:
+        if cls is None:
+            return _single(leaves, ("weight",))
+        own = getattr(cls, "__module__", "").startswith(("flax.", "equinox."))
+        return not own and _single(leaves, ("weight", "scale")) and test(cls)
+
+    return recognise
+
+
+def _one_decode(leaves: Leaves, hyper) -> Leaves:
+    return {"scale": next(iter(leaves.values()))}
+
+
+def _one_encode(canonical: Leaves, like: Leaves, hyper) -> Leaves:
+    return {next(iter(like), "weight"): canonical["scale"]}
+
+
+def _rms(cls: Any) -> bool:
+    return subtracts_no_mean(cls) and not one_plus_weight(cls)
+
+
+for _fw in ("linen", "nnx", "equinox"):
+    for _kind, _test in (("RMSNorm", _rms), ("GemmaRMSNorm", one_plus_weight)):
+        register_codec(
+            Codec(
+                _kind,
+                _fw,
+                _written(_test),
+                _one_decode,
+                _one_encode,
+                layout="weight",
+                defaults={} if _kind == "GemmaRMSNorm" else {"scale": 1.0},
+            )
+        )
+
 GROUP_NORM_LINEN = _flax("GroupNorm", "linen", _linen_affine, names=("GroupNorm",))
 GROUP_NORM_NNX = _flax(
     "GroupNorm",
@@ -184,11 +236,14 @@ def _norm_class(cls: Any, suffix: str) -> bool:
 def _torch_layer_norm(cls: Any, leaves: Leaves) -> bool:
     if cls is not None and not _norm_class(cls, "LayerNorm"):
         return False
+    if cls is not None and subtracts_no_mean(cls):  # T5LayerNorm: an RMS norm
+        return False
     return _torch_affine(leaves)
 
 
 def _torch_rms_norm(cls: Any, leaves: Leaves) -> bool:
-    if cls is not None and not _norm_class(cls, "RMSNorm"):
+    rms = cls is not None and _norm_class(cls, "LayerNorm") and subtracts_no_mean(cls)
+    if cls is not None and not (rms or _norm_class(cls, "RMSNorm")):
         return False
     w = shape_of(leaves, "weight")
     return set(leaves) == {"weight"} and w is not None and len(w) == 1

@@ -29,11 +29,12 @@ WEIGHT_OF = {"scale": "weight", "bias": "bias"}
 
 
 def class_names(cls: Any) -> set[str]:
-    """The names of the PyTorch (or Hugging Face) classes `cls` derives from."""
+    """The names of the PyTorch (or Hugging Face) classes `cls` derives from (or
+    stands in for: a layer of a file whose folder tells its class, `_families`)."""
     return {
         c.__name__
         for c in getattr(cls, "__mro__", ())
-        if c.__module__.startswith(("torch.nn", "transformers"))
+        if c.__module__.startswith(("torch.nn", "transformers", "bridge._families"))
     }
 
 

@@ -1,0 +1,977 @@
+"""Reading a PyTorch module's computation: what one forward pass does with each weight.
+
+`trace_module(module, inputs, kwargs)` runs the module once under `torch.no_grad()`
+and a `torch.overrides.TorchFunctionMode` that sees every torch function and tensor
+method called (`F.linear`, `torch.addmm`, `F.conv1d`, `F.layer_norm`, `w.t()`,
+`x * w`, ...), before PyTorch dispatches it. Parameters and persistent buffers are
+known by object identity (a tie is one object under several names); each tensor an
+operation makes carries the parameters it was computed from, so `w.t()`,
+`w.view(...)`, `w.to(dtype)`, `1.0 + w`, `torch._weight_norm(v, g)` and a cls
+token's `expand` are seen through to the parameter: its first use is the first
+operation that computes with it and an activation. There the operation and the
+argument decide the layout (`F.linear`'s weight is `(out, in)`, `addmm`'s second
+matrix `(in, out)`, `F.conv_transpose1d`'s weight `(in, out, k)`), not a name or a
+square shape. A normalisation written by hand is recognised by the activation it
+scales: `x * rsqrt(mean(x ** 2) + eps)` with no mean subtracted is an RMS norm.
+
+The module's parameters may be fake (`torch._subclasses.fake_tensor.FakeTensor`) or
+on the `meta` device: the inputs are made so too, and nothing is computed.
+`folder_module(folder)` builds such a module, of full size and with no memory, from a
+Hugging Face folder's `config.json` (transformers inside `FakeTensorMode` and
+`no_init_weights()`), so that a folder is read by its computation before a single
+weight is loaded.
+
+torch and transformers are imported here only, when called: without them,
+`folder_module` says why it built nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import weakref
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._uses import Contraction, Uses
+
+
+class _Source(NamedTuple):
+    """A parameter a tensor was computed from: its index, the parameter's stored
+    axis each of the tensor's axes is (None: a new axis; `axes` None: unknown), and
+    whether `1 + w` was taken."""
+
+    index: int
+    axes: tuple[int | None, ...] | None
+    plus1: bool
+
+
+class _Seen:
+    """What the recorder knows of one tensor: `sources` when it is computed from
+    parameters alone (None for an activation), the parameters it depends on (a bit
+    each), and a normalisation tag `(kind, mean subtracted)`."""
+
+    __slots__ = ("ref", "sources", "bits", "tag")
+
+    def __init__(self, tensor: Any, sources, bits: int, tag):
+        self.ref = weakref.ref(tensor)
+        self.sources = sources
+        self.bits = bits
+        self.tag = tag
+
+
+_ARITH = frozenset(
+    {"add", "sub", "mul", "div", "truediv", "floordiv", "matmul", "pow", "mod"}
+)
+_ALIASES = {
+    "truediv": "div",
+    "true_divide": "div",
+    "divide": "div",
+    "multiply": "mul",
+    "subtract": "sub",
+    "concat": "cat",
+    "concatenate": "cat",
+    "swapaxes": "transpose",
+    "swapdims": "transpose",
+}
+
+_SIGNATURES = {
+    "linear": ("input", "weight", "bias"),
+    "addmm": ("input", "mat1", "mat2"),
+    "baddbmm": ("input", "batch1", "batch2"),
+    "addbmm": ("input", "batch1", "batch2"),
+    "matmul": ("input", "other"),
+    "mm": ("input", "mat2"),
+    "bmm": ("input", "mat2"),
+    "conv1d": ("input", "weight", "bias"),
+    "conv2d": ("input", "weight", "bias"),
+    "conv3d": ("input", "weight", "bias"),
+    "conv_transpose1d": ("input", "weight", "bias"),
+    "conv_transpose2d": ("input", "weight", "bias"),
+    "conv_transpose3d": ("input", "weight", "bias"),
+    "layer_norm": ("input", "normalized_shape", "weight", "bias"),
+    "group_norm": ("input", "num_groups", "weight", "bias"),
+    "batch_norm": ("input", "running_mean", "running_var", "weight", "bias"),
+    "instance_norm": ("input", "running_mean", "running_var", "weight", "bias"),
+    "rms_norm": ("input", "normalized_shape", "weight"),
+    "embedding": ("input", "weight"),
+    "multi_head_attention_forward": (
+        "query",
+        *("key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight"),
+        *("in_proj_bias", "bias_k", "bias_v", "add_zero_attn", "dropout_p"),
+        *("out_proj_weight", "out_proj_bias"),
+    ),
+}
+"""The leading arguments of the operations whose arguments have roles."""
+
+_ADDED_LAST = {
+    "linear": "bias",
+    "addmm": "input",
+    "baddbmm": "input",
+    "addbmm": "input",
+    "conv1d": "bias",
+    "conv2d": "bias",
+    "conv3d": "bias",
+    "conv_transpose1d": "bias",
+    "conv_transpose2d": "bias",
+    "conv_transpose3d": "bias",
+    "layer_norm": "bias",
+    "group_norm": "bias",
+    "batch_norm": "bias",
+    "instance_norm": "bias",
+}
+"""The argument an operation adds after its product: a bias, left out of the other
+operands' `needs` (the JAX side adds it in an operation of its own)."""
+
+_NORMS = {
+    "layer_norm": "mean",
+    "group_norm": "mean",
+    "batch_norm": "mean",
+    "instance_norm": "mean",
+    "rms_norm": "rms",
+}
+
+_FIRST_ONLY = frozenset({"type_as", "to", "expand_as", "view_as", "reshape_as"})
+"""Operations whose second tensor gives only a dtype, device or shape."""
+
+_SAME_RANK = frozenset(
+    {"cat", "split", "chunk", "narrow", "tensor_split", "repeat", "tile", "flip"}
+)
+"""Operations that keep the meaning of every axis when they keep the rank."""
+
+_PASS_TAG = frozenset(
+    {
+        *("to", "float", "half", "double", "bfloat16", "type", "type_as"),
+        *("contiguous", "clone", "detach", "view", "reshape", "view_as"),
+        *("reshape_as", "unsqueeze", "squeeze", "permute", "transpose"),
+    }
+)
+"""Operations on one activation that keep its normalisation tag."""
+
+
+def _name_of(func: Any, cache: dict) -> tuple[str, bool]:
+    """An operation's short name (`F.linear` -> `linear`, `Tensor.__radd__` ->
+    `add`, `Tensor.add_` -> `add`, `Tensor.T.__get__` -> `T`) and whether its
+    operands are reflected (`__rsub__`)."""
+    known = cache.get(func)
+    if known is not None:
+        return known
+    from torch.overrides import resolve_name
+
+    full = resolve_name(func) or getattr(func, "__name__", "") or ""
+    parts = full.split(".")
+    short = parts[-1]
+    if short == "__get__" and len(parts) > 1:
+        short = parts[-2]
+    reflected = False
+    if short.startswith("__") and short.endswith("__"):
+        short = short[2:-2]
+        if short[:1] == "i" and short[1:] in _ARITH:
+            short = short[1:]
+        elif short[:1] == "r" and short[1:] in _ARITH:
+            short, reflected = short[1:], True
+    elif short.endswith("_") and not short.startswith("_"):
+        short = short[:-1]  # in place
+    short = _ALIASES.get(short, short)
+    cache[func] = (short, reflected)
+    return short, reflected
+
+
+class _Recorder:
+    """The `TorchFunctionMode` body: records every operation's effect on the
+    tensors it knows (`trace_module` makes one per call)."""
+
+    def __init__(self, torch: Any, objects: list[Any]):
+        self.torch = torch
+        self.seen: dict[int, _Seen] = {}
+        for i, t in enumerate(objects):
+            source = _Source(i, tuple(range(t.dim())), False)
+            self.seen[id(t)] = _Seen(t, (source,), 1 << i, None)
+        self.count = 0
+        self.names: dict[Any, tuple[str, bool]] = {}
+        self.positions: dict[int, tuple[int, ...]] = {}
+        self.needs: dict[int, tuple[int, int]] = {}
+        self.contracted: dict[int, Contraction] = {}
+        self.convolved: dict[int, tuple[int, ...]] = {}
+        self.norms: dict[int, str] = {}
+        self.weight_norm: list[tuple[int, int]] = []
+
+    def entry(self, t: Any) -> _Seen | None:
+        e = self.seen.get(id(t))
+        return e if e is not None and e.ref() is t else None
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name, reflected = _name_of(func, self.names)
+        if reflected and len(args) >= 2:
+            args = (args[1], args[0], *args[2:])
+        operands = self.operands(name, args, kwargs)
+        outs = [
+            t
+            for t in self.torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, self.torch.Tensor)
+        ]
+        if not operands:
+            return
+        derived = [(s, t, e) for s, t, e in operands if e is not None and e.sources]
+        if name in _FIRST_ONLY:
+            derived = [d for d in derived if d[0] == 0]
+            operands = [o for o in operands if o[0] == 0]
+        if derived and len(derived) == len(operands):
+            self.relay(name, args, derived, outs)
+            return
+        bits = 0
+        for _, _, e in operands:
+            bits |= 0 if e is None else e.bits
+        tag = self.tag(name, args, operands)
+        if derived:
+            self.count += 1
+            tag = self.use(name, args, operands, derived)
+        for t in outs:
+            if bits or tag is not None:
+                self.seen[id(t)] = _Seen(t, None, bits, tag)
+            else:
+                self.seen.pop(id(t), None)
+
+    def operands(self, name: str, args: tuple, kwargs: dict) -> list:
+        """`[(slot, tensor, what is known of it)]`: a slot is the argument's name
+        for an operation with roles, else its position."""
+        signature = _SIGNATURES.get(name, ())
+        found = []
+        if name == "einsum":
+            ops = (
+                args[1]
+                if len(args) == 2 and isinstance(args[1], list | tuple)
+                else args[1:]
+            )
+            return [
+                (k, t, self.entry(t))
+                for k, t in enumerate(ops)
+                if isinstance(t, self.torch.Tensor)
+            ]
+        for i, a in enumerate(args):
+            slot = signature[i] if i < len(signature) else i
+            for t in self.torch.utils._pytree.tree_leaves(a):
+                if isinstance(t, self.torch.Tensor):
+                    found.append((slot, t, self.entry(t)))
+        for key, a in kwargs.items():
+            for t in self.torch.utils._pytree.tree_leaves(a):
+                if isinstance(t, self.torch.Tensor):
+                    found.append((key, t, self.entry(t)))
+        return found
+
+    def relay(self, name: str, args: tuple, derived: list, outs: list) -> None:
+        """An operation on parameters alone: its outputs are those parameters."""
+        plus1 = name == "add" and any(
+            isinstance(a, int | float) and not isinstance(a, bool) and a == 1
+            for a in args[:2]
+        )
+        bits = 0
+        for _, _, e in derived:
+            bits |= e.bits
+        if name == "_weight_norm" and len(derived) == 2:
+            v, g = (d[2].sources[0].index for d in derived)
+            self.weight_norm.append((g, v))
+        for o in outs:
+            sources: dict[int, _Source] = {}
+            for slot, t, e in derived:
+                for s in e.sources:
+                    if s.index in sources:
+                        continue
+                    axes = None
+                    if s.axes is not None and not (
+                        name == "_weight_norm" and slot != 0
+                    ):
+                        axes = _axes_after(name, args, slot, t, o, s.axes)
+                    sources[s.index] = _Source(s.index, axes, s.plus1 or plus1)
+            self.seen[id(o)] = _Seen(o, tuple(sources.values()), bits, None)
+
+    def use(self, name: str, args: tuple, operands: list, derived: list):
+        """The first use of the parameters in `derived`, if it is; returns the
+        output's normalisation tag."""
+        later = _ADDED_LAST.get(name)
+        tag = None
+        for slot, t, e in derived:
+            others = 0
+            for slot2, t2, e2 in operands:
+                if t2 is t or e2 is None or (slot2 == later and slot != later):
+                    continue
+                others |= e2.bits
+            for s in e.sources:
+                if s.index not in self.positions:
+                    self.positions[s.index] = (self.count,)
+                    self.needs[s.index] = (1 << s.index, others)
+                self.roles(name, args, slot, s, operands)
+                kind = self.scaled(name, slot, operands, s)
+                if kind is not None:
+                    tag = kind
+        return tag
+
+    def roles(
+        self, name: str, args: tuple, slot: Any, s: _Source, operands: list
+    ) -> None:
+        """What the operation makes of the parameter `s` in `slot`: a norm's weight
+        or bias, a convolution's kernel, a product's contracted axes."""
+        if name in _NORMS and slot in ("weight", "bias"):
+            self.norms.setdefault(s.index, _NORMS[name] + ("+1" if s.plus1 else ""))
+        if s.axes is None or None in s.axes:
+            return
+        axes = tuple(a for a in s.axes if a is not None)
+        if slot == "weight" and name.startswith("conv_transpose"):
+            self.convolved.setdefault(s.index, (axes[1], axes[0], *axes[2:]))
+        elif slot == "weight" and name in ("conv1d", "conv2d", "conv3d"):
+            self.convolved.setdefault(s.index, tuple(axes))
+        else:
+            product = _product(name, args, slot, axes)
+            if product is not None:
+                self.contracted.setdefault(s.index, product)
+
+    def scaled(self, name: str, slot: Any, operands: list, s: _Source):
+        """`w * x` with `x` normalised, then `+ b`: the norm's weight and bias."""
+        if name not in ("mul", "add") or len(operands) != 2:
+            return None
+        other = next((e for sl, _, e in operands if sl != slot), None)
+        tag = None if other is None else other.tag
+        if tag is None:
+            return None
+        kind, centred = tag
+        if (name, kind) not in (("mul", "normed"), ("add", "scaled")):
+            return None
+        what = "mean" if centred else "rms"
+        self.norms.setdefault(s.index, what + ("+1" if s.plus1 else ""))
+        return ("scaled", centred) if name == "mul" else None
+
+    def tag(self, name: str, args: tuple, operands: list):
+        """The normalisation tag of an operation's output on activations: a mean,
+        a centred value, a square, a variance, its inverse root, a normalised
+        value (`x * rsqrt(var + eps)`)."""
+        tags = [None if e is None else e.tag for _, _, e in operands]
+        first = tags[0] if tags else None
+        centred = bool(first and first[1])
+        kinds = [t[0] if t else None for t in tags]
+        if name in ("mean",):
+            return ("var", centred) if kinds[0] == "sq" else ("mean", False)
+        if name in ("var", "var_mean"):
+            return ("var", True)
+        if name in ("std", "std_mean"):
+            return ("std", True)
+        if name == "sub" and len(kinds) == 2 and kinds[1] == "mean":
+            return ("centred", True)
+        if name == "pow" and len(args) > 1 and isinstance(args[1], int | float):
+            power = args[1]
+            if power == 2:
+                return ("sq", centred)
+            if kinds[0] == "var" and power == -0.5:
+                return ("inv", centred)
+            if kinds[0] == "var" and power == 0.5:
+                return ("std", centred)
+        if name == "square" or (
+            name == "mul" and len(operands) == 2 and operands[0][1] is operands[1][1]
+        ):
+            return ("sq", centred)
+        if name == "add" and kinds[0] in ("var", "std") and len(operands) <= 2:
+            if len(operands) == 1 or operands[1][2] is None:
+                return first
+        if name == "rsqrt" and kinds[0] == "var":
+            return ("inv", centred)
+        if name == "sqrt" and kinds[0] == "var":
+            return ("std", centred)
+        if name == "reciprocal" and kinds[0] == "std":
+            return ("inv", centred)
+        if name in ("mul", "div") and len(tags) == 2:
+            wanted = "inv" if name == "mul" else "std"
+            for k in (0, 1) if name == "mul" else (1,):
+                scale, x = tags[k], tags[1 - k]
+                if scale is not None and scale[0] == wanted:
+                    return ("normed", bool(scale[1] or (x and x[1])))
+        if (
+            name in _PASS_TAG
+            and len(operands) >= 1
+            and kinds[0] in ("normed", "scaled", "centred")
+        ):
+            return first
+        return None
+
+
+def _axes_after(
+    name: str, args: tuple, slot: Any, t: Any, o: Any, axes: tuple
+) -> tuple | None:
+    """The stored axes of `o`'s axes, `o` made by `name` from `t` whose axes are the
+    stored `axes`; None where not known."""
+    rank = t.dim()
+    if slot == 0:
+        if name == "T" or (name == "t" and rank <= 2):
+            return tuple(reversed(axes))
+        if name == "mT" and rank >= 2:
+            return (*axes[:-2], axes[-1], axes[-2])
+        if name == "transpose" and len(args) >= 3:
+            a, b = (d % rank for d in args[1:3])
+            out = list(axes)
+            out[a], out[b] = out[b], out[a]
+            return tuple(out)
+        if name == "permute":
+            dims = (
+                args[1]
+                if len(args) == 2 and isinstance(args[1], list | tuple)
+                else args[1:]
+            )
+            return tuple(axes[d % rank] for d in dims)
+        if name == "unsqueeze" and len(args) >= 2:
+            d = args[1] % (rank + 1)
+            return (*axes[:d], None, *axes[d:])
+        if name == "getitem" and len(args) >= 2:
+            return _indexed(args[1], axes)
+        if name in ("expand", "expand_as", "broadcast_to"):
+            return (None,) * (o.dim() - rank) + tuple(axes)
+    if tuple(o.shape) == tuple(t.shape):
+        return axes
+    if name in _SAME_RANK and o.dim() == rank:
+        return axes
+    if name == "squeeze" and o.dim() < rank:
+        kept = [a for a, n in zip(axes, t.shape) if n != 1]
+        return tuple(kept) if len(kept) == o.dim() else None
+    return None
+
+
+def _indexed(index: Any, axes: tuple) -> tuple | None:
+    """The axes after `w[index]` with slices, integers, None and `...` only."""
+    items = index if isinstance(index, tuple) else (index,)
+    taken = sum(1 for i in items if i is not None and i is not Ellipsis)
+    out: list = []
+    k = 0
+    for i in items:
+        if i is None:
+            out.append(None)
+        elif i is Ellipsis:
+            n = len(axes) - taken
+            out.extend(axes[k : k + n])
+            k += n
+        elif isinstance(i, slice):
+            out.append(axes[k])
+            k += 1
+        elif isinstance(i, int) and not isinstance(i, bool):
+            k += 1
+        else:
+            return None
+    return (*out, *axes[k:])
+
+
+def _product(name: str, args: tuple, slot: Any, axes: tuple) -> Contraction | None:
+    """How the parameter in `slot` (its stored `axes`) meets the input in a product."""
+    rank = len(axes)
+    if name == "linear" and slot == "weight" and rank == 2:
+        return Contraction((axes[1],), (axes[0],), ())
+    if name == "multi_head_attention_forward" and slot in (
+        "in_proj_weight",
+        "out_proj_weight",
+    ):
+        return Contraction((axes[1],), (axes[0],), ())
+    right = {
+        "addmm": "mat2",
+        "matmul": "other",
+        "mm": "mat2",
+        "bmm": "mat2",
+        "baddbmm": "batch2",
+        "addbmm": "batch2",
+    }
+    left = {
+        "addmm": "mat1",
+        "matmul": "input",
+        "mm": "input",
+        "bmm": "input",
+        "baddbmm": "batch1",
+        "addbmm": "batch1",
+    }
+    if name in right and slot == right[name]:
+        if rank == 1:
+            return Contraction((axes[0],), (), ())
+        return Contraction((axes[-2],), (axes[-1],), tuple(axes[:-2]))
+    if name in left and slot == left[name]:
+        if rank == 1:
+            return Contraction((axes[0],), (), ())
+        return Contraction((axes[-1],), (axes[-2],), tuple(axes[:-2]))
+    if name == "einsum" and isinstance(args[0], str) and isinstance(slot, int):
+        return _einsum(args[0], slot, axes)
+    return None
+
+
+def _einsum(equation: str, k: int, axes: tuple) -> Contraction | None:
+    equation = equation.replace(" ", "")
+    given, _, result = equation.partition("->")
+    terms = given.split(",")
+    if k >= len(terms) or "." in terms[k] or len(terms[k]) != len(axes):
+        return None
+    if not _:
+        letters = "".join(terms)
+        result = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    mine = terms[k]
+    others = [t for j, t in enumerate(terms) if j != k]
+    elsewhere = set("".join(others))
+    contracted = [c for c in mine if c in elsewhere and c not in result]
+    first = next((t for t in others if any(c in t for c in contracted)), "")
+    contracted.sort(key=lambda c: first.find(c))
+    batch = [c for c in mine if c in elsewhere and c in result]
+    free = sorted(
+        (c for c in mine if c not in elsewhere and c in result), key=result.find
+    )
+    at = {c: axes[i] for i, c in enumerate(mine)}
+    return Contraction(
+        tuple(at[c] for c in contracted),
+        tuple(at[c] for c in free),
+        tuple(at[c] for c in batch),
+    )
+
+
+def _mode_class(torch: Any) -> type:
+    from torch.overrides import TorchFunctionMode
+
+    class _Mode(TorchFunctionMode):
+        def __init__(self, recorder: _Recorder):
+            super().__init__()
+            self.recorder = recorder
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.recorder.record(func, args, kwargs, out)
+            return out
+
+    return _Mode
+
+
+def _named_tensors(module: Any) -> tuple[list[str], list[Any], list[int]]:
+    """The module's state-dict names, the distinct tensors (parameters and
+    persistent buffers) in order, and each name's tensor index."""
+    names: list[str] = []
+    objects: list[Any] = []
+    index: dict[int, int] = {}
+    of: list[int] = []
+    torch = importlib.import_module("torch")
+    for name, t in module.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        i = index.setdefault(id(t), len(objects))
+        if i == len(objects):
+            objects.append(t)
+        names.append(name)
+        of.append(i)
+    return names, objects, of
+
+
+def _fake_mode(objects: list[Any]) -> Any:
+    for t in objects:
+        mode = getattr(t, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def _to_torch(x: Any, torch: Any, fake: Any, meta: bool) -> Any:
+    """An input as a torch tensor like the module's parameters (fake, meta or real);
+    integer arrays as int64 (PyTorch's index type); anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        t = x
+    elif hasattr(x, "shape") and hasattr(x, "dtype"):
+        dtype = np.dtype(x.dtype)
+        if dtype.kind in "iu":
+            dtype = np.dtype(np.int64)
+        if hasattr(x, "__array__"):
+            t = torch.from_numpy(np.array(x, dtype=dtype))
+        else:  # a shape and a dtype only (jax.ShapeDtypeStruct)
+            t = torch.zeros(
+                tuple(x.shape), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype
+            )
+    elif isinstance(x, Mapping):
+        return {k: _to_torch(v, torch, fake, meta) for k, v in x.items()}
+    elif isinstance(x, list | tuple):
+        return type(x)(_to_torch(v, torch, fake, meta) for v in x)
+    else:
+        return x
+    if fake is not None and not hasattr(t, "fake_mode"):
+        return fake.from_tensor(t)
+    if meta and t.device.type != "meta":
+        return t.to("meta")
+    return t
+
+
+def _named(module: Any, inputs: tuple, kwargs: dict) -> dict:
+    """The keyword arguments the module's `forward` names and the positional inputs
+    do not already give: the example's keyword arguments are often the JAX
+    model's (Flax's `deterministic=`), which a PyTorch `forward` does not take."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    given = list(params)[: len(inputs)]
+    return {k: v for k, v in kwargs.items() if k in params and k not in given}
+
+
+def _with_mask(module: Any, inputs: tuple, kwargs: dict, torch: Any) -> dict:
+    """An attention mask of ones for a text model given token ids alone (fake
+    tensors cannot take the data-dependent path taken without one)."""
+    if "attention_mask" in kwargs or len(inputs) != 1:
+        return kwargs
+    ids = inputs[0]
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dim() != 2
+    ):
+        return kwargs
+    try:
+        wanted = "attention_mask" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    return {**kwargs, "attention_mask": torch.ones_like(ids)} if wanted else kwargs
+
+
+def trace_module(
+    module: Any, inputs: Any = (), kwargs: Mapping[str, Any] | None = None
+) -> Uses:
+    """What one forward pass of a `torch.nn.Module` does with each parameter and
+    persistent buffer.
+
+    Runs `module(*inputs, **kwargs)` once, under `torch.no_grad()` and a
+    `TorchFunctionMode` that records every operation (see the module docstring).
+    A module whose parameters are fake tensors or on the `meta` device computes
+    nothing: its inputs are made fake (or meta) too, and a text model given token
+    ids alone gets an attention mask of ones.
+
+    **Arguments:**
+
+    - `module`: a `torch.nn.Module` (its mode, eval or train, as it is).
+    - `inputs`: the positional inputs (one array, or a tuple): numpy or JAX arrays,
+      `jax.ShapeDtypeStruct`s (zeros of that shape) or torch tensors. Integer
+      arrays become int64.
+    - `kwargs`: keyword arguments of the call (arrays converted the same way).
+
+    **Returns:**
+
+    A `bridge._uses.Uses`, by state-dict name.
+
+    **Example** (needs torch, so not run as a doctest; `tests/test_torch_trace.py`
+    runs it):
+
+    ```python
+    import torch
+    from bridge._adapters._torch_trace import trace_module
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    uses = trace_module(m, (torch.ones(2, 3),))
+    uses.contracted["0.weight"]  # Contraction(inputs=(1,), outputs=(0,), batch=())
+    uses.norms["1.weight"]  # 'mean'
+    ```
+    """
+    torch = importlib.import_module("torch")
+    names, objects, of = _named_tensors(module)
+    fake = _fake_mode(objects)
+    meta = fake is None and any(t.device.type == "meta" for t in objects)
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    inputs = _to_torch(inputs, torch, fake, meta)
+    call: dict[str, Any] = _to_torch(dict(kwargs or {}), torch, fake, meta)
+    call = _named(module, inputs, call)
+    if fake is not None or meta:
+        call = _with_mask(module, inputs, call, torch)
+    recorder = _Recorder(torch, objects)
+    with torch.no_grad():
+        if fake is not None:
+            with fake, _mode_class(torch)(recorder):
+                module(*inputs, **call)
+        else:
+            with _mode_class(torch)(recorder):
+                module(*inputs, **call)
+    return _uses(recorder, names, of)
+
+
+def _weight_name(g: str, v: str) -> str:
+    """The weight that weight normalisation computes from `g` and `v`."""
+    for a, b in ((".weight_g", ".weight_v"), ("_g", "_v")):
+        if g.endswith(a) and v.endswith(b) and g[: -len(a)] == v[: -len(b)]:
+            return g[: -len(a)] + a[: -len("_g")]
+    tail = ".original0", ".original1"
+    if g.endswith(tail[0]) and v.endswith(tail[1]):
+        head = g[: -len(tail[0])]
+        module, _, name = head.rpartition(".parametrizations.")
+        if name:
+            return f"{module}.{name}"
+    return v
+
+
+_PER_NAME = ("positions", "contracted", "convolved", "norms", "needs")
+"""The fields of a `Uses` that map each name to a value."""
+
+
+def _made(pick: Any, of: Any, weight_norm: dict, unused: tuple) -> Uses:
+    """A `Uses` whose per-name fields are `pick` of `of`'s fields of that name."""
+    fields = {f: pick(getattr(of, f)) for f in _PER_NAME}
+    return Uses(**fields, weight_norm=weight_norm, unused=unused)
+
+
+def _uses(r: _Recorder, names: list[str], of: list[int]) -> Uses:
+    first: dict[int, str] = {}
+    for name, i in zip(names, of):
+        first.setdefault(i, name)
+    weight_norm = {
+        _weight_name(first[g], first[v]): (first[g], first[v]) for g, v in r.weight_norm
+    }
+    unused = tuple(n for n, i in zip(names, of) if i not in r.positions)
+    return _made(
+        lambda d: {n: d[i] for n, i in zip(names, of) if i in d}, r, weight_norm, unused
+    )
+
+
+class FolderModule(NamedTuple):
+    """A Hugging Face model built from a folder's `config.json`, with no weights.
+
+    - `module`: the `torch.nn.Module` (fake tensors, full size, eval mode), or None.
+    - `reason`: why there is no module (empty when there is one).
+    - `keys`: `{state-dict name: the folder's key}` where they differ (transformers
+      renames some on load: ViT's `layers.0.attention.q_proj` is the file's
+      `vit.encoder.layer.0.attention.attention.query`; a base model's names lack
+      the `base_model_prefix` of a head model's file).
+    - `unmatched`: the module's names that no key of the folder gives (a weight
+      transformers makes from several keys, a key renamed in a way not read here):
+      their uses cannot be told by the file's names.
+    """
+
+    module: Any
+    reason: str
+    keys: dict[str, str]
+    unmatched: tuple[str, ...]
+
+
+_NO_PACKAGE = (
+    "{name} is not installed: the PyTorch side cannot be built from config.json"
+)
+_UNKNOWN_CLASS = (
+    "transformers {version} has no model class for {what}: the PyTorch side "
+    "cannot be built from config.json"
+)
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _no_init_weights(transformers: Any) -> Any:
+    """transformers' context that skips weight initialisation (private: its module
+    moved between 4.x and 5.x)."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        module = _import(where)
+        found = getattr(module, "no_init_weights", None)
+        if found is not None:
+            return found()
+    raise ImportError("transformers has no no_init_weights")
+
+
+def _config(transformers: Any, given: Any) -> tuple[Any, dict]:
+    """The transformers config of a folder (its `config.json`) or of a dict."""
+    import json
+    from pathlib import Path
+
+    if isinstance(given, Mapping):
+        raw = dict(given)
+    else:
+        raw = json.loads((Path(given) / "config.json").read_text())
+    rest = {k: v for k, v in raw.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
+    return config, raw
+
+
+def folder_module(folder: Any, keys: Any = None) -> FolderModule:
+    """Build the PyTorch model a Hugging Face folder holds weights for, from its
+    `config.json` alone, at no memory cost: fake tensors of full size.
+
+    The class is `config["architectures"][0]` (else `transformers.AutoModel`),
+    built inside `torch._subclasses.fake_tensor.FakeTensorMode` and transformers'
+    `no_init_weights()`, with `attn_implementation="eager"`, `use_cache=False` and
+    float32 parameters, then `tie_weights()` (skipping the initialisation also
+    skips the tying) and `eval()`. `trace_module` runs it on fake inputs.
+
+    **Arguments:**
+
+    - `folder`: a folder with a `config.json`, or the config as a dict.
+    - `keys`: optional, the folder's tensor names; by default read from its
+      `model.safetensors.index.json` or `*.safetensors` headers (none for a dict).
+
+    **Returns:**
+
+    A `FolderModule`: the module or the reason there is none (torch or
+    transformers missing, an unknown class, a failing constructor), and how the
+    module's names relate to the folder's keys.
+    """
+    torch = _import("torch")
+    if torch is None:
+        return FolderModule(None, _NO_PACKAGE.format(name="torch"), {}, ())
+    transformers = _import("transformers")
+    if transformers is None:
+        return FolderModule(None, _NO_PACKAGE.format(name="transformers"), {}, ())
+    fake_tensor = _import("torch._subclasses.fake_tensor")
+    if fake_tensor is None:
+        return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+    try:
+        config, raw = _config(transformers, folder)
+    except (ValueError, KeyError, OSError) as e:
+        return FolderModule(
+            None, f"its config.json is not read by transformers: {e}", {}, ()
+        )
+    names = list(raw.get("architectures") or [])
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        cls = transformers.AutoModel
+        what = f"{names[0]!r}" if names else f"model_type {raw.get('model_type')!r}"
+        if config.__class__ not in getattr(
+            transformers.AutoModel, "_model_mapping", {}
+        ):
+            version = transformers.__version__
+            return FolderModule(
+                None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
+            )
+    config.use_cache = False
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode, _no_init_weights(transformers):
+            module = _construct(cls, config, torch)
+            module.tie_weights()
+    except Exception as e:  # the model's own code: report, do not crash the port
+        return FolderModule(
+            None, f"{cls.__name__} could not be built: {type(e).__name__}: {e}", {}, ()
+        )
+    module.eval()
+    if keys is None and not isinstance(folder, Mapping):
+        keys = _folder_keys(folder)
+    found, unmatched = _file_names(module, keys, transformers)
+    return FolderModule(module, "", found, unmatched)
+
+
+def module_from_folder(folder: Any) -> Any:
+    """`folder_module(folder).module`: the fake-tensor model, or None."""
+    return folder_module(folder).module
+
+
+def _construct(cls: Any, config: Any, torch: Any) -> Any:
+    build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
+    for dtype in ("dtype", "torch_dtype"):  # transformers 5.x, 4.x
+        try:
+            return build(config, attn_implementation="eager", **{dtype: torch.float32})
+        except TypeError as e:
+            if dtype not in str(e):
+                raise
+    return build(config, attn_implementation="eager")
+
+
+def _folder_keys(folder: Any) -> list[str] | None:
+    """The tensor names of a folder's safetensors files (their headers only)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names: list[str] = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        names += [k for k in header if k != "__metadata__"]
+    return names or None
+
+
+def _file_names(
+    module: Any, keys: Any, transformers: Any
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`{module name: file key}` where they differ, and the module names no key
+    gives, renaming the keys as transformers does on load (its conversion mapping
+    and `base_model_prefix`)."""
+    state = module.state_dict(keep_vars=True)
+    names = list(state)
+    if keys is None:
+        return {}, ()
+    rename = _renamer(module, transformers, names)
+    given: dict[str, list[str]] = {}
+    for key in keys:
+        given.setdefault(rename(key), []).append(key)
+    by_tensor: dict[int, str] = {}  # a tied name: the key of the name the file has
+    for name in names:
+        if len(given.get(name, ())) == 1:
+            by_tensor.setdefault(id(state[name]), given[name][0])
+    found: dict[str, str] = {}
+    unmatched = []
+    for name in names:
+        sources = given.get(name, [])
+        key = sources[0] if len(sources) == 1 else by_tensor.get(id(state[name]))
+        if key is None:
+            unmatched.append(name)
+        elif key != name:
+            found[name] = key
+    return found, tuple(unmatched)
+
+
+def _renamer(module: Any, transformers: Any, names: list[str]) -> Any:
+    """A file key's name in `module`, as transformers renames it on load."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    known = set(names)
+
+    def with_prefix(key: str) -> str:
+        if key in known or not prefix:
+            return key
+        if f"{prefix}.{key}" in known:
+            return f"{prefix}.{key}"
+        if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in known:
+            return key[len(prefix) + 1 :]
+        return key
+
+    loading = _import("transformers.core_model_loading")
+    mapping = _import("transformers.conversion_mapping")
+    if (
+        loading is not None
+        and mapping is not None
+        and hasattr(loading, "rename_source_key")
+    ):
+        transforms = mapping.get_model_conversion_mapping(module)
+        renamings = [t for t in transforms if isinstance(t, loading.WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, loading.WeightConverter)]
+
+        def rename(key: str) -> str:
+            renamed, _ = loading.rename_source_key(key, renamings, converters)
+            return with_prefix(renamed)
+
+        return rename
+    import re
+
+    legacy = getattr(module, "_checkpoint_conversion_mapping", None) or {}
+
+    def rename_4(key: str) -> str:  # transformers 4.x: regex -> replacement
+        for pattern, replacement in legacy.items():
+            key, n = re.subn(pattern, replacement, key)
+            if n:
+                break
+        return with_prefix(key)
+
+    return rename_4
+
+
+def rekeyed(uses: Uses, names: Mapping[Any, str], path: Any) -> Uses:
+    """`uses` keyed by `path(names[name])`: `names` maps the module's state-dict
+    names to those of a Tree (a folder's keys, a prefix taken off), `path` a Tree
+    name to its leaf path. Names `names` lacks (a tie's second name, a fused weight
+    that was split) are left out; a weight-normed weight is keyed by the weight
+    its `g` and `v` make under the Tree's names."""
+    weight_norm = {
+        path(_weight_name(names[g], names[v])): (path(names[g]), path(names[v]))
+        for g, v in uses.weight_norm.values()
+        if g in names and v in names
+    }
+    unused = tuple(path(names[n]) for n in uses.unused if n in names)
+    return _made(
+        lambda d: {path(names[n]): v for n, v in d.items() if n in names},
+        uses,
+        weight_norm,
+        unused,
+    )

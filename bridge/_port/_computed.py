@@ -1,0 +1,92 @@
+"""What a traced forward pass decides about a layer that its arrays leave open: its
+kind among the candidates names and shapes allow, and its layout.
+
+A file records no classes, and some shapes fit several kinds alike: a square
+convolution is a `Conv` or a `ConvTranspose`; a square weight under one of GPT-2's
+names is an `nn.Linear` `(out, in)` or a `Conv1D` `(in, out)`; a 1-D `weight` alone
+scales a mean-subtracting norm, an RMS norm or `x * (1 + weight)`. The forward pass
+on example inputs (`_trace.Trace`: JAX's `make_jaxpr`, PyTorch's recorder) tells:
+the class each Linen submodule is called as, the axes a product contracts, the
+kernel axes a convolution reads, whether a norm subtracts the mean. Only the
+candidates that computation allows are kept; where it says nothing, nothing
+changes (and `_plan._open_kinds` refuses what is still open).
+"""
+
+from __future__ import annotations
+
+from ._general import reading_of
+from ._layers import Layer, read_specs
+from ._trace import Trace
+
+
+_NORMS = {
+    "mean": frozenset({"LayerNorm", "GroupNorm", "BatchNorm"}),
+    "rms": frozenset({"RMSNorm"}),
+    "rms+1": frozenset({"GemmaRMSNorm"}),
+}
+"""The kinds a normalisation may be, by what its trace computes."""
+
+
+def computed(
+    sides: tuple[list[Layer], list[Layer]],
+    traces: tuple[Trace | None, Trace | None],
+    problems: list[str],
+) -> None:
+    """Each side's layers that their arrays leave open (several candidate kinds, or
+    a layout setting nothing gave) narrowed by that side's trace, made only when
+    such a layer exists."""
+    for layers, trace in zip(sides, traces):
+        open_ = [x for x in layers if len(x.codecs) > 1 or x.unknown]
+        if not open_ or trace is None or not trace():
+            continue
+        for x in open_:
+            _by_class(x, trace)
+            _by_computation(x, trace, problems)
+
+
+def _by_class(x: Layer, trace: Trace) -> None:
+    """A layer whose forward pass calls it as a class of known kind (Linen's
+    compact submodules, by `nn.intercept_methods`): that kind."""
+    cls = trace.classes().get(x.real if x.index is not None else x.path)
+    name = getattr(cls, "__name__", None)
+    named = [c for c in x.codecs if name in c.names]
+    if any(c.kind == "DenseGeneral" for c in named):  # and its per-head Dense view
+        named += [c for c in x.codecs if reading_of(c) is not None]
+    if named:
+        _keep(x, tuple(c for c in x.codecs if c in named))
+
+
+def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
+    """What the trace shows done with the layer's `weight`: a convolution's kernel
+    axes (PyTorch's `conv` reads `(out, in, *k)`, `conv_transpose` `(in, out,
+    *k)`), the axis a product contracts (`F.linear`: `(out, in)`; GPT-2's `addmm`:
+    `(in, out)`), the norm it scales."""
+    rel = x.paths.get("weight")
+    if rel is None or x.index is not None:  # a stack's layers: names decide
+        return
+    where = x.path + rel
+    torch = tuple(c for c in x.codecs if c.framework == "torch")
+    spec = trace.kernels().get(where)
+    if spec is not None and torch:
+        kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get(tuple(spec[:2]))
+        _keep(x, tuple(c for c in x.codecs if c.kind == kind or c not in torch))
+    contraction = trace.contractions().get(where)
+    if contraction is not None and x.hyper.get("conv1d", False) is None:
+        if contraction.inputs in ((0,), (1,)):
+            x.hyper["conv1d"] = contraction.inputs == (0,)
+            read_specs(x, problems)
+    norm = trace.norms().get(where)
+    if norm in _NORMS and torch:
+        allowed = _NORMS[norm]
+        _keep(x, tuple(c for c in x.codecs if c.kind in allowed or c not in torch))
+
+
+def _keep(x: Layer, codecs: tuple) -> None:
+    """Narrow the layer to `codecs` (where any is left), dropping a per-head view
+    no codec reads any more."""
+    if not codecs or codecs == x.codecs:
+        return
+    x.codecs = codecs
+    x.unknown = {k: v for k, v in x.unknown.items() if any(c.kind == k for c in codecs)}
+    if all(reading_of(c) is None for c in codecs):
+        x.readings = ()

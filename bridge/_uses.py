@@ -1,0 +1,96 @@
+"""What a traced forward pass tells about each parameter: the record both sides share.
+
+A JAX model's forward pass (`bridge._port._trace.first_uses`) and a PyTorch module's
+(`bridge._adapters._torch_trace.trace_module`) are read the same way: for each
+parameter, when it is first computed with, and how (which of its stored axes meet
+the input, a convolution's kernel axes, the kind of normalisation it scales).
+Pairing and layouts are decided from these records, never from a name or a square
+shape. This module only defines the records (no framework is imported here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+Where = str | tuple[str | int, ...]
+"""What a `Uses` is keyed by: a state-dict name (`trace_module`), or a Tree's leaf
+path (an adapter's `trace`)."""
+
+
+class Contraction(NamedTuple):
+    """How a kernel meets the input in the product (`dot_general`, `F.linear`,
+    `addmm`, `matmul`, `einsum`) that first contracts it, in the axes of the array as
+    stored (a stack's layer axis is in none of them).
+
+    **Example:** `nn.Linear.weight` `(out, in)` read by `F.linear` is
+    `Contraction(inputs=(1,), outputs=(0,), batch=())`; a Flax `Dense.kernel`
+    `(in, out)` and GPT-2's `Conv1D.weight` `(in, out)` are
+    `Contraction(inputs=(0,), outputs=(1,), batch=())`.
+    """
+
+    inputs: tuple[int, ...]
+    """The axes contracted with the input, in the order of the input's axes."""
+    outputs: tuple[int, ...]
+    """The other axes, in the order the result (after a transpose that directly
+    follows, as `jnp.einsum` emits) has them."""
+    batch: tuple[int, ...]
+    """Axes the product runs over in parallel (a kernel applied per head): no
+    `Dense` layer reads such a kernel."""
+
+
+class Uses(NamedTuple):
+    """Per parameter name, what one forward pass did with it (a traced PyTorch
+    module's record: `bridge._adapters._torch_trace.trace_module`).
+
+    Keys are the module's state-dict names (`trace_module`; tied names, one tensor
+    under several names, each appear with the same values), or a Tree's leaf paths
+    (an adapter's `trace`: the paths the Tree has).
+
+    **Fields:**
+
+    - `positions`: `{name: (index,)}`: the first operation that computes with the
+      parameter, counted among the operations that compute with a parameter (so
+      that a path the inputs take elsewhere, a mask or none, changes no index).
+      Operations that only relay it (`w.t()`, `w.view(...)`, `w.to(dtype)`,
+      `1.0 + w`, `torch._weight_norm(v, g)`) are seen through. Parameters of one
+      operation share its index. Comparable within one record only.
+    - `contracted`: `{name: Contraction}` for a parameter contracted with the input
+      by a product (`F.linear`, `addmm`, `matmul`, `bmm`, `einsum`): its first such
+      product, so a tied head read by `F.linear` after its embedding lookup is there.
+    - `convolved`: `{name: stored axes as (out, in, *spatial)}` for a parameter used
+      as a convolution's kernel: `F.conv2d`'s `(O, I/g, kh, kw)` is `(0, 1, 2, 3)`,
+      `F.conv_transpose2d`'s `(I, O/g, kh, kw)` is `(1, 0, 2, 3)`.
+    - `norms`: `{name: kind}` for the weight and bias of a normalisation: `"mean"`
+      (the mean is subtracted: `F.layer_norm`, `group_norm`, `batch_norm`,
+      `instance_norm`, or written by hand) or `"rms"` (no mean subtracted:
+      `F.rms_norm`, `x * rsqrt(mean(x**2) + eps)` then `w * x`), with `"+1"`
+      appended where the scale applied is `1 + w` (Gemma: `"rms+1"`).
+    - `weight_norm`: `{weight name: (g name, v name)}` for a weight computed by
+      weight normalisation (`torch._weight_norm`, the old hooks' `weight_g` /
+      `weight_v` or `parametrizations.weight.original0` / `original1`).
+    - `needs`: `{name: (its bit, bits of the other operands)}`: each parameter has
+      a bit (tied names share one); the second is the union of the bits of the
+      parameters the other operands of its first use are computed from (through
+      every operation), a bias added by that operation left out of the others'
+      (the layers upstream: an order of dependence).
+    - `unused`: names the forward pass never computes with (training-only arrays
+      such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
+      evaluation).
+    """
+
+    positions: dict[Where, tuple[int, ...]]
+    contracted: dict[Where, Contraction]
+    convolved: dict[Where, tuple[int, ...]]
+    norms: dict[Where, str]
+    weight_norm: dict[Where, tuple[Where, Where]]
+    needs: dict[Where, tuple[int, int]]
+    unused: tuple[Where, ...]
+
+
+class Untraced(Exception):
+    """Raised by an adapter's `trace` when it has no model to run for a Tree that
+    says where one could come from (a Hugging Face folder's `config.json` with torch
+    or transformers missing, or a class transformers does not have): the message
+    says why. The port goes on without that side's trace and says so where it
+    would have decided."""
