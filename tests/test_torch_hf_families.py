@@ -135,10 +135,13 @@ def gemma_norm():
     """`GemmaNorm` (NNX) and `EqxGemmaNorm` (`scale` both) registered as the layer
     kind of Hugging Face's Gemma norms, as docs/guides/pytorch.md says."""
     norms = [GemmaNorm, EqxGemmaNorm]
+    built_in = bridge.unregister_codec("GemmaRMSNorm", "nnx")
+    built_in += bridge.unregister_codec("GemmaRMSNorm", "equinox")
     bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", norms))
     yield
     bridge.unregister_codec("GemmaRMSNorm", "nnx")
     bridge.unregister_codec("GemmaRMSNorm", "equinox")
+    bridge.register_codec(*built_in)  # bridge's own, for norms written by hand
 
 
 def _gemma_with_flax_norms():

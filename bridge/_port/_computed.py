@@ -61,16 +61,20 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     axes (PyTorch's `conv` reads `(out, in, *k)`, `conv_transpose` `(in, out,
     *k)`), the axis a product contracts (`F.linear`: `(out, in)`; GPT-2's `addmm`:
     `(in, out)`), the norm it scales."""
-    rel = x.paths.get("weight")
-    if rel is None or x.index is not None:  # a stack's layers: names decide
+    if x.index is not None:  # a stack's layers: names decide
         return
-    where = x.path + rel
+    where = x.path + x.paths.get("weight", ("weight",))
     torch = tuple(c for c in x.codecs if c.framework == "torch")
     spec = trace.kernels().get(where)
     if spec is not None and torch:
         kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get(tuple(spec[:2]))
         _keep(x, tuple(c for c in x.codecs if c.kind == kind or c not in torch))
     contraction = trace.contractions().get(where)
+    kernel = x.paths.get("kernel")
+    product = None if kernel is None else trace.contractions().get(x.path + kernel)
+    if product is not None and _flax_dense(x) and product.inputs in ((0,), (1,)):
+        x.hyper["out_in"] = product.inputs == (1,)  # FlaxConv1D: (out, in)
+        read_specs(x, problems)
     if contraction is not None and x.hyper.get("conv1d", False) is None:
         if contraction.inputs in ((0,), (1,)):
             x.hyper["conv1d"] = contraction.inputs == (0,)
@@ -79,6 +83,13 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     if norm in _NORMS and torch:
         allowed = _NORMS[norm]
         _keep(x, tuple(c for c in x.codecs if c.kind in allowed or c not in torch))
+
+
+def _flax_dense(x: Layer) -> bool:
+    """A class-less Linen layer read as a Flax `Dense` (kernel `(in, out)`)."""
+    return any(c.kind == "Dense" and c.framework == "linen" for c in x.codecs) and (
+        x.leaves["kernel"].ndim == 2
+    )
 
 
 def _keep(x: Layer, codecs: tuple) -> None:

@@ -43,8 +43,31 @@ def _linen_dense(cls, leaves: Leaves) -> bool:
         set(leaves) <= {"kernel", "bias"}
         and kernel is not None
         and kernel.ndim == 2
-        and (bias is None or tuple(bias.shape) == kernel.shape[1:])
+        and (bias is None or tuple(bias.shape) in (kernel.shape[1:], kernel.shape[:1]))
     )
+
+
+def _out_in(leaves: Leaves, hyper: dict[str, Any]) -> bool:
+    """Whether a Linen kernel is stored `(out, in)`, as transformers' `FlaxConv1D`
+    holds it: told by a bias of `out` where the kernel is not square, by the
+    forward pass where it is (`hyper["out_in"]`, set by `_port/_computed.py`)."""
+    kernel, bias = leaves["kernel"], leaves.get("bias")
+    if bias is not None and kernel.shape[0] != kernel.shape[1]:
+        return tuple(bias.shape) == tuple(kernel.shape[:1])
+    return bool(hyper.get("out_in"))
+
+
+def _linen_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    if not _out_in(leaves, hyper):
+        return leaves
+    return {**leaves, "kernel": transpose(leaves["kernel"])}
+
+
+def _linen_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    out = same_as_like(canonical, like, hyper)
+    if like and "kernel" in like and _out_in(like, hyper):
+        out["kernel"] = transpose(canonical["kernel"])
+    return out
 
 
 def _linen_dense_general(cls, leaves: Leaves) -> bool:
@@ -94,12 +117,15 @@ DENSE_LINEN = register_codec(
         "Dense",
         "linen",
         _linen_dense,
-        same,
-        same_as_like,
+        _linen_decode,
+        _linen_encode,
+        layout="kernel (in,out), or (out,in) as FlaxConv1D",
         names=("Dense",),
         defaults=_DEFAULTS,
     )
 )
+
+
 DENSE_NNX = register_codec(
     Codec(
         "Dense",

@@ -37,7 +37,7 @@ from ._torch import (
 
 
 _DEFAULTS = {"scale": 1.0, "bias": 0.0}
-_RENAME = {"weight": "scale", "bias": "bias"}
+_RENAME = {"weight": "scale", "scale": "scale", "bias": "bias"}
 _BACK = {"scale": "weight", "bias": "bias"}
 
 
@@ -138,13 +138,6 @@ LAYER_NORM_EQUINOX = _equinox(
     "LayerNorm", eqx.nn.LayerNorm, _EQX_NORM, _build_layer_norm
 )
 
-RMS_NORM_LINEN = _flax("RMSNorm", "linen", _linen_rms, names=("RMSNorm",))
-RMS_NORM_NNX = _flax(
-    "RMSNorm", "nnx", of_class(nnx.RMSNorm), attributes(epsilon="epsilon")
-)
-RMS_NORM_EQUINOX = _equinox(
-    "RMSNorm", eqx.nn.RMSNorm, attributes(epsilon="eps"), _build_rms_norm
-)
 
 # --- norms written by hand: one 1-D array, by what their `__call__` computes ------
 
@@ -184,19 +177,76 @@ def _rms(cls: Any) -> bool:
     return subtracts_no_mean(cls) and not one_plus_weight(cls)
 
 
-for _fw in ("linen", "nnx", "equinox"):
-    for _kind, _test in (("RMSNorm", _rms), ("GemmaRMSNorm", one_plus_weight)):
-        register_codec(
-            Codec(
-                _kind,
-                _fw,
-                _written(_test),
-                _one_decode,
-                _one_encode,
-                layout="weight",
-                defaults={} if _kind == "GemmaRMSNorm" else {"scale": 1.0},
-            )
+def _named_like(canonical: Leaves, like: Leaves, hyper) -> Leaves:
+    """Flax's names, or those of `like` (a norm written by hand: `weight`)."""
+    return _eqx_encode(canonical, like, hyper) if like else dict(canonical)
+
+
+def _either(first, second):
+    def recognise(cls: Any, leaves: Leaves) -> bool:
+        return first(cls, leaves) or second(cls, leaves)
+
+    return recognise
+
+
+_written_rms = _written(_rms)
+
+RMS_NORM_LINEN = register_codec(
+    Codec(
+        "RMSNorm",
+        "linen",
+        _either(_linen_rms, _written_rms),
+        _eqx_decode,
+        _named_like,
+        names=("RMSNorm",),
+        defaults=_DEFAULTS,
+    )
+)
+RMS_NORM_NNX = register_codec(
+    Codec(
+        "RMSNorm",
+        "nnx",
+        _either(of_class(nnx.RMSNorm), _written_rms),
+        _eqx_decode,
+        _named_like,
+        attributes(epsilon="epsilon"),
+        defaults=_DEFAULTS,
+    )
+)
+RMS_NORM_EQUINOX = register_codec(
+    Codec(
+        "RMSNorm",
+        "equinox",
+        _either(of_class(eqx.nn.RMSNorm), _written_rms),
+        _eqx_decode,
+        _eqx_encode,
+        attributes(epsilon="eps"),
+        layout="weight",
+        defaults=_DEFAULTS,
+        build=_build_rms_norm,
+    )
+)
+"""Flax's and Equinox's RMSNorms, and norms written by hand that compute one
+(`_written`): a `weight` of theirs is Flax's `scale`."""
+
+GEMMA_RMS_NORMS = tuple(
+    register_codec(
+        Codec(
+            "GemmaRMSNorm",
+            fw,
+            _written(one_plus_weight),
+            _one_decode,
+            _one_encode,
+            layout="weight",
+            defaults={},  # its neutral weight is 0, not Flax's scale 1
         )
+    )
+    for fw in ("linen", "nnx", "equinox")
+)
+"""Norms written by hand that compute `x * (1 + weight)` (transformers' Flax
+`FlaxGemmaRMSNorm`, bonsai's `Gemma3RMSNorm`): they pair with Hugging Face's Gemma
+norms (`GEMMA_RMS_NORM_TORCH`). `bridge.Codec.same_layout("GemmaRMSNorm", ...)`
+replaces the one of its framework."""
 
 GROUP_NORM_LINEN = _flax("GroupNorm", "linen", _linen_affine, names=("GroupNorm",))
 GROUP_NORM_NNX = _flax(
