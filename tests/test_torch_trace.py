@@ -410,13 +410,14 @@ def traced(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_fake_build_reads_as_the_real_model(name):
-    """`folder_module` of a config (fake tensors, no memory) gives the same record
-    as the real model: every position, layout, norm and dependence."""
+    """`folder_module` of a config (meta tensors, no memory) gives the same record
+    as the real model: every position, layout, norm and dependence (BERT, T5 and
+    Whisper read a value on meta tensors: traced again on fake ones)."""
     built = folder_module(CONFIGS[name])
     assert built.reason == "" and built.module is not None
-    assert all(
-        getattr(p, "fake_mode", None) is not None for p in built.module.parameters()
-    )
+    state = built.module.state_dict(keep_vars=True).values()
+    assert all(t.device.type == "meta" or t.numel() <= 16 for t in state)  # Wav2Vec2:
+    # `masked_spec_embed` is made by `torch.Tensor(n)`, which ignores the device
     args, kwargs = INPUTS[name]
     fake = trace_module(built.module, args, kwargs)
     real = traced(name)

@@ -14,12 +14,16 @@ matrix `(in, out)`, `F.conv_transpose1d`'s weight `(in, out, k)`), not a name or
 square shape. A normalisation written by hand is recognised by the activation it
 scales: `x * rsqrt(mean(x ** 2) + eps)` with no mean subtracted is an RMS norm.
 
-The module's parameters may be fake (`torch._subclasses.fake_tensor.FakeTensor`) or
-on the `meta` device: the inputs are made so too, and nothing is computed.
-`folder_module(folder)` builds such a module, of full size and with no memory, from a
-Hugging Face folder's `config.json` (transformers inside `FakeTensorMode` and
-`no_init_weights()`), so that a folder is read by its computation before a single
-weight is loaded.
+The module's parameters may be on the `meta` device or fake
+(`torch._subclasses.fake_tensor.FakeTensor`): the inputs are made so too, and nothing
+is computed. A meta module runs on meta tensors (about 3x cheaper than fake ones:
+0.38 s against 1.15 s for a 1 GiB Llama, on a loaded machine) and, where its code
+reads a value (transformers' padding and packed-sequence checks call `.item()`),
+again on fake copies of its tensors, which such checks recognise and skip: the
+record is the same either way. `folder_module(folder)` builds such a module, of full
+size and with no memory, from a Hugging Face folder's `config.json` (transformers on
+the meta device, else inside `FakeTensorMode`, under `no_init_weights()`), so that a
+folder is read by its computation before a single weight is loaded.
 
 torch and transformers are imported here only, when called: without them,
 `folder_module` says why it built nothing.
@@ -27,6 +31,7 @@ torch and transformers are imported here only, when called: without them,
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import weakref
@@ -207,11 +212,7 @@ class _Recorder:
         if reflected and len(args) >= 2:
             args = (args[1], args[0], *args[2:])
         operands = self.operands(name, args, kwargs)
-        outs = [
-            t
-            for t in self.torch.utils._pytree.tree_leaves(out)
-            if isinstance(t, self.torch.Tensor)
-        ]
+        outs = [t for t in _tensors_in(out, self.torch.Tensor)]
         if not operands:
             return
         derived = [(s, t, e) for s, t, e in operands if e is not None and e.sources]
@@ -252,13 +253,11 @@ class _Recorder:
             ]
         for i, a in enumerate(args):
             slot = signature[i] if i < len(signature) else i
-            for t in self.torch.utils._pytree.tree_leaves(a):
-                if isinstance(t, self.torch.Tensor):
-                    found.append((slot, t, self.entry(t)))
+            for t in _tensors_in(a, self.torch.Tensor):
+                found.append((slot, t, self.entry(t)))
         for key, a in kwargs.items():
-            for t in self.torch.utils._pytree.tree_leaves(a):
-                if isinstance(t, self.torch.Tensor):
-                    found.append((key, t, self.entry(t)))
+            for t in _tensors_in(a, self.torch.Tensor):
+                found.append((key, t, self.entry(t)))
         return found
 
     def relay(self, name: str, args: tuple, derived: list, outs: list) -> None:
@@ -394,6 +393,18 @@ class _Recorder:
         return None
 
 
+def _tensors_in(x: Any, tensor: type) -> list:
+    """The tensors in an argument or a result: itself, or inside lists, tuples
+    (named ones too: a model's output) and dicts."""
+    if isinstance(x, tensor):
+        return [x]
+    if isinstance(x, list | tuple):
+        return [t for v in x for t in _tensors_in(v, tensor)]
+    if isinstance(x, Mapping):
+        return [t for v in x.values() for t in _tensors_in(v, tensor)]
+    return []
+
+
 def _axes_after(
     name: str, args: tuple, slot: Any, t: Any, o: Any, axes: tuple
 ) -> tuple | None:
@@ -523,8 +534,21 @@ def _einsum(equation: str, k: int, axes: tuple) -> Contraction | None:
     )
 
 
+_ELEMENTWISE = frozenset(
+    {
+        *("add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp"),
+        *("tanh", "sigmoid", "silu", "gelu", "relu", "reciprocal"),
+    }
+)
+"""Operations whose result on plain meta tensors is made here (the broadcast shape,
+the promoted dtype): PyTorch's meta kernels for them run its Python reference
+implementations, most of a meta forward pass's time."""
+
+
 def _mode_class(torch: Any) -> type:
     from torch.overrides import TorchFunctionMode
+
+    plain = (torch.Tensor, torch.nn.Parameter)
 
     class _Mode(TorchFunctionMode):
         def __init__(self, recorder: _Recorder):
@@ -533,11 +557,66 @@ def _mode_class(torch: Any) -> type:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
+            out = _on_meta(func, args, kwargs, self.recorder, torch, plain)
+            if out is None:
+                out = func(*args, **kwargs)
             self.recorder.record(func, args, kwargs, out)
             return out
 
     return _Mode
+
+
+def _on_meta(func, args, kwargs, recorder, torch, plain) -> Any:
+    """The result of an elementwise operation (`_ELEMENTWISE`, not in place) on
+    plain floating meta tensors and numbers, made without PyTorch's meta kernel;
+    None for any other operation."""
+    name, _ = _name_of(func, recorder.names)
+    if name == "mean":
+        return _mean_on_meta(args, kwargs, torch, plain)
+    if kwargs or not args or len(args) > 2:
+        return None
+    if name not in _ELEMENTWISE or getattr(func, "__name__", "").endswith("_"):
+        return None
+    if getattr(func, "__name__", "").startswith("__i"):  # x += y: in place
+        return None
+    tensors = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in plain or a.device.type != "meta":
+                return None
+            if not a.dtype.is_floating_point:
+                return None
+            tensors.append(a)
+        elif not isinstance(a, int | float) or isinstance(a, bool):
+            return None
+    if not tensors:
+        return None
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    dtype = torch.result_type(*args) if len(args) == 2 else tensors[0].dtype
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _mean_on_meta(args: tuple, kwargs: dict, torch: Any, plain: tuple) -> Any:
+    """`x.mean(dims, keepdim=...)` of a plain floating meta tensor (see `_on_meta`)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or type(x) not in plain:
+        return None
+    if x.device.type != "meta" or not x.dtype.is_floating_point:
+        return None
+    if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
+        return None
+    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if dims is None or not isinstance(keep, bool):
+        return None
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not all(isinstance(d, int) for d in dims) or not x.dim():
+        return None
+    axes = {d % x.dim() for d in dims}
+    shape = [1 if i in axes else n for i, n in enumerate(x.shape)]
+    if not keep:
+        shape = [n for i, n in enumerate(x.shape) if i not in axes]
+    return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
 def _named_tensors(module: Any) -> tuple[list[str], list[Any], list[int]]:
@@ -568,8 +647,9 @@ def _fake_mode(objects: list[Any]) -> Any:
 
 
 def _to_torch(x: Any, torch: Any, fake: Any, meta: bool) -> Any:
-    """An input as a torch tensor like the module's parameters (fake, meta or real);
-    integer arrays as int64 (PyTorch's index type); anything else as it is."""
+    """An input as a torch tensor like the module's parameters (meta, fake, fake
+    on the meta device, or real); integer arrays as int64 (PyTorch's index type);
+    anything else as it is."""
     if isinstance(x, torch.Tensor):
         t = x
     elif hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -588,10 +668,10 @@ def _to_torch(x: Any, torch: Any, fake: Any, meta: bool) -> Any:
         return type(x)(_to_torch(v, torch, fake, meta) for v in x)
     else:
         return x
+    if meta and t.device.type != "meta" and not hasattr(t, "fake_mode"):
+        t = t.to("meta")
     if fake is not None and not hasattr(t, "fake_mode"):
-        return fake.from_tensor(t)
-    if meta and t.device.type != "meta":
-        return t.to("meta")
+        t = fake.from_tensor(t)
     return t
 
 
@@ -636,7 +716,9 @@ def trace_module(
     `TorchFunctionMode` that records every operation (see the module docstring).
     A module whose parameters are fake tensors or on the `meta` device computes
     nothing: its inputs are made fake (or meta) too, and a text model given token
-    ids alone gets an attention mask of ones.
+    ids alone gets an attention mask of ones. A meta module whose code reads a
+    value is run again on fake copies of its tensors, swapped in for the call only
+    (`torch.func.functional_call`).
 
     **Arguments:**
 
@@ -663,25 +745,46 @@ def trace_module(
     uses.norms["1.weight"]  # 'mean'
     ```
     """
-    torch = importlib.import_module("torch")
     names, objects, of = _named_tensors(module)
     fake = _fake_mode(objects)
     meta = fake is None and any(t.device.type == "meta" for t in objects)
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
-    inputs = _to_torch(inputs, torch, fake, meta)
+    if not meta:
+        return _run(module, names, objects, of, inputs, kwargs, fake, None)
+    try:  # the meta device: ~3x cheaper than fake tensors where it runs
+        return _run(module, names, objects, of, inputs, kwargs, None, None)
+    except (RuntimeError, NotImplementedError):  # a value read (`.item()`)
+        fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
+        fake = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [fake.from_tensor(t) for t in objects]
+        return _run(module, names, fakes, of, inputs, kwargs, fake, fakes)
+
+
+def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
+    """One recorded forward pass; `swapped`: the module's tensors replaced, for
+    this call only, by these (`torch.func.functional_call`)."""
+    torch = importlib.import_module("torch")
+    meta = any(t.device.type == "meta" for t in objects)
+    args = _to_torch(inputs, torch, fake, meta)
     call: dict[str, Any] = _to_torch(dict(kwargs or {}), torch, fake, meta)
     call = _named(module, inputs, call)
     if fake is not None or meta:
-        call = _with_mask(module, inputs, call, torch)
+        call = _with_mask(module, args, call, torch)
     recorder = _Recorder(torch, objects)
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
         if fake is not None:
-            with fake, _mode_class(torch)(recorder):
-                module(*inputs, **call)
-        else:
-            with _mode_class(torch)(recorder):
-                module(*inputs, **call)
+            stack.enter_context(fake)
+        stack.enter_context(_mode_class(torch)(recorder))
+        if swapped is None:
+            module(*args, **call)
+        else:  # and the non-persistent buffers (BERT's `position_ids`) likewise
+            tensors = {n: swapped[i] for n, i in zip(names, of)}
+            for n, t in module.named_buffers(remove_duplicate=False):
+                if n not in tensors:
+                    tensors[n] = fake.from_tensor(t)
+            torch.func.functional_call(module, tensors, args, call, strict=True)
     return _uses(recorder, names, of)
 
 
@@ -725,7 +828,8 @@ def _uses(r: _Recorder, names: list[str], of: list[int]) -> Uses:
 class FolderModule(NamedTuple):
     """A Hugging Face model built from a folder's `config.json`, with no weights.
 
-    - `module`: the `torch.nn.Module` (fake tensors, full size, eval mode), or None.
+    - `module`: the `torch.nn.Module` (full size, eval mode, its tensors on the
+      `meta` device, or fake where it cannot be built there), or None.
     - `reason`: why there is no module (empty when there is one).
     - `keys`: `{state-dict name: the folder's key}` where they differ (transformers
       renames some on load: ViT's `layers.0.attention.q_proj` is the file's
@@ -785,13 +889,14 @@ def _config(transformers: Any, given: Any) -> tuple[Any, dict]:
 
 def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     """Build the PyTorch model a Hugging Face folder holds weights for, from its
-    `config.json` alone, at no memory cost: fake tensors of full size.
+    `config.json` alone, at no memory cost: meta (or fake) tensors of full size.
 
     The class is `config["architectures"][0]` (else `transformers.AutoModel`),
-    built inside `torch._subclasses.fake_tensor.FakeTensorMode` and transformers'
+    built on the `meta` device (else inside
+    `torch._subclasses.fake_tensor.FakeTensorMode`) under transformers'
     `no_init_weights()`, with `attn_implementation="eager"`, `use_cache=False` and
     float32 parameters, then `tie_weights()` (skipping the initialisation also
-    skips the tying) and `eval()`. `trace_module` runs it on fake inputs.
+    skips the tying) and `eval()`. `trace_module` runs it on meta or fake inputs.
 
     **Arguments:**
 
@@ -833,15 +938,23 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
                 None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
             )
     config.use_cache = False
-    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode, _no_init_weights(transformers):
-            module = _construct(cls, config, torch)
-            module.tie_weights()
-    except Exception as e:  # the model's own code: report, do not crash the port
-        return FolderModule(
-            None, f"{cls.__name__} could not be built: {type(e).__name__}: {e}", {}, ()
-        )
+    built = None
+    for context in (  # the meta device where it builds, else fake tensors
+        lambda: torch.device("meta"),
+        lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        try:
+            with context(), _no_init_weights(transformers):
+                module = _construct(cls, config, torch)
+                module.tie_weights()
+        except Exception as e:  # the model's own code: report, do not crash the port
+            built = (
+                built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
+            )
+            continue
+        break
+    else:
+        return FolderModule(None, built or "", {}, ())
     module.eval()
     if keys is None and not isinstance(folder, Mapping):
         keys = _folder_keys(folder)
