@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._gc import paused
 from .._uses import Contraction, Uses
 
 
@@ -591,14 +592,33 @@ def _on_meta(func, args, kwargs, recorder, torch, plain) -> Any:
             return None
     if not tensors:
         return None
-    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    shape = _broadcast([tuple(t.shape) for t in tensors])
+    if shape is None:
+        return None
     dtype = torch.result_type(*args) if len(args) == 2 else tensors[0].dtype
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """NumPy's broadcast of `shapes` (None where they do not broadcast: the
+    operation itself then raises as it would)."""
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return first
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, n in enumerate(s, rank - len(s)):
+            if n != 1:
+                if out[i] not in (1, n):
+                    return None
+                out[i] = n
+    return tuple(out)
+
+
 def _mean_on_meta(args: tuple, kwargs: dict, torch: Any, plain: tuple) -> Any:
     """`x.mean(dims, keepdim=...)` of a plain floating meta tensor (see `_on_meta`)."""
-    x = args[0] if args else None
+    x: Any = args[0] if args else None
     if not isinstance(x, torch.Tensor) or type(x) not in plain:
         return None
     if x.device.type != "meta" or not x.dtype.is_floating_point:
@@ -706,6 +726,7 @@ def _with_mask(module: Any, inputs: tuple, kwargs: dict, torch: Any) -> dict:
     return {**kwargs, "attention_mask": torch.ones_like(ids)} if wanted else kwargs
 
 
+@paused()  # thousands of short-lived records: see bridge/_gc.py
 def trace_module(
     module: Any, inputs: Any = (), kwargs: Mapping[str, Any] | None = None
 ) -> Uses:
@@ -780,6 +801,7 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
         if swapped is None:
             module(*args, **call)
         else:  # and the non-persistent buffers (BERT's `position_ids`) likewise
+            assert fake is not None  # swapped tensors are fake copies
             tensors = {n: swapped[i] for n, i in zip(names, of)}
             for n, t in module.named_buffers(remove_duplicate=False):
                 if n not in tensors:
@@ -887,6 +909,7 @@ def _config(transformers: Any, given: Any) -> tuple[Any, dict]:
     return config, raw
 
 
+@paused()
 def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     """Build the PyTorch model a Hugging Face folder holds weights for, from its
     `config.json` alone, at no memory cost: meta (or fake) tensors of full size.
