@@ -738,8 +738,8 @@ def trace_module(
     A module whose parameters are fake tensors or on the `meta` device computes
     nothing: its inputs are made fake (or meta) too, and a text model given token
     ids alone gets an attention mask of ones. A meta module whose code reads a
-    value is run again on fake copies of its tensors, swapped in for the call only
-    (`torch.func.functional_call`).
+    value is run again on fake copies of its tensors (on the CPU, no memory),
+    swapped in for the call only (`torch.func.functional_call`).
 
     **Arguments:**
 
@@ -778,8 +778,16 @@ def trace_module(
     except (RuntimeError, NotImplementedError):  # a value read (`.item()`)
         fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
         fake = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [fake.from_tensor(t) for t in objects]
+        fakes = [_fake_copy(fake, t) for t in objects]
         return _run(module, names, fakes, of, inputs, kwargs, fake, fakes)
+
+
+def _fake_copy(fake: Any, t: Any) -> Any:
+    """A fake tensor like the meta tensor `t`, on the CPU (transformers 4.x's rotary
+    embeddings open `torch.autocast(device_type=...)`, which refuses `meta`)."""
+    torch = importlib.import_module("torch")
+    with fake:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
@@ -805,7 +813,7 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
             tensors = {n: swapped[i] for n, i in zip(names, of)}
             for n, t in module.named_buffers(remove_duplicate=False):
                 if n not in tensors:
-                    tensors[n] = fake.from_tensor(t)
+                    tensors[n] = _fake_copy(fake, t)
             torch.func.functional_call(module, tensors, args, call, strict=True)
     return _uses(recorder, names, of)
 
@@ -1029,10 +1037,9 @@ def _file_names(
     names = list(state)
     if keys is None:
         return {}, ()
-    rename = _renamer(module, transformers, names)
     given: dict[str, list[str]] = {}
-    for key in keys:
-        given.setdefault(rename(key), []).append(key)
+    for key, name in _renamed(module, transformers, names, list(keys)).items():
+        given.setdefault(name, []).append(key)
     by_tensor: dict[int, str] = {}  # a tied name: the key of the name the file has
     for name in names:
         if len(given.get(name, ())) == 1:
@@ -1049,8 +1056,12 @@ def _file_names(
     return found, tuple(unmatched)
 
 
-def _renamer(module: Any, transformers: Any, names: list[str]) -> Any:
-    """A file key's name in `module`, as transformers renames it on load."""
+def _renamed(
+    module: Any, transformers: Any, names: list[str], keys: list[str]
+) -> dict[str, str]:
+    """`{file key: its name in module}`, as transformers renames keys on load: 5.x
+    its conversion mapping, 4.x `_get_key_renaming_mapping` (legacy names such as
+    `weight_g`, `gamma`, and the `base_model_prefix`)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
     known = set(names)
 
@@ -1073,24 +1084,25 @@ def _renamer(module: Any, transformers: Any, names: list[str]) -> Any:
         transforms = mapping.get_model_conversion_mapping(module)
         renamings = [t for t in transforms if isinstance(t, loading.WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, loading.WeightConverter)]
-
-        def rename(key: str) -> str:
-            renamed, _ = loading.rename_source_key(key, renamings, converters)
-            return with_prefix(renamed)
-
-        return rename
-    import re
-
-    legacy = getattr(module, "_checkpoint_conversion_mapping", None) or {}
-
-    def rename_4(key: str) -> str:  # transformers 4.x: regex -> replacement
-        for pattern, replacement in legacy.items():
-            key, n = re.subn(pattern, replacement, key)
-            if n:
-                break
-        return with_prefix(key)
-
-    return rename_4
+        return {
+            k: with_prefix(loading.rename_source_key(k, renamings, converters)[0])
+            for k in keys
+        }
+    rename = getattr(module, "_get_key_renaming_mapping", None)
+    if rename is not None:  # transformers 4.x, as its from_pretrained calls it
+        has_prefix = bool(prefix) and any(k.startswith(prefix + ".") for k in keys)
+        expects = bool(prefix) and hasattr(module, prefix)
+        try:
+            got = rename(
+                keys,
+                getattr(module, "_checkpoint_conversion_mapping", None) or None,
+                loading_base_model_from_task_state_dict=has_prefix and not expects,
+                loading_task_model_from_base_state_dict=expects and not has_prefix,
+            )
+        except TypeError:  # another signature: names and prefix only
+            got = {}
+        return {k: with_prefix(got.get(k, k)) for k in keys}
+    return {k: with_prefix(k) for k in keys}
 
 
 def rekeyed(uses: Uses, names: Mapping[Any, str], path: Any) -> Uses:
