@@ -369,6 +369,49 @@ CONFIGS = {
         feat_extract_norm="group",
     ),
 }
+CONFIGS |= {  # more families, for the fake build's equality alone
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "beit": dict(
+        model_type="beit",
+        architectures=["BeitModel"],
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        image_size=8,
+        patch_size=4,
+        use_relative_position_bias=True,
+    ),
+    "dinov2": dict(
+        model_type="dinov2",
+        architectures=["Dinov2Model"],
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        mlp_ratio=2,
+        image_size=8,
+        patch_size=4,
+    ),
+    "convnext": dict(
+        model_type="convnext",
+        architectures=["ConvNextModel"],
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+    ),
+}
 TOKENS = (np.arange(10, dtype=np.int64).reshape(2, 5) + 3,)
 INPUTS = {
     "bert": (TOKENS, {}),
@@ -383,6 +426,10 @@ INPUTS = {
     "vit": ((np.zeros((1, 3, 8, 8), np.float32),), {}),
     "resnet": ((np.zeros((1, 3, 32, 32), np.float32),), {}),
     "wav2vec2": ((np.zeros((1, 400), np.float32),), {}),
+    "llama": (TOKENS, {}),
+    "beit": ((np.zeros((1, 3, 8, 8), np.float32),), {}),
+    "dinov2": ((np.zeros((1, 3, 8, 8), np.float32),), {}),
+    "convnext": ((np.zeros((1, 3, 32, 32), np.float32),), {}),
 }
 
 
@@ -628,3 +675,30 @@ def test_the_docstring_example():
         inputs=(1,), outputs=(0,), batch=()
     )
     assert uses.norms["1.weight"] == "mean"
+
+
+def test_dinov2_mask_token_unused_and_beit_query():
+    assert traced("dinov2").unused == ("embeddings.mask_token",)
+    beit = traced("beit")  # transformers 5.x renamed its modules: either names
+    (q,) = [
+        n.removesuffix(".weight")
+        for n in beit.contracted
+        if n.endswith(
+            ("0.attention.q_proj.weight", "0.attention.attention.query.weight")
+        )
+    ]
+    assert beit.positions[f"{q}.bias"] == beit.positions[f"{q}.weight"]
+    assert beit.contracted[f"{q}.weight"] == LINEAR
+    assert beit.unused == ()
+
+
+def test_multihead_attention_in_and_out_projections():
+    """`nn.MultiheadAttention` computes in one function: both projections are
+    `(out, in)`, the output one a step later, depending on the input one."""
+    mha = torch.nn.MultiheadAttention(4, 2, batch_first=True).eval()
+    x = np.ones((1, 3, 4), np.float32)
+    uses = trace_module(mha, (x, x, x))
+    assert uses.contracted == {"in_proj_weight": LINEAR, "out_proj.weight": LINEAR}
+    assert uses.positions["in_proj_weight"] < uses.positions["out_proj.weight"]
+    assert uses.needs["in_proj_weight"] == (1, 0)
+    assert uses.needs["out_proj.weight"] == (4, 1 | 2)

@@ -112,24 +112,29 @@ _SIGNATURES = {
 }
 """The leading arguments of the operations whose arguments have roles."""
 
-_ADDED_LAST = {
-    "linear": "bias",
-    "addmm": "input",
-    "baddbmm": "input",
-    "addbmm": "input",
-    "conv1d": "bias",
-    "conv2d": "bias",
-    "conv3d": "bias",
-    "conv_transpose1d": "bias",
-    "conv_transpose2d": "bias",
-    "conv_transpose3d": "bias",
-    "layer_norm": "bias",
-    "group_norm": "bias",
-    "batch_norm": "bias",
-    "instance_norm": "bias",
+_STAGES = {
+    **dict.fromkeys(
+        ("linear", "layer_norm", "group_norm", "batch_norm", "instance_norm"),
+        {"bias": 1},
+    ),
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d"), {"bias": 1}),
+    **dict.fromkeys(
+        ("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), {"bias": 1}
+    ),
+    **dict.fromkeys(("addmm", "baddbmm", "addbmm"), {"input": 1}),
+    "multi_head_attention_forward": {
+        "in_proj_bias": 1,
+        "out_proj_weight": 2,
+        "out_proj_bias": 3,
+    },
 }
-"""The argument an operation adds after its product: a bias, left out of the other
-operands' `needs` (the JAX side adds it in an operation of its own)."""
+"""The order in which an operation applies its arguments where it does several
+things (a bias is added after the product): an argument's `needs` leave out those
+applied after it (the JAX side applies them in operations of their own)."""
+
+_LATER = {"multi_head_attention_forward": {"out_proj_weight": 1, "out_proj_bias": 1}}
+"""Arguments an operation applies in a later step of its own, counted as one more
+operation (attention's output projection after its input projection)."""
 
 _NORMS = {
     "layer_norm": "mean",
@@ -290,22 +295,25 @@ class _Recorder:
     def use(self, name: str, args: tuple, operands: list, derived: list):
         """The first use of the parameters in `derived`, if it is; returns the
         output's normalisation tag."""
-        later = _ADDED_LAST.get(name)
+        stages = _STAGES.get(name, {})
+        later = _LATER.get(name, {})
         tag = None
         for slot, t, e in derived:
+            stage = stages.get(slot, 0)
             others = 0
             for slot2, t2, e2 in operands:
-                if t2 is t or e2 is None or (slot2 == later and slot != later):
+                if t2 is t or e2 is None or stages.get(slot2, 0) > stage:
                     continue
                 others |= e2.bits
             for s in e.sources:
                 if s.index not in self.positions:
-                    self.positions[s.index] = (self.count,)
+                    self.positions[s.index] = (self.count + later.get(slot, 0),)
                     self.needs[s.index] = (1 << s.index, others)
                 self.roles(name, args, slot, s, operands)
                 kind = self.scaled(name, slot, operands, s)
                 if kind is not None:
                     tag = kind
+        self.count += max(later.values(), default=0)
         return tag
 
     def roles(
