@@ -702,3 +702,17 @@ def test_multihead_attention_in_and_out_projections():
     assert uses.positions["in_proj_weight"] < uses.positions["out_proj.weight"]
     assert uses.needs["in_proj_weight"] == (1, 0)
     assert uses.needs["out_proj.weight"] == (4, 1 | 2)
+
+
+def test_no_architectures_builds_the_base_model_and_shapes_as_inputs():
+    """A config naming no class gives `AutoModel`'s (BERT's base model); inputs
+    may be `jax.ShapeDtypeStruct`s (zeros of that shape)."""
+    import jax
+
+    config = {k: v for k, v in CONFIGS["bert"].items() if k != "architectures"}
+    built = folder_module(config)
+    assert type(built.module).__name__ == "BertModel"
+    ids = jax.ShapeDtypeStruct((2, 5), np.int32)
+    uses = trace_module(built.module, (ids,))
+    assert uses.contracted["encoder.layer.1.output.dense.weight"] == LINEAR
+    assert uses.unused == ()
