@@ -218,7 +218,7 @@ class _Recorder:
         if reflected and len(args) >= 2:
             args = (args[1], args[0], *args[2:])
         operands = self.operands(name, args, kwargs)
-        outs = [t for t in _tensors_in(out, self.torch.Tensor)]
+        outs = _tensors_in(out, self.torch.Tensor)
         if not operands:
             return
         derived = [(s, t, e) for s, t, e in operands if e is not None and e.sources]
