@@ -369,40 +369,25 @@ CONFIGS = {
         feat_extract_norm="group",
     ),
 }
+_VISION = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+_PATCHES = dict(image_size=8, patch_size=4)
 CONFIGS |= {  # more families, for the fake build's equality alone
-    "llama": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
+    "llama": CONFIGS["gemma"]
+    | dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "beit": dict(
         model_type="beit",
         architectures=["BeitModel"],
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **_VISION,
+        **_PATCHES,
         intermediate_size=24,
-        image_size=8,
-        patch_size=4,
         use_relative_position_bias=True,
     ),
     "dinov2": dict(
         model_type="dinov2",
         architectures=["Dinov2Model"],
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **_VISION,
+        **_PATCHES,
         mlp_ratio=2,
-        image_size=8,
-        patch_size=4,
     ),
     "convnext": dict(
         model_type="convnext",
