@@ -72,8 +72,9 @@ class Uses(NamedTuple):
     - `needs`: `{name: (its bit, bits of the other operands)}`: each parameter has
       a bit (tied names share one); the second is the union of the bits of the
       parameters the other operands of its first use are computed from (through
-      every operation), a bias added by that operation left out of the others'
-      (the layers upstream: an order of dependence).
+      every operation), leaving out the arguments that operation applies after
+      this one (a bias after the product): the layers upstream, an order of
+      dependence.
     - `unused`: names the forward pass never computes with (training-only arrays
       such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
       evaluation).
