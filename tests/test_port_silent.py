@@ -95,7 +95,9 @@ def test_square_gpt2_names_follow_the_family(tmp_path, model_type):
     folder, tensors = _folder(tmp_path, model_type)
     target = _MLP(nnx.Rngs(0))
     if model_type is None:
-        with pytest.raises(bridge.PortError, match=r"(?s)mlp\.c_fc holds a square weight"):
+        with pytest.raises(
+            bridge.PortError, match=r"(?s)mlp\.c_fc holds a square weight"
+        ):
             bridge.load(folder / "model.safetensors", like=target, rules=_MLP_RULES)
         return
     loaded = bridge.load(folder / "model.safetensors", like=target, rules=_MLP_RULES)

@@ -181,7 +181,9 @@ def test_gpt2_file_split_needs_the_state_dict(tmp_path):
     hf = _hf(transformers.GPT2Model)
     hf.save_pretrained(tmp_path / "hf")
     state = bridge.to_torch(bridge.load(tmp_path / "hf"))
-    with pytest.raises(bridge.PortError, match=r"(?s)attn\.c_proj holds a square weight"):
+    with pytest.raises(
+        bridge.PortError, match=r"(?s)attn\.c_proj holds a square weight"
+    ):
         bridge.port(bridge.from_torch(state, split=SPLIT), _gpt2(nnx_layers(), False))
     ported = bridge.port(bridge.from_torch(hf, split=SPLIT), _gpt2(nnx_layers(), False))
     assert excess(_gpt2_forward(ported, nnx_call), _torch_out(hf)) <= 0

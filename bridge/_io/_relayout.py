@@ -28,7 +28,7 @@ import numpy as np
 from .._adapters._native import to_native, to_neutral
 from .._adapters._registry import adapter_named, canonical_adapter, names, of_layout
 from .._paths import Path, parse
-from .._port._codec import codec_of, codecs, filled
+from .._port._codec import WRITTEN, codec_of, codecs, filled
 from .._port._layers import NOT_PORTED, Layer, find_layers
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, native_rank
@@ -187,7 +187,7 @@ def relayout(
         return _to_equinox(contents, layers, problems, rename, mode)
     flax = canonical_adapter().name
     for layer in layers:
-        if all(codec_of(kind, flax) is None for kind in layer.kinds):
+        if all(_counterpart(kind, flax) is None for kind in layer.kinds):
             kinds = "/".join(layer.kinds)
             problems.append(_NO_FLAX.format(where=layer.where, kinds=kinds))
     _raise(contents, "Flax", problems)
@@ -324,7 +324,7 @@ def _equinox_kind(layer: Layer, problems: list[str]) -> str:
     """The kind to build: a Linen layer named in `setup` may fit several kinds whose
     Equinox arrays are the same (`Conv` or `ConvTranspose`, `LayerNorm` or
     `GroupNorm`); the kind whose Equinox codec was registered first is recorded."""
-    order = [c.kind for c in reversed(codecs("equinox"))]
+    order = [c.kind for c in reversed(codecs("equinox")) if c.layout != WRITTEN]
     known = sorted((k for k in layer.kinds if k in order), key=order.index)
     buildable = [k for k in known if _builds(k)]
     if buildable:
@@ -335,6 +335,13 @@ def _equinox_kind(layer: Layer, problems: list[str]) -> str:
     else:
         problems.append(_NO_EQUINOX.format(kind=layer.kinds[0], **names))
     return ""
+
+
+def _counterpart(kind: str, framework: str) -> Any:
+    """The codec of `kind` in `framework` that stands for a layer of that framework
+    (None for one that reads only modules written by hand: `WRITTEN`)."""
+    codec = codec_of(kind, framework)
+    return None if codec is None or codec.layout == WRITTEN else codec
 
 
 def _builds(kind: str) -> bool:

@@ -118,6 +118,11 @@ class Codec(NamedTuple):
 _REGISTRY: dict[tuple[str, str], Codec] = {}
 
 
+WRITTEN = "weight (a module written by hand)"
+"""The layout of a codec that reads only modules written by hand (the Flax codecs of
+Gemma's norms): no Flax layer of its own, so its shapes judge no stack."""
+
+
 @overload
 def register_codec(codec: Codec, /) -> Codec: ...
 @overload

@@ -20,7 +20,7 @@ from .._lazy import materialise
 from .._paths import Path, at, path_str
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors, _shapes
-from ._codec import Codec, Leaves, codec_of, codecs, same, same_as_like
+from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
 from ._general import with_views
 
 
@@ -494,10 +494,11 @@ def _sublayers(node: Tree) -> int:
 def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
     """Whether a layer's arrays (shapes), decoded to the Flax layout by its codec,
     are what the Flax (Linen) codec of its kind recognises; False where the arrays do
-    not decode; None where the kind has no Flax codec (a `Codec.same_layout` norm):
-    its shapes tell nothing, and in a stack the other layers decide."""
+    not decode; None where the kind has no Flax codec of its own (a
+    `Codec.same_layout` norm, a norm only written by hand: `WRITTEN`): its shapes
+    tell nothing, and in a stack the other layers decide."""
     flax = codec_of(codec.kind, canonical_adapter().name)
-    if flax is None:
+    if flax is None or flax.layout == WRITTEN:  # a norm written by hand: its own
         return None
     try:
         canonical = _shapes.decoded(codec, leaves, {})

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .._adapters._native import check_model, placeholders, to_neutral
-from .._adapters._registry import ties_of
+from .._adapters._registry import adapter_named, canonical_adapter, ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._paths import Path, path_str
@@ -650,6 +650,14 @@ def _untraced(traces: tuple[Trace | None, Trace | None]) -> list[str]:
     return [_errors.UNTRACED.format(sides=text) + (f" ({why})" if why else "")]
 
 
+def _stored(codec: Codec) -> str:
+    """How a codec's arrays are stored, as far as choosing its kind matters: a
+    layout of its own (PyTorch's `OIHW` or flipped `(I, O, *k)`), or Flax's, which
+    every kind of the canonical layout shares."""
+    flax = adapter_named(codec.framework).layout == canonical_adapter().layout
+    return "" if flax else codec.layout
+
+
 def _open_kinds(pairs: list[Pair]) -> list[str]:
     """Pairs whose arrays fit several kinds of different layouts on both sides (a
     square convolution read from a file, a Conv or a ConvTranspose; a Linen
@@ -659,7 +667,7 @@ def _open_kinds(pairs: list[Pair]) -> list[str]:
     for s, t, _ in pairs:
         fitting = [k for k in s.kinds if k in t.kinds and same_shapes(s, t, k)]
         transforms = {  # a per-head kernel's Dense view reads it the same way
-            (s.codec(k).decode, t.codec(k).encode)
+            (_stored(s.codec(k)), _stored(t.codec(k)))
             for k in fitting
             if reading_of(s.codec(k)) is None and reading_of(t.codec(k)) is None
         }

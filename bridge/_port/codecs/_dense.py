@@ -43,17 +43,15 @@ def _linen_dense(cls, leaves: Leaves) -> bool:
         set(leaves) <= {"kernel", "bias"}
         and kernel is not None
         and kernel.ndim == 2
-        and (bias is None or tuple(bias.shape) in (kernel.shape[1:], kernel.shape[:1]))
+        and (bias is None or tuple(bias.shape) == kernel.shape[1:])
     )
 
 
 def _out_in(leaves: Leaves, hyper: dict[str, Any]) -> bool:
-    """Whether a Linen kernel is stored `(out, in)`, as transformers' `FlaxConv1D`
-    holds it: told by a bias of `out` where the kernel is not square, by the
-    forward pass where it is (`hyper["out_in"]`, set by `_port/_computed.py`)."""
-    kernel, bias = leaves["kernel"], leaves.get("bias")
-    if bias is not None and kernel.shape[0] != kernel.shape[1]:
-        return tuple(bias.shape) == tuple(kernel.shape[:1])
+    """Whether a square Linen kernel is stored `(out, in)`, as transformers'
+    `FlaxConv1D` holds it: told by the forward pass (`hyper["out_in"]`, set by
+    `_port/_computed.py`). A kernel that is not square and holds a bias of `out`
+    is no Dense (a stack's slice along another axis looks the same)."""
     return bool(hyper.get("out_in"))
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from ..._families._offset_norms import one_plus_weight, subtracts_no_mean
 from .._codec import (
+    WRITTEN,
     Codec,
     Leaves,
     attributes,
@@ -237,7 +238,7 @@ GEMMA_RMS_NORMS = tuple(
             _written(one_plus_weight),
             _one_decode,
             _one_encode,
-            layout="weight",
+            layout=WRITTEN,
             defaults={},  # its neutral weight is 0, not Flax's scale 1
         )
     )
