@@ -150,12 +150,19 @@ _REPLACED = (
 
 
 def _same(dir_fd: int, index: Path, ident: Identity) -> bool:
-    """Whether the index at its name in the directory is still the file read."""
+    """Whether the directory opened is still the one at the index's directory, and
+    the index at its name in it still the file read."""
     try:
         st = os.stat(index.name, dir_fd=dir_fd, follow_symlinks=True)
+        here, opened = os.stat(index.parent), os.fstat(dir_fd)
     except OSError:
         return False
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == tuple(ident)
+    return (here.st_dev, here.st_ino) == (opened.st_dev, opened.st_ino) and (
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+    ) == tuple(ident)
 
 
 def metadata(path: Path) -> Contents:

@@ -65,6 +65,12 @@ def one_value(arrays: Any) -> float:
     return values.pop()
 
 
+def _reachable(path: Path) -> Path:
+    """Where bridge reads a directory checkpoint at `path` (`_atomic.reachable`;
+    `path` itself for a bridge without it)."""
+    return getattr(_atomic, "reachable", lambda p: p)(path)
+
+
 def _tree_value(path: Path) -> float:
     import jax
 
@@ -82,7 +88,7 @@ def _save_folder(path: Path, value: float) -> None:
 
 def _folder_value(path: Path) -> float:
     value = _tree_value(path)
-    config = json.loads((_atomic.reachable(path) / "config.json").read_text())
+    config = json.loads((_reachable(path) / "config.json").read_text())
     assert config["version"] == value, "weights and config.json of two versions"
     return value
 
@@ -114,7 +120,7 @@ def _save_peft(path: Path, value: float) -> None:
 def _peft_value(path: Path) -> float:
     from safetensors.numpy import load_file
 
-    path = _atomic.reachable(path)  # as `bridge.load_peft` reads it
+    path = _reachable(path)  # as `bridge.load_peft` reads it
     config = json.loads((path / "adapter_config.json").read_text())
     arrays = load_file(path / "adapter_model.safetensors")
     value = one_value(arrays.values())
