@@ -318,3 +318,46 @@ def test_processes_passing_different_metadata_are_refused_before_writing(tmp_pat
         assert r["after_refusal"] == []  # nothing written, no temporary
         assert [n for n in r["left"] if not n.startswith("result-")] == ["out"]
     assert results[0]["same"]
+
+
+@pytest.mark.parametrize("target", ["m.safetensors.index.json", "hf"])
+def test_concurrent_saves_of_versions_with_other_names_end_whole(tmp_path, target):
+    """Six threads save versions of different layer counts to one path, twice each,
+    while this thread loads it: every load is one whole version (or refused as
+    replaced), and at the end the path holds one of them and nothing else. Before, a
+    sharded index could name arrays that its shard, written by another save, did not
+    hold: the checkpoint was unloadable until the next save."""
+    from .helpers import in_threads
+
+    surface = next(s for s in writes.SURFACES if s.target == target)
+    path = tmp_path / target
+    surface.save(path, 1.0)
+    done = threading.Event()
+
+    def save_all():
+        try:
+            in_threads(
+                lambda v: [surface.save(path, float(v % 6 + 1)) for _ in "ab"], 6
+            )
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=save_all)
+    thread.start()
+    loads = 0
+    try:
+        while not done.is_set() or loads == 0:
+            try:
+                assert surface.version(path) in range(1, 7)
+            except bridge.CheckpointError as e:
+                assert "replaced" in str(e) or "changed while it was read" in str(e), e
+            loads += 1
+    finally:
+        thread.join()
+    assert surface.version(path) in range(1, 7)
+    names = sorted(os.listdir(tmp_path))
+    assert names in (
+        [target],
+        ["m-00001-of-00001.b.safetensors", target],
+        ["m-00001-of-00001.safetensors", target],
+    ), names

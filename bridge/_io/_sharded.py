@@ -27,7 +27,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set as AbstractSet
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -253,7 +253,9 @@ def _named(directory: Path) -> set[str]:
     return named
 
 
-def _unnamed(directory: Path, stem: str, also: set[str] = frozenset()) -> list[Path]:
+def _unnamed(
+    directory: Path, stem: str, also: AbstractSet[str] = frozenset()
+) -> list[Path]:
     """The shards of `stem` (`STEM-0000i-of-0000n[.b].safetensors`), and the files
     `also`, that no index of `directory` names: left by a save that died, or named
     only by the index just replaced."""
@@ -273,8 +275,9 @@ def _save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     stem = path.name[: -len(INDEX_SUFFIX)]
     first = f"{stem}-00001-of-00001.safetensors"
     with turn(path):
-        for stale in _unnamed(path.parent, stem):
-            stale.unlink()
+        for stale in _unnamed(path.parent, stem):  # left by a save that died
+            with contextlib.suppress(OSError):
+                stale.unlink()
         try:
             taken = {p.name for p in _weight_map(path)[0]}
         except (OSError, CheckpointError, Malformed):

@@ -170,11 +170,13 @@ def save_peft(
     Writes `adapter_model.safetensors` and `adapter_config.json`, which
     `peft.PeftModel.from_pretrained(torch_model, directory)` loads onto the PyTorch
     model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives.
-    The directory appears whole or not at all.
+    The directory appears whole or not at all; over an existing adapter, only the
+    adapter's own files are replaced (a README.md, tokenizer files are kept).
 
     **Arguments:**
 
-    - `directory`: the adapter directory to write (replaced if it holds an adapter).
+    - `directory`: the adapter directory to write (replaced if it holds an adapter
+      or nothing; refused if it holds other files only).
     - `model`: a model with adapters (`bridge.lora`, `bridge.load_peft`), in any
       form `bridge.lora` takes.
     - `rules`: the rules that paired a PyTorch model's layers with this model's on

@@ -87,8 +87,20 @@ def _save_folder(path: Path, value: float) -> None:
 
 
 def _folder_value(path: Path) -> float:
-    value = _tree_value(path)
-    config = json.loads((_reachable(path) / "config.json").read_text())
+    """The version of the weights, checked against the config.json's, both read from
+    one directory (held open, so that its inode is not reused: read again if a save
+    swapped it between the two reads)."""
+    while True:
+        fd = os.open(_reachable(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            config_fd = os.open("config.json", os.O_RDONLY, dir_fd=fd)
+            with open(config_fd) as f:
+                config = json.load(f)
+            value = _tree_value(path)
+            if os.fstat(fd).st_ino == os.stat(_reachable(path)).st_ino:
+                break
+        finally:
+            os.close(fd)
     assert config["version"] == value, "weights and config.json of two versions"
     return value
 
