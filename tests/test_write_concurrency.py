@@ -109,8 +109,8 @@ def test_loads_during_saves_give_one_whole_version(tmp_path, target, save):
     versions 1 and 2 alternately: every load is one whole version (or refused as
     replaced, never a mix). Before: 12 of 863 plain loads and 14 of 66 `like=`
     loads of a folder were mixed."""
-    _concurrent(tmp_path, target, save, seconds=2.0, most=1000)
-    _concurrent(tmp_path, target, save, seconds=2.0, most=1000, like=True)
+    _concurrent(tmp_path, target, save, seconds=1.0, most=1000)
+    _concurrent(tmp_path, target, save, seconds=1.0, most=1000, like=True)
 
 
 @pytest.mark.slow
@@ -320,7 +320,10 @@ def test_processes_passing_different_metadata_are_refused_before_writing(tmp_pat
     assert results[0]["same"]
 
 
-@pytest.mark.parametrize("target", ["m.safetensors.index.json", "hf"])
+@pytest.mark.parametrize(
+    "target",
+    ["m.safetensors.index.json", pytest.param("hf", marks=pytest.mark.slow)],
+)
 def test_concurrent_saves_of_versions_with_other_names_end_whole(tmp_path, target):
     """Six threads save versions of different layer counts to one path, twice each,
     while this thread loads it: every load is one whole version (or refused as
