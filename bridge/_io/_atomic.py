@@ -197,8 +197,8 @@ def atomic_files(paths: list[Path]) -> Iterator[None]:
     journal naming them is written (the commit), then each is renamed in, then the
     journal removed. A save killed before the journal leaves every old file (its
     temporaries are cleared by the next save); after it, the next save of the
-    directory, or a load (`reachable`), completes the renames. Every path must have
-    been written."""
+    directory, or a load (`reachable`), completes the renames. A path the block did
+    not write is left as it is."""
     first = paths[0]
     journal = temporary(first, _JOURNAL)
     pending = temporary(first, _JOURNAL + "-tmp")
@@ -206,11 +206,9 @@ def atomic_files(paths: list[Path]) -> Iterator[None]:
         _HELD.group = set(paths)
         try:
             yield
-            unwritten = [p for p in paths if not temporary(p).is_file()]
-            if unwritten:
-                raise RuntimeError(f"atomic_files: nothing written for {unwritten}")
+            written = [p.name for p in paths if temporary(p).is_file()]
             with open(pending, "w") as f:
-                json.dump([p.name for p in paths], f)
+                json.dump(written, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(pending, journal)  # the commit
