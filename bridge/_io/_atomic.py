@@ -11,6 +11,13 @@ aside is put back if the destination is missing). A failure before the rename
 leaves any earlier checkpoint untouched and removes the temporary; an overwritten
 checkpoint keeps its permission bits.
 
+A directory is swapped in with `renameat2(RENAME_EXCHANGE)`. Where the filesystem
+cannot exchange, the old directory is renamed aside (`.NAME.bridge-old`) and the new
+one renamed in: a save killed between the two renames leaves the old one aside, where
+`reachable(path)` (used by every load) finds it and the next save puts it back. A
+directory this user may not write (`chmod 555`) is refused before anything is
+written; temporaries are removed even where a writer made them read-only.
+
 With several processes (`jax.distributed`), all of them write a directory checkpoint
 into that one temporary (orbax's own barrier waits for every shard); process 0 alone
 holds the turn, clears leftovers before the others start, and swaps the directory in
@@ -23,11 +30,14 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -36,7 +46,13 @@ _NOT_A_CHECKPOINT = """\
 {path} exists and is not a checkpoint directory; bridge.save refuses to replace it.
 Save to a new path, or remove it yourself first."""
 
-_TMP, _OLD = "bridge-tmp", "bridge-old"
+_READ_ONLY = """\
+it is a directory this user may not write (mode {mode:o}): bridge.save does not \
+replace a read-only checkpoint. Make it writable first (chmod u+w), or save to \
+another path"""
+
+_TMP, _OLD, _JOURNAL = "bridge-tmp", "bridge-old", "bridge-commit"
+_HELD = threading.local()  # the directories whose turn this thread holds
 _ORBAX_TMP = (
     ".orbax-checkpoint-tmp"  # orbax writes `<dir>.orbax-checkpoint-tmp-*` first
 )
@@ -52,15 +68,30 @@ def _leftovers(path: Path) -> list[Path]:
     """Temporaries of `path` that a save which died left behind (older bridge
     versions named them `.NAME.<12 hex>.tmp` or `.old`)."""
     pattern = re.compile(
-        rf"\.{re.escape(path.name)}\.({_TMP}|{_OLD}|[0-9a-f]{{12}}\.(tmp|old))"
+        rf"\.{re.escape(path.name)}\.({_TMP}|{_OLD}|{_JOURNAL}-tmp|[0-9a-f]{{12}}\.(tmp|old))"
         rf"({re.escape(_ORBAX_TMP)}.*)?"
     )
     return [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
 
 
+def _writable(function: Any, name: str, _: Any) -> None:
+    """`shutil.rmtree`'s error handler: make the directory holding `name` (and a
+    directory `name` itself) writable, then try again, once."""
+    for where in (os.path.dirname(name), name):
+        with contextlib.suppress(OSError):
+            if os.path.isdir(where) and not os.path.islink(where):
+                os.chmod(where, os.stat(where).st_mode | 0o700)
+    with contextlib.suppress(OSError):
+        function(name)
+
+
 def _remove(path: Path) -> None:
+    """Remove a temporary of bridge's, also where a writer (or `chmod`) left it or a
+    directory inside it read-only."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, onerror=_writable)
+        if os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
@@ -75,16 +106,43 @@ def _clean(path: Path) -> None:
         _remove(stale)
 
 
+def reachable(path: Path) -> Path:
+    """`path`, or, where nothing is at `path` but a directory swap died between its
+    two renames, the old directory it moved aside (a load reads the old version).
+    A commit of several files (`atomic_files`) beside `path` that a killed save left
+    half done is completed first (where this user may)."""
+    if any(path.parent.glob(f".*.{_JOURNAL}")):
+        with contextlib.suppress(OSError), turn(path.parent / ".journal"):
+            pass  # `turn` completes it (or waits for the save doing it)
+    aside = temporary(path, _OLD)
+    if not os.path.lexists(path) and aside.is_dir():
+        return aside
+    return path
+
+
 @contextlib.contextmanager
-def _turn(path: Path) -> Iterator[None]:
-    """Hold the exclusive lock of `path`'s directory, then clear what dead saves of
-    `path` left behind."""
+def turn(path: Path, *more: Path) -> Iterator[None]:
+    """Hold the exclusive lock of `path`'s directory (one save of the directory at a
+    time, in every thread and process), then clear what dead saves of `path` (and of
+    `more`, in the same directory) left behind. Re-entrant in one thread: a save of
+    several files takes one turn for all of them."""
+    held = _HELD.__dict__.setdefault("directories", set())
+    key = os.path.realpath(path.parent)
+    if key in held:  # this thread's save of a checkpoint of several files
+        for each in (path, *more):
+            _clean(each)
+        yield
+        return
     fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        _clean(path)
+        held.add(key)
+        _settle(path.parent)
+        for each in (path, *more):
+            _clean(each)
         yield
     finally:
+        held.discard(key)
         os.close(fd)  # releases the lock
 
 
@@ -122,21 +180,101 @@ def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to `path` (an empty file, which the writer
     overwrites); on success, flush it and rename it to `path`. On any exception the
     temporary is removed and `path` is left as it was. An existing file's permission
-    bits are kept; a new file gets the usual ones (the umask applied)."""
-    with _turn(path):
-        tmp = temporary(path)
+    bits are kept; a new file gets the usual ones (the umask applied). Inside
+    `atomic_files` naming `path`, the rename waits for the others'."""
+    if path in getattr(_HELD, "group", ()):
+        with written(path) as tmp:
+            yield tmp
+        return
+    with turn(path), replacing(path) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def atomic_files(paths: list[Path]) -> Iterator[None]:
+    """Replace several files of one directory as one: inside the block, each
+    `atomic_file(path)` of `paths` writes and flushes its temporary; at the end, a
+    journal naming them is written (the commit), then each is renamed in, then the
+    journal removed. A save killed before the journal leaves every old file (its
+    temporaries are cleared by the next save); after it, the next save of the
+    directory, or a load (`reachable`), completes the renames. A path the block did
+    not write is left as it is."""
+    first = paths[0]
+    journal = temporary(first, _JOURNAL)
+    pending = temporary(first, _JOURNAL + "-tmp")
+    with turn(first, *paths[1:]):
+        _HELD.group = set(paths)
         try:
-            tmp.touch(exist_ok=False)
-            mode = _mode(path)
-            mode = _mode(tmp) if mode is None else mode
-            with _naming(path, tmp):
-                yield tmp
-            os.chmod(tmp, 0o644 if mode is None else mode)  # the writer's may differ
-            _fsync(tmp)
-            os.replace(tmp, path)
+            yield
+            written = [p.name for p in paths if temporary(p).is_file()]
+            with open(pending, "w") as f:
+                json.dump(written, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(pending, journal)  # the commit
+            _fsync(first.parent)
+        except BaseException:
+            for p in paths:
+                temporary(p).unlink(missing_ok=True)
+            pending.unlink(missing_ok=True)
+            raise
         finally:
-            tmp.unlink(missing_ok=True)
-        _fsync(path.parent)
+            _HELD.group = ()
+        _settle(first.parent)
+
+
+def _settle(directory: Path) -> None:
+    """Complete every commit of `atomic_files` in `directory` whose renames a killed
+    save left undone (the caller holds the directory's turn)."""
+    for journal in directory.glob(f".*.{_JOURNAL}"):
+        try:
+            names = json.loads(journal.read_text())
+        except (OSError, ValueError):
+            names = []
+        for name in names if isinstance(names, list) else []:
+            if isinstance(name, str) and "/" not in name:
+                tmp = temporary(directory / name)
+                if tmp.is_file():
+                    os.replace(tmp, directory / name)
+        _fsync(directory)
+        journal.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def written(path: Path) -> Iterator[Path]:
+    """`replacing`'s first half: yield `path`'s temporary (an empty file) and flush
+    what the writer put in it, without renaming it (the caller renames it with
+    `commit`, once every file of a checkpoint is written). On any exception the
+    temporary is removed. The caller holds `turn(path)`."""
+    tmp = temporary(path)
+    try:
+        tmp.touch(exist_ok=False)
+        mode = _mode(path)
+        mode = _mode(tmp) if mode is None else mode
+        with _naming(path, tmp):
+            yield tmp
+        os.chmod(tmp, 0o644 if mode is None else mode)  # the writer's may differ
+        _fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def commit(path: Path) -> None:
+    """Rename `path`'s temporary (made by `written`) over `path`."""
+    os.replace(temporary(path), path)
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """`atomic_file` for a caller holding `turn(path)` already."""
+    try:
+        with written(path) as tmp:
+            yield tmp
+        commit(path)
+    finally:
+        temporary(path).unlink(missing_ok=True)
+    _fsync(path.parent)
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -159,25 +297,40 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_dir(path: Path, is_checkpoint: Callable[[Path], bool]) -> Iterator[Path]:
+def atomic_dir(
+    path: Path,
+    is_checkpoint: Callable[[Path], bool],
+    keep: Callable[[str], bool] | None = None,
+) -> Iterator[Path]:
     """Yield a temporary directory path next to `path` (not yet created); on success,
     flush it and swap it with `path` atomically (where the system cannot, the old
     directory is moved aside first and put back if the process dies before the new
     one is in place, at the next save).
 
-    An existing `path` is replaced only when `is_checkpoint(path)` is true.
+    An existing `path` is replaced only when `is_checkpoint(path)` is true, and only
+    when this user may write it (a `chmod 555` folder is refused, naming it). With
+    `keep`, every file of the old directory that the writer did not write and
+    `keep(name)` accepts (a tokenizer, a README beside the weights) is linked (or
+    copied) into the new one before the swap.
     """
-    if os.path.lexists(path) and not (path.is_dir() and is_checkpoint(path)):
+    old = reachable(path)
+    if os.path.lexists(old) and not (old.is_dir() and is_checkpoint(old)):
         raise FileExistsError(_NOT_A_CHECKPOINT.format(path=path))
+    if old.is_dir() and not os.access(old, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, _READ_ONLY.format(mode=_mode(old) or 0), str(path)
+        )
     # with several processes (`jax.distributed`), process 0 alone takes the turn,
     # clears, swaps and cleans; the others write into the same temporary
     primary = jax.process_index() == 0
-    with _turn(path) if primary else contextlib.nullcontext():
+    with turn(path) if primary else contextlib.nullcontext():
         _barrier(f"bridge.save {path}: cleared")
         tmp = temporary(path)
         try:
             with _naming(path, tmp):
                 yield tmp  # returns after the writer's own barrier (orbax's)
+            if primary and keep is not None:
+                carry(path, tmp, keep)
             if primary:
                 mode = _mode(path)
                 if mode is not None:
@@ -190,12 +343,29 @@ def atomic_dir(path: Path, is_checkpoint: Callable[[Path], bool]) -> Iterator[Pa
                     if path.exists():
                         os.rename(path, aside)
                     os.rename(tmp, path)
-                    shutil.rmtree(aside, ignore_errors=True)
+                    _remove(aside)
         finally:
             if primary:
                 _clean(path)  # the old version, orbax's temporaries
         _barrier(f"bridge.save {path}: in place")  # none returns before the swap
         _fsync(path.parent)
+
+
+def carry(old: Path, new: Path, keep: Callable[[str], bool]) -> None:
+    """Every entry of directory `old` that `new` lacks and `keep(name)` accepts,
+    linked (or copied) into `new`."""
+    if not old.is_dir():
+        return
+    for item in old.iterdir():
+        if not keep(item.name) or os.path.lexists(new / item.name):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, new / item.name, symlinks=True)
+            continue
+        try:
+            os.link(item, new / item.name, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(item, new / item.name, follow_symlinks=False)
 
 
 def _barrier(name: str) -> None:

@@ -27,7 +27,7 @@ def named_type(text: str | bytes) -> str | None:
     """The `model_type` a `config.json`'s text names (None: none, or not JSON)."""
     try:
         config = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply
         return None
     found = config.get("model_type") if isinstance(config, dict) else None
     return found if isinstance(found, str) else None

@@ -10,7 +10,9 @@ checked), all closed with the checkpoint. A sharded checkpoint of thousands of s
 loads under the usual 1,024-descriptor limit, and no read ever uses a descriptor
 number closed meanwhile (it may belong to another file by then). Its `pool` holds the
 host buffers the reads fill (`bridge._buffers.Pool`: reused once their arrays are gone,
-dropped with the checkpoint).
+dropped with the checkpoint). The files of a checkpoint of several files are opened
+through one opened directory (`open_directory`): a folder swapped for its next
+version while it is read is read whole from the version first opened, or refused.
 """
 
 from __future__ import annotations
@@ -62,19 +64,26 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path, fmt: str, *, follow: bool = True) -> int:
+def open_regular(
+    path: Path, fmt: str, *, follow: bool = True, dir_fd: int | None = None
+) -> int:
     """A read-only descriptor of the regular file at `path`.
 
     Opened non-blocking (a FIFO does not wait for a writer) and checked with `fstat`
     on the descriptor itself, so the file checked is the file read. `follow=False`
-    refuses a symlink. Raises `CheckpointError` (or its `FileNotFoundError` and
-    `PermissionError` kinds) naming the file.
+    refuses a symlink. With `dir_fd` (an open directory, `open_directory`), the file
+    named `path.name` in that very directory, whatever is at `path`'s directory now.
+    Raises `CheckpointError` (or its `FileNotFoundError` and `PermissionError` kinds)
+    naming the file.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     if not follow:
         flags |= os.O_NOFOLLOW
     try:
-        fd = os.open(path, flags)
+        if dir_fd is None:
+            fd = os.open(path, flags)
+        else:
+            fd = os.open(path.name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         raise missing(path) from None
     except PermissionError:
@@ -88,6 +97,18 @@ def open_regular(path: Path, fmt: str, *, follow: bool = True) -> int:
         os.close(fd)
         raise unreadable(path, fmt, f"it is {_kind(mode)}, not a regular file")
     return fd
+
+
+def open_directory(path: Path) -> int:
+    """A descriptor of the directory at `path`, through which the files of one
+    checkpoint are opened (`open_regular(..., dir_fd=)`): a directory swapped for
+    another meanwhile (a save of the same folder) is never mixed with it."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise missing(path) from None
+    except PermissionError:
+        raise denied(path) from None
 
 
 def size(fd: int) -> int:
@@ -178,9 +199,12 @@ class Files:
 
     limit = 64
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, directory: int | None = None):
+        """`directory`: an open directory (`open_directory`) the files are opened
+        again from, closed with the files."""
         if limit is not None:
             self.limit = limit
+        self.directory = directory
         self._files: list[_File] = []
         self._open: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._users: collections.Counter[int] = collections.Counter()
@@ -218,7 +242,7 @@ class Files:
     def _reopen(self, key: int) -> int:
         path, fmt, ident = self._files[key]
         try:
-            fd = open_regular(path, fmt)
+            fd = open_regular(path, fmt, dir_fd=self.directory)
         except CheckpointError:
             raise unreadable(path, fmt, _CHANGED.format(what="path")) from None
         with self._lock:
@@ -239,4 +263,7 @@ class Files:
             for fd in self._open.values():
                 os.close(fd)
             self._open.clear()
+            if self.directory is not None:
+                os.close(self.directory)
+                self.directory = None
         self.pool.close()

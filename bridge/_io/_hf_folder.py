@@ -20,12 +20,12 @@ leaves the previous folder as it was, and the next save clears what it left.
 
 from __future__ import annotations
 
-import contextlib
+import collections
+import hashlib
 import itertools
 import json
 import math
 import os
-import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -320,21 +320,81 @@ def config_files(config: Any, generation_config: Any = None) -> dict[str, str]:
     return out
 
 
-def _carry(old: Path, new: Path, replaced: set[str]) -> None:
-    """Every file of the previous folder that this save does not write (a tokenizer,
-    a README), linked (or copied) into the new one."""
-    if not old.is_dir():
-        return
-    for item in old.iterdir():
-        if _is_weights(item.name) or item.name in replaced:
-            continue
-        if item.is_dir() and not item.is_symlink():
-            shutil.copytree(item, new / item.name, symlinks=True)
-            continue
+class _Shards:
+    """The shard files of a folder being written, each opened for writing when a
+    block goes to it, at most `limit` open at once (the least recently used flushed
+    and closed, opened again later): 1,100 shards under the usual 1,024-descriptor
+    limit. Every file is flushed (`fsync`) before it is closed."""
+
+    limit = 64
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def fd(self, file: str) -> int:
+        fd = self._open.pop(file, None)
+        if fd is None:
+            while len(self._open) >= self.limit:
+                self._close(*self._open.popitem(last=False))
+            fd = os.open(self.directory / file, os.O_WRONLY | os.O_CLOEXEC)
+        self._open[file] = fd  # the most recently used
+        return fd
+
+    @staticmethod
+    def _close(file: str, fd: int) -> None:
         try:
-            os.link(item, new / item.name, follow_symlinks=False)
-        except OSError:
-            shutil.copy2(item, new / item.name, follow_symlinks=False)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        error = None
+        while self._open:
+            try:
+                self._close(*self._open.popitem(last=False))
+            except OSError as e:  # closed all the same; the first error is raised
+                error = error or e
+        if error is not None and kind is None:
+            raise error
+
+
+_DISAGREE = """\
+{path}: the processes of this jax.distributed run would write different files \
+({what} differ between process 0 and process(es) {others}); each process computes the \
+folder's headers and byte offsets, and they must agree. Pass the same `metadata=`, \
+model and `max_shard_size` in every process."""
+
+
+def _digest(value: Any) -> np.ndarray:
+    text = json.dumps(value, sort_keys=True, default=repr).encode()
+    return np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+
+
+def _agreed(path: Path, plan: FolderPlan, metadata: Mapping[str, str] | None) -> None:
+    """With several processes, refuse (in every process, before anything is written)
+    a plan that is not the same in every process: a process whose headers differ
+    would write its bytes at other offsets than process 0's headers say."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = np.stack(
+        [
+            _digest(dict(metadata or {})),
+            _digest([(f, h.hex(), n) for f, (h, n) in plan.shards.items()]),
+        ]
+    )
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    others = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+    if others:
+        meta = any(not np.array_equal(every[i][0], every[0][0]) for i in others)
+        what = "their `metadata=`" if meta else "the headers (names, shapes, dtypes)"
+        names = ", ".join(map(str, others))
+        raise ValueError(_DISAGREE.format(path=path, what=what, others=names))
 
 
 class Written(NamedTuple):
@@ -372,7 +432,9 @@ def write_folder(
     plan = plan_folder(tensors, max_shard_size, metadata)
     primary = jax.process_index() == 0
     written = 0
-    with atomic_dir(path, is_model_folder) as tmp:
+    _agreed(path, plan, metadata)
+    keep = lambda name: not _is_weights(name)  # noqa: E731
+    with atomic_dir(path, is_model_folder, keep) as tmp:
         if primary:
             tmp.mkdir()
             for file, (head, total) in plan.shards.items():
@@ -380,11 +442,7 @@ def write_folder(
                     f.write(head)
                     f.truncate(total)
         _barrier(f"bridge.save {path}: shards made")
-        with contextlib.ExitStack() as stack:
-            fds = {}
-            for file in plan.shards:
-                fds[file] = os.open(tmp / file, os.O_WRONLY | os.O_CLOEXEC)
-                stack.callback(os.close, fds[file])
+        with _Shards(tmp) as fds:
             for encode, leaves in layers:
                 for name, array in encode(leaves).items():
                     place = places.get(name)
@@ -397,10 +455,8 @@ def write_folder(
                     for index, block in _own_blocks(array):
                         if place is not None:
                             index = _inside(place, index, np.shape(array))
-                        written += write_block(fds[entry.file], entry, index, block)
+                        written += write_block(fds.fd(entry.file), entry, index, block)
                     del array
-            for fd in fds.values():
-                os.fsync(fd)
         _barrier(f"bridge.save {path}: shards written")
         if primary:
             files = dict(configs or {})
@@ -408,7 +464,6 @@ def write_folder(
                 files[INDEX] = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
             for file, text in files.items():
                 (tmp / file).write_text(text)
-            _carry(path, tmp, set(files))
     return Written(written, plan)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from .._paths import path_of
 from .._placement import place, sharding_of
 from .._tree import Tree
+from ._atomic import reachable
 from ._contents import Contents, dotted
 from ._errors import CheckpointError
 from ._format import format_named, format_of, formats, probing
@@ -61,7 +62,7 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     readable checkpoint (also a `FileNotFoundError` for a missing path and a
     `PermissionError` for one this user may not read).
     """
-    path = Path(path)
+    path = reachable(Path(path))  # a folder swap a killed save left half done
     if path.suffix in PICKLE_SUFFIXES:
         raise _pickle(path)
     if path.is_dir():  # a Hugging Face save_pretrained directory, or orbax

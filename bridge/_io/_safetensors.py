@@ -246,7 +246,7 @@ def _header(fd: int) -> tuple[dict[str, str], dict[str, Entry], int]:
 def metadata(path: Path, files: Files | None = None) -> Contents:
     """The `Contents` of the file at `path`, from its header (the file is held in
     `Contents.source` for `restore`: by `files`, when given, else by its own)."""
-    fd = open_regular(path, NAME)
+    fd = open_regular(path, NAME, dir_fd=None if files is None else files.directory)
     owner = files is None
     files = Files() if files is None else files
     try:

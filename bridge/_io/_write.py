@@ -13,6 +13,7 @@ import numpy as np
 
 from .._tree import Tree
 from . import _hf_folder
+from ._atomic import atomic_files
 from ._config import model_type
 from ._contents import Contents, Stored, is_key
 from ._format import format_of, formats
@@ -167,6 +168,11 @@ def save_layout(
         for k, v in state.items()
     )
     contents = Contents(path, fmt.name, None, "", None, (), user, tensors)
-    fmt.save_plain(path, contents, state, {**user, "format": "pt"})
-    if scheme is not None:
+    if scheme is None:
+        fmt.save_plain(path, contents, state, {**user, "format": "pt"})
+        return
+    # the weights and the config.json that describes them, replaced as one: the
+    # config first (a damaged config.json is refused before any byte is written)
+    with atomic_files([path, path.parent / "config.json"]):
         scheme.config(path.parent)
+        fmt.save_plain(path, contents, state, {**user, "format": "pt"})

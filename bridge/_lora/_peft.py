@@ -29,8 +29,8 @@ from safetensors.numpy import save_file
 from .._adapters._native import check_model, to_neutral
 from .._arguments import check_path, check_rules, check_str
 from .._io import _safetensors
-from .._io._atomic import atomic_dir
-from .._io._errors import unreadable
+from .._io._atomic import atomic_dir, reachable
+from .._io._errors import CheckpointError, unreadable
 from .._io._files import open_regular, read_at, size
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
@@ -170,11 +170,13 @@ def save_peft(
     Writes `adapter_model.safetensors` and `adapter_config.json`, which
     `peft.PeftModel.from_pretrained(torch_model, directory)` loads onto the PyTorch
     model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives.
-    The directory appears whole or not at all.
+    The directory appears whole or not at all; over an existing adapter, only the
+    adapter's own files are replaced (a README.md, tokenizer files are kept).
 
     **Arguments:**
 
-    - `directory`: the adapter directory to write (replaced if it holds an adapter).
+    - `directory`: the adapter directory to write (replaced if it holds an adapter
+      or nothing; refused if it holds other files only).
     - `model`: a model with adapters (`bridge.lora`, `bridge.load_peft`), in any
       form `bridge.lora` takes.
     - `rules`: the rules that paired a PyTorch model's layers with this model's on
@@ -268,7 +270,7 @@ def save_peft(
         raise ValueError(_CANNOT_SAVE.format(n=len(problems), problems=lines))
     config = _config(written)
     path = FilePath(directory)
-    with atomic_dir(path, lambda p: (p / CONFIG).exists()) as tmp:
+    with atomic_dir(path, _is_adapter, _not_the_adapters) as tmp:
         tmp.mkdir()
         save_file(
             {k: np.ascontiguousarray(v) for k, v in tensors.items()},
@@ -276,6 +278,51 @@ def save_peft(
             metadata={"format": "pt"},
         )
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+_ATTEMPTS = 5
+
+
+def _read_adapter(path: FilePath) -> tuple[Any, Any, FilePath]:
+    """The config and tensors of the adapter directory at `path` (or where a killed
+    save left it, `_atomic.reachable`), both of one version: read again while a save
+    swaps the directory between the two reads (the directory at `path` is another
+    one after the reads than before them)."""
+    for _ in range(_ATTEMPTS):
+        where = reachable(path)
+        before = _inode(where)
+        config = read_config(where / CONFIG)
+        tensors = read_tensors(where / WEIGHTS)
+        if _inode(where) == before:
+            return config, tensors, where
+    raise CheckpointError(
+        f"{path}: the adapter directory was replaced {_ATTEMPTS} times while it was "
+        "read (a save of the same directory is running): load it again once the "
+        "writer is done."
+    )
+
+
+def _inode(path: FilePath) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+_OWN = (WEIGHTS, CONFIG, "adapter_model.bin")  # the adapter's own files
+
+
+def _is_adapter(path: FilePath) -> bool:
+    """Whether `save_peft` may replace the directory: it holds an adapter, or
+    nothing."""
+    return (path / CONFIG).exists() or not any(path.iterdir())
+
+
+def _not_the_adapters(name: str) -> bool:
+    """The files of an adapter directory a new save keeps (README.md, tokenizer
+    files, ...): all but the adapter's own."""
+    return name not in _OWN
 
 
 def _fuse(
@@ -394,9 +441,7 @@ def load_peft(
     check_rules(rules)
     check_str(prefix, "prefix")
     split = check_split(split)
-    path = FilePath(directory)
-    config = read_config(path / CONFIG)
-    tensors = read_tensors(path / WEIGHTS)
+    config, tensors, path = _read_adapter(FilePath(directory))
     tree = to_neutral(like)
     frame = frame_of(framework(tree))
     problems = _unsupported_settings(config)

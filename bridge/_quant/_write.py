@@ -8,6 +8,7 @@ quantize="fp8-block")` stores every linear layer's weight (but the output head) 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._io._atomic import atomic_file
+from .._io._errors import CheckpointError
+from .._io._files import open_regular, read_whole, size
 from . import _fp8
 
 
@@ -28,6 +31,7 @@ CONFIG = {
     "weight_block_size": list(BLOCK),
     "modules_to_not_convert": None,
 }
+CONFIG_LIMIT = 100_000_000  # bytes: a config.json is a few KB
 _KEEP = ("lm_head",)  # the output head stays dense, as transformers keeps it
 
 
@@ -74,15 +78,47 @@ def quantized_state(
     return out
 
 
+_DAMAGED = """\
+{path}: the config.json beside the file is {reason}; a quantized save puts its \
+quantization_config into it and would have to drop the rest. Nothing was written. Fix \
+or remove {path} first."""
+
+
+def quantized_config(folder: Path) -> dict[str, Any]:
+    """`folder/config.json` (`{}` if missing) with the FP8 `quantization_config`,
+    read before anything is written: a damaged one is refused naming it."""
+    path = folder / "config.json"
+    config: Any = {}
+    if os.path.lexists(path):
+        fd = open_regular(path, "config.json")  # a FIFO, a device: refused, named
+        try:
+            if size(fd) > CONFIG_LIMIT:
+                raise CheckpointError(
+                    _DAMAGED.format(path=path, reason=f"over {CONFIG_LIMIT} bytes")
+                )
+            text = read_whole(fd, path, "config.json")
+        finally:
+            os.close(fd)
+        try:
+            config = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CheckpointError(
+                _DAMAGED.format(path=path, reason=f"not JSON ({reason[:200]})")
+            ) from None
+        if not isinstance(config, dict):
+            raise CheckpointError(
+                _DAMAGED.format(path=path, reason="not a JSON object")
+            )
+    config["quantization_config"] = dict(CONFIG)
+    return config
+
+
 def write_config(folder: Path) -> None:
     """Put the FP8 `quantization_config` into `folder/config.json` (created if
-    missing; its other keys kept), atomically."""
-    path = folder / "config.json"
-    config: dict[str, Any] = {}
-    if path.is_file():
-        loaded = json.loads(path.read_text())
-        if isinstance(loaded, dict):
-            config = loaded
-    config["quantization_config"] = dict(CONFIG)
-    with atomic_file(path) as tmp, open(tmp, "w") as f:
+    missing; its other keys kept), atomically (inside `_atomic.atomic_files`, as one
+    with the weights). The existing config.json is read, and refused if damaged,
+    before anything is written."""
+    config = quantized_config(folder)
+    with atomic_file(folder / "config.json") as tmp, open(tmp, "w") as f:
         json.dump(config, f, indent=2)

@@ -1,0 +1,163 @@
+"""No lost checkpoint: a save killed at any step of its writing leaves the old or the
+new checkpoint at its path, loadable, and the next save clears what it left.
+
+Every surface of `tests/corpus/writes.py` (one safetensors file, a sharded index, an
+orbax directory, a Hugging Face folder, a PEFT adapter, an FP8 file with its
+config.json) is saved once over an older version while `Steps` copies the directory
+before each change the save makes: each copy is what a `kill -9` at that moment
+leaves. A slow test kills real processes at random moments.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from .corpus import writes
+
+
+# orbax's saves take 0.3 s each, 40 of them a test: `nox -s tests_slow` runs those
+SLOW = pytest.mark.slow
+SURFACES = [
+    pytest.param(s, id=s.name, marks=[SLOW] if s.name == "orbax" else [])
+    for s in writes.SURFACES
+]
+
+
+def _names(directory):
+    """The names in `directory`, with a shard's name (`m-00001-of-00001.safetensors`
+    or, every other save, `m-00001-of-00001.b.safetensors`) as one name; failing on
+    a temporary left behind."""
+    names = sorted(
+        n.replace(".b.safetensors", ".safetensors") for n in os.listdir(directory)
+    )
+    assert not [n for n in names if "bridge-" in n], names
+    return names
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_a_kill_at_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, surface):
+    root, store = tmp_path / "root", tmp_path / "copies"
+    root.mkdir()
+    store.mkdir()
+    path = root / surface.target
+    surface.save(path, 1.0)
+    clean = _names(root)
+    with writes.recorded(root, store) as steps:
+        surface.save(path, 2.0)
+    assert surface.version(path) == 2.0
+    assert _names(root) == clean
+    assert len(steps.copies) > 2
+    seen = []
+    for copy, call in zip(steps.copies, steps.names, strict=True):
+        where = copy / surface.target
+        try:
+            seen.append(surface.version(where))
+        except Exception as e:  # noqa: BLE001  (the test names the step)
+            raise AssertionError(f"killed before {call}: {e!r}") from e
+        surface.save(where, 3.0)  # the next save clears what the killed one left
+        assert surface.version(where) == 3.0, call
+        assert _names(copy) == clean, call
+    assert seen[0] == 1.0 and seen[-1] == 2.0
+    assert set(seen) == {1.0, 2.0}
+
+
+_SAVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from corpus import writes
+surface = next(s for s in writes.SURFACES if s.name == sys.argv[1])
+path = Path(sys.argv[2])
+print("ready", flush=True)
+value = 2.0
+while True:
+    surface.save(path, value)
+    value = 5.0 - value   # 2, 3, 2, 3...
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("surface", SURFACES)
+def test_kill_9_at_random_moments_leaves_a_loadable_checkpoint(tmp_path, surface):
+    path = tmp_path / surface.target
+    surface.save(path, 1.0)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    rng = random.Random(0)
+    for _ in range(8):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(_SAVER.format(tests=tests)),
+                surface.name,
+                str(path),
+            ],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.stdout.close()
+        proc.wait()
+        assert surface.version(path) in (1.0, 2.0, 3.0)
+    surface.save(path, 1.0)
+    assert surface.version(path) == 1.0
+
+
+DIRECTORIES = [
+    p for p in SURFACES if p.id in ("orbax", "Hugging Face folder", "PEFT adapter")
+]
+
+
+@pytest.mark.parametrize("surface", DIRECTORIES)
+def test_without_an_atomic_exchange_a_killed_swap_leaves_the_old_directory_reachable(
+    tmp_path, surface, monkeypatch
+):
+    """Where the filesystem cannot exchange two directories, the old one is renamed
+    aside, then the new one in: killed between the two, the path is empty, and
+    `load` reads the old one aside; the next save puts it back first."""
+    monkeypatch.setattr(writes._atomic, "_exchange", lambda a, b: False)
+    test_a_kill_at_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, surface)
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_a_failure_at_every_step_keeps_the_old_checkpoint(tmp_path, surface):
+    """Each step of the save fails in turn (`OSError`, as a full or failing disk
+    raises): the save raises it, the old checkpoint is intact (or, for a failure
+    after the commit, the new one is whole), nothing is left behind, and the next
+    save works and leaves the directory as clean as before (a failure after the
+    commit may leave an old shard that no index names: the next save removes it)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    path = root / surface.target
+    surface.save(path, 1.0)
+    clean = _names(root)
+    with writes.Steps(root, None, fail_at=-1) as counter:
+        surface.save(path, 2.0)
+    surface.save(path, 1.0)
+    outcomes = []
+    for step in range(counter.count):
+        try:
+            with writes.failing(root, step):
+                surface.save(path, 2.0)
+        except OSError as e:
+            assert "injected" in str(e) or "injected" in str(e.__cause__), e
+            outcomes.append("raised")
+        else:
+            outcomes.append("saved")  # a step whose failure the save may ignore
+        value = surface.version(path)
+        assert value in (1.0, 2.0), step
+        _names(root)  # no temporary left behind
+        surface.save(path, 3.0 - value)  # and the next save clears what is left
+        assert surface.version(path) == 3.0 - value, step
+        assert _names(root) == clean, step
+        if value == 1.0:
+            surface.save(path, 1.0)
+    assert "raised" in outcomes
