@@ -31,6 +31,7 @@ from ._train._opt_state import port_opt_state as port_opt_state
 from ._train._step import TrainStep as TrainStep, make_step as make_step
 from ._train._trainable import trainable as trainable
 from ._tree import Tree as Tree, roles as roles
+from ._version import VERSION as _VERSION
 
 
-__version__ = "0.1.0"
+__version__ = _VERSION

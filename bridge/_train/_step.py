@@ -285,7 +285,10 @@ class TrainStep:
                 trained, flat.frozen, opt_state, rngs, *batch
             )
         except (RuntimeError, ValueError) as error:
-            if self._donate and "deleted" in str(error):
+            # XLA words a donated buffer passed again per backend ("Array has been
+            # deleted" on CPU, "Donation requested for invalid buffer" on TPU and
+            # GPU): ask the arrays themselves instead of reading the text
+            if self._donate:
                 _raise_if_consumed(trained, opt_state, error)
             raise
         frozen = flat.frozen
