@@ -36,6 +36,42 @@ from jax.extend.core import Literal
 from ._qarray import _DEQUANTIZE, QuantizedArray, Scheme, is_quantized
 
 
+def quantized_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with each matrix product against a weight kept quantized
+    (`bridge.load(..., keep_quantized=True)`) computed from the weight as stored: the
+    stored `(out, in)` values contracted on `in` in one product with the dequantize
+    (convert, scales) fused into it, no dense copy or transpose of the weight held.
+    Other uses of a kept weight see the dense weight, as `bridge.dequantize` gives
+    it. Use it inside your `jax.jit` in place of `bridge.dequantize(model)(x)`;
+    `bridge.make_step` does it by itself (its backward pass recomputes each dense
+    weight instead of keeping it).
+
+    **Arguments:**
+
+    - `fn`: a function of the model (any framework) and inputs, written for the dense
+      model: `fn(model, *inputs)`. Pass every traced value as an argument.
+
+    **Returns:**
+
+    A function of the same arguments. Its outputs equal `fn(bridge.dequantize(model),
+    *inputs)` within the rounding of the inputs' dtype (each product accumulates in
+    float32 and is rounded once).
+
+    **Example:**
+
+    ```python
+    >>> import jax, bridge
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> forward = jax.jit(bridge.quantized_matmuls(lambda m, x: m(x)))
+    >>> forward(model, jax.numpy.ones((1, 2))).shape
+    (1, 3)
+
+    ```
+    """
+    return stored_form(fn)
+
+
 def stored_form(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with each matrix product against a `QuantizedArray` among its arguments
     computed from the stored parts by `kept_matmul` (see the module's note).

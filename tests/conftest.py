@@ -39,6 +39,11 @@ jax.config.update(
 # accelerator machine this process holds the chip, and a second one cannot open it.
 # (JAX read JAX_PLATFORMS at its import above: this process keeps the accelerator.)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# (and the TPU runtime's warning at their `import jax` stays off their stderr)
+_quiet = "ignore:Transparent hugepages are not enabled:UserWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(
+    w for w in (os.environ.get("PYTHONWARNINGS"), _quiet) if w
+)
 if jax.default_backend() != "cpu":
     # The tests compare float32 results with the frameworks' own at a CPU's float32
     # accuracy; an accelerator multiplies float32 matrices in bfloat16 passes by

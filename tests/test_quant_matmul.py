@@ -81,6 +81,14 @@ def nnx_linear(q):
     return state, lambda state, x: nnx.merge(graph, state)(x)
 
 
+def nnx_module(q):  # the module itself, through the public name
+    layer = nnx.Linear(
+        IN, OUT, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    layer.kernel = nnx.Param(q)
+    return layer, lambda m, x: m(x)
+
+
 def eqx_linear(q):
     layer = eqx.nn.Linear(IN, OUT, key=jax.random.key(0), dtype=jnp.bfloat16)
     unmoved = QuantizedArray(q.parts, q.scheme._replace(layout=()))  # (out, in)
@@ -94,12 +102,14 @@ def close_in_bf16(a, b):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("build", [nnx_linear, eqx_linear], ids=["nnx", "equinox"])
+@pytest.mark.parametrize(
+    "build", [nnx_linear, nnx_module, eqx_linear], ids=["nnx", "nnx-module", "equinox"]
+)
 def test_products_read_the_stored_form_and_equal_the_dequantizing_path(kind, build):
     model, forward = build(KINDS[kind]())
     x = jnp.asarray(RNG.standard_normal((8, IN)), jnp.bfloat16)
     assert "custom_vjp_call" in str(jax.make_jaxpr(stored_form(forward))(model, x))
-    got = jax.jit(stored_form(forward))(model, x)
+    got = jax.jit(bridge.quantized_matmuls(forward))(model, x)
     want = jax.jit(lambda m, x: forward(dequantized(m), x))(model, x)
     assert got.shape == want.shape == (8, OUT) and got.dtype == want.dtype
     close_in_bf16(got, want)
