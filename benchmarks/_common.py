@@ -1,7 +1,9 @@
 """What the benchmarks share: interleaved timing and the process's memory figures.
 
-Not a benchmark itself (running it does nothing): `convert.py`, `step.py`, `port.py`,
-`hf_load.py`, `torch_load.py` and `quantized.py` import it from this folder.
+Not a benchmark itself (running it does nothing): the benchmarks of this folder
+import it. One copy of each: the memory sampler (`sampled`, `anonymous`), the peak
+resident set (`rss`, `reset_peak`), XLA's footprint of a compiled computation
+(`compiled_bytes`) and the backend the figures come from (`backend`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 
 T = TypeVar("T")
@@ -109,3 +111,26 @@ def sampled(run: Callable[[], T], interval: float = 0.001) -> Sampled[T]:
     done.set()
     sampler.join()
     return Sampled(result, seconds, max(peak, anonymous()) - before)
+
+
+def backend() -> str:
+    """Where JAX runs, for the tables: `"tpu (TPU v5 lite)"`, `"cpu (cpu)"`."""
+    import jax
+
+    device = jax.devices()[0]
+    return f"{device.platform} ({device.device_kind})"
+
+
+def compiled_bytes(lowered: Any) -> int:
+    """XLA's footprint of a lowered computation (`jax.jit(f).lower(...)`): arguments
+    + outputs + temporaries, donated arguments that outputs alias counted once, from
+    `compile().memory_analysis()`. On an accelerator a process's memory (RSS) does
+    not hold the arrays, and `memory_stats()["peak_bytes_in_use"]` counts buffers,
+    not a program's temporaries: this counts both, the same way on every backend."""
+    m = lowered.compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )

@@ -34,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
+from _common import sampled
 
 import bridge
 
@@ -130,35 +130,13 @@ def flax_load(path: Path) -> None:
     jax.block_until_ready(list(safetensors.flax.load_file(path).values()))
 
 
-def anonymous() -> int:
-    """This process's anonymous (non-file) resident memory, from /proc/self/status:
-    file pages mapped by a memory map are page cache, shared and reclaimable."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("RssAnon:"))
-    return int(line.split()[1]) * 1024
-
-
 def child(index: int, side: int, size_mb: int, directory: Path) -> None:
     """One operation in this fresh process; print its peak anonymous memory above
     the start, sampled every millisecond."""
     name = operations(None, directory)[index][0]
     variables = make_model(size_mb) if name == "save" else None
     run = operations(variables, directory)[index][1 + side]
-    before = peak = anonymous()
-    done = threading.Event()
-
-    def sample():
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, anonymous())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    run()
-    done.set()
-    sampler.join()
-    print(json.dumps({"extra": max(peak, anonymous()) - before}))
+    print(json.dumps({"extra": sampled(run).extra}))
 
 
 def peak_extra(index: int, side: int, size_mb: int, directory: Path) -> int:

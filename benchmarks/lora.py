@@ -11,7 +11,8 @@ median time of the next steps):
 - full: `bridge.make_step` training every weight (full fine-tuning), for its peak.
 
 Prints the medians and the ratios bridge/floor for peak RSS and step time (targets
-<= 1.1 each) and full/bridge for peak RSS.
+<= 1.1 each) and full/bridge for peak RSS, the backend, and XLA's footprint of each
+compiled step (`memory_analysis()`: on an accelerator RSS does not hold the arrays).
 
 Measured (shared 2-core CPU, loaded): peak RSS floor 868 MiB, bridge 869 MiB (1.002),
 full 1983 MiB (2.28x bridge); step time floor 6.75 s, bridge 5.68 s (0.84).
@@ -30,6 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _common import backend, compiled_bytes, reset_peak, rss
 from flax import nnx
 
 import bridge
@@ -73,6 +75,9 @@ def variant_step(variant, width):
             state["tree"], state["opt"], loss = step(state["tree"], state["opt"], x, y)
             jax.block_until_ready((loss, state["opt"]))
 
+        run.footprint = lambda: compiled_bytes(
+            step.lower(state["tree"], state["opt"], x, y)
+        )
         return run
     frozen = [(layer.kernel, layer.bias) for layer in tree.layers]
     adapters = [(layer.lora_a, layer.lora_b) for layer in tree.layers]
@@ -100,29 +105,25 @@ def variant_step(variant, width):
         state["ad"], state["opt"], value = step(state["ad"], state["opt"], frozen, x, y)
         jax.block_until_ready((value, state["opt"]))
 
+    run.footprint = lambda: compiled_bytes(
+        step.lower(state["ad"], state["opt"], frozen, x, y)
+    )
     return run
-
-
-def _peak_rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def child(variant, width):
     run = variant_step(variant, width)
     for _ in range(2):  # compile, warm up
         run()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    reset_peak()  # VmHWM: from the current RSS on
     times = []
     for _ in range(STEPS):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"peak": _peak_rss(), "time": statistics.median(times)}))
+    out = {"peak": rss("VmHWM"), "time": statistics.median(times)}
+    out.update(footprint=run.footprint(), backend=backend())
+    print(json.dumps(out))
 
 
 def main():
@@ -139,6 +140,7 @@ def main():
     print(f"model: {DEPTH} dense layers {width} wide, {size:.0f} MiB; rank {RANK}")
     peaks = {"floor": [], "bridge": [], "full": []}
     times = {"floor": [], "bridge": [], "full": []}
+    footprints = {}
     for _ in range(rounds):
         for variant in peaks:
             out = subprocess.run(
@@ -151,12 +153,15 @@ def main():
             result = json.loads(out.strip().splitlines()[-1])
             peaks[variant].append(result["peak"])
             times[variant].append(result["time"])
+            footprints[variant] = result["footprint"]  # the same each round
+    print(f"backend: {result['backend']}")
     peak = {k: statistics.median(v) for k, v in peaks.items()}
     time_ = {k: statistics.median(v) for k, v in times.items()}
     for k in peaks:
         print(
             f"{k:>6}: peak RSS {peak[k] / 2**20:8.0f} MiB, "
-            f"step {time_[k] * 1e3:8.1f} ms"
+            f"step {time_[k] * 1e3:8.1f} ms, XLA footprint "
+            f"{footprints[k] / 2**20:8.0f} MiB"
         )
     print(
         f"bridge/floor peak RSS: {peak['bridge'] / peak['floor']:.3f} (target <= 1.1)"
@@ -166,6 +171,8 @@ def main():
         f"{time_['bridge'] / time_['floor']:.3f} (target <= 1.1)"
     )
     print(f"full fine-tuning / LoRA peak RSS: {peak['full'] / peak['bridge']:.2f}")
+    ratio = footprints["bridge"] / footprints["floor"]
+    print(f"bridge/floor XLA footprint: {ratio:.3f} (what an accelerator holds)")
 
 
 if __name__ == "__main__":

@@ -25,16 +25,10 @@ import subprocess
 import sys
 import tempfile
 
+from _common import reset_peak, rss
+
 
 DEPTH = 8
-
-
-def _rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(mode, width, path):
@@ -79,11 +73,10 @@ def child(mode, width, path):
 
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
         target = nnx.merge(graphdef, jax.tree_util.tree_map(sharded, state))
-    before = _rss("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    before = rss("VmRSS")
+    reset_peak()  # VmHWM: from the current RSS on
     out = bridge.load(path, like=target)
-    peak = _rss("VmHWM")
+    peak = rss("VmHWM")
     want = jax.tree_util.tree_leaves(bridge.to_neutral(target))
     got = jax.tree_util.tree_leaves(bridge.to_neutral(out))
     placed = all(

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
-from _common import sampled
+from _common import backend, compiled_bytes, interleaved, sampled
 from flax import nnx
 
 import bridge
@@ -106,44 +106,53 @@ class Model(nnx.Module):
 
 
 MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+BATCHES = (8, 1024)
 
 
-def _compiled_bytes(lowered) -> int:
-    """Arguments + outputs + temporaries of a compiled computation (donated
-    arguments aliased by outputs counted once)."""
-    m = lowered.compile().memory_analysis()
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
-def keep_child(folder: Path, n: int) -> None:
-    """Forward and LoRA-step compiled bytes, dequantized then kept (one process)."""
+def keep_child(folder: Path, n: int, rounds: int) -> None:
+    """Forward (batch 8 and 1024) and LoRA-step compiled bytes and median times,
+    dequantized (a dense model) then kept (`bridge.quantized_matmuls`; the step
+    through `bridge.make_step`), interleaved, in this process."""
     import optax
 
     abstract = nnx.eval_shape(lambda: Model(n))
-    x = jnp.ones((8, n), DTYPE)
-    out = {}
+    out: dict = {"backend": backend()}
+    forwards, steps = {}, {}
     for keep in (False, True):
         model = bridge.load(folder, like=abstract, dtype=DTYPE, keep_quantized=keep)
-        forward = jax.jit(lambda m, x: bridge.dequantize(m)(x))
-        out[f"forward_{keep}"] = _compiled_bytes(forward.lower(model, x))
+        forward = jax.jit(bridge.quantized_matmuls(lambda m, x: m(x)))
+        for b in BATCHES:
+            x = jnp.ones((b, n), DTYPE)
+            out[f"forward{b}_{keep}"] = compiled_bytes(forward.lower(model, x))
+            forwards[f"forward{b}_{keep}"] = _runner(forward, model, x)
         adapted = bridge.lora(model, "layers", rank=8, key=jax.random.key(0))
         tree = bridge.to_neutral(adapted)
         spec = bridge.trainable(tree, "lora")
         step = bridge.make_step(
-            lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2), optax.adam(1e-3), spec
+            lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2),
+            optax.adam(1e-3),
+            spec,
+            donate=False,
         )
         opt_state = step.init(tree)
-        out[f"step_{keep}"] = _compiled_bytes(step.lower(tree, opt_state, x))
-        del model, adapted, tree, opt_state
+        x = jnp.ones((BATCHES[-1], n), DTYPE)
+        out[f"step_{keep}"] = compiled_bytes(step.lower(tree, opt_state, x))
+        steps[f"step_{keep}"] = _runner(step, tree, opt_state, x)
+    for fns in (forwards, steps):
+        for name, seconds in interleaved(fns, rounds, warmup=2).items():
+            out[name + "_s"] = seconds
     print(json.dumps(out))
 
 
-def keep_main(n: int) -> None:
+def _runner(fn, *args):
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+GOALS = {"forward8 time": 0.8, "forward1024 time": 1.2, "step memory": 0.6}
+GOALS["step time"] = 1.3
+
+
+def keep_main(n: int, rounds: int, as_json: bool) -> None:
     import os
 
     with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
@@ -152,10 +161,13 @@ def keep_main(n: int) -> None:
         _write(folder, n, True)
         runs = {}
         for name, flags in (("default", ""), ("memory", MEMORY_SCHEDULER)):
+            if name == "memory" and not runs["default"]["backend"].startswith("cpu"):
+                break  # XLA CPU's flag (this process opens no backend: a child does)
             env = dict(os.environ)
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
             done = subprocess.run(
                 [sys.executable, __file__, "--keep-child", str(folder), "--n", str(n)]
+                + ["--rounds", str(rounds)]
                 + (["--f32"] if DTYPE == jnp.float32 else []),
                 capture_output=True,
                 text=True,
@@ -165,17 +177,29 @@ def keep_main(n: int) -> None:
             runs[name] = json.loads(done.stdout.strip().splitlines()[-1])
     dense = LAYERS * n * n * jnp.dtype(DTYPE).itemsize
     print(
-        f"{LAYERS} Linear({n}, {n}) {jnp.dtype(DTYPE).name} "
-        f"({dense / 2**20:,.0f} MiB dense), FP8 "
-        "128x128 blocks; compiled bytes (arguments + outputs + temporaries), batch 8"
+        f"{runs['default']['backend']}: {LAYERS} Linear({n}, {n}) "
+        f"{jnp.dtype(DTYPE).name} ({dense / 2**20:,.0f} MiB dense), FP8 128x128 "
+        f"blocks; XLA's footprint (arguments + outputs + temporaries) and median "
+        f"time of {rounds} interleaved rounds; LoRA rank 8, adam, batch {BATCHES[-1]}"
     )
+    measures = []
     for name, r in runs.items():
-        for what in ("forward", "step"):
+        for what in [f"forward{b}" for b in BATCHES] + ["step"]:
             d, k = r[f"{what}_False"], r[f"{what}_True"]
+            ds, ks = r[f"{what}_False_s"], r[f"{what}_True_s"]
             print(
-                f"{name:7s} scheduler {what:7s} dequantized {d / 2**20:8,.1f} MiB  "
-                f"kept {k / 2**20:8,.1f} MiB  kept/dequantized {k / d:4.2f}"
+                f"{name:7s} scheduler {what:11s} dense {d / 2**20:8,.1f} MiB "
+                f"{ds * 1e3:8.2f} ms  kept {k / 2**20:8,.1f} MiB {ks * 1e3:8.2f} ms  "
+                f"kept/dense memory {k / d:4.2f} time {ks / ds:4.2f}"
             )
+            for kind, ratio in (("memory", k / d), ("time", ks / ds)):
+                goal = GOALS.get(f"{what} {kind}")
+                if name == "default" and goal is not None:
+                    measure = f"kept/dense {what} {kind}"
+                    measures.append({"measure": measure, "now": ratio, "goal": goal})
+    if as_json:
+        report = {"benchmark": "quantized", "platform": runs["default"]["backend"]}
+        print(json.dumps({**report, "measures": measures}))
 
 
 def child(folder: Path, n: int) -> None:
@@ -210,6 +234,7 @@ def main() -> None:
         "--keep", action="store_true", help="forward/step memory, keep_quantized"
     )
     parser.add_argument("--f32", action="store_true", help="--keep: a float32 model")
+    parser.add_argument("--json", action="store_true", help="--keep: a JSON line")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--keep-child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -218,10 +243,11 @@ def main() -> None:
         child(Path(args.child), args.n)
         return
     if args.keep_child is not None:
-        keep_child(Path(args.keep_child), args.n)
+        keep_child(Path(args.keep_child), args.n, args.rounds)
         return
     if args.keep:
-        keep_main(width(args.size_mb or (16 if args.quick else 256)))
+        size = args.size_mb or (16 if args.quick else 256)
+        keep_main(width(size), args.rounds, args.json)
         return
     n = width(args.size_mb or (64 if args.quick else 1024))
     target = LAYERS * n * n * 2

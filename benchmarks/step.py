@@ -23,7 +23,8 @@ Two more cases, each against its own floor:
   variant in its own subprocess (alternating, 3 each) for the steady peak RSS (VmHWM,
   reset after 2 warm-up steps), then both in this process, interleaved, for the
   median step time; bridge (donating, the default) vs a `jax.jit` step with
-  `donate_argnums` (targets <= 1.05 both).
+  `donate_argnums` (targets <= 1.05 both), and XLA's footprint of each compiled step
+  (`memory_analysis()`: what an accelerator holds, where RSS does not show it).
 
     python benchmarks/step.py [--quick]
 """
@@ -40,7 +41,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from _common import interleaved, reset_peak, rss
+from _common import backend, compiled_bytes, interleaved, reset_peak, rss
 from flax import nnx
 
 import bridge
@@ -249,6 +250,8 @@ def memory_variant(variant, width):
             jax.block_until_ready((opt_state, value))
             state[:] = [tree, opt_state]
 
+        run.footprint = lambda: compiled_bytes(step.lower(*state, x, y))
+
     else:
         layers = [(layer.kernel[...], layer.bias[...]) for layer in model.layers]
         frozen, train = layers[:top], layers[top:]
@@ -273,6 +276,10 @@ def memory_variant(variant, width):
             train, opt_state, value = floor(state[0], frozen, state[1], x, y)
             jax.block_until_ready((opt_state, value))
             state[:] = [train, opt_state]
+
+        run.footprint = lambda: compiled_bytes(
+            floor.lower(state[0], frozen, state[1], x, y)
+        )
 
     return run
 
@@ -332,6 +339,7 @@ def main():
         "eqx": eqx_variant(x, y),
     }
     median = interleaved(variants, rounds, per_round, warmup=3)
+    print(f"backend: {backend()}")
     print(
         f"one step, top {DEPTH - TOP} of {DEPTH} layers x {WIDTH}, batch {BATCH}, adam"
     )
@@ -352,18 +360,25 @@ def main():
 
     width = 1024 if args.quick else 4096  # 32 MiB or 512 MiB of float32 weights
     mib = MEMORY_DEPTH * width * (width + 1) * 4 / 2**20
-    peaks, _ = memory_case(width, 1 if args.quick else 3)
+    # RSS peaks in a process each, on the CPU only (an accelerator holds the arrays
+    # in its own memory, and this process holds the accelerator)
+    cpu = jax.default_backend() == "cpu"
+    peaks = memory_case(width, 1 if args.quick else 3)[0] if cpu else None
     # the time, interleaved in this process (the peaks need a process each)
     variants = {v: memory_variant(v, width) for v in ("floor", "bridge")}
     times = interleaved(variants, 2 if args.quick else 8, warmup=3)
     print(f"\nmemory: NNX MLP of {mib:.0f} MiB, top half trained (adam), donated")
-    for name in peaks:
-        print(
-            f"{name:<8}peak RSS {peaks[name] / 2**20:8.0f} MiB "
-            f"({peaks[name] / 2**20 / mib:4.2f}x the model)  "
-            f"step {times[name] * 1e3:8.1f}ms"
-        )
-    print(f"bridge/floor peak RSS {peaks['bridge'] / peaks['floor']:6.3f}   (<= 1.05)")
+    for name in variants:
+        held = f"peak RSS {peaks[name] / 2**20:8.0f} MiB " if peaks else ""
+        held += f"({peaks[name] / 2**20 / mib:4.2f}x the model)  " if peaks else ""
+        print(f"{name:<8}{held}step {times[name] * 1e3:8.1f}ms")
+    footprint = {name: variants[name].footprint() for name in variants}
+    for name, nbytes in footprint.items():
+        print(f"{name:<8}XLA footprint {nbytes / 2**20:8.0f} MiB (compiled step)")
+    print(f"bridge/floor footprint {footprint['bridge'] / footprint['floor']:6.3f}")
+    if peaks:
+        ratio = peaks["bridge"] / peaks["floor"]
+        print(f"bridge/floor peak RSS {ratio:6.3f}   (<= 1.05)")
     print(f"bridge/floor step     {times['bridge'] / times['floor']:6.3f}   (<= 1.05)")
 
 

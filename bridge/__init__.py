@@ -26,11 +26,13 @@ from ._port._errors import PortError as PortError, PortWarning as PortWarning
 from ._port._plan import Plan as Plan, port_plan as port_plan
 from ._port._port import port as port
 from ._qarray import QuantizedArray as QuantizedArray
+from ._qmatmul import quantized_matmuls as quantized_matmuls
 from ._quant._keep import dequantize as dequantize
 from ._train._opt_state import port_opt_state as port_opt_state
 from ._train._step import TrainStep as TrainStep, make_step as make_step
 from ._train._trainable import trainable as trainable
 from ._tree import Tree as Tree, roles as roles
+from ._version import VERSION as _VERSION
 
 
-__version__ = "0.1.0"
+__version__ = _VERSION

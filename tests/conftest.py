@@ -35,6 +35,20 @@ jax.config.update(
     "jax_persistent_cache_min_entry_size_bytes",
     int(_env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
 )
+# The processes the tests start (the CLI, pasted pages) run on the CPU: on an
+# accelerator machine this process holds the chip, and a second one cannot open it.
+# (JAX read JAX_PLATFORMS at its import above: this process keeps the accelerator.)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# (and the TPU runtime's warning at their `import jax` stays off their stderr)
+_quiet = "ignore:Transparent hugepages are not enabled:UserWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(
+    w for w in (os.environ.get("PYTHONWARNINGS"), _quiet) if w
+)
+if jax.default_backend() != "cpu":
+    # The tests compare float32 results with the frameworks' own at a CPU's float32
+    # accuracy; an accelerator multiplies float32 matrices in bfloat16 passes by
+    # default (about 3 digits), "highest" gives about 7.
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -122,6 +122,23 @@ def skip_unless(*features: str) -> None:
         pytest.skip(reason)
 
 
+def needs_devices(n: int) -> pytest.MarkDecorator:
+    """A mark that skips the test unless the default backend has `n` devices: a mesh
+    of `jax.devices()`. (On an accelerator machine that is its chips; the eight CPU
+    devices of tests/conftest.py are then `jax.devices("cpu")`.)"""
+    count = jax.device_count()
+    reason = f"needs {n} {jax.default_backend()} devices, jax.device_count() is {count}"
+    return pytest.mark.skipif(count < n, reason=reason)
+
+
+# Properties of host memory (a read that becomes the JAX array without a copy): an
+# accelerator's arrays are in its own memory
+on_the_cpu = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason=f"about host memory: the default backend is {jax.default_backend()}",
+)
+
+
 def installed(package: str) -> tuple[int, ...]:
     """The installed version of `package`, as numbers: `(0, 12, 8)`."""
     version = importlib.metadata.version(package)

@@ -195,6 +195,7 @@ ROWS = [
 EXEMPT = {
     ("compare", "inputs"): "passed to both models as they are",
     ("compare", "call_kwargs"): "passed to both models as they are",
+    ("quantized_matmuls", "fn"): "a function, traced as it is",
     # arguments that landed at the session's cut-off; rows to come (issue #22 item 13)
     ("load", "prefix"): "no row yet",
     ("load", "rules"): "no row yet",

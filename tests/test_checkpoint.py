@@ -20,7 +20,7 @@ from bridge._io import _contents, _model, _safetensors
 from bridge._tree import kind
 
 from . import models
-from .helpers import requires
+from .helpers import needs_devices, requires
 
 
 FORMATS = ["model.safetensors", "model_dir"]
@@ -253,6 +253,7 @@ def sharded_model():
     return model, mesh
 
 
+@needs_devices(8)
 @requires("NNX")
 def test_orbax_keeps_sharding(tmp_path):
     model, mesh = sharded_model()
@@ -262,6 +263,7 @@ def test_orbax_keeps_sharding(tmp_path):
     np.testing.assert_array_equal(tree.kernel, model.kernel[...])
 
 
+@needs_devices(8)
 @requires("NNX")
 @pytest.mark.parametrize("name", FORMATS)
 def test_load_takes_the_sharding_of_like(tmp_path, name):

@@ -118,6 +118,8 @@ def test_flax_to_equinox_loads_directly(framework, architecture, tmp_path, monke
 
 @requires("eqx.nn.BatchNorm(mode=...)")
 def test_subprocess_nnx_cnn_from_orbax_batch_norm_ema(tmp_path, monkeypatch):
+    if jax.default_backend() != "cpu":  # the command runs on the CPU (conftest)
+        pytest.skip("orbax refuses a checkpoint saved on another topology")
     source, saved = _source("nnx", "cnn")
     bridge.save(tmp_path / "src", saved)  # an orbax directory
     dst = tmp_path / "e.safetensors"

@@ -23,7 +23,7 @@ from bridge._io._read import open_checkpoint
 from bridge._lazy import LazyArray, ReadAhead, read_early
 from bridge._port import _port
 
-from .helpers import check_collector_paused, requires
+from .helpers import check_collector_paused, on_the_cpu, requires
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
 
 
@@ -241,6 +241,7 @@ def test_a_msgpack_file_rewritten_while_read_is_an_error(tmp_path, monkeypatch):
 # --- the memory reads go into (bridge/_buffers.py) ------------------------------------
 
 
+@on_the_cpu
 def test_a_weight_read_becomes_the_jax_array_with_no_copy(tmp_path):
     path = tmp_path / "w.safetensors"
     safetensors.numpy.save_file({"w": np.arange(600_000, dtype=np.float32)}, path)
@@ -262,6 +263,7 @@ def test_the_callers_array_is_copied_once_never_shared():
     assert strided.shape == (1000, 600) and float(strided[0, 0]) == -1.0
 
 
+@on_the_cpu
 def test_a_pool_buffer_is_reused_only_once_its_arrays_are_gone():
     pool = _buffers.Pool()
     n = pool.least * 2

@@ -24,7 +24,7 @@ import bridge
 from bridge._io import _hf_folder
 from bridge._io._hf_folder import plan_folder, runs, shard_size
 
-from .helpers import requires
+from .helpers import needs_devices, requires
 from .hf_common import node
 
 
@@ -128,6 +128,7 @@ def test_folder_holds_every_array_in_shards_with_index_and_config(tmp_path):
     assert np.array_equal(back.layers[3].kernel[...], model.layers[3].kernel[...])
 
 
+@needs_devices(8)
 def test_sharded_arrays_are_written_shard_by_shard(tmp_path):
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     model = MLP(width=16, depth=2)
@@ -285,6 +286,7 @@ def MoE():
     return node(mlp=node(gate=router, experts=experts(nnx.Rngs(0))))
 
 
+@needs_devices(8)
 def test_packed_experts_from_sharded_stacks(tmp_path):
     model = MoE()
     plain = tmp_path / "plain"

@@ -14,6 +14,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from bridge._io import _read
 from bridge._port._ranges import converted_by_ranges
 
+from .helpers import needs_devices
+
+
+pytestmark = needs_devices(8)  # every test cuts a layer over an 8-device mesh
+
 
 @pytest.fixture
 def spanning(monkeypatch):

@@ -14,7 +14,8 @@ The package is layered; a module imports only modules of its own layer or below:
     1  _tree      the neutral Tree
     0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
        quantized), _families (model families' names), _gc (the collector paused),
-       _uses (what a traced forward pass tells about each parameter)
+       _uses (what a traced forward pass tells about each parameter), _version,
+       _qmatmul (products with kept weights, as stored)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -59,6 +60,8 @@ LAYERS = {
     "bridge._families": 0,
     "bridge._gc": 0,
     "bridge._uses": 0,
+    "bridge._version": 0,
+    "bridge._qmatmul": 0,
 }
 FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
 ADAPTERS = {

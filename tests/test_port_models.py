@@ -11,7 +11,7 @@ import pytest
 import bridge
 
 from . import models
-from .helpers import requires
+from .helpers import needs_devices, requires
 
 
 FRAMEWORKS = ("linen", "nnx", "equinox")
@@ -127,6 +127,7 @@ def test_training_continues_in_equinox_as_in_flax(mode):
     )
 
 
+@needs_devices(8)
 @requires("NNX")
 def test_ported_arrays_take_the_target_sharding():
     from flax import nnx

@@ -22,7 +22,7 @@ import bridge
 from bridge._quant import _fp8
 
 from . import quant_llama as ql
-from .helpers import requires, skip_unless
+from .helpers import needs_devices, requires, skip_unless
 
 
 C = ql.Config(dim=128, hidden=256, layers=1, heads=2, kv_heads=1)
@@ -522,6 +522,7 @@ def test_a_stack_is_not_kept(tmp_path):
     assert dense["params"]["ScanBlock_0"]["Dense_1"]["kernel"].shape == (3, 128, 256)
 
 
+@needs_devices(2)
 def test_a_sharded_like_is_refused(fp8):
     """Kept weights go to the default device: a `like` sharded over several devices
     is refused (its shardings would be lost), not loaded unsharded."""

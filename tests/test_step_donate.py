@@ -62,3 +62,29 @@ def test_a_consumed_tree_or_state_says_to_use_the_returned_one():
         RuntimeError, match=r"(?s)This `opt_state` was consumed.*donate=F"
     ):
         step(new, state, models.mlp_input(), TARGET)
+
+
+@pytest.mark.parametrize(
+    "xla_says",
+    ids=["cpu", "tpu-gpu", "pjrt"],
+    argvalues=[
+        "Array has been deleted with shape=float32[4,1].",  # CPU
+        "INVALID_ARGUMENT: Donation requested for invalid buffer",  # TPU, GPU
+        "Invalid buffer passed to Execute() as argument 3: Buffer has been deleted "
+        "or donated.",  # PJRT's other wording
+    ],
+)
+def test_a_consumed_state_reads_the_same_whatever_xla_says(monkeypatch, xla_says):
+    tree = fresh(bridge.from_nnx(models.nnx_mlp()))
+    step = head_step(tree)
+    state = step.init(tree)
+    new, _, _ = step(tree, state, models.mlp_input(), TARGET)
+
+    def xla_refuses(*args):
+        raise RuntimeError(xla_says)
+
+    ((key, layout),) = step._layouts.items()
+    monkeypatch.setitem(step._layouts, key, layout._replace(jit=xla_refuses))
+    with pytest.raises(RuntimeError, match=r"(?s)This `opt_state` was consumed") as e:
+        step(fresh(new), state, models.mlp_input(), TARGET)  # (the layout looked up)
+    assert str(e.value.__cause__) == xla_says

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import bridge
 
-from .helpers import requires, tree_allclose
+from .helpers import needs_devices, requires, tree_allclose
 
 
 DEVICES, STEPS = 4, 3
@@ -66,6 +66,7 @@ def replicate(tree):
 # slow (pmap compiles the step for every device: about a minute on 2 shared cores);
 # test_shard_map_agrees_with_the_single_device_step runs the same data-parallel step
 # against the same single-device oracle by default
+@needs_devices(DEVICES)
 @pytest.mark.slow
 def test_pmap_replicas_agree_with_the_single_device_step():
     tree, step = setup("batch")
@@ -94,6 +95,7 @@ def test_pmap_replicas_agree_with_the_single_device_step():
     assert not np.array_equal(kernel[0], kernel[1])
 
 
+@needs_devices(DEVICES)
 @requires("jax.shard_map")
 def test_shard_map_agrees_with_the_single_device_step():
     tree, step = setup("batch")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -23,12 +22,9 @@ import jax.numpy as jnp
 
 from .._adapters._registry import plain_reader
 from .._paths import MAX_DEPTH, Path as TreePath
+from .._version import VERSION
 
 
-try:
-    VERSION = importlib.metadata.version("bridge")
-except importlib.metadata.PackageNotFoundError:  # run from a source tree
-    VERSION = "unknown"
 RESERVED = (
     "bridge_version",
     "framework",

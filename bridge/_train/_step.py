@@ -16,7 +16,8 @@ from jax.core import Tracer
 from .._adapters._native import forward
 from .._arguments import check_bool, check_callable, check_hashable
 from .._paths import Path, path_of, path_str
-from .._qarray import dequantized, quantized_positions
+from .._qarray import quantized_positions
+from .._qmatmul import stored_form
 from .._tree import Tree, leaf_roles
 
 
@@ -285,7 +286,10 @@ class TrainStep:
                 trained, flat.frozen, opt_state, rngs, *batch
             )
         except (RuntimeError, ValueError) as error:
-            if self._donate and "deleted" in str(error):
+            # XLA words a donated buffer passed again per backend ("Array has been
+            # deleted" on CPU, "Donation requested for invalid buffer" on TPU and
+            # GPU): ask the arrays themselves instead of reading the text
+            if self._donate:
                 _raise_if_consumed(trained, opt_state, error)
             raise
         frozen = flat.frozen
@@ -470,8 +474,11 @@ def _forward(
     """Run `loss_fn` on the native model; return its output and, by leaf position,
     the new values of the non-`params` leaves that the forward pass wrote. Weights
     kept quantized (`bridge._qarray.QuantizedArray`) are dequantized here, inside
-    the compiled step: `loss_fn` sees the dense model."""
-    out, after = forward(dequantized(tree), loss_fn, batch, rngs)
+    the compiled step: `loss_fn` sees the dense model, and its matrix products with
+    them read them as stored (`bridge._qmatmul`: the backward pass recomputes each
+    dense weight instead of keeping it)."""
+    run = stored_form(lambda t, b, r: forward(t, loss_fn, b, r))
+    out, after = run(tree, batch, rngs)
     if after is None:
         return out, {}
     new = {path_of(p): leaf for p, leaf in jtu.tree_flatten_with_path(after)[0]}
