@@ -760,6 +760,9 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         module, renamed = built.module, built.keys
     if not is_module(module):
         return None
+    channels = getattr(getattr(module, "config", None), "num_channels", None)
+    inputs = tuple(_channel_first(x, channels) for x in inputs)
+    kwargs = {k: _channel_first(x, channels) for k, x in kwargs.items()}
     uses = _torch_trace.trace_module(module, inputs, kwargs)
     held = set(record.names)
     names = {}
@@ -771,6 +774,20 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         if own in held and (own == file or own in record.stripped):
             names[name] = own
     return _torch_trace.rekeyed(uses, names, _split_name)
+
+
+def _channel_first(x: Any, channels: Any) -> Any:
+    """An image batch given channel-last, as a Flax model takes it `(N, H, W, C)`,
+    moved to PyTorch's `(N, C, H, W)` for a Hugging Face model whose configuration
+    says `C` (`num_channels`); anything else as it is."""
+    shape = getattr(x, "shape", ())
+    if not isinstance(channels, int) or len(shape) != 4:
+        return x
+    if shape[-1] != channels or shape[1] == channels:
+        return x
+    if not hasattr(x, "__array__"):  # a jax.ShapeDtypeStruct: shape only
+        return type(x)((shape[0], shape[3], shape[1], shape[2]), x.dtype)
+    return np.moveaxis(np.asarray(x), -1, 1)
 
 
 def with_config(tree: Tree, config: Any) -> Tree:
