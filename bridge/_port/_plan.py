@@ -212,15 +212,16 @@ def _span(first: str, last: str) -> str:
 
 
 def _transform(source: Codec, target: Codec, s: Layer, t: Layer) -> str:
-    if source.layout == target.layout:
-        return "copy"
-    return f"{_applied(source, s) or 'Flax'} -> {_applied(target, t) or 'Flax'}"
+    a, b = _applied(source, s), _applied(target, t)
+    return "copy" if a == b else f"{a or 'Flax'} -> {b or 'Flax'}"
 
 
 def _applied(codec: Codec, layer: Layer) -> str:
     """The layout a codec applies to this layer: of a layout that names two (a
     PyTorch dense weight: `nn.Linear`'s or Hugging Face's `Conv1D`), the one the
-    layer's settings choose."""
+    layer's settings choose; a Flax kernel the forward pass reads `(out, in)`."""
+    if layer.hyper.get("out_in"):
+        return "kernel (out,in)"
     choices = codec.layout.split(" or ")
     if len(choices) == 2 and "conv1d" in layer.hyper:
         conv1d = [c for c in choices if "Conv1D" in c]

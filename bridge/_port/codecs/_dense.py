@@ -117,7 +117,6 @@ DENSE_LINEN = register_codec(
         _linen_dense,
         _linen_decode,
         _linen_encode,
-        layout="kernel (in,out), or (out,in) as FlaxConv1D",
         names=("Dense",),
         defaults=_DEFAULTS,
     )
