@@ -129,7 +129,8 @@ def test_cli_refuses_recorded_classes_no_codec_knows(tmp_path, capsys):
     bridge.save(src, GemmaBlock(nnx.Rngs(0)))
     assert main(["convert", str(src), str(dst), "--to-layout", "equinox"]) == 1
     err = capsys.readouterr().err
-    assert ".pre_norm (GemmaNorm) holds ['scale'] but no codec recognises it" in err
+    # its __call__ computes x * (1 + scale): a Gemma norm, with no Equinox layer
+    assert ".pre_norm (GemmaRMSNorm) has no Equinox counterpart" in err
     assert ".proj (Einsum) holds ['kernel']" in err
     assert ".out" not in err
     assert not dst.exists()
