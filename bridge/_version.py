@@ -2,4 +2,4 @@
 that checkpoints record (also when bridge runs from a source tree that pip did not
 install) and the wheel's version (pyproject.toml reads it from here)."""
 
-__version__ = VERSION = "0.1.0"  # (hatch reads `__version__`)
+__version__ = VERSION = "0.4.0"  # (hatch reads `__version__`)

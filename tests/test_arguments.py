@@ -77,6 +77,7 @@ ROWS = [
     Row("load", "example", 5, TypeError),
     Row("load", "example_kwargs", 5, TypeError),
     Row("load", "keep_quantized", "yes", TypeError),
+    Row("load", "report", "yes", TypeError),
     Row("dequantize", "model", 5, TypeError),
     Row("lora", "model", 5, TypeError),
     Row("lora", "where", 5, TypeError),
@@ -129,6 +130,7 @@ ROWS = [
     Row("port", "check_kwargs", ({}, 5), TypeError),
     Row("port", "example", 5, TypeError),
     Row("port", "example_kwargs", 5, TypeError),
+    Row("port", "report", "yes", TypeError),
     Row("port_plan", "example", "x", TypeError),
     Row("port_plan", "example_kwargs", ({}, 5), TypeError),
     Row("port_opt_state", "opt_state", 5, ValueError),  # a state of another shape
@@ -208,8 +210,8 @@ EXEMPT = {
 def public_functions() -> dict[str, Any]:
     return {
         name: value
-        for name, value in vars(bridge).items()
-        if not name.startswith("_") and inspect.isfunction(value)
+        for name in bridge.__all__  # imported on first use: vars(bridge) may lack them
+        if inspect.isfunction(value := getattr(bridge, name))
     }
 
 

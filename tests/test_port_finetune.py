@@ -47,16 +47,22 @@ def test_a_new_head_is_refused_by_default_with_the_fix():
 
 @requires("NNX")
 @pytest.mark.parametrize("framework", ["nnx", "equinox"])
-def test_strict_false_keeps_the_new_head_and_reports_it(framework):
+def test_strict_false_keeps_the_new_head_and_reports_it(framework, caplog):
     source = Source(nnx.Rngs(0))
     target = Target(nnx.Rngs(1)) if framework == "nnx" else EqxTarget(jax.random.key(1))
     before = bridge.from_nnx(target) if framework == "nnx" else target
-    with pytest.warns(bridge.PortWarning, match=r"keep their own values") as said:
-        out = bridge.port(source, target, strict=False)
-    message = str(said[0].message)
-    assert ".head -> .classifier (Dense): bias (10,) in the source, (5,) in the " in (
-        message
-    )
+    with caplog.at_level("WARNING", logger="bridge"):
+        out, report = bridge.port(source, target, strict=False, report=True)
+    name = type(target).__name__
+    assert caplog.text.count("Some weights") == 1
+    assert (
+        f"Some weights of {name} were not initialized from the source (Source) and "
+        "keep their values because the shapes did not match:\n- .head -> "
+        ".classifier (Dense): bias (10,) in the source, (5,) in the target"
+    ) in caplog.text
+    assert "You should probably TRAIN this model." in caplog.text
+    assert report.mismatched == bridge.port_plan(source, target).mismatched
+    assert not report.complete and str(report) in caplog.text
     new, old = bridge.to_neutral(out), bridge.to_neutral(before)
     np.testing.assert_array_equal(new.classifier.bias, old.classifier.bias)
     kernel = new.body.kernel if framework == "nnx" else new.body.weight.T
@@ -168,9 +174,15 @@ def test_load_strict_false_keeps_the_new_head_and_logs_it(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"missing \.classifier\.bias"):
         bridge.load(path, like=target)
     with caplog.at_level("WARNING", logger="bridge"):
-        with pytest.warns(bridge.PortWarning):
-            out = bridge.load(path, like=target, strict=False)
+        out, report = bridge.load(path, like=target, strict=False, report=True)
     assert "because the shapes did not match:\n- .head -> .classifier" in caplog.text
+    assert f"from the checkpoint at {path} and keep" in caplog.text
+    assert caplog.text.count("Some weights") == 1  # once, not a warning as well
+    ported = bridge.port(Source(nnx.Rngs(0)), target, strict=False, report=True)[1]
+    assert report.mismatched == ported.mismatched  # one code path
+    assert str(report) == str(ported).replace(
+        "the source (Source)", f"the checkpoint at {path}"
+    )
     np.testing.assert_array_equal(
         out.classifier.kernel[...], target.classifier.kernel[...]
     )
@@ -207,3 +219,42 @@ def test_load_with_a_prefix(tmp_path, layout):
     np.testing.assert_array_equal(
         again.layers[0].q.kernel[...], out.layers[0].q.kernel[...]
     )
+
+
+@requires("NNX")
+def test_port_reports_missing_and_unexpected_layers(caplog):
+    """A source with an extra layer into a target with a layer of its own: both
+    named in from_pretrained's words, and returned."""
+    source, target = Source(nnx.Rngs(0)), Target(nnx.Rngs(1))
+    rules = {r"\.head": None}
+    with caplog.at_level("INFO", logger="bridge"):
+        out, report = bridge.port(
+            source, target, rules=rules, strict=False, report=True
+        )
+    assert report.missing == (".classifier",) and report.dropped == (".head",)
+    assert report.unexpected == () and report.mismatched == ()
+    assert (
+        "Some weights of Target were not initialized from the source (Source) and "
+        "keep their values: ['.classifier']\nYou should probably TRAIN this model."
+    ) in caplog.text
+    assert "Left out by rules: ['.head']" in caplog.text
+
+    class Body(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(4, 8, rngs=rngs)
+
+    _, report = bridge.port(target, Body(nnx.Rngs(2)), strict=False, report=True)
+    assert report.unexpected == (".classifier",)
+    assert (
+        "Some weights of the source (Target) were not used when initializing "
+        in str(report)
+    )
+
+
+@requires("NNX")
+def test_a_complete_port_reports_nothing(caplog):
+    with caplog.at_level("WARNING", logger="bridge"):
+        out, report = bridge.port(Source(nnx.Rngs(0)), Source(nnx.Rngs(1)), report=True)
+    assert report.complete and caplog.text == ""
+    assert str(report) == "Source was filled entirely from the source (Source)."
+    assert bridge.port(Source(nnx.Rngs(0)), Source(nnx.Rngs(1))).__class__ is Source

@@ -18,7 +18,6 @@ its file kind through its `Format` record (`_format.py`).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +43,7 @@ from .._gc import paused
 from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
 from .._port._port import port_and_plan
+from .._port._report import Report, name, report as made_report
 from .._tree import framework
 from . import (  # noqa: F401  (they register formats)
     _msgpack,
@@ -76,9 +76,11 @@ arrays were paired with `like`'s layers by bridge.port)"""
 _MISMATCH = """\
 {path} does not fit the model given as `like`:
 {problems}
-A file of `like`'s own framework fills it only with exactly its arrays (the same paths,
-shapes and dtypes). To see what the file holds, run `bridge inspect` on it, or load it
-without `like`."""
+A file of `like`'s own framework fills it as it is only with exactly its arrays (the
+same paths, shapes and dtypes). To fine-tune a changed model (a new head, layers added
+or removed), pass strict=False: the layers that fit are filled, the others keep
+`like`'s values and are reported; for other dtypes, pass dtype=. To see what the file
+holds, run `bridge inspect` on it, or load it without `like`."""
 
 
 def save(
@@ -249,42 +251,6 @@ def _path(path: Any) -> Path:
     return Path(path)
 
 
-_LOG = logging.getLogger("bridge")
-
-
-def _report(plan: Any, path: Path, like: Any) -> None:
-    """Log what a non-strict load left as it was, as Hugging Face's
-    `from_pretrained` does."""
-    name = type(like).__name__
-    if plan.unexpected:
-        _LOG.warning(
-            "Some weights of the checkpoint at %s were not used when initializing "
-            "%s: %s",
-            path,
-            name,
-            list(plan.unexpected),
-        )
-    if plan.missing:
-        _LOG.warning(
-            "Some weights of %s were not initialized from the checkpoint at %s and "
-            "keep their values: %s\nYou should probably TRAIN this model.",
-            name,
-            path,
-            list(plan.missing),
-        )
-    if plan.mismatched:
-        _LOG.warning(
-            "Some weights of %s were not initialized from the checkpoint at %s and "
-            "keep their values because the shapes did not match:\n- %s\nYou should "
-            "probably TRAIN this model.",
-            name,
-            path,
-            "\n- ".join(plan.mismatched),
-        )
-    if plan.dropped:
-        _LOG.info("Left out by rules: %s", list(plan.dropped))
-
-
 def load(
     path: str | os.PathLike,
     like: Any = None,
@@ -297,6 +263,7 @@ def load(
     example: Any = None,
     example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
     keep_quantized: bool = False,
+    report: bool = False,
 ) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
@@ -333,8 +300,12 @@ def load(
       ignore_mismatched_sizes=True)`: `like`'s layers the file does not fill, and
       layers whose shapes differ (a new head), keep `like`'s values; the file's
       layers that go nowhere are left out; all of them are logged as a warning
-      (logger `"bridge"`) in the form Hugging Face uses. With `True` (the default),
-      each is an error.
+      (logger `"bridge"`) in the form Hugging Face uses, as `bridge.port` logs
+      them. With `True` (the default), each is an error.
+    - `report`: with `True` (and `like`), return `(model, bridge.Report)`: what
+      the load left as it was (`missing`, `unexpected`, `mismatched` layers), as
+      Hugging Face's `output_loading_info=True` (with `opt_state_like`: `(the
+      named tuple below, report)`).
     - `example`, `example_kwargs`: with `like`, when the file is ported: example
       inputs of `like` (batched, as `bridge.compare` takes them) and keyword
       arguments, as `bridge.port` takes them. `like`'s forward pass is traced
@@ -412,6 +383,9 @@ def load(
             opt_state_like=opt_state_like,
         )
     )
+    check_bool(report, "report")
+    if report and like is None:
+        raise TypeError("`report` needs `like`: it says what the load left of it.")
     with paused():
         if like is not None:
             request = request._replace(target=to_neutral(placeholders(like)))
@@ -429,14 +403,24 @@ def load(
             saved = None
             if opt_state_like is not None:
                 saved = _training.read_state(everything, training)
-        # 4. what a non-strict port left, reported; the optimizer state ported
-        if filled.plan is not None:
-            _report(filled.plan, contents.path, like)
-        if saved is None:
-            return filled.model
-        # a plug-in that fills `like` its own way refuses `opt_state_like` (`check`)
-        assert filled.source is not None
-        return _training.restore(saved, filled.source, filled.model, opt_state_like)
+        # 4. what a non-strict port left, reported (and returned with `report`);
+        # the optimizer state ported
+        told = _told(filled.plan, contents.path, like)
+        model = filled.model
+        if saved is not None:
+            # a plug-in that fills `like` its own way refuses `opt_state_like`
+            assert filled.source is not None
+            model = _training.restore(saved, filled.source, model, opt_state_like)
+        return (model, told) if report else model
+
+
+def _told(plan: Any, path: Path, like: Any) -> Report:
+    """What a load left of `like` (logged as `bridge.port` logs it); `plan`: its
+    port's, or None for a file read straight into `like`."""
+    where = f"the checkpoint at {path}"
+    if plan is None:
+        return Report(source=where, target=name(like))
+    return made_report(plan, where, like)
 
 
 def _checked(request: Request) -> Request:

@@ -64,10 +64,6 @@ SHAPE = (
     "pass strict=False to keep the target's values for it (fine-tuning a new head, "
     "as Hugging Face's ignore_mismatched_sizes=True)."
 )
-MISMATCHED = (
-    "shapes differ, so these target layers keep their own values (strict=False; "
-    "train them):\n    {layers}"
-)
 PREFIX = (
     "prefix: {n} of the {total} target layers that names did not pair are source "
     "layers under {prefix!r}: strip it with bridge.load(path, like=model, "

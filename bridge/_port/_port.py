@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +28,7 @@ from ._codec import filled
 from ._compare import largest_difference, outputs, tolerance
 from ._plan import Plan, PlanRow, make_plan
 from ._ranges import converted_by_ranges
+from ._report import name, report as made_report, warn
 from ._trace import Example
 
 
@@ -47,6 +47,7 @@ def port(
     example_kwargs: Mapping[str, Any]
     | tuple[Mapping[str, Any], Mapping[str, Any]]
     | None = None,
+    report: bool = False,
 ) -> Any:
     """Fill `target`'s structure with `source`'s weights, whatever their frameworks.
 
@@ -83,8 +84,11 @@ def port(
     - `strict`: with `False`, as Hugging Face's `from_pretrained` with
       `ignore_mismatched_sizes=True`: missing and unexpected layers are listed in the
       plan instead of raising; paired layers whose shapes differ (a new head of
-      another size) keep the target's values, listed in `Plan.mismatched` and in a
-      `PortWarning`; arrays whose dtype differs from the target's are cast to it with
+      another size) keep the target's values, listed in `Plan.mismatched`. What
+      was left as it was is logged (logger `"bridge"`, WARNING) in the words of
+      Hugging Face's `from_pretrained` ("Some weights of ... were not used ...
+      You should probably TRAIN this model"), and returned with `report=True`;
+      arrays whose dtype differs from the target's are cast to it with
       a `PortWarning` listing them (with `True`, the default, each is an error).
       Ambiguities and unsupported layers always raise.
     - `dtype`: the dtype every ported floating-point array is cast to (bfloat16,
@@ -104,6 +108,9 @@ def port(
       `nnx.jit`, `eval_shape` and files cannot change. Default: the `check` inputs.
     - `example_kwargs`: keyword arguments for both traced calls, or a pair
       `(source's, target's)`. Default: `check_kwargs`.
+    - `report`: with `True`, return `(filled target, bridge.Report)`: the target's
+      layers left unfilled, the source's unused, the mismatched, as Hugging Face's
+      `output_loading_info=True` returns them.
 
     **Returns:**
 
@@ -141,7 +148,8 @@ def port(
     check_pair_or_mapping(check_kwargs, "check_kwargs")
     check_inputs(example, "example")
     check_pair_or_mapping(example_kwargs, "example_kwargs")
-    ported, _ = port_and_plan(
+    check_bool(report, "report")
+    ported, plan = port_and_plan(
         source,
         target,
         rules,
@@ -151,9 +159,9 @@ def port(
         check_kwargs,
         example,
         example_kwargs,
-        stacklevel=3,
     )
-    return ported
+    told = made_report(plan, f"the source ({name(source)})", target)
+    return (ported, told) if report else ported
 
 
 def port_and_plan(
@@ -166,7 +174,6 @@ def port_and_plan(
     check_kwargs: Any = None,
     example: Any = None,
     example_kwargs: Any = None,
-    stacklevel: int = 2,
     target_tree: Tree | None = None,
 ) -> tuple[Any, Plan]:
     """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
@@ -184,15 +191,8 @@ def port_and_plan(
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
-    said = list(plan.warnings)
-    if plan.mismatched:
-        said.append(_errors.MISMATCHED.format(layers="\n    ".join(plan.mismatched)))
-    if said:
-        warnings.warn(
-            "Port warnings:\n  " + "\n  ".join(said),
-            _errors.PortWarning,
-            stacklevel=stacklevel,
-        )
+    if plan.warnings:  # the mismatched layers: in the report (`bridge.Report`)
+        warn("Port warnings:\n  " + "\n  ".join(plan.warnings), _errors.PortWarning)
     ported = like(target, tree)
     if adapters:
         ported = _carry.join(adapters, plan.steps, ported)
