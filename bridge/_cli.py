@@ -14,33 +14,33 @@ import threading
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    SpinnerColumn,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from ._demo import demo
-from ._io import _training
-from ._io._contents import Contents, Malformed, decode, encode
-from ._io._format import format_named, format_of, formats
-from ._io._hf_folder import write_arrays
-from ._io._read import open_checkpoint, read
-from ._io._reference import check as check_reference, reference_of
-from ._io._relayout import BATCH_NORM_MODES, LAYOUTS, model_only, relayout
-from ._io._write import write
-from ._lora._summary import lora_summary
-from ._quant._read import quantization_summary
+from ._version import VERSION
 
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ._io._contents import Contents
+
+
+# the formats' one-line summaries (`Format.summary`), here so that `--help` answers
+# without importing JAX; tests/test_cli.py checks them against the registry
+FORMATS = (
+    "*.gguf: a llama.cpp GGUF file, read only, each tensor dequantized when its layer "
+    "is converted; *.msgpack: a flax msgpack file of Linen variables ({role: {module: "
+    "...}}); any other path: an orbax checkpoint directory (shardings kept); "
+    "*.safetensors: one safetensors file (roles in its metadata), read lazily; "
+    "*.safetensors.index.json: a sharded Hugging Face checkpoint, read shard by shard "
+    "(written as one shard)"
+)
+# bridge._io._relayout's, here for the same reason (checked by tests/test_cli.py)
+LAYOUTS = ("flax", "equinox", "torch")
+BATCH_NORM_MODES = ("batch", "ema")
 
 _DESCRIPTION = """\
 Inspect and convert checkpoints of Flax (Linen, NNX) and Equinox models and
@@ -65,6 +65,9 @@ refused by --to-layout unless --weights-only leaves its training state out."""
 
 
 def _formats() -> str:
+    """The registered formats' summaries (imports JAX): what `FORMATS` says."""
+    from ._io._format import formats
+
     return "; ".join(fmt.summary for fmt in formats())
 
 
@@ -160,6 +163,8 @@ def _natural(name: str) -> tuple:
 def _shards(contents: Contents) -> dict[str, str]:
     """`{array name: shard file name}` for a checkpoint of several files (its
     format's `Format.files`), else empty."""
+    from ._io._format import format_named
+
     files = format_named(contents.format).files
     return {} if files is None else dict(files(contents))
 
@@ -190,6 +195,8 @@ def rows(contents: Contents, where: str | None = None) -> list[dict[str, Any]]:
 def inspect_table(contents: Contents, where: str | None = None) -> tuple[Table, str]:
     """The arrays of a checkpoint as a rich table (the first 1,000), and the line of
     totals (of all those shown)."""
+    from rich.table import Table
+
     found = rows(contents, where)
     sharded = any("shard" in r for r in found)
     table = Table()
@@ -242,6 +249,11 @@ def _totals(found: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _inspect(args: argparse.Namespace, console: Console) -> None:
+    from ._io import _training
+    from ._io._read import open_checkpoint
+    from ._lora._summary import lora_summary
+    from ._quant._read import quantization_summary
+
     with open_checkpoint(args.path) as contents:
         # the header is all inspect shows, and a quantized weight's dense shape
         quantized = quantization_summary(contents)
@@ -296,6 +308,15 @@ class _Slow:
     phase that counts its bytes) and the time taken."""
 
     def __init__(self, console: Console):
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            SpinnerColumn,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
@@ -338,8 +359,30 @@ class _Slow:
 
 
 _NOT_A_FORMAT = """\
-{dst}: bridge writes no {suffix} files (a pickle or another library's format): end the
-name with {suffixes}, or give a name without a suffix for an orbax directory."""
+{dst}: bridge writes no {suffix} files ({what}). It writes {writable}, and an orbax
+directory for a name without a suffix (a Hugging Face folder with --to-layout torch)."""
+_READ_ONLY = """\
+{dst}: bridge reads {name} files ({suffix}) but writes none. It writes {writable}, and
+an orbax directory for a name without a suffix (a Hugging Face folder with --to-layout
+torch)."""
+_WHAT = {
+    ".bin": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
+    ".pt": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
+    ".pth": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
+    ".ckpt": "a pickle: bridge neither writes nor unpickles pickles",
+    ".pkl": "a pickle: bridge neither writes nor unpickles pickles",
+    ".pickle": "a pickle: bridge neither writes nor unpickles pickles",
+    ".json": "JSON holds no arrays; a sharded checkpoint's index is "
+    "*.safetensors.index.json",
+}
+_EXISTS = (
+    "{dst} exists: pass --overwrite to replace it (nothing was written; the "
+    "replacement is atomic, the old one stays until the new one is complete)"
+)
+_ONTO_SOURCE = (
+    "{dst} would replace the checkpoint being read ({src}), even with --overwrite: "
+    "write to another path, then move it"
+)
 
 _NEEDS_LAYOUT = (
     "{flags} {verb} nothing without --to-layout (they choose how layers are "
@@ -366,7 +409,10 @@ def _check_demo(args: argparse.Namespace, usage: argparse.ArgumentParser) -> Non
 
 
 def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
-    """Refuse, before any work, what convert would ignore or write wrongly."""
+    """Refuse, before any work, what convert would ignore, write wrongly or destroy
+    (an existing file without --overwrite, its own source ever)."""
+    from ._io._format import format_of, formats
+
     flags = [f for f, v in (("--rename", args.rename),) if v]
     flags += ["--batch-norm-mode"] if args.batch_norm_mode else []
     if flags and not args.to_layout:
@@ -386,20 +432,34 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
     given = [f for f, v in folder if v is not None]
     if given and (args.to_layout != "torch" or fmt.suffixes):
         usage.error(_FOLDER_ONLY.format(flags=" and ".join(given)))
+    writable = [x for f in formats() if f.dtypes != frozenset() for x in f.suffixes]
+    writable = ", ".join(writable[:-1]) + " or " + writable[-1] + " files"
+    if fmt.suffixes and fmt.dtypes == frozenset():  # stores no dtype: read only
+        suffix = " or ".join(fmt.suffixes)
+        text = _READ_ONLY.format(
+            dst=dst, name=fmt.name, suffix=suffix, writable=writable
+        )
+        raise ValueError(text)
     if not fmt.suffixes and dst.suffix and not dst.is_dir():
+        what = _WHAT.get(dst.suffix.lower(), "not a checkpoint format bridge knows")
         raise ValueError(
             _NOT_A_FORMAT.format(
-                dst=dst,
-                suffix=dst.suffix,
-                suffixes=" or ".join(x for f in formats() for x in f.suffixes),
+                dst=dst, suffix=dst.suffix, what=what, writable=writable
             )
         )
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"{dst.parent}: no such directory to write {dst.name}")
+    src = Path(args.src).resolve()
+    if dst.resolve() == src or dst.resolve() in src.parents:
+        raise ValueError(_ONTO_SOURCE.format(dst=dst, src=args.src))
+    if dst.exists() and not args.overwrite:
+        raise FileExistsError(_EXISTS.format(dst=dst))
 
 
 def _check_names(dst: Path, contents: Contents) -> None:
     """The names `contents` would be written under are names `load` reads back."""
+    from ._io._contents import Malformed, decode, encode
+
     shapes = {s.key: (s.shape, s.dtype) for s in contents.tensors}
     try:
         decode(dst, contents.format, encode(contents), shapes)
@@ -408,6 +468,13 @@ def _check_names(dst: Path, contents: Contents) -> None:
 
 
 def _convert(args: argparse.Namespace, console: Console) -> None:
+    from ._io._format import format_of
+    from ._io._hf_folder import write_arrays
+    from ._io._read import open_checkpoint, read
+    from ._io._reference import check as check_reference, reference_of
+    from ._io._relayout import model_only, relayout
+    from ._io._write import write
+
     dst = Path(args.dst)
     with _Slow(Console(stderr=True)) as slow:
         with open_checkpoint(args.src) as contents:
@@ -458,6 +525,8 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> None:
+    from ._demo import demo
+
     demo(steps=args.steps, console=console, out=args.out)
 
 
@@ -482,8 +551,8 @@ def _directory(text: str) -> Path:
 
 def parser() -> argparse.ArgumentParser:
     """The command line parser of `bridge`."""
-    top = _Parser(prog="bridge", description=_DESCRIPTION.format(formats=_formats()))
-    top.add_argument("--version", action="version", version=f"bridge {__version__}")
+    top = _Parser(prog="bridge", description=_DESCRIPTION.format(formats=FORMATS))
+    top.add_argument("--version", action="version", version=f"bridge {VERSION}")
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
         "inspect",
@@ -491,7 +560,7 @@ def parser() -> argparse.ArgumentParser:
         description="List a checkpoint's arrays (path, role, shape, dtype, size), the "
         "totals, and the metadata saved with it.",
     )
-    p.add_argument("path", help="a checkpoint: " + _formats())
+    p.add_argument("path", help="a checkpoint: " + FORMATS)
     p.add_argument(
         "--filter",
         metavar="REGEX",
@@ -508,10 +577,20 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="convert between safetensors, msgpack and orbax",
-        description=_CONVERT_HELP.format(formats=_formats()),
+        description=_CONVERT_HELP.format(formats=FORMATS),
     )
     p.add_argument("src", help="the checkpoint to read")
-    p.add_argument("dst", help="the checkpoint to write")
+    p.add_argument(
+        "dst",
+        help="the checkpoint to write; an existing one is replaced only with "
+        "--overwrite, and never the checkpoint being read",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it exists (atomically: the old one stays until the new "
+        "one is complete)",
+    )
     p.add_argument(
         "--to-layout",
         choices=LAYOUTS,
@@ -587,10 +666,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `bridge` command; returns the exit code (errors: one line on stderr,
-    exit code 1)."""
+    """Run the `bridge` command; returns the exit code (errors on stderr, exit code
+    1: one line, or a line and one line per problem). The arguments are parsed
+    before JAX is imported: `--help`, `--version` and usage errors answer at once."""
     top = parser()
     args = top.parse_args(argv)
+    from . import _load  # now JAX: every adapter, codec and format registered
+
+    _load()
     # piped (not a terminal): lines as long as they are, so `| grep` sees each whole
     console = Console(highlight=False)
     if not console.is_terminal:
@@ -602,10 +685,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (OSError, ValueError, TypeError, re.error) as error:  # PortError too
-        message = printable(" ".join(_prose(error).split())).plain
-        print(f"bridge {args.command}: error: {message}", file=sys.stderr)
+        print(f"bridge {args.command}: error: {_lines(error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _lines(error: BaseException) -> str:
+    """An error's message for the terminal: its control characters escaped, its
+    text's line breaks joined, but one line per problem of a list (`- ...`) and
+    for what follows the list."""
+    out: list[str] = []
+    listed = False
+    for line in _prose(error).splitlines():
+        item = line.lstrip().startswith("- ")
+        if not line.strip():
+            continue
+        if not out or item or (listed and not line[0].isspace()):
+            out.append(" ".join(line.split()))
+            listed = listed or item
+        else:
+            out[-1] += " " + " ".join(line.split())
+    return "\n".join(printable(line).plain for line in out)
 
 
 def _prose(error: BaseException) -> str:

@@ -162,8 +162,114 @@ def test_errors(tmp_path, capsys, make, message):
 def test_convert_refuses_to_replace_a_directory(tmp_path, cnn_file, capsys):
     (tmp_path / "photos").mkdir()
     assert main(["convert", str(cnn_file), str(tmp_path / "photos")]) == 1
+    assert "photos exists: pass --overwrite" in capsys.readouterr().err
+    photos = str(tmp_path / "photos")
+    assert main(["convert", str(cnn_file), photos, "--overwrite"]) == 1
     assert "is not a checkpoint directory" in capsys.readouterr().err
     assert os.path.isdir(tmp_path / "photos")
+
+
+@pytest.mark.parametrize("out", ["other.safetensors", "other.msgpack", "orbax"])
+def test_convert_never_replaces_a_checkpoint_without_overwrite(
+    tmp_path, cnn_file, capsys, out
+):
+    """An existing DST is replaced only with --overwrite (issue #40, item 6)."""
+    dst = tmp_path / out
+    assert main(["convert", str(cnn_file), str(dst)]) == 0
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in [dst, *dst.rglob("*")])
+    capsys.readouterr()
+    assert main(["convert", str(cnn_file), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert f"{dst} exists: pass --overwrite to replace it" in err
+    assert err.count("\n") == 1
+    after = sorted((p.name, p.stat().st_mtime_ns) for p in [dst, *dst.rglob("*")])
+    assert after == before  # untouched
+    assert main(["convert", str(cnn_file), str(dst), "--overwrite"]) == 0
+
+
+def test_convert_never_writes_onto_its_own_source(tmp_path, cnn_file, capsys):
+    data = cnn_file.read_bytes()
+    for flags in ([], ["--overwrite"]):
+        assert main(["convert", str(cnn_file), str(cnn_file), *flags]) == 1
+        err = capsys.readouterr().err
+        assert "would replace the checkpoint being read" in err
+        assert cnn_file.read_bytes() == data
+    folder = tmp_path / "folder"
+    assert main(["convert", str(cnn_file), str(folder)]) == 0
+    inner = folder / "again.safetensors"
+    assert main(["convert", str(inner), str(folder), "--overwrite"]) == 1
+    assert "would replace the checkpoint being read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("out.gguf", ["reads gguf files (.gguf) but writes none", ".safetensors"]),
+        ("out.json", ["no .json files (JSON holds no arrays", ".safetensors.index"]),
+        ("model.bin", ["no .bin files (a PyTorch pickle", "orbax directory"]),
+    ],
+)
+def test_suffix_errors_say_what_is_writable(tmp_path, cnn_file, capsys, name, words):
+    assert main(["convert", str(cnn_file), str(tmp_path / name)]) == 1
+    err = capsys.readouterr().err
+    for word in [*words, "It writes .msgpack, .safetensors or"]:
+        assert word in err, err
+    assert "a pickle or another library" not in err and "cannot store" not in err
+    assert not (tmp_path / name).exists()
+
+
+def test_a_rename_that_matches_part_of_a_path_shows_the_capturing_form(
+    tmp_path, capsys
+):
+    from safetensors.numpy import save_file
+
+    names = [f"model.layers.{i}.q_proj.weight" for i in range(2)]
+    src = tmp_path / "m.safetensors"
+    save_file({n: np.ones((3, 3), "f4") for n in names}, src, metadata={"format": "pt"})
+    dst = str(tmp_path / "eqx.safetensors")
+    rename = ["--rename", r"model\.layers\.(\d+)=blocks.\1", "--rename", "x=y"]
+    assert main(["convert", str(src), dst, "--to-layout", "equinox", *rename]) == 1
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 3, err  # the header, then one line per problem
+    assert "must match a layer's whole dotted path (re.fullmatch)" in lines[1]
+    fix = r"model\.layers\.(\d+)(.*)=blocks.\1\2"
+    assert f"capture the rest and put it back, '{fix}'" in lines[1]
+    assert lines[2].startswith("- rename 'x=y': matches no layer")
+    assert (
+        main(["convert", str(src), dst, "--to-layout", "equinox", "--rename", fix]) == 0
+    )
+    assert bridge.load(dst).blocks[1].q_proj.weight.shape == (3, 3)
+
+
+def test_the_static_help_texts_are_the_registry_s():
+    """--help answers without JAX, from copies of what the registries say."""
+    from bridge import _cli
+    from bridge._io import _relayout
+
+    assert _cli.FORMATS == _cli._formats()
+    assert _cli.LAYOUTS == _relayout.LAYOUTS
+    assert _cli.BATCH_NORM_MODES == _relayout.BATCH_NORM_MODES
+
+
+def test_arguments_are_parsed_before_jax_is_imported():
+    code = (
+        "import sys\n"
+        "from bridge._cli import main\n"
+        "typo = ['convert', 'a', 'b', '--to_layout']\n"
+        "for argv in (['--help'], ['--version'], typo):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print([m for m in ('jax', 'flax', 'equinox', 'numpy') if m in sys.modules])"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    assert "did you mean --to-layout" in done.stderr
 
 
 @pytest.mark.parametrize("command", [[], ["inspect"], ["convert"], ["demo"]])

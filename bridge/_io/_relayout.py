@@ -80,7 +80,29 @@ the other framework, load this file there directly, weights and optimizer state
 ported together: bridge.load(path, like=model, opt_state_like=tx.init(...)). To
 convert the weights alone, leaving the training state out, pass --weights-only
 (`weights_only=True`)."""
-_RENAME_UNUSED = "rename {rule!r}: matches no layer (layers: {layers})"
+_RENAME_UNUSED = (
+    "rename '{rule}': matches no layer. A rename's PATTERN must match a layer's "
+    "whole dotted path (re.fullmatch){hint}. The layers: {layers}"
+)
+_RENAME_PART = (
+    "; it matches the start of '{name}': capture the rest and put it back, '{fix}'"
+)
+
+
+def _unused(rule: str, pattern: re.Pattern, replacement: str, names: list[str]) -> str:
+    """The problem of a rename that fully matches no layer path: what it should
+    match, and the capturing form when it matches the start of one."""
+    hint = ""
+    for name in names:
+        if pattern.match(name):
+            rest = pattern.groups + 1
+            fix = f"{pattern.pattern}(.*)={replacement}\\{rest}"
+            hint = _RENAME_PART.format(name=name, fix=fix)
+            break
+    shown = names[:8] + ([f"... {len(names)} in all"] if len(names) > 8 else [])
+    return _RENAME_UNUSED.format(rule=rule, hint=hint, layers=", ".join(shown))
+
+
 _RENAME_CLASH = "rename: {sources} would all be called {target!r}"
 
 
@@ -375,10 +397,10 @@ def _renamed(paths: list[Path], rename: Sequence[str], problems: list[str]):
                     problems.append(f"rename {rule!r}: bad PATH: {error}")
                 break
         out.append(parse(name) if name else ())  # "": the root
-    for rule, _, _ in rules:
+    for rule, pattern, replacement in rules:
         if rule not in used:
-            layers = [dotted(p) for p in paths]
-            problems.append(_RENAME_UNUSED.format(rule=rule, layers=layers))
+            names = [dotted(p) for p in paths]
+            problems.append(_unused(rule, pattern, replacement, names))
     by_target: dict[Path, list[str]] = {}
     for old, new in zip(paths, out):
         by_target.setdefault(new, []).append(dotted(old))
