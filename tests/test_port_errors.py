@@ -296,3 +296,25 @@ def test_register_codec_refuses_fields_that_are_not_functions(field):
         bridge.register_codec(codec)
     with pytest.raises(KeyError, match="No codec of kind 'NotAFunction'"):
         bridge.unregister_codec("NotAFunction")  # nothing was registered
+
+
+def test_dtype_problems_of_one_kind_are_one_line_with_a_count_and_the_fix():
+    """A bfloat16 checkpoint into a float32 model: one problem for all its arrays
+    (issue #40, item 4), not one identical line per array."""
+    source = eqx.nn.MLP(2, 2, 4, 3, dtype=jnp.bfloat16, key=KEY(0))
+    target = eqx.nn.MLP(2, 2, 4, 3, key=KEY(1))
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(source, target)
+    assert len(error.value.problems) == 1
+    (line,) = error.value.problems
+    assert line.startswith(
+        "dtype: 8 arrays are bfloat16 in the source, the target expects float32 ("
+    )
+    assert " and 5 more). Pass dtype=jnp.float32 to cast them on the way" in line
+    assert str(error.value).count("\n") == 2  # header, the problem, the pointer
+    ported = bridge.port(source, target, dtype=jnp.float32)
+    assert ported.layers[0].weight.dtype == jnp.float32
+    one = eqx.nn.Linear(2, 3, use_bias=False, dtype=jnp.float16, key=KEY(2))
+    with pytest.raises(bridge.PortError, match=r"dtype: \(root\) -> \(root\)"):
+        # one array: its problem as it was
+        bridge.port(one, eqx.nn.Linear(2, 3, use_bias=False, key=KEY(3)))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import string
+from typing import Any
+
 
 class PortError(ValueError):
     """Raised by `bridge.port` and `bridge.port_plan`, once, listing every problem.
@@ -11,10 +15,12 @@ class PortError(ValueError):
     - `problems`: a list of strings, one per problem, each naming the path(s), what was
       expected and what was found: missing and unexpected layers, shape and dtype
       mismatches, ambiguous pairings, unsupported layer kinds, rules that do not apply.
+      Arrays of one dtype where the target holds another (a bfloat16 folder into a
+      float32 model) are one problem, with their count.
     """
 
     def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+        self.problems = grouped(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(_HEADER.format(n=len(self.problems), problems=lines))
 
@@ -81,6 +87,59 @@ DTYPE = (
     "model first, e.g. jax.tree_util.tree_map(lambda x: x.astype(jnp.{expected}), "
     "tree)."
 )
+DTYPES = (
+    "dtype: {n} arrays are {actual} in the source, the target expects {expected} "
+    "({some}). Pass dtype=jnp.{expected} to cast them on the way "
+    "(bridge.load(path, like=model, dtype=jnp.{expected}), bridge.port(source, "
+    "target, dtype=jnp.{expected})), or strict=False to cast to the target's dtypes."
+)
+
+
+def _template(text: str) -> re.Pattern:
+    """A regex matching what `text.format(...)` makes, its fields as named groups
+    (a field used twice must be equal both times)."""
+    out, seen = "", set()
+    for literal, field, _, _ in string.Formatter().parse(text):
+        out += re.escape(literal)
+        if field is not None:
+            out += f"(?P={field})" if field in seen else f"(?P<{field}>.*?)"
+            seen.add(field)
+    return re.compile(out, re.DOTALL)
+
+
+_DTYPE = _template(DTYPE)
+
+
+def grouped(problems: list[str]) -> list[str]:
+    """`problems`, with the dtype problems of one kind (the same dtype in the
+    source, the same expected) as one problem counting them, where the first was."""
+    kinds: dict[tuple[str, str], list[tuple[str, re.Match]]] = {}
+    out: list[Any] = []
+    for problem in problems:
+        match = _DTYPE.fullmatch(problem)
+        if match is None:
+            out.append(problem)
+            continue
+        key = (match["actual"], match["expected"])
+        if key not in kinds:
+            kinds[key] = []
+            out.append(key)
+        kinds[key].append((problem, match))
+    return [item if isinstance(item, str) else _one(kinds[item]) for item in out]
+
+
+def _one(kind: list[tuple[str, re.Match]]) -> str:
+    """The dtype problems of one kind as one."""
+    if len(kind) == 1:
+        return kind[0][0]
+    where = [f"{m['source']}: {m['entry']}" for _, m in kind[:3]]
+    some = ", ".join(where) + (f" and {len(kind) - 3} more" if len(kind) > 3 else "")
+    match = kind[0][1]
+    return DTYPES.format(
+        n=len(kind), actual=match["actual"], expected=match["expected"], some=some
+    )
+
+
 CAST = "dtypes differ, cast to the target's (pass dtype= to choose):\n    {casts}"
 HIDDEN_WRAPPER = (
     "the {side}'s arrays {loose} are in no layer bridge knows. If they belong to a "
