@@ -171,8 +171,11 @@ def test_load_strict_false_keeps_the_new_head_and_logs_it(tmp_path, caplog):
     path = tmp_path / "source.safetensors"
     bridge.save(path, Source(nnx.Rngs(0)))
     target = Target(nnx.Rngs(1))
-    with pytest.raises(ValueError, match=r"missing \.classifier\.bias"):
+    with pytest.raises(ValueError, match=r"missing \.classifier\.bias") as error:
         bridge.load(path, like=target)
+    assert "(a new head, layers added or removed), pass strict=False" in " ".join(
+        str(error.value).split()
+    )
     with caplog.at_level("WARNING", logger="bridge"):
         out, report = bridge.load(path, like=target, strict=False, report=True)
     assert "because the shapes did not match:\n- .head -> .classifier" in caplog.text
