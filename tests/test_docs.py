@@ -23,18 +23,34 @@ DOCS = ROOT / "docs"
 
 
 def public_names() -> list[str]:
-    """The names `bridge/__init__.py` re-exports (`from ._x import name as name`) and
-    any listed in its `__all__`."""
+    """The names `bridge/__init__.py` re-exports: the keys of its `_PUBLIC` table
+    (imported on first use) and the `from ._x import name as name` lines that
+    static tools read."""
     module = ast.parse((ROOT / "bridge" / "__init__.py").read_text())
     names = []
-    for node in module.body:
+    for node in ast.walk(module):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             names += [a.name for a in node.names if a.asname == a.name]
         elif isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            isinstance(t, ast.Name) and t.id == "_PUBLIC" for t in node.targets
         ):
             names += list(ast.literal_eval(node.value))
     return sorted(set(names))
+
+
+def test_the_lazy_table_and_the_static_imports_agree():
+    """`bridge._PUBLIC` (what `import bridge` gives on first use) names what the
+    `if TYPE_CHECKING:` imports (what pyright and the API docs read) name."""
+    module = ast.parse((ROOT / "bridge" / "__init__.py").read_text())
+    static = {
+        a.name: "." + node.module
+        for node in ast.walk(module)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for a in node.names
+        if a.asname == a.name
+    }
+    assert static == bridge._PUBLIC
+    assert bridge.__all__ == sorted(static)
 
 
 def documented_names() -> dict[str, str]:
