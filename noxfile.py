@@ -68,8 +68,10 @@ NEWEST = next(
 # Test workers (pytest-xdist): one per core, at most 4 (each imports its own jax, about
 # 2 GB at its peak); each test file runs in one worker, its module fixtures built once.
 WORKERS = ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
-# The fast suite: the tests and the docstring examples of the package.
-PYTEST = ["pytest", "-q", *WORKERS, "tests", "bridge", "--doctest-modules"]
+# The fast suite: the tests and the docstring examples of the package; each line of
+# dots ends with the count of tests run so far and the total ([ 240/1534])
+PROGRESS = ["-o", "console_output_style=count"]
+PYTEST = ["pytest", "-q", *PROGRESS, *WORKERS, "tests", "bridge", "--doctest-modules"]
 # XLA's default flags and the sharding tests' eight CPU devices (as tests/conftest.py
 # sets them when XLA_FLAGS is unset): `tests_slow` and `tests_torch` run with these.
 DEFAULT_XLA = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

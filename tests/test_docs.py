@@ -105,23 +105,6 @@ def test_page_code_runs(page, capsys):
         assert "loss after 50 steps" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "guide",
-    [
-        "porting.md",
-        "checkpoints.md",
-        "pytorch.md",
-        "large-models.md",
-        "lora.md",
-        "quantized.md",
-    ],
-)
-def test_guide_code_runs(guide, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # guides may write checkpoint files
-    assert "import bridge" in run_markdown(ROOT / "docs" / "guides" / guide)
-
-
 GUIDES = sorted(p.name for p in (DOCS / "guides").glob("*.md"))
 
 
@@ -133,36 +116,64 @@ def test_the_home_page_lists_every_guide():
 
 _MARK = "\n--- bridge docs block ---\n"
 _TMP = re.compile(r"/tmp/tmp\w+/")  # tempfile.mkdtemp()'s names differ per run
+_FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.S | re.M)
 
 
 def blocks(path: Path) -> list[tuple[str, str | None]]:
     """`(code, printed)` for each ```python block of a page; `printed` is the ```text
     block that follows it (after at most one paragraph), else None."""
+    return [(code, shown) for kind, code, shown in steps(path) if kind == "python"]
+
+
+def steps(path: Path) -> list[tuple[str, str, str | None]]:
+    """What a reader runs, in the page's order: `("python", code, printed)` for each
+    ```python block (`printed`: the ```text block that follows it, after at most one
+    paragraph, else None), and `("console", command, printed)` for each `$ command`
+    line of a ```console block (`printed`: the lines under it)."""
     text = path.read_text()
-    found = list(re.finditer(r"```(python|text)\n(.*?)```", text, re.S))
-    out: list[tuple[str, str | None]] = []
+    found = list(_FENCE.finditer(text))
+    out: list[tuple[str, str, str | None]] = []
     for i, m in enumerate(found):
-        if m[1] != "python":
-            continue
-        after = found[i + 1] if i + 1 < len(found) else None
-        between = text[m.end() : after.start()] if after else ""
-        printed = None
-        if after is not None and after[1] == "text" and between.count("\n\n") <= 2:
-            printed = after[2]
-        out.append((m[2], printed))
+        if m[1] == "python":
+            after = found[i + 1] if i + 1 < len(found) else None
+            between = text[m.end() : after.start()] if after else ""
+            printed = None
+            if after is not None and after[1] == "text" and between.count("\n\n") <= 2:
+                printed = after[3]
+            out.append(("python", m[3], printed))
+        elif m[1] == "console":
+            for command in re.split(r"^\$ ", m[3], flags=re.M)[1:]:
+                line, _, printed = command.partition("\n")
+                out.append(("console", line, printed))
     return out
 
 
-def run_pasted(path: Path, cwd: Path) -> list[str]:
-    """Run a page's ```python blocks in order in one fresh Python process, as a
-    reader pastes them; the stdout of each block."""
-    code = [c for c, _ in blocks(path)]
-    script = "".join(
-        f"exec(compile({c!r}, {f'{path.name} block {i + 1}'!r}, 'exec'))\n"
-        f"print({_MARK!r}, end='')\n"
-        for i, c in enumerate(code)
+def _console(command: str) -> str:
+    """The code that runs a page's shell command as a reader's shell would, `bridge`
+    being this checkout's (`python -m bridge`), and prints what it printed."""
+    command = re.sub(r"^bridge ", f"{sys.executable} -m bridge ", command)
+    return (
+        "import subprocess as _s\n"
+        f"_d = _s.run({command!r}, shell=True, capture_output=True, text=True)\n"
+        "print(_d.stdout + _d.stderr, end='')\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def run_pasted(path: Path, cwd: Path) -> list[str]:
+    """Run a page as a reader does, top to bottom in one fresh Python process: its
+    ```python blocks in order, and each `$ command` of its ```console blocks where
+    it comes, in the same folder; what each printed."""
+    order = steps(path)
+    script = "".join(
+        (
+            f"exec(compile({c!r}, {f'{path.name} block {i + 1}'!r}, 'exec'))\n"
+            if kind == "python"
+            else _console(c)
+        )
+        + f"print({_MARK!r}, end='')\n"
+        for i, (kind, c, _) in enumerate(order)
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100")
     env.pop("XLA_FLAGS", None)  # as a reader's shell: the page sets what it needs
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -173,23 +184,69 @@ def run_pasted(path: Path, cwd: Path) -> list[str]:
         timeout=1800,
     )
     assert done.returncode == 0, f"{path.name}: {done.stderr[-3000:]}"
-    return done.stdout.split(_MARK)[: len(code)]
+    return done.stdout.split(_MARK)[: len(order)]
+
+
+PAGES = [
+    "README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md")),
+]
+# what a shown output may differ in: times and the figures of the machine
+_VARIES = re.compile(r"\d+(\.\d+)? ?(s|ms)\b|\d+:\d\d:\d\d")
+
+
+def _same(out: str, shown: str) -> bool:
+    def norm(text: str) -> list[str]:
+        text = _TMP.sub("/tmp/.../", text)
+        return [_VARIES.sub("T", line.rstrip()) for line in text.strip().splitlines()]
+
+    return norm(out) == norm(shown)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "page",
-    ["README.md", "docs/getting-started.md", *[f"docs/guides/{g}" for g in GUIDES]],
-)
+@pytest.mark.parametrize("page", PAGES)
 def test_page_runs_as_pasted_and_prints_what_it_shows(page, tmp_path):
+    """Each page in a fresh process, top to bottom, no setup but an empty folder."""
     path = ROOT / page
     printed = run_pasted(path, tmp_path)
-    for (code, shown), out in zip(blocks(path), printed):
-        if shown is not None:
-            out, shown = _TMP.sub("/tmp/.../", out), _TMP.sub("/tmp/.../", shown)
-            assert out.strip() == shown.strip(), (
-                f"{page}: printed\n{out}\nshown\n{shown}"
+    for (kind, code, shown), out in zip(steps(path), printed):
+        if shown is not None and shown.strip():
+            assert _same(out, shown), (
+                f"{page}: {code[:200]!r} printed\n{out}\nshown\n{shown}"
             )
+
+
+def test_the_page_runner_reads_a_page_as_a_reader_does(tmp_path):
+    """python and console blocks in the page's order, one process for the page,
+    the shown outputs compared."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport os\nprint(os.getpid())\n"
+        "open('x.txt', 'w').write('hi')\n```\n"
+        "\n```console\n$ cat x.txt\nhi\n$ echo b\nb\n```\n"
+        "```python\nprint(os.getpid())\n```\n"
+        '```py title="Fragment: not run"\nundefined_name\n```\n'
+    )
+    assert [k for k, _, _ in steps(page)] == ["python", "console", "console", "python"]
+    first, cat, echo, second = run_pasted(page, tmp_path)
+    assert first == second  # one process: the second block sees the first's `os`
+    assert (cat, echo) == ("hi", "b\n")
+    assert steps(page)[1][2] == "hi\n"
+
+
+def test_fragments_are_marked():
+    """A code block the runner does not run (```py) says it is a fragment."""
+    unmarked = [
+        f"{page}:{text[: m.start()].count(chr(10)) + 1}"
+        for page in PAGES
+        for text in [(ROOT / page).read_text()]
+        for m in _FENCE.finditer(text)
+        if m[1] == "py" and 'title="Fragment' not in m[2]
+    ]
+    assert not unmarked, (
+        f"```py blocks without a fragment title: {unmarked}; write ```py "
+        'title="Fragment: ..." (what it needs), or make it a ```python block that runs'
+    )
 
 
 def _imported(code: str) -> set[str]:
