@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
+from ._sizes import human as human
 from ._version import VERSION
 
 
@@ -108,24 +109,6 @@ def _nearest(parser: argparse.ArgumentParser, arg: str) -> str | None:
         return spelt
     close = difflib.get_close_matches(spelt, options, n=1, cutoff=0.75)
     return close[0] if close else None
-
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def human(nbytes: int) -> str:
-    """A size in bytes, for people.
-
-    ```python
-    >>> human(20), human(1536), human(2**30)
-    ('20 B', '1.5 KiB', '1.0 GiB')
-
-    ```
-    """
-    size, unit = float(nbytes), 0
-    while size >= 1024 and unit < len(_UNITS) - 1:
-        size, unit = size / 1024, unit + 1
-    return f"{nbytes} B" if unit == 0 else f"{size:.1f} {_UNITS[unit]}"
 
 
 def printable(text: object) -> Text:

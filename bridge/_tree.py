@@ -20,6 +20,7 @@ import numpy as np
 
 from ._paths import Key, Path, path_of
 from ._qarray import QuantizedArray
+from ._sizes import human
 
 
 def _key_entry(key: Key, sequence: bool) -> Any:
@@ -295,7 +296,7 @@ class Tree:
         return [k for k in keys if isinstance(k, str)]
 
     def __repr__(self) -> str:
-        return "\n".join(_repr_lines(self, "Tree", 0))
+        return "\n".join(_repr_lines(self, "Tree", 0, native_order(self)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a Tree holds a model's arrays, not its computation."""
@@ -329,9 +330,13 @@ def _leaf_repr(leaf: Any) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def _repr_lines(node: Any, label: str, depth: int) -> list[str]:
+def _repr_lines(
+    node: Any, label: str, depth: int, native: Mapping[Path, Any], path: Path = ()
+) -> list[str]:
     """The lines of a Tree's repr: each node with its kind and, as NNX's repr does,
-    its arrays' sizes per role (`# params: 9 (36 B)`), each leaf's dtype and shape."""
+    its arrays' sizes per role (`# params: 9 (36 B)`), each leaf's dtype and shape;
+    children in the model's own order (`native`), and a run of equal layers of a
+    sequence folded into one (`[0..11]: 12 x (Block)`), as the port plan folds them."""
     pad = "  " * depth
     if not isinstance(node, Tree):
         return [f"{pad}{label}{_leaf_repr(node)}"]
@@ -341,17 +346,38 @@ def _repr_lines(node: Any, label: str, depth: int) -> list[str]:
     sizes = _sizes(node)
     if sizes:
         head += "  # " + ", ".join(
-            f"{role}: {count:,} ({_human(nbytes)})"
+            f"{role}: {count:,} ({human(nbytes)})"
             for role, (count, nbytes) in sizes.items()
         )
-    lines = [head]
-    for entry, child, role in zip(info.entries, node._children, info.roles):
-        name = jtu.keystr((entry,))
+    children = list(zip(info.entries, node._children, info.roles, _keys(node)))
+    order = native.get(path)
+    if order is not None and set(order) == {c[3] for c in children}:
+        rank = {k: i for i, k in enumerate(order)}
+        children.sort(key=lambda c: rank[c[3]])
+    subs = []
+    for entry, child, role, key in children:
         plain = isinstance(child, Tree) or role in (None, "params", child)
-        tag = "" if plain else f"  # {role}"
-        sub = _repr_lines(child, f"{name}: ", depth + 1)
-        sub[0] += tag
-        lines.extend(sub)
+        sub = _repr_lines(child, "", depth + 1, native, path + (key,))
+        sub[0] += "" if plain else f"  # {role}"
+        subs.append((jtu.keystr((entry,)), sub))
+    lines = [head]
+    i = 0
+    while i < len(subs):
+        j = i + 1
+        if info.keys is None:  # a sequence: equal layers in a row are folded
+            while j < len(subs) and subs[j][1] == subs[i][1]:
+                j += 1
+        name, sub = subs[i]
+        inner = "  " * (depth + 1)
+        first = sub[0][len(inner) :]
+        if j - i > 1:
+            last = subs[j - 1][0]
+            each = first.replace("  # ", "  # each: ", 1)
+            first = f"{name[:-1]}..{last[1:]}: {j - i} × {each}"
+        else:
+            first = f"{name}: {first}"
+        lines += [inner + first, *sub[1:]]
+        i = j
     return lines
 
 
@@ -370,14 +396,6 @@ def _sizes(node: Tree) -> dict[str, tuple[int, int]]:
         n, b = out.get(role, (0, 0))
         out[role] = (n + count, b + count * itemsize)
     return dict(sorted(out.items(), key=lambda kv: kv[0] != "params"))
-
-
-def _human(nbytes: int) -> str:
-    """`36 B`, `1.5 KB`, `2.0 MB`, as NNX's repr writes sizes."""
-    size, unit = float(nbytes), 0
-    while size >= 1000 and unit < 4:
-        size, unit = size / 1000, unit + 1
-    return f"{nbytes} B" if unit == 0 else f"{size:.1f} {'BKMGT'[unit]}B"
 
 
 def _flatten_with_keys(t: Tree):

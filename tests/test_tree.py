@@ -134,6 +134,34 @@ def test_leaves_may_change_shape_and_dtype_but_stay_arrays():
     assert model.layers[0].weight.dtype == "bfloat16"
 
 
+def test_repr_folds_equal_layers_in_the_model_s_order_with_binary_sizes():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.q = nnx.Linear(4, 4, rngs=rngs)
+            self.k = nnx.Linear(4, 4, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(10, 4, rngs=rngs)
+            blocks = [Block(rngs) for _ in range(12)]
+            self.layers = nnx.List([*blocks, nnx.Linear(4, 4, rngs=rngs)])
+            self.head = nnx.Linear(4, 512, rngs=rngs)
+
+    lines = repr(bridge.from_nnx(Model(nnx.Rngs(0)))).splitlines()
+    assert lines[0] == "Tree(Model)  # params: 3,100 (12.1 KiB)"
+    names = [line.split(":")[0].strip() for line in lines[1:]]
+    assert names[:3] == [".embed", ".embedding", ".layers"]  # as created
+    assert lines[4] == "    [0..11]: 12 × (Block)  # each: params: 40 (160 B)"
+    assert lines[5:8] == [
+        "      .q: (Linear)  # params: 20 (80 B)",
+        "        .kernel: float32[4,4]",
+        "        .bias: float32[4]",
+    ]
+    assert lines[11] == "    [12]: (Linear)  # params: 20 (80 B)"
+    assert lines[14] == "  .head: (Linear)  # params: 2,560 (10.0 KiB)"
+    assert len(lines) == 17  # 12 blocks listed once
+
+
 def test_roles_repr_and_errors():
     module, variables = models.linen_cnn()
     t = bridge.from_linen(variables, module)
