@@ -156,9 +156,14 @@ def rows(contents: Contents, where: str | None = None) -> list[dict[str, Any]]:
     """The arrays of a checkpoint, in the model's order (a file bridge wrote keeps
     it; the names of any other, PyTorch's or a sharded folder's, in natural order:
     `h.2` before `h.10`), those whose name `where` (a regex) finds only: name, role,
-    shape, dtype, bytes and, for a sharded checkpoint, the shard file."""
+    shape, dtype, bytes and, for a sharded checkpoint, the shard file; for a tensor
+    stored in a type of its own (a GGUF file's `Q4_K`), that type (`stored`), its
+    bytes as stored and `dtype` the one it is read as."""
+    from ._quant._read import stored_types
+
     tensors = list(contents.tensors)
     shards = _shards(contents)
+    types = stored_types(contents)
     if contents.version is None or shards:
         tensors.sort(key=lambda s: _natural(s.key))
     pattern = None if where is None else re.compile(where)
@@ -169,6 +174,8 @@ def rows(contents: Contents, where: str | None = None) -> list[dict[str, Any]]:
         shape, dtype = s.logical
         row: dict[str, Any] = dict(name=s.key, role=s.role, shape=list(shape))
         row.update(dtype=dtype, bytes=s.nbytes, elements=math.prod(shape))
+        if s.key in types:  # stored in a type of its own, read as `dtype`
+            row.update(stored=types[s.key][0], bytes=types[s.key][1])
         if shards:
             row["shard"] = shards.get(s.key, "")
         out.append(row)
@@ -193,7 +200,10 @@ def inspect_table(contents: Contents, where: str | None = None) -> tuple[Table, 
     short = _short_shards([r["shard"] for r in found]) if sharded else {}
     for row in found[:_ROWS]:
         cells = [printable(row["name"]), printable(row["role"])]
-        cells += [str(tuple(row["shape"])), row["dtype"], human(row["bytes"])]
+        dtype = row["dtype"]
+        if "stored" in row:
+            dtype = f"{row['stored']} (read as {dtype})"
+        cells += [str(tuple(row["shape"])), dtype, human(row["bytes"])]
         table.add_row(*cells, *([printable(short[row["shard"]])] if sharded else []))
     if len(found) > _ROWS:
         more = f"... {len(found) - _ROWS:,} more"

@@ -3,6 +3,8 @@
 their blocks are random bytes with finite scales), read by bridge: each tensor equal
 to `gguf.quants.dequantize`'s, lazily, into NNX and Equinox models."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -157,6 +159,20 @@ def test_gguf_without_like_header_and_inspect(file, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "Q4_K" in out and "Q6_K" in out and "dequantized" in out
+    # each tensor with the type it is stored in, and its bytes as stored
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    held = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    name = "blk.0.ffn_down.weight"
+    row = next(line for line in out.splitlines() if f" {name} " in line)
+    assert f"{kinds[name]} (read as float32)" in row, row
+    assert "96.0 KiB" not in row  # not the dequantized 256 x 384 x 4 bytes
+    assert main(["inspect", str(path), "--json"]) == 0
+    listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)["arrays"]}
+    quantized = [n for n, k in kinds.items() if k not in ("F32", "F16", "BF16")]
+    assert len(set(kinds[n] for n in quantized)) >= 2  # several types to tell apart
+    for n in quantized:
+        assert (listed[n]["stored"], listed[n]["bytes"]) == (kinds[n], held[n])
+        assert listed[n]["dtype"] == "float32"
 
 
 def test_gguf_is_not_written(tmp_path):

@@ -154,6 +154,18 @@ def quantization_summary(contents: Contents) -> list[str]:
     return lines
 
 
+def stored_types(contents: Contents) -> dict[str, tuple[str, int]]:
+    """`{name: (stored type, bytes stored)}` of the tensors a checkpoint stores in a
+    type of its own that it is not read as (a GGUF file's `Q4_K`, read as float32),
+    for `bridge inspect`; empty for every other checkpoint."""
+    if not isinstance(contents.source, _gguf.Source):
+        return {}
+    return {
+        name: (kind, held)
+        for name, (kind, _, held) in _gguf.quantized(contents).items()
+    }
+
+
 def _gguf_summary(contents: Contents) -> list[str]:
     types: dict[str, list[tuple[float, int, int]]] = {}
     dense = {s.key: math.prod(s.shape) * 4 for s in contents.tensors}
