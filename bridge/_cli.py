@@ -442,8 +442,9 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
         )
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"{dst.parent}: no such directory to write {dst.name}")
-    src = Path(args.src).resolve()
-    if dst.resolve() == src or dst.resolve() in src.parents:
+    # realpath: a symlink loop is the reader's error to report, not a crash here
+    src, out = Path(os.path.realpath(args.src)), Path(os.path.realpath(dst))
+    if out == src or out in src.parents:
         raise ValueError(_ONTO_SOURCE.format(dst=dst, src=args.src))
     if dst.exists() and not args.overwrite:
         raise FileExistsError(_EXISTS.format(dst=dst))
