@@ -126,7 +126,8 @@ def test_rename_flax_to_torch(tmp_path):
     [
         (
             [r"layers\.9=x"],
-            r"rename 'layers.*9=x': matches no layer \(layers: \['layers.0', ",
+            r"rename 'layers.*9=x': matches no layer. A rename's PATTERN must match "
+            r"a layer's whole dotted path \(re.fullmatch\). The layers: layers.0, ",
         ),
         (
             [r"layers\.\d+=x"],
