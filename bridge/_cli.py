@@ -444,7 +444,11 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
         raise FileNotFoundError(f"{dst.parent}: no such directory to write {dst.name}")
     # realpath: a symlink loop is the reader's error to report, not a crash here
     src, out = Path(os.path.realpath(args.src)), Path(os.path.realpath(dst))
-    if out == src or out in src.parents:
+    # the files read: SRC, or those of the folder it is or names (a Hugging Face
+    # folder, a sharded checkpoint's index and its shards)
+    folder = src if src.is_dir() else src.parent if src.name.endswith(".json") else None
+    inside = folder is not None and out.exists() and folder in out.parents
+    if out == src or out in src.parents or inside:
         raise ValueError(_ONTO_SOURCE.format(dst=dst, src=args.src))
     if dst.exists() and not args.overwrite:
         raise FileExistsError(_EXISTS.format(dst=dst))

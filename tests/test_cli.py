@@ -199,6 +199,14 @@ def test_convert_never_writes_onto_its_own_source(tmp_path, cnn_file, capsys):
     inner = folder / "again.safetensors"
     assert main(["convert", str(inner), str(folder), "--overwrite"]) == 1
     assert "would replace the checkpoint being read" in capsys.readouterr().err
+    hf = tmp_path / "hf"  # a folder read as a checkpoint, and a file in it
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(data)
+    inside = hf / "model.safetensors"
+    assert main(["convert", str(hf), str(inside), "--overwrite"]) == 1
+    assert "would replace the checkpoint being read" in capsys.readouterr().err
+    assert inside.read_bytes() == data
+    assert main(["convert", str(hf), str(hf / "new.safetensors")]) == 0  # new: fine
 
 
 @pytest.mark.parametrize(
