@@ -261,3 +261,17 @@ def test_a_complete_port_reports_nothing(caplog):
     assert report.complete and caplog.text == ""
     assert str(report) == "Source was filled entirely from the source (Source)."
     assert bridge.port(Source(nnx.Rngs(0)), Source(nnx.Rngs(1))).__class__ is Source
+
+
+@requires("NNX")
+def test_port_warnings_point_at_the_caller_s_line(tmp_path):
+    """A PortWarning (here: dtypes cast under strict=False) names the user's line,
+    from bridge.port and from bridge.load (which ports inside bridge)."""
+    source = nnx.Linear(2, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    target = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+    path = tmp_path / "half.safetensors"
+    bridge.save(path, source, layout="torch")
+    with pytest.warns(bridge.PortWarning, match="dtypes differ") as said:
+        bridge.port(source, target, strict=False)
+        bridge.load(path, like=target, strict=False)
+    assert [w.filename for w in said] == [__file__, __file__]
