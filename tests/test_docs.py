@@ -322,3 +322,20 @@ def test_the_pages_import_what_tests_slow_installs():
         f"pages import what `nox -s tests_slow` does not install: {missing}; add "
         "them to GUIDE_PACKAGES in noxfile.py, or show that code in a ```py block"
     )
+
+
+def test_the_version_is_one_and_the_changelog_lists_it():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    first = re.search(r"^## (\d+\.\d+\.\d+)", changelog, re.M)
+    assert first is not None
+    assert project["version"] == bridge.__version__ == first[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "bridge", "--version"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert done.stdout == f"bridge {bridge.__version__}\n"
