@@ -275,3 +275,26 @@ def test_port_warnings_point_at_the_caller_s_line(tmp_path):
         bridge.port(source, target, strict=False)
         bridge.load(path, like=target, strict=False)
     assert [w.filename for w in said] == [__file__, __file__]
+
+
+@requires("NNX")
+@pytest.mark.parametrize("columns", [100, 60])
+def test_the_plan_fits_the_terminal_s_width(monkeypatch, columns):
+    """str(plan) folds to $COLUMNS (issue #40: 108 columns at COLUMNS=100), and the
+    folded plan still names every pairing."""
+
+    class Deep(nnx.Module):
+        def __init__(self, rngs):
+            self.model = Inner(rngs)
+            self.lm_head_with_a_long_name = nnx.Linear(4, 9, rngs=rngs)
+
+    source = bridge.from_nnx(Deep(nnx.Rngs(0)))
+    monkeypatch.setenv("COLUMNS", str(columns))
+    text = str(bridge.port_plan(source, Deep(nnx.Rngs(1))))
+    assert max(map(len, text.splitlines())) <= columns, text
+    assert ".model.layers[0..2].q" in text and ".lm_head_with_a_long_name" in text
+    monkeypatch.setenv("COLUMNS", "300")
+    assert (
+        max(map(len, str(bridge.port_plan(source, Deep(nnx.Rngs(1)))).splitlines()))
+        > 60
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import shutil
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +103,9 @@ class Plan:
     dropped: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return self.table()
+        """The table (`table`), folded to the terminal's width (`$COLUMNS`, else
+        100 columns)."""
+        return self.table(shutil.get_terminal_size((WIDTH, 24)).columns)
 
     def table(self, width: int = WIDTH) -> str:
         """The plan as text: one row per layer, as wide as it needs; wider than
@@ -126,9 +130,22 @@ class Plan:
         lines = _columns(rows)
         if max(map(len, lines)) > width:
             folded = _columns([r[:5] for r in rows])
-            lines = [folded[0], "    transform; shapes (Flax layout)", folded[1]]
-            for r, line in zip(rows[1:], folded[2:]):
-                lines += [line, f"    {r[5]}; {r[6]}"]
+            if max(map(len, folded)) > width:  # each row on lines of its own
+                lines = [
+                    "source -> target (kind, by)",
+                    "    transform; shapes (Flax layout)",
+                    "-" * min(width, 40),
+                ]
+                for r in rows[1:]:
+                    lines += _wrapped(f"{r[0] or ' '} {r[1]}", width, "    ")
+                    lines += _wrapped(
+                        f"    -> {r[2]} ({r[3]}, {r[4]})", width, "       "
+                    )
+                    lines += _wrapped(f"    {r[5]}; {r[6]}", width, "      ")
+            else:
+                lines = [folded[0], "    transform; shapes (Flax layout)", folded[1]]
+                for r, line in zip(rows[1:], folded[2:]):
+                    lines += [line, *_wrapped(f"    {r[5]}; {r[6]}", width, "      ")]
         if any(s.renamed for s in self.steps):
             lines.append("~: the names differ; check that these layers correspond.")
         for title, entries in (
@@ -150,6 +167,19 @@ class Plan:
 
 
 _NUMBER = re.compile(r"\d+")
+
+
+def _wrapped(text: str, width: int, indent: str) -> list[str]:
+    """`text` on lines of at most `width` columns (a word longer than that, a long
+    path, on a line of its own), the lines after the first indented by `indent`."""
+    return textwrap.wrap(
+        text,
+        max(width, 20),
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+        drop_whitespace=True,
+    ) or [text]
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
