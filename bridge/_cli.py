@@ -72,6 +72,13 @@ def _formats() -> str:
     return "; ".join(fmt.summary for fmt in formats())
 
 
+def _formats_help() -> str:
+    """The formats for `--help`: the registry's where it is imported already (a
+    program that registered a format of its own calls `main`), else `FORMATS`,
+    without importing JAX."""
+    return _formats() if "bridge._io._format" in sys.modules else FORMATS
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors on one line, and the closest option proposed for
     a misspelt one (`--to_layout`: did you mean `--to-layout`?)."""
@@ -549,7 +556,9 @@ def _directory(text: str) -> Path:
 
 def parser() -> argparse.ArgumentParser:
     """The command line parser of `bridge`."""
-    top = _Parser(prog="bridge", description=_DESCRIPTION.format(formats=FORMATS))
+    top = _Parser(
+        prog="bridge", description=_DESCRIPTION.format(formats=_formats_help())
+    )
     top.add_argument("--version", action="version", version=f"bridge {VERSION}")
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
@@ -558,7 +567,7 @@ def parser() -> argparse.ArgumentParser:
         description="List a checkpoint's arrays (path, role, shape, dtype, size), the "
         "totals, and the metadata saved with it.",
     )
-    p.add_argument("path", help="a checkpoint: " + FORMATS)
+    p.add_argument("path", help="a checkpoint: " + _formats_help())
     p.add_argument(
         "--filter",
         metavar="REGEX",
@@ -575,7 +584,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "convert",
         help="convert between safetensors, msgpack and orbax",
-        description=_CONVERT_HELP.format(formats=FORMATS),
+        description=_CONVERT_HELP.format(formats=_formats_help()),
     )
     p.add_argument("src", help="the checkpoint to read")
     p.add_argument(

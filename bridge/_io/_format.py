@@ -18,6 +18,7 @@ format from inside a test).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -117,26 +118,52 @@ def register_format(fmt: Format) -> Format:
     return fmt
 
 
+# the modules of the built-in formats: each registers its format when imported
+_BUILTIN = (
+    "bridge._io._safetensors",
+    "bridge._io._msgpack",
+    "bridge._io._orbax",
+    "bridge._io._sharded",
+    "bridge._quant._gguf",
+)
+_LOADED = False
+
+
+def _builtins() -> None:
+    """Import the built-in formats' modules (once): whichever module of bridge was
+    imported first (`import bridge` imports its names on first use), every built-in
+    format is registered before a path is looked up."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        for module in _BUILTIN:
+            importlib.import_module(module)
+
+
 def formats() -> tuple[Format, ...]:
-    """Every registered format, in registration order."""
-    return tuple(_FORMATS.values())
+    """Every registered format, by name."""
+    _builtins()
+    return tuple(sorted(_FORMATS.values(), key=lambda f: f.name))
 
 
 def probing() -> tuple[Format, ...]:
     """The formats that find themselves inside a directory (`probe`), in the order a
     directory is probed: longest suffix first."""
+    _builtins()
     found = [f for f in _FORMATS.values() if f.probe is not None]
     return tuple(sorted(found, key=lambda f: -max(map(len, f.suffixes), default=0)))
 
 
 def format_named(name: str) -> Format:
     """The registered format called `name`."""
+    _builtins()
     return _FORMATS[name]
 
 
 def format_of(path: Path) -> Format:
     """The format of `path`, by the longest registered suffix ending its name; the
     directory format for a name no suffix ends."""
+    _builtins()
     best: Format | None = None
     directory: Format | None = None
     longest = 0
