@@ -178,7 +178,9 @@ def test_disk_full_keeps_the_old_checkpoint(small_disk, name, capsys):
         bridge.save(path, bridge.load(source))
     assert value_of(path) == 1.0
     only(small_disk, name)
-    code, err = _convert(capsys, str(source), str(path), own_process=name == "ckpt")
+    code, err = _convert(
+        capsys, str(source), str(path), "--overwrite", own_process=name == "ckpt"
+    )
     assert (code, err) == (
         1,
         f"bridge convert: error: {path}: No space left on device\n",
@@ -199,6 +201,7 @@ def test_disk_full_keeps_the_old_hugging_face_folder(small_disk, capsys):
         "torch",
         "--max-shard-size",
         "1MB",
+        "--overwrite",
     ]
     code, err = _convert(capsys, *command, own_process=False)
     assert (code, err) == (
