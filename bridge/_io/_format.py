@@ -118,26 +118,18 @@ def register_format(fmt: Format) -> Format:
     return fmt
 
 
-# the modules of the built-in formats: each registers its format when imported
-_BUILTIN = (
-    "bridge._io._safetensors",
-    "bridge._io._msgpack",
-    "bridge._io._orbax",
-    "bridge._io._sharded",
-    "bridge._quant._gguf",
-)
 _LOADED = False
 
 
 def _builtins() -> None:
-    """Import the built-in formats' modules (once): whichever module of bridge was
-    imported first (`import bridge` imports its names on first use), every built-in
-    format is registered before a path is looked up."""
+    """Register every built-in format (once), as importing `bridge`'s public names
+    does: their modules register themselves (`_io`'s, and GGUF's from `_quant`), so
+    a program that imported a private module first (`bridge._io._read`; `import
+    bridge` imports its names on first use) finds them all."""
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        for module in _BUILTIN:
-            importlib.import_module(module)
+        importlib.import_module("bridge")._load()
 
 
 def formats() -> tuple[Format, ...]:
