@@ -760,7 +760,10 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         module, renamed = built.module, built.keys
     if not is_module(module):
         return None
-    channels = getattr(getattr(module, "config", None), "num_channels", None)
+    config = getattr(module, "config", None)
+    channels = getattr(config, "num_channels", None)
+    if channels is None:  # CLIP: its vision tower's
+        channels = getattr(getattr(config, "vision_config", None), "num_channels", None)
     inputs = tuple(_channel_first(x, channels) for x in inputs)
     kwargs = {k: _channel_first(x, channels) for k, x in kwargs.items()}
     uses = _torch_trace.trace_module(module, inputs, kwargs)
