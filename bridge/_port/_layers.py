@@ -274,6 +274,7 @@ def find_layers(
     told: bool = False,
     axes: dict[Path, Any] | None = None,
     views: bool = False,
+    opened: frozenset[str] = frozenset(),
 ) -> list[Layer]:
     """Every layer of `tree`, parents before children, in Tree order.
 
@@ -288,7 +289,9 @@ def find_layers(
     added to it as `{stack path: (candidate axes)}` and read as no stack (the caller
     tries each against the other side: `_plan.make_plan`), or is a problem without
     `axes`. With `views`, a per-head `DenseGeneral` layer is a `Dense` candidate
-    too (`_general.py`)."""
+    too (`_general.py`). A layer of a kind in `opened` is not one: its sublayers are
+    (an `nnx.MultiHeadAttention` read as its `query`, `key`, `value` and `out`
+    projections, where the other side has separate ones)."""
     name = framework(tree)  # a part: read in the canonical layout (Flax variables)
     adapter = canonical_adapter() if name is None else adapter_named(name)
     role_nodes = dict(walk(roles(tree)))
@@ -322,7 +325,8 @@ def find_layers(
             continue
         if path in wrapped:
             prefix, inner = wrapped[path]
-            for layer in find_layers(inner, problems, True, told, axes, views):
+            inner_layers = find_layers(inner, problems, True, told, axes, views, opened)
+            for layer in inner_layers:
                 layer.path = prefix + layer.path
                 layers.append(layer)
             taken.add(path)
@@ -339,6 +343,8 @@ def find_layers(
         found, misnamed = seen.found(path, None)
         if misnamed is not None:
             problems.append(misnamed)
+        if found and found[0].kind in opened:  # read as its sublayers
+            continue
         if found:
             add(path, found, leaves, paths)
             taken.add(path)

@@ -432,16 +432,16 @@ def make_plan(
     )
     axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     first: list[str] = []
-    read = _paired(source, target, rules, first, traces, axes)
+    opened = _opened(source, target)
+    read = _paired(source, target, rules, first, traces, axes, opened)
     open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
     fixed: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     for (side, path, _), axis in _traced_axes(open_, traces).items():
         fixed[side][path] = axis  # the forward pass scans the stack over `axis`
     if fixed[0] or fixed[1]:
         first = []
-        read = _paired(
-            source, target, rules, first, traces, (dict(fixed[0]), dict(fixed[1]))
-        )
+        chosen = (dict(fixed[0]), dict(fixed[1]))
+        read = _paired(source, target, rules, first, traces, chosen, opened)
         open_ = [x for x in open_ if x[1] not in fixed[x[0]]]
     if not open_:
         problems += first
@@ -452,7 +452,7 @@ def make_plan(
             for (side, path, _), axis in zip(open_, choice):
                 chosen[side][path] = axis
             trial: list[str] = []
-            attempt = _paired(source, target, rules, trial, traces, chosen)
+            attempt = _paired(source, target, rules, trial, traces, chosen, opened)
             if not trial and not attempt[4] and not attempt[5]:
                 fitting.append(attempt)
         if len(fitting) == 1:
@@ -636,6 +636,24 @@ def _prefix(pairs: list, sources: list[Layer], targets: list[Layer]) -> list[str
     ]
 
 
+_SPLIT_WHERE_ALONE = frozenset({"MultiHeadAttention"})
+"""Kinds read as their sublayers on a side where the other side has none of them
+(`nnx.MultiHeadAttention`'s `query`/`key`/`value`/`out` against Hugging Face's
+`q_proj`/`k_proj`/`v_proj`/`o_proj`)."""
+
+
+def _opened(source: Tree, target: Tree) -> tuple[frozenset[str], frozenset[str]]:
+    """Per side, the kinds of `_SPLIT_WHERE_ALONE` the other side has no layer of."""
+    kinds = [
+        {k for x in find_layers(t, [], views=False) for k in x.kinds}
+        for t in (source, target)
+    ]
+    return (
+        frozenset(_SPLIT_WHERE_ALONE & (kinds[0] - kinds[1])),
+        frozenset(_SPLIT_WHERE_ALONE & (kinds[1] - kinds[0])),
+    )
+
+
 def _paired(
     source: Tree,
     target: Tree,
@@ -643,14 +661,19 @@ def _paired(
     problems: list[str],
     traces: tuple[Any, Any],
     axes: tuple[dict[Path, Any], dict[Path, Any]],
+    opened: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
 ) -> tuple[
     list[Layer], list[Layer], list[str], list[Pair], list[Layer], list[Layer], list
 ]:
     """Both sides' layers (stacks' layer axes from `axes`), settings told, and
     their pairing: `(sources, targets, told, pairs, lone sources, lone targets,
     source layers dropped by rules)`."""
-    sources = find_layers(source, problems, told=True, axes=axes[0], views=True)
-    targets = find_layers(target, problems, told=True, axes=axes[1], views=True)
+    sources = find_layers(
+        source, problems, told=True, axes=axes[0], views=True, opened=opened[0]
+    )
+    targets = find_layers(
+        target, problems, told=True, axes=axes[1], views=True, opened=opened[1]
+    )
     computed((sources, targets), traces, problems)
     told = tell_settings((sources, targets), problems)
     _read_views(sources, targets, traces[0], problems)

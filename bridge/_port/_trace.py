@@ -163,6 +163,10 @@ def first_uses(
     return {paths[i]: pos for i, pos in found.items()}
 
 
+_SIDE_BY_SIDE = frozenset({"concatenate", "pad", "select_n"})
+"""Primitives whose operands are placed side by side, not computed from each other
+(a cls token concatenated with the patch embeddings): no dependence between them."""
+
 _SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "device_put"})
 """Seen-through primitives that keep an array's axes as they are."""
 
@@ -264,7 +268,7 @@ def _visit(
             if leaf not in found:
                 others = 0
                 for j, t in enumerate(ins):
-                    others |= t if j != i else 0
+                    others |= t if j != i and name not in _SIDE_BY_SIDE else 0
                 upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
 
