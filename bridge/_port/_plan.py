@@ -645,7 +645,7 @@ _SPLIT_WHERE_ALONE = frozenset({"MultiHeadAttention"})
 def _opened(source: Tree, target: Tree) -> tuple[frozenset[str], frozenset[str]]:
     """Per side, the kinds of `_SPLIT_WHERE_ALONE` the other side has no layer of."""
     kinds = [
-        {k for x in find_layers(t, [], views=False) for k in x.kinds}
+        {k for x in find_layers(t, [], told=True) for k in x.kinds}
         for t in (source, target)
     ]
     return (
