@@ -23,16 +23,54 @@ from .public import (
 from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 
 
-NOT_YET: dict[tuple[str, str], str] = {}
+_ROUTES = bonsai_models.ROUTES
+_UNTRACED = "the PyTorch side (module or file) is not traced"
+# (model, route): why it does not port exactly yet
+NOT_YET = {
+    **{
+        ("vit", route): "LayerNorms named `ln`/`layernorm` are ambiguous ("
+        + _UNTRACED
+        + "), and nnx.MultiHeadAttention does not pair with separate q/k/v/o"
+        for route in _ROUTES
+    },
+    **{
+        ("convnext", route): "LayerNorms of other names are ambiguous ("
+        + _UNTRACED
+        + ")"
+        for route in _ROUTES
+    },
+    **{
+        ("dinov3", route): "the torch module is read as a dict (its q/k/v/o under "
+        "`model.`, its file's not): ambiguous, although registration is creation order"
+        for route in ("torch->nnx", "nnx->torch")
+    },
+    **{
+        ("qwen3", route): "its forward pass writes the KV cache into NNX variables "
+        "(TraceContextError: not traced as nnx.jit would), and its per-head "
+        "projection kernels (D, H, hd) are loose arrays"
+        for route in _ROUTES
+    },
+    **{
+        ("umt5", route): "T5LayerNorm (an RMS norm holding `scale`) is a loose array, "
+        "and one `shared.weight` cannot fill the embeddings that share it"
+        for route in _ROUTES
+    },
+}
 WRONG: dict[tuple[str, str], str] = {}
-SLOW = {"resnet"}  # bonsai's ResNet has ResNet-50's widths whatever the depth
+# in the harness (tests/public/RESULTS.md), not here: bonsai's Whisper and Mamba2
+# disagree with transformers' by O(1) even when filled by bonsai's own loader
+# (params.py), so no port can be judged; bonsai's ResNet has ResNet-50's widths
+# whatever its depth (64 to 2048 channels): minutes per route on 2 busy cores
+LEFT_OUT = {"whisper", "mamba2", "resnet"}
 
 
 def _cases():
     for name in bonsai_models.CASES:
-        for route in bonsai_models.ROUTES:
+        if name in LEFT_OUT:
+            continue
+        for route in _ROUTES:
             key = (name, route)
-            marks = [pytest.mark.slow] if name in SLOW else []
+            marks = []
             if key in WRONG:
                 marks.append(
                     pytest.mark.xfail(

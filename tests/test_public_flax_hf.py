@@ -68,29 +68,6 @@ REFUSED = {
     for model in ("roformer", "marian", "pegasus")
     for route in hf_flax.ROUTES
 }
-# `nox -s tests_public` runs one or two architectures per family and every case of a
-# kind no other covers (about 2 minutes); the rest are marked slow (`nox -s
-# tests_public -- -m "slow or not slow"` runs all 140, 8.5 minutes on a loaded
-# 2-core machine)
-FAST = {
-    "bert",
-    "albert",
-    "roformer",
-    "gpt2",
-    "gpt_neo",
-    "gpt_neo-square",
-    "bloom",
-    "llama",
-    "gemma",
-    "t5",
-    "bart",
-    "marian",
-    "vit",
-    "resnet",
-    "clip",
-    "whisper",
-    "wav2vec2",
-}
 # transformers' own Flax and PyTorch Electra compute different functions (its own
 # converter is off by O(1)): no port can be judged
 LEFT_OUT = {"electra"}
@@ -112,8 +89,6 @@ def _cases():
                 )
             else:
                 marks = ()
-            if arch.id not in FAST:
-                marks = (*([marks] if marks else []), pytest.mark.slow)
             yield pytest.param(arch, route, id=f"{arch.id}:{route}", marks=marks)
 
 
