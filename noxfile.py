@@ -282,8 +282,8 @@ PUBLIC_TESTS = ["tests/test_public_flax_hf.py"]
 @nox.session(python="3.11", venv_backend="virtualenv")
 def tests_public(session: nox.Session) -> None:
     """Public model code ported with no rules: transformers 4.x's Flax classes and
-    their PyTorch twins, four routes each (140 cases: 4 minutes on a 2-core machine
-    at load 11, 70 s of CPU). torch with pip, as in `tests_torch`."""
+    their PyTorch twins, four routes each (140 cases: under 3 minutes on a 2-core
+    machine at load 11, 81 s of CPU). torch with pip, as in `tests_torch`."""
     session.run("python", "-m", "pip", "install", "--quiet", *PUBLIC)
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test]")
     session.run("pytest", "-q", *PUBLIC_TESTS, *session.posargs)

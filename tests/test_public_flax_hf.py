@@ -26,13 +26,10 @@ from .public import hf_flax  # noqa: E402
 from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 
 
-_RMS_WEIGHT = (
-    "transformers' Flax RMS norm stores `weight` (not `scale`): a loose array, "
-    "not recognised as the norm it computes"
-)
-_FILE_CONV = (
-    "a convolution read from a file whose in != out is taken for a ConvTranspose, "
-    "although the target's trace shows a plain convolution"
+_LIKE_INPUTS = (
+    "the folder's PyTorch model is traced on like's inputs (Flax's NHWC images), "
+    "which it does not take: refused ('trace: the source's forward pass ... "
+    "failed'); with example_kwargs=(PyTorch's, like's) it is exact"
 )
 _CONV1D = "GPT-2's FlaxConv1D (kernel (out, in)) is not recognised as a Dense layer"
 _WEIGHT_NORM = "weight-normed conv (weight_g/weight_v) and `masked_spec_embed` unread"
@@ -40,27 +37,16 @@ _WEIGHT_NORM = "weight-normed conv (weight_g/weight_v) and `masked_spec_embed` u
 # (model, route): why it does not port exactly yet
 NOT_YET = {
     **{
-        (model, route): _RMS_WEIGHT
-        for model in ("llama", "mistral", "gemma", "t5", "mt5", "longt5")
-        for route in ("torch->flax", "folder->flax", "flax->torch")
+        (model, "folder->flax"): _LIKE_INPUTS
+        for model in ("vit", "dinov2", "resnet", "regnet", "clip")
     },
-    **{(model, "folder->flax"): _FILE_CONV for model in ("resnet", "regnet", "clip")},
     **{(model, route): _CONV1D for model in ("gpt2",) for route in hf_flax.ROUTES},
     **{("wav2vec2", route): _WEIGHT_NORM for route in hf_flax.ROUTES},
     ("resnet", "flax->folder"): "export names Flax ResNet's `layer_0` as "
     "`layer.layer_0`, PyTorch's is `layer.0`",
-    ("gpt_neo", "flax->folder"): "export writes GPT-Neo's nn.Linear `c_fc`/`c_proj` "
-    "as GPT-2 Conv1D by name",
 }
 # silently wrong today: the fix is exact
-WRONG = {
-    ("whisper", "folder->flax"): "encoder.conv2 Conv1d(d, d, 3) read from a file is "
-    "taken for a transposed convolution (square: the shapes cannot tell)",
-    ("gpt_neo-square", "folder->flax"): "square nn.Linear `c_fc`/`c_proj` transposed "
-    "by name as GPT-2's Conv1D",
-    ("gpt_neo-square", "flax->folder"): "square nn.Linear `c_fc`/`c_proj` transposed "
-    "by name as GPT-2's Conv1D on export",
-}
+WRONG: dict[tuple[str, str], str] = {}
 # refused for a reason the computation cannot settle under strict=True: the
 # PyTorch side stores a sinusoidal table the Flax module computes
 REFUSED = {
