@@ -34,12 +34,6 @@ NOT_YET = {
         for route in _ROUTES
     },
     **{
-        ("convnext", route): "LayerNorms of other names are ambiguous ("
-        + _UNTRACED
-        + ")"
-        for route in _ROUTES
-    },
-    **{
         ("dinov3", route): "the torch module is read as a dict (its q/k/v/o under "
         "`model.`, its file's not): ambiguous, although registration is creation order"
         for route in ("torch->nnx", "nnx->torch")
