@@ -74,14 +74,17 @@ _TORCH_SESSION_ONLY = re.compile(
 
 
 def _torch_session_files() -> set[str]:
-    """The test files `nox -s tests_torch` runs (TORCH_TESTS in noxfile.py)."""
+    """The test files `nox -s tests_torch` and `nox -s tests_public` run
+    (TORCH_TESTS and PUBLIC_TESTS in noxfile.py)."""
     noxfile = ast.parse((Path(__file__).parents[1] / "noxfile.py").read_text())
-    return next(
-        set(ast.literal_eval(node.value))
+    return {
+        file
         for node in noxfile.body
         if isinstance(node, ast.Assign)
-        and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["TORCH_TESTS"]
-    )
+        and [t.id for t in node.targets if isinstance(t, ast.Name)]
+        in (["TORCH_TESTS"], ["PUBLIC_TESTS"])
+        for file in ast.literal_eval(node.value)
+    }
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,565 @@
+"""Harness B: the JAX team's curated NNX models (jax-ml/bonsai, vendored unchanged in
+`tests/public/bonsai/`), which name their layers their own way, filled by bridge
+from the matching transformers PyTorch model with no rules.
+
+Each model is built tiny from its own config class, and so is its transformers
+twin; every parameter (and BatchNorm statistic) of the source is perturbed so that
+ones and zeros cannot hide a misplaced array. Routes:
+
+- `torch->nnx`: `bridge.port(hf_model, bonsai_model, example=...)`;
+- `folder->nnx`: `hf_model.save_pretrained(folder)`, then
+  `bridge.load(folder, like=bonsai_model, example=...)`;
+- `nnx->torch`: `bridge.port(bonsai_model, hf_model, example=...)`, then
+  `load_state_dict(..., strict=True)`.
+
+Outputs are compared with the source framework's, with the tolerance the two
+implementations allow (bonsai's ViT and Whisper use the tanh GELU where
+transformers uses the exact one; Qwen3 embeds in bfloat16). Outcomes as in
+`tests/public/hf_flax.py`. `python -m tests.public.bonsai_models` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .hf_flax import (
+    T5,
+    WHISPER,
+    Outcome,
+    _quiet,
+    _refusal,
+    first_line,
+    perturb_torch,
+    problems,
+)
+
+
+ROUTES = ("torch->nnx", "folder->nnx", "nnx->torch")
+BATCH = 2
+
+
+@dataclasses.dataclass
+class Case:
+    """One bonsai model and its transformers twin, built tiny.
+
+    `make_nnx()` builds the bonsai model; `make_torch()` the transformers one;
+    `nnx_call(model)` and `torch_call(model)` run each on the same inputs and return
+    the output to compare (numpy); `example`/`nnx_kwargs`/`torch_kwargs` are what
+    bridge is given to trace."""
+
+    name: str
+    make_nnx: Callable[[], Any]
+    make_torch: Callable[[], Any]
+    nnx_call: Callable[[Any], np.ndarray]
+    torch_call: Callable[[Any], np.ndarray]
+    example: tuple | None
+    nnx_kwargs: dict
+    torch_kwargs: dict
+    tolerance: float = 1e-4
+    config: Any = None  # the bonsai model's config (for its own loader, params.py)
+
+
+def _torch_inputs(**arrays):
+    import torch
+
+    return {
+        k: torch.from_numpy(np.asarray(v)).long()
+        if np.asarray(v).dtype.kind == "i"
+        else torch.from_numpy(np.asarray(v))
+        for k, v in arrays.items()
+    }
+
+
+def _torch_out(model, field, **inputs):
+    import torch
+
+    with torch.no_grad():
+        out = model(**_torch_inputs(**inputs))
+    value = out[field] if isinstance(field, str) else field(out)
+    return value.detach().float().numpy()
+
+
+def _images(size: int, rng=None):
+    rng = rng or np.random.default_rng(0)
+    return rng.normal(size=(BATCH, 3, size, size)).astype(np.float32)
+
+
+def vit() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import vit
+
+    cfg = vit.ModelConfig(
+        image_size=(8, 8),
+        patch_size=(4, 4),
+        num_channels=3,
+        hidden_dim=16,
+        attn_dropout_prob=0.0,
+        dropout_prob=0.0,
+        num_heads=2,
+        mlp_dim=32,
+        eps=1e-12,
+        num_layers=2,
+        num_labels=3,
+    )
+    hf = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        layer_norm_eps=1e-12,
+    )
+    nchw = _images(8)
+    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
+    return Case(
+        "vit",
+        lambda: vit.ViTClassificationModel(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.ViTForImageClassification(hf),
+        lambda m: np.asarray(m(nhwc, rngs=None)),
+        lambda m: _torch_out(m, "logits", pixel_values=nchw),
+        (nhwc,),
+        {"rngs": None},
+        _torch_inputs(pixel_values=nchw),
+        tolerance=1e-3,  # tanh GELU (transformers: exact); bonsai's own loader: 4e-5
+        config=cfg,
+    )
+
+
+def resnet() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import resnet
+
+    cfg = resnet.ModelConfig([1, 1, 1, 1], num_classes=3)
+    hf = transformers.ResNetConfig(
+        embedding_size=64,
+        hidden_sizes=[256, 512, 1024, 2048],
+        depths=[1, 1, 1, 1],
+        layer_type="bottleneck",
+        num_labels=3,
+    )
+    nchw = _images(32)
+    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
+    return Case(
+        "resnet",
+        lambda: resnet.ResNet(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.ResNetForImageClassification(hf),
+        lambda m: np.asarray(m(nhwc)),
+        lambda m: _torch_out(m, "logits", pixel_values=nchw),
+        (nhwc,),
+        {},
+        _torch_inputs(pixel_values=nchw),
+        config=cfg,
+    )
+
+
+def convnext() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import convnext
+
+    cfg = convnext.ModelConfig(
+        stage_depths=(1, 1), stage_dims=(8, 16), drop_path_rate=0.0, num_classes=3
+    )
+    hf = transformers.ConvNextConfig(
+        num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3
+    )
+    nchw = _images(16)
+    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
+    return Case(
+        "convnext",
+        lambda: convnext.ConvNeXt(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.ConvNextForImageClassification(hf),
+        lambda m: np.asarray(m(nhwc, rngs=None)),
+        lambda m: _torch_out(m, "logits", pixel_values=nchw),
+        (nhwc,),
+        {"rngs": None},
+        _torch_inputs(pixel_values=nchw),
+        config=cfg,
+    )
+
+
+def dinov3() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import dinov3
+
+    cfg = dinov3.ModelConfig(
+        patch_size=(4, 4),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=8,
+        num_register_tokens=2,
+    )
+    hf = transformers.DINOv3ViTConfig(
+        patch_size=4,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=8,
+        num_register_tokens=2,
+    )
+    nchw = _images(8)
+    return Case(
+        "dinov3",
+        lambda: dinov3.Dinov3ViTModel(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.DINOv3ViTModel(hf),
+        lambda m: np.asarray(m(jnp.asarray(nchw))["last_hidden_state"]),
+        lambda m: _torch_out(m, "last_hidden_state", pixel_values=nchw),
+        (jnp.asarray(nchw),),
+        {},
+        {},
+        tolerance=1e-3,  # bonsai's own loader (params.py) reaches 2.3e-4: its RoPE
+        config=cfg,
+    )
+
+
+def qwen3() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import qwen3
+
+    cfg = qwen3.ModelConfig(
+        num_layers=2,
+        vocab_size=99,
+        emb_dim=16,
+        mlp_dim=32,
+        num_heads=2,
+        head_dim=8,
+        num_kv_heads=1,
+        rope_theta=10000,
+        rope_scaling_factor=1,
+        local_rope_theta=1e4,
+        norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    hf = transformers.Qwen3Config(
+        vocab_size=99,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000,
+    )
+    ids = np.random.default_rng(0).integers(3, 99, (BATCH, 7)).astype(np.int32)
+    segments = jnp.ones(ids.shape, jnp.int32)
+
+    def kwargs():
+        cache = qwen3.init_cache(cfg, BATCH, ids.shape[1], 0, dtype=jnp.float32)
+        return {"cache": cache, "segment_ids": segments}
+
+    return Case(
+        "qwen3",
+        lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.Qwen3ForCausalLM(hf),
+        lambda m: np.asarray(m(jnp.asarray(ids), **kwargs()), np.float32),
+        lambda m: _torch_out(m, "logits", input_ids=ids),
+        (jnp.asarray(ids),),
+        kwargs(),
+        {},
+        tolerance=5e-2,  # bonsai embeds in bfloat16
+        config=cfg,
+    )
+
+
+def whisper() -> Case:
+    """bonsai's `Whisper.__call__` is not implemented (its encoder and decoder are):
+    no forward pass to trace, so no `example=`. Compared: the encoder's output and
+    the decoder's, side by side."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import whisper
+
+    hf = transformers.WhisperConfig(**WHISPER)
+    values = hf.to_dict() | {
+        "max_length": 32,
+        "num_hidden_layers": 2,
+        "dtype": "float32",
+        "forced_decoder_ids": None,
+        "architectures": None,
+        "median_filter_width": 7,
+    }
+    fields = [f.name for f in dataclasses.fields(whisper.ModelConfig)]
+    cfg = whisper.ModelConfig(**{f: values.get(f) for f in fields})
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(BATCH, 8, 16)).astype(np.float32)  # (B, mel, T)
+    ids = rng.integers(3, 99, (BATCH, 5)).astype(np.int32)
+
+    def nnx_call(m):
+        encoded = m.encoder(jnp.asarray(features.transpose(0, 2, 1)))
+        mask = nnx.make_causal_mask(jnp.asarray(ids))
+        decoded = m.decoder(jnp.asarray(ids), mask, encoded, None, False)
+        return np.concatenate([np.ravel(encoded), np.ravel(decoded)])
+
+    def torch_call(m):
+        def both(out):
+            import torch
+
+            return torch.cat(
+                [out.encoder_last_hidden_state.ravel(), out.last_hidden_state.ravel()]
+            )
+
+        return _torch_out(m, both, input_features=features, decoder_input_ids=ids)
+
+    return Case(
+        "whisper",
+        lambda: whisper.Whisper(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.WhisperModel(hf),
+        nnx_call,
+        torch_call,
+        None,
+        {},
+        {},
+        tolerance=1e-2,  # bonsai's tanh GELU, transformers' exact one
+        config=cfg,
+    )
+
+
+def umt5() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import umt5
+
+    sizes = {k: v for k, v in T5.items() if k != "decoder_start_token_id"}
+    sizes |= dict(dropout_rate=0.0, tie_word_embeddings=False)
+    cfg = umt5.ModelConfig(**sizes)
+    hf = transformers.UMT5Config(**sizes)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 99, (BATCH, 7)).astype(np.int32)
+    dec = rng.integers(3, 99, (BATCH, 5)).astype(np.int32)
+    mask, dec_mask = np.ones_like(ids), np.ones_like(dec)
+    kwargs = {
+        "attention_mask": jnp.asarray(mask),
+        "decoder_input_ids": jnp.asarray(dec),
+        "decoder_attention_mask": jnp.asarray(dec_mask),
+    }
+
+    def torch_call(m):
+        import torch
+
+        inputs = _torch_inputs(
+            input_ids=ids,
+            attention_mask=mask,
+            decoder_input_ids=dec,
+            decoder_attention_mask=dec_mask,
+        )
+        with torch.no_grad():
+            out = m(**inputs, output_hidden_states=True)
+        return out.decoder_hidden_states[-1].numpy()
+
+    return Case(
+        "umt5",
+        lambda: umt5.UMT5Model(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.UMT5ForConditionalGeneration(hf),
+        lambda m: np.asarray(m(jnp.asarray(ids), **kwargs)),
+        torch_call,
+        (jnp.asarray(ids),),
+        kwargs,
+        _torch_inputs(
+            attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask
+        ),
+        config=cfg,
+    )
+
+
+def mamba2() -> Case:
+    import transformers
+    from flax import nnx
+
+    from .bonsai import mamba2
+
+    sizes = dict(
+        vocab_size=99,
+        hidden_size=16,
+        state_size=8,
+        head_dim=8,
+        chunk_size=4,
+        expand=2,
+        conv_kernel=4,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
+    cfg = mamba2.ModelConfig(**sizes)
+    hf = transformers.Mamba2Config(num_heads=4, n_groups=1, **sizes)
+    ids = np.random.default_rng(0).integers(3, 99, (BATCH, 8)).astype(np.int32)
+    return Case(
+        "mamba2",
+        lambda: mamba2.Mamba2ForCausalLM(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.Mamba2ForCausalLM(hf),
+        lambda m: np.asarray(m(jnp.asarray(ids))["logits"]),
+        lambda m: _torch_out(m, "logits", input_ids=ids),
+        (jnp.asarray(ids),),
+        {},
+        {},
+        tolerance=1e-3,
+        config=cfg,
+    )
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "vit": vit,
+    "resnet": resnet,
+    "convnext": convnext,
+    "dinov3": dinov3,
+    "qwen3": qwen3,
+    "whisper": whisper,
+    "umt5": umt5,
+    "mamba2": mamba2,
+}
+
+
+# --- routes ---------------------------------------------------------------------
+
+
+def perturb_nnx(model, seed: int):
+    """`model` (fresh) with every Param and BatchStat perturbed (variances up), in
+    place: `nnx.clone` would leave its attributes sorted, its creation order lost."""
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    leaves = []
+    for (path, x), k in zip(paths, keys):
+        noise = 0.1 * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+        if jax.tree_util.keystr(path).endswith("var']"):
+            noise = jnp.abs(noise)
+        leaves.append(x + noise if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    return model
+
+
+def _torch_to_nnx(case: Case):
+    import bridge
+
+    source = perturb_torch(case.make_torch(), 1)
+    want = case.torch_call(source)
+    ported = bridge.port(
+        source,
+        case.make_nnx(),
+        example=case.example,
+        example_kwargs=(case.torch_kwargs, case.nnx_kwargs),
+    )
+    return case.nnx_call(ported), want
+
+
+def _folder_to_nnx(case: Case):
+    import bridge
+
+    source = perturb_torch(case.make_torch(), 2)
+    want = case.torch_call(source)
+    with tempfile.TemporaryDirectory() as folder:
+        source.save_pretrained(folder)
+        ported = bridge.load(
+            folder,
+            like=case.make_nnx(),
+            example=case.example,
+            example_kwargs=case.nnx_kwargs,
+        )
+    return case.nnx_call(ported), want
+
+
+def _nnx_to_torch(case: Case):
+    import bridge
+
+    source = perturb_nnx(case.make_nnx(), 3)
+    want = case.nnx_call(source)
+    target = case.make_torch().eval()
+    state = bridge.port(
+        source,
+        target,
+        example=case.example,
+        example_kwargs=(case.nnx_kwargs, case.torch_kwargs),
+    )
+    target.load_state_dict(state, strict=True)
+    return case.torch_call(target), want
+
+
+RUNNERS = {
+    "torch->nnx": _torch_to_nnx,
+    "folder->nnx": _folder_to_nnx,
+    "nnx->torch": _nnx_to_torch,
+}
+
+
+def run_route(case: Case, route: str) -> Outcome:
+    try:
+        with _quiet():
+            got, want = RUNNERS[route](case)
+    except Exception as error:  # noqa: BLE001 - a crash is an outcome here
+        if _refusal(error):
+            return Outcome("refused", first_line(error), problems(error))
+        return Outcome("crash", first_line(error))
+    if got.shape != want.shape:
+        return Outcome("wrong", f"shape {got.shape} vs {want.shape}")
+    scale = max(1.0, float(np.max(np.abs(want))))
+    worst = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+    if worst <= case.tolerance:
+        return Outcome("exact", f"{worst:.1e}")
+    return Outcome("wrong", f"max difference {worst:.3g}")
+
+
+def main(names=None) -> dict:
+    results = {}
+    for name, make in CASES.items():
+        if names and name not in names:
+            continue
+        try:
+            with _quiet():
+                case = make()
+        except Exception as error:  # noqa: BLE001
+            results[name] = {
+                r: Outcome("crash", "build: " + first_line(error)) for r in ROUTES
+            }
+            print(name, results[name], flush=True)
+            continue
+        results[name] = {route: run_route(case, route) for route in ROUTES}
+        print(name, flush=True)
+        for route, outcome in results[name].items():
+            print(f"    {route:12s} {outcome}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    args = sys.argv[1:]
+    out = None
+    if args and args[0].startswith("--json="):
+        out, args = args[0][len("--json=") :], args[1:]
+    found = main(args or None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    a: {r: dataclasses.asdict(o) for r, o in row.items()}
+                    for a, row in found.items()
+                },
+                f,
+                indent=1,
+            )
