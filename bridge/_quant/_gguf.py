@@ -4,7 +4,8 @@ Its header is read and checked by `bridge._quant._gguf_header` (as llama.cpp che
 it; values equal to `gguf.GGUFReader`'s, tested); each tensor is read with positioned
 reads and dequantized by `gguf.quants.dequantize` (Q8_0, Q4_0, Q4_K, Q6_K, ... to
 float32, bit for bit as llama.cpp's own reference) when its layer is converted.
-`F32`, `F16`, `BF16`, `F64` and `I8`...`I64` tensors are read as they are. GGUF stores a tensor's dimensions innermost first; read
+`F32`, `F16`, `BF16`, `F64` and `I8`...`I64` tensors are read as they are. GGUF
+stores a tensor's dimensions innermost first; read
 in NumPy order, a linear layer's weight is `(out, in)`, PyTorch's layout, so a GGUF
 file is read as a PyTorch-layout checkpoint under its own names (`token_embd.weight`,
 `blk.0.attn_q.weight`, ...). The scalar key-values (`general.architecture`,

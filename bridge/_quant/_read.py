@@ -110,19 +110,19 @@ def _replaced(
     hidden = found.hidden()
     out = {k: v for k, v in arrays.items() if k not in hidden}
     for name, q in found.quantized.items():
-        out[name] = _dequantizing(q, arrays, out_dtype)
+        out[name] = _dequantizing(q, arrays, out_dtype, contents.path)
     return out
 
 
 def _dequantizing(
-    q: Quantized, arrays: Mapping[str, LazyArray], dtype: np.dtype
+    q: Quantized, arrays: Mapping[str, LazyArray], dtype: np.dtype, path: Any
 ) -> LazyArray:
     order = max(arrays[n].order for n in q.parts.values())
     return LazyArray(
         q.shape,
         dtype,
         order,
-        lambda: _schemes.dequantize(q, lambda n: arrays[n].read(), dtype),
+        lambda: _schemes.dequantize(q, lambda n: arrays[n].read(), dtype, path),
     )
 
 
