@@ -80,27 +80,24 @@ NVFP4 = {
 }
 
 
-def gptq(seed=0):
-    """`fc` (in 256, out 200) as GPTQ 4-bit, groups of 128: qweight (32, 200),
-    qzeros (2, 25), scales float16 (2, 200)."""
+def _packed(qweight_shape, seed=0):
+    """`fc` (in 256, out 200) as 4-bit packed int32 words (GPTQ or AWQ), groups of
+    128: qzeros (2, 25), scales float16 (2, 200)."""
     rng = np.random.default_rng(seed)
-    words = lambda *s: rng.integers(0, 2**32, s, dtype=np.uint64).astype(np.uint32)  # noqa: E731
+    words = rng.integers(0, 2**32, (2, *qweight_shape), dtype=np.uint64)
     return {
-        "fc.qweight": words(32, 200).view(np.int32),
-        "fc.qzeros": words(2, 25).view(np.int32),
+        "fc.qweight": words[0].astype(np.uint32).view(np.int32),
+        "fc.qzeros": words[1, :2, :25].astype(np.uint32).view(np.int32),
         "fc.scales": (rng.random((2, 200)) * 0.01 + 0.001).astype(np.float16),
     }
 
 
-def awq(seed=0):
-    """`fc` as AWQ GEMM 4-bit: qweight (256, 25), qzeros (2, 25), scales (2, 200)."""
-    rng = np.random.default_rng(seed)
-    words = lambda *s: rng.integers(0, 2**32, s, dtype=np.uint64).astype(np.uint32)  # noqa: E731
-    return {
-        "fc.qweight": words(256, 25).view(np.int32),
-        "fc.qzeros": words(2, 25).view(np.int32),
-        "fc.scales": (rng.random((2, 200)) * 0.01 + 0.001).astype(np.float16),
-    }
+def gptq():
+    return _packed((32, 200))  # (in * 4 / 32, out)
+
+
+def awq():
+    return _packed((256, 25))  # (in, out * 4 / 32)
 
 
 def fp8(seed=0):
