@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -123,7 +124,8 @@ def _arrays(node: Any) -> list[Any]:
 def _peft_shapes(target: Target, rank: int) -> list[tuple[int, ...]]:
     """The shapes of PEFT's `lora_A` and `lora_B` for one layer of `target`."""
     n = len(target.stack)
-    a, b = (np.zeros(s[n:], np.int8) for s in target.shapes(rank))
+    # zero-strided views: nothing allocated, whatever rank the config claims
+    a, b = (np.broadcast_to(np.int8(0), s[n:]) for s in target.shapes(rank))
     return [x.shape for x in to_peft(target, a, b)]
 
 
@@ -447,8 +449,8 @@ def load_peft(
     problems = _unsupported_settings(config)
     wrong = _wrong_types(config)
     if wrong:  # nothing below can read such a config
-        lines = "\n".join(f"  - {p}" for p in problems + wrong)
         n = len(problems) + len(wrong)
+        lines = _listing(problems + wrong)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
     named = names(tree, frame.targets(tree), rules, prefix)
     by_name = {n: (t, i) for n, t, i in named}
@@ -530,7 +532,7 @@ def load_peft(
             f"target_modules {target_modules!r} match no layer of the model"
         )
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
+        lines = _listing(problems)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=len(problems), problems=lines))
     injections = []
     for tpath, per in stacks.items():
@@ -547,6 +549,18 @@ def load_peft(
         injections.append(Injection(target, a, b, settings[tpath], None))
     out = frame.inject(tree, injections)
     return out if isinstance(like, Tree) else frame.native(like, out)
+
+
+SHOWN = 20
+"""The most problems an error lists (an adapter naming 20,000 missing layers gave a
+1.6 MB message); the rest are counted."""
+
+
+def _listing(problems: list[str]) -> str:
+    lines = [f"  - {p}" for p in problems[:SHOWN]]
+    if len(problems) > SHOWN:
+        lines.append(f"  ... and {len(problems) - SHOWN} more")
+    return "\n".join(lines)
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -597,12 +611,17 @@ def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite JSON number (Python's json reads `NaN` and `Infinity`)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 _TYPES: dict[str, tuple[str, Any]] = {
     "r": ("a positive integer", lambda v: type(v) is int and v > 0),
-    "lora_alpha": ("a number", _number),
+    "lora_alpha": ("a finite number", _number),
     "use_rslora": ("true or false", lambda v: isinstance(v, bool)),
     "lora_dropout": ("a number from 0 to 1", lambda v: _number(v) and 0 <= v < 1),
     "target_modules": (
@@ -624,7 +643,7 @@ _TYPES: dict[str, tuple[str, Any]] = {
         ),
     ),
     "alpha_pattern": (
-        "a map of names to numbers",
+        "a map of names to finite numbers",
         lambda v: v is None or (isinstance(v, dict) and all(map(_number, v.values()))),
     ),
 }
