@@ -53,7 +53,7 @@ def _a_list(path):
         (_fifo, "FIFO"),
         (_zero, "character device"),
         (_nested, "nested too deeply"),
-        (_big, "more than the 16,777,216"),
+        (_big, "more than the 16777216"),
         (_directory, "a directory"),
         (_not_utf8, "not JSON"),
         (_a_list, "JSON list, not an object"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,35 +27,45 @@ of 20,000 classes about 1 MB)."""
 _FORMAT = "Hugging Face config"
 
 
-def read_config(directory: Path) -> dict[str, Any] | None:
-    """The JSON object in `directory`'s `config.json`, None when there is none.
-    Raises `CheckpointError` naming the file when it is not a small regular file
-    holding a JSON object."""
-    path = Path(directory) / CONFIG
-    try:
-        fd = open_regular(path, _FORMAT)
-    except MissingCheckpoint:
-        return None
+def read_json(
+    path: Path, fmt: str, limit: int, hook: Callable[[Any], Any] | None = None
+) -> dict[str, Any]:
+    """The JSON object in the file at `path` (a `fmt` file of at most `limit`
+    bytes; `hook`: json's `object_pairs_hook`), read as a checkpoint's header is.
+    Raises `CheckpointError` naming the file (`MissingCheckpoint` when there is
+    none)."""
+    fd = open_regular(path, fmt)
     try:
         n = size(fd)
-        if n > LIMIT:
-            reason = f"it is {n:,} bytes, more than the {LIMIT:,} a {CONFIG} may have"
-            raise unreadable(path, _FORMAT, reason)
+        if n > limit:
+            reason = (
+                f"it is {n} bytes, more than the {limit} bytes {path.name} may hold"
+            )
+            raise unreadable(path, fmt, reason)
         data = read_at(fd, 0, n)
     except EOFError as e:
-        raise unreadable(path, _FORMAT, f"{e} (changed while read)") from None
+        raise unreadable(path, fmt, f"{e} (changed while read)") from None
     finally:
         os.close(fd)
     try:
-        config = json.loads(data.decode("utf-8"))
+        config = json.loads(data.decode("utf-8"), object_pairs_hook=hook)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError: not JSON, or an integer of too many digits
+        # ValueError: not JSON, a key twice (`hook`), an integer of too many digits
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise unreadable(path, _FORMAT, f"it is not JSON ({reason[:200]})") from None
+        raise unreadable(path, fmt, f"it is not JSON ({reason[:200]})") from None
     if not isinstance(config, dict):
         what = type(config).__name__
-        raise unreadable(path, _FORMAT, f"it holds a JSON {what}, not an object")
+        raise unreadable(path, fmt, f"it holds a JSON {what}, not an object")
     return config
+
+
+def read_config(directory: Path) -> dict[str, Any] | None:
+    """The JSON object in `directory`'s `config.json`, None when there is none
+    (`read_json`'s errors)."""
+    try:
+        return read_json(Path(directory) / CONFIG, _FORMAT, LIMIT)
+    except MissingCheckpoint:
+        return None
 
 
 def model_type(weights: Path) -> str | None:

@@ -31,8 +31,8 @@ from .._adapters._native import check_model, to_neutral
 from .._arguments import check_path, check_rules, check_str
 from .._io import _safetensors
 from .._io._atomic import atomic_dir, reachable
-from .._io._errors import CheckpointError, unreadable
-from .._io._files import open_regular, read_at, size
+from .._io._config import read_json
+from .._io._errors import CheckpointError
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
@@ -578,29 +578,7 @@ def read_config(file: FilePath) -> dict[str, Any]:
     never waited on), at most `CONFIG_LIMIT` bytes, one value per key. Raises
     `CheckpointError` (a `ValueError`; `FileNotFoundError` when missing) naming the
     file."""
-    fd = open_regular(file, _FORMAT)
-    try:
-        n = size(fd)
-        if n > CONFIG_LIMIT:
-            raise unreadable(
-                file, _FORMAT,
-                f"it is {n} bytes, more than the {CONFIG_LIMIT} an {CONFIG} may have",
-            )  # fmt: skip
-        data = read_at(fd, 0, n)
-    except EOFError as e:
-        raise unreadable(file, _FORMAT, f"{e} (changed while read)") from None
-    finally:
-        os.close(fd)
-    try:
-        config = json.loads(data.decode("utf-8"), object_pairs_hook=_unique)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError: not JSON, a key twice, an integer of too many digits
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise unreadable(file, _FORMAT, f"it is not JSON ({reason[:200]})") from None
-    if not isinstance(config, dict):
-        what = type(config).__name__
-        raise unreadable(file, _FORMAT, f"it holds a JSON {what}, not an object")
-    return config
+    return read_json(file, _FORMAT, CONFIG_LIMIT, _unique)
 
 
 def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
