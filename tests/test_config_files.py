@@ -6,6 +6,9 @@ with one `CheckpointError` naming `config.json`, quickly; a valid one still load
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -50,7 +53,6 @@ def _a_list(path):
 @pytest.mark.parametrize(
     "make, reason",
     [
-        (_fifo, "FIFO"),
         (_zero, "character device"),
         (_nested, "nested too deeply"),
         (_big, "more than the 16777216"),
@@ -80,3 +82,34 @@ def test_a_valid_config_json_still_loads(tmp_path):
     safetensors.numpy.save_file({"fc.weight": np.ones((2, 3), np.float32)}, weights)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert bridge.load(tmp_path)["fc"]["weight"].shape == (2, 3)
+
+
+_FIFO = """
+import sys
+import bridge
+from bridge import _cli
+for path in (sys.argv[1], sys.argv[1] + "/model.safetensors"):
+    try:
+        bridge.load(path)
+    except bridge.CheckpointError as e:
+        print("refused:", e)
+sys.exit(_cli.main(["inspect", sys.argv[1]]))
+"""
+
+
+def test_a_fifo_config_json_is_refused_not_waited_on(tmp_path):
+    """In a process of its own: the FIFO blocked `open` forever (no writer)."""
+    weights = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file({"fc.weight": np.ones((2, 3), np.float32)}, weights)
+    _fifo(tmp_path / "config.json")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FIFO), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all("config.json" in x and "FIFO" in x for x in lines)
+    assert done.stderr.count("\n") == 1 and "FIFO" in done.stderr

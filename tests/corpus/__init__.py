@@ -290,6 +290,11 @@ def cases() -> list[Case]:
         Case("entry", "bool shape", _entry(lambda e: {**e, "shape": [True, 6]})),
         Case("entry", "shape a string", _entry(lambda e: {**e, "shape": "2,3"})),
         Case("entry", "huge shape", _entry(lambda e: {**e, "shape": [2**40, 2**40]})),
+        # round 3: shapes NumPy refuses with a raw ValueError
+        Case("entry", "100 dims", _st({"x": {"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}}, bytes(4))),
+        Case("entry", "65 dims", _st({"x": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, bytes(4))),
+        Case("entry", "zero-size huge dims 2**62", _st({"x": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}})),
+        Case("entry", "zero-size huge dims 2**40", _st({"x": {"dtype": "F32", "shape": [2**40, 0, 2**40], "data_offsets": [0, 0]}})),
         Case(
             "entry",
             "shape too small for bytes",
