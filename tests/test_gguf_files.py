@@ -223,3 +223,16 @@ def test_load_time_is_linear_in_the_tensor_count(tmp_path):
         bridge.load(path)
         times.append(time.perf_counter() - start)
     assert times[1] < 16 * times[0], times
+
+
+def test_inspect_clips_a_long_string(tmp_path, capsys):
+    """A 200,000-character value is shown as its first 1,000 (a GGUF chat template
+    or a hostile file may hold megabytes); `--json` keeps it whole."""
+    kvs = [("general.name", hostile.STRING, "x" * 200_000 + "\x1b[2J")]
+    path = hostile._file(hostile.gguf_bytes(kvs, [hostile.T("a.weight", (8,))]))(
+        tmp_path
+    )
+    assert _cli.main(["inspect", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "(200,004 characters; --json shows all)" in shown
+    assert len(shown) < 5_000 and "\x1b" not in shown

@@ -320,3 +320,53 @@ def test_fp8_block_sizes_are_bounded(tmp_path, block):
     folder = _folder(tmp_path, state, {**FP8, "weight_block_size": block})
     with pytest.raises(_schemes.QuantizationError, match="weight_block_size"):
         bridge.load(folder, like=_like())
+
+
+def _packed_int4():
+    """`fc` as compressed-tensors pack-quantized int4 (per-row scales)."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, (200, 32), dtype=np.uint64).astype(np.uint32)
+    return {
+        "fc.weight_packed": words.view(np.int32),
+        "fc.weight_scale": np.full((200, 1), 0.01, np.float32),
+        "fc.weight_shape": np.array([200, 256], np.int64),
+    }
+
+
+def _ct_packed(targets):
+    group = {
+        "targets": targets,
+        "weights": {"num_bits": 4, "type": "int", "strategy": "channel"},
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": group},
+    }
+
+
+@pytest.mark.parametrize(
+    "targets, match",
+    [
+        (["re:("], r"target 're:\(' is no regular expression"),
+        ("Linear", "targets are Linear, not a list"),
+    ],
+)
+def test_config_group_targets_that_are_no_pattern_are_refused(
+    tmp_path, targets, match, capsys
+):
+    """`re:(` was a raw re.error, which `bridge inspect` blamed on a --filter never
+    given."""
+    from bridge import _cli
+
+    folder = _folder(tmp_path, _packed_int4(), _ct_packed(targets))
+    with pytest.raises(_schemes.QuantizationError, match=match):
+        bridge.load(folder, like=_like())
+    assert _cli.main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert "--filter" not in err and "fc.weight_packed" in err and err.count("\n") == 1
+
+
+def test_packed_int4_loads(tmp_path):
+    folder = _folder(tmp_path, _packed_int4(), _ct_packed(["Linear"]))
+    assert bridge.load(folder, like=_like()).fc.kernel.shape == (256, 200)

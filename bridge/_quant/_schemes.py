@@ -401,6 +401,18 @@ def _ct_args(
     ):
         return "no compressed-tensors quantization_config (with config_groups)"
     schemes = [g for g in groups.values() if isinstance(g, dict)]
+    for g in schemes:
+        targets = g.get("targets", [])
+        if not isinstance(targets, list):
+            return f"a config group's targets are {str(targets)[:60]}, not a list"
+        for t in targets:
+            if isinstance(t, str) and t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    return (
+                        f"config group target {t[:60]!r} is no regular expression ({e})"
+                    )
     by_regex = [
         g
         for g in schemes
