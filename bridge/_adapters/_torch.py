@@ -27,7 +27,7 @@ from .._arguments import check_bool, check_names, check_pattern, check_str, type
 from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
-from .._paths import Path
+from .._paths import Path, parse
 from .._tree import Held, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
 from . import _torch_trace
@@ -218,7 +218,7 @@ def numpy_to_tensor(array: Any) -> Any:
 
 
 def _split_name(name: str) -> Path:
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+    return parse(name)
 
 
 def _memory_key(a: Any) -> tuple:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._paths import Path, path_str
+from .._paths import Path, parse, path_str
 
 
 _NOT_A_MODULE = """\
@@ -464,7 +464,7 @@ def _numpy(tensor: Any) -> np.ndarray:
 
 def _path_of_name(name: str) -> Path:
     """A dotted torch name as the path `bridge.from_torch` gives it."""
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+    return parse(name)
 
 
 def to_optax(read: TorchState) -> tuple[Any, int | None]:
