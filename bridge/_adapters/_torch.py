@@ -315,6 +315,13 @@ def from_torch(
     return _state_tree(state, kinds, module, prefix, checked)
 
 
+def _numeric(dtype: Any) -> bool:
+    """Numbers or bools a JAX array can hold (ml_dtypes' too): not objects,
+    strings, structured records or dates."""
+    numbers = np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)
+    return numbers or dtype.type.__module__.startswith("ml_dtypes")
+
+
 def _state_tree(
     state: Mapping[str, Any],
     kinds: dict[Path, Any],
@@ -328,8 +335,16 @@ def _state_tree(
         for k, v in state.items()
         if not (isinstance(k, str) and (_is_tensor(v) or _is_array(v)))
     ]
+    bad += [
+        f"{k[:60]!r} is an array of {str(v.dtype)[:40]}, not of numbers"
+        for k, v in state.items()
+        if _is_array(v) and not _numeric(v.dtype)
+    ]
     if bad:
-        raise TypeError(_NOT_ARRAYS.format(problems=", ".join(bad)))
+        shown = ", ".join(bad[:5]) + (
+            f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
+        raise TypeError(_NOT_ARRAYS.format(problems=shown))
     arrays, ties = _arrays(state)
     stripped = frozenset(
         _strip(n, prefix) for n in [*arrays, *(a for a, _ in ties)] if _has(n, prefix)
