@@ -370,3 +370,20 @@ def test_config_group_targets_that_are_no_pattern_are_refused(
 def test_packed_int4_loads(tmp_path):
     folder = _folder(tmp_path, _packed_int4(), _ct_packed(["Linear"]))
     assert bridge.load(folder, like=_like()).fc.kernel.shape == (256, 200)
+
+
+@pytest.mark.parametrize(
+    "shape, packed",
+    [([0, 2**33], (0, 2**30)), ([2**33, 0], (2**33, 0)), ([200, 256, 1], (200, 32))],
+)
+def test_weight_shape_of_no_weight_is_refused(tmp_path, shape, packed):
+    """`weight_shape` [0, 2**33] over an empty packed tensor was NumPy's raw
+    reshape error; [2**33, 0] loaded as an empty weight."""
+    state = _packed_int4()
+    state["fc.weight_packed"] = np.zeros(packed, np.int32)
+    state["fc.weight_shape"] = np.array(shape, np.int64)
+    state["fc.weight_scale"] = np.full((1,), 0.01, np.float32)
+    folder = _folder(tmp_path, state, _ct_packed(["Linear"]))
+    for like in (None, _like()):
+        with pytest.raises(_schemes.QuantizationError, match="fc.weight_shape: "):
+            bridge.load(folder, like=like)

@@ -489,7 +489,9 @@ def _packed_weight(
         return f"{packed}: num_bits {bits!r} is not 1 to 8"
     shape = tuple(int(v) for v in np.asarray(read_small(parts["weight_shape"])))
     packed_shape = tensors[packed][0]
-    if len(shape) != 2 or tuple(packed_shape) != (
+    if len(shape) != 2 or min(shape) <= 0:
+        return f"{parts['weight_shape']}: {shape[:4]} is not two positive sizes"
+    if tuple(packed_shape) != (
         shape[0],
         math.ceil(shape[1] * bits / 32),
     ):
