@@ -445,9 +445,13 @@ same index, e.g. 01 and 1); rename one of them."""
 
 
 def _check_nodes(names: Sequence[str]) -> None:
-    seen: dict[Path, str] = {}
+    seen: dict[tuple, str] = {}
     for name in names:
-        other = seen.setdefault(_split_name(name), name)
+        # ASCII numbers compared as numbers: "01" is index 1 to a reader of "1"
+        key = tuple(
+            int(k) if k.isascii() and k.isdecimal() else k for k in name.split(".")
+        )
+        other = seen.setdefault(key, name)
         if other != name:
             raise ValueError(_SAME_PATH.format(name=name, other=other))
     taken = set(names)
