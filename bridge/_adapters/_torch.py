@@ -338,7 +338,7 @@ def _state_tree(
     bad += [
         f"{k[:60]!r} is an array of {str(v.dtype)[:40]}, not of numbers"
         for k, v in state.items()
-        if _is_array(v) and not _numeric(v.dtype)
+        if isinstance(v, np.ndarray) and not _numeric(v.dtype)
     ]
     if bad:
         shown = ", ".join(bad[:5]) + (
