@@ -225,6 +225,7 @@ TORCH_TESTS = [
     "tests/test_quant_torch.py",
     "tests/test_quant_keep_torch.py",
     "tests/test_quant_gguf.py",
+    "tests/test_gguf_files.py",
     "tests/test_opt_state_torch.py",
     "tests/test_torch_trace.py",
     "tests/test_torch_port_traced.py",

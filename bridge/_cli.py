@@ -299,7 +299,18 @@ def _inspect(args: argparse.Namespace, console: Console) -> None:
     if contents.version:
         console.print(Text("saved by bridge ") + printable(contents.version))
     for key, value in contents.metadata.items():
-        console.print(printable(key) + ": " + printable(value), soft_wrap=True)
+        console.print(
+            printable(key) + ": " + printable(_clipped(value)), soft_wrap=True
+        )
+
+
+_LONGEST = 1000  # characters of a metadata value shown (a GGUF may hold 20 MB)
+
+
+def _clipped(value: str) -> str:
+    if len(value) <= _LONGEST:
+        return value
+    return f"{value[:_LONGEST]}... ({len(value):,} characters; --json shows all)"
 
 
 class _Slow:

@@ -187,9 +187,21 @@ _MARK_NAMES = bytes(c if chr(c) in _ASCII_DIGITS else ord("_") for c in range(25
 _LEADING_ZEROS = tuple(f"_0{d}".encode() for d in _ASCII_DIGITS)
 
 
+def is_index(key: str) -> bool:
+    """Whether a name's part is an index: ASCII digits written as `str(int)` writes
+    them (`"10"`, not `"010"`, `"١"` Arabic-Indic or `"²"` superscript, which
+    `str.isdigit` accepts and `int` reads as another number or refuses)."""
+    return key.isascii() and key.isdecimal() and (key == "0" or key[0] != "0")
+
+
+def name_key(key: str) -> Key:
+    """A name's part as a path key: an index (`is_index`) or the name."""
+    return int(key) if is_index(key) else key
+
+
 def parse(name: str, sep: str = ".") -> Path:
-    """`'layers.0.kernel'` -> `('layers', 0, 'kernel')`: digits become indices."""
-    return tuple(int(k) if k.isdigit() else k for k in name.split(sep))
+    """`'layers.0.kernel'` -> `('layers', 0, 'kernel')`: indices become ints."""
+    return tuple(map(name_key, name.split(sep)))
 
 
 def child(node: Any, key: Key) -> Any:

@@ -105,3 +105,22 @@ def test_names_natural_reads_otherwise_are_left_to_natural(extra):
     assert _paths._numbered(keys) is None
     _paths._NATURAL.clear()
     assert canonical(keys) == _reference(keys)
+
+
+def test_only_ascii_digits_as_int_writes_them_are_indices():
+    """`str.isdigit` takes `"²"` (which `int` refuses) and `"١"` (Arabic-Indic, which
+    `int` reads as 1: another array's name); `"01"` is not how `str(1)` writes 1."""
+    from bridge._paths import is_index, parse
+
+    assert parse("layers.10.kernel") == ("layers", 10, "kernel")
+    assert parse("l.\u00b2.\u0661.01.0") == ("l", "\u00b2", "\u0661", "01", 0)
+    assert [is_index(k) for k in ("0", "7", "10", "01", "", "-1", "1e3", "\u0661")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]

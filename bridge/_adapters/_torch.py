@@ -27,7 +27,7 @@ from .._arguments import check_bool, check_names, check_pattern, check_str, type
 from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
-from .._paths import Path
+from .._paths import Path, parse
 from .._tree import Held, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
 from . import _torch_trace
@@ -218,7 +218,7 @@ def numpy_to_tensor(array: Any) -> Any:
 
 
 def _split_name(name: str) -> Path:
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+    return parse(name)
 
 
 def _memory_key(a: Any) -> tuple:
@@ -315,6 +315,13 @@ def from_torch(
     return _state_tree(state, kinds, module, prefix, checked)
 
 
+def _numeric(dtype: Any) -> bool:
+    """Numbers or bools a JAX array can hold (ml_dtypes' too): not objects,
+    strings, structured records or dates."""
+    numbers = np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)
+    return numbers or dtype.type.__module__.startswith("ml_dtypes")
+
+
 def _state_tree(
     state: Mapping[str, Any],
     kinds: dict[Path, Any],
@@ -328,8 +335,16 @@ def _state_tree(
         for k, v in state.items()
         if not (isinstance(k, str) and (_is_tensor(v) or _is_array(v)))
     ]
+    bad += [
+        f"{k[:60]!r} is an array of {str(v.dtype)[:40]}, not of numbers"
+        for k, v in state.items()
+        if isinstance(v, np.ndarray) and not _numeric(v.dtype)
+    ]
     if bad:
-        raise TypeError(_NOT_ARRAYS.format(problems=", ".join(bad)))
+        shown = ", ".join(bad[:5]) + (
+            f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
+        raise TypeError(_NOT_ARRAYS.format(problems=shown))
     arrays, ties = _arrays(state)
     stripped = frozenset(
         _strip(n, prefix) for n in [*arrays, *(a for a, _ in ties)] if _has(n, prefix)
@@ -430,9 +445,13 @@ same index, e.g. 01 and 1); rename one of them."""
 
 
 def _check_nodes(names: Sequence[str]) -> None:
-    seen: dict[Path, str] = {}
+    seen: dict[tuple, str] = {}
     for name in names:
-        other = seen.setdefault(_split_name(name), name)
+        # ASCII numbers compared as numbers: "01" is index 1 to a reader of "1"
+        key = tuple(
+            int(k) if k.isascii() and k.isdecimal() else k for k in name.split(".")
+        )
+        other = seen.setdefault(key, name)
         if other != name:
             raise ValueError(_SAME_PATH.format(name=name, other=other))
     taken = set(names)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .._adapters._registry import plain_reader
-from .._paths import MAX_DEPTH, Path as TreePath
+from .._paths import MAX_DEPTH, Path as TreePath, is_index, parse
 from .._version import VERSION
 
 
@@ -117,7 +117,7 @@ def dotted(path: TreePath) -> str:
 
 def split(name: str) -> TreePath:
     """`'layers.0.kernel'` -> `('layers', 0, 'kernel')` (digits become indices)."""
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+    return parse(name)
 
 
 def encode(contents: Contents) -> dict[str, str]:
@@ -252,9 +252,7 @@ def _plain_paths(names: list[str]) -> dict[str, TreePath]:
         for n in range(len(parts)):
             children.setdefault(parts[:n], set()).add(parts[n])
     numbered = {
-        parent
-        for parent, keys in children.items()
-        if all(k.isdecimal() and k.isascii() and str(int(k)) == k for k in keys)
+        parent for parent, keys in children.items() if all(is_index(k) for k in keys)
     }
     return {
         name: tuple(int(k) if parts[:n] in numbered else k for n, k in enumerate(parts))

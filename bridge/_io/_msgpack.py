@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 from flax import serialization
 
-from .._paths import MAX_DEPTH
+from .._paths import MAX_DEPTH, is_index
 from ._atomic import atomic_file
 from ._contents import DTYPE_NAMES, Contents, Malformed, Stored, dotted
 from ._errors import unreadable
@@ -107,10 +107,15 @@ def _unchunk(node: dict, where: str) -> np.ndarray:
     return flat.reshape(dims)
 
 
-def _key(key: Any) -> str | int:
-    if not (isinstance(key, str) and key):
-        raise Malformed(f"a dict key {key!r} is not a name")
-    return int(key) if key.isdigit() else key
+def _keys(node: dict) -> list[str | int]:
+    """A dict's keys as path keys: all indices when every key is one (an `nnx.List`,
+    a Linen list of layers), else all names (as `Contents` reads dotted names)."""
+    for key in node:
+        if not (isinstance(key, str) and key):
+            raise Malformed(f"a dict key {str(repr(key))[:60]} is not a name")
+    if node and all(map(is_index, node)):
+        return [int(k) for k in node]
+    return list(node)
 
 
 def _arrays(
@@ -130,7 +135,7 @@ def _arrays(
         elif isinstance(node, dict):
             if not node and path:
                 yield path, None
-            children = [(path + (_key(k),), v) for k, v in node.items()]
+            children = [(path + (k,), v) for k, v in zip(_keys(node), node.values())]
             stack.extend(reversed(children))
         else:
             where = dotted(path) or "the top level"

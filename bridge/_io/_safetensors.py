@@ -73,6 +73,21 @@ need an even number of elements; these have an odd number. Pad them, or save to 
 orbax checkpoint (a directory path)"""
 
 
+MAX_NDIM = 64  # NumPy's (and so JAX's on the host)
+
+
+def shape_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why no array can have `shape` (of `itemsize`-byte elements), even an empty
+    one: over `MAX_NDIM` dimensions, or dimensions whose product, zeros left out,
+    is more bytes than an address space holds (NumPy refuses both with a raw
+    `ValueError`)."""
+    if len(shape) > MAX_NDIM:
+        return f"has {len(shape)} dimensions; arrays have at most {MAX_NDIM}"
+    if math.prod(d for d in shape if d) * itemsize >= 1 << 63:
+        return f"has shape {str(shape)[:100]}: no array, even an empty one, is that big"
+    return None
+
+
 def _nbytes(code: str, shape: tuple[int, ...]) -> int | None:
     """Bytes of an array of `code` and `shape`, None when a packed dtype cannot
     hold that many elements."""
@@ -187,7 +202,10 @@ def _entries(header: Any, data_size: int) -> dict[str, Entry]:
                 _UNKNOWN_DTYPE.format(name=name, code=code, known=", ".join(DTYPES))
             )
         if not _naturals(shape):
-            raise Malformed(f"tensor {name!r} has shape {shape!r}")
+            raise Malformed(f"tensor {name!r} has shape {str(shape)[:100]}")
+        problem = shape_problem(tuple(shape), jnp.dtype(DTYPES[code]).itemsize)
+        if problem:
+            raise Malformed(f"tensor {name!r} {problem}")
         if not (_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
             raise Malformed(f"tensor {name!r} has data_offsets {offsets!r}")
         nbytes = _nbytes(code, tuple(shape))

@@ -180,13 +180,20 @@ def read_state(contents: Any, training: Any) -> tuple[Any, int | None, dict]:
     if OPT not in record:
         raise ValueError(_NO_OPT_STATE.format(path=contents.path))
     arrays = read(training)
+    shapes = {
+        tuple(s.path): tuple(s.logical[0])
+        for s in contents.tensors
+        if s.role not in (OPT, EXTRA)
+    }
     try:
-        state = _build(record[OPT], arrays)
+        state = _build(record[OPT], _Reading(arrays, shapes))
         step = record.get("step")
-        if step is not None and not isinstance(step, int):
-            raise TypeError(f"step {step!r} is not an int")
+        if step is not None and not (_integer(step) and 0 <= step < 2**31):
+            raise ValueError(f"step {_shown(step)} is not a whole number 0..2**31 - 1")
         names = record.get(EXTRA, [])
-        extra = {n.partition(".")[2]: arrays[n] for n in names}
+        if not isinstance(names, list):
+            raise TypeError(f"extra is {_shown(names)}, not a list of names")
+        extra = {n.partition(".")[2]: _array(n, arrays) for n in names}
     except (
         KeyError,
         TypeError,
@@ -195,7 +202,10 @@ def read_state(contents: Any, training: Any) -> tuple[Any, int | None, dict]:
         AttributeError,
         RecursionError,
     ) as e:
-        raise CheckpointError(_MALFORMED.format(path=contents.path, reason=e)) from None
+        reason = str(e)[:300]
+        raise CheckpointError(
+            _MALFORMED.format(path=contents.path, reason=reason)
+        ) from None
     return state, step, extra
 
 
@@ -213,39 +223,105 @@ def restore(
 def _json(text: str, path: Any) -> dict:
     try:
         record = json.loads(text or "{}")
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(
-            _MALFORMED.format(path=path, reason=type(e).__name__)
-        ) from None
+    except (ValueError, RecursionError) as e:  # ValueError: an int of 5,000 digits
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        raise CheckpointError(_MALFORMED.format(path=path, reason=reason)) from None
     if not isinstance(record, dict):
         raise CheckpointError(_MALFORMED.format(path=path, reason="not a JSON object"))
     return record
 
 
-def _build(rec: Mapping[str, Any], arrays: Mapping[str, Any]) -> Any:
+class _Reading(NamedTuple):
+    """What a recorded state is checked against: the training arrays by name, and
+    the shape of each leaf of the file's model by path."""
+
+    arrays: Mapping[str, Any]
+    shapes: Mapping[tuple, tuple[int, ...]]
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _array(name: Any, arrays: Mapping[str, Any]) -> Any:
+    if not isinstance(name, str) or name not in arrays:
+        raise KeyError(f"it names an array {_shown(name)} the file does not hold")
+    return arrays[name]
+
+
+def _leaf_path(p: Any, shapes: Mapping[tuple, tuple[int, ...]]) -> tuple:
+    if not (isinstance(p, list) and all(isinstance(k, str) or _integer(k) for k in p)):
+        raise TypeError(f"a leaf path is {_shown(p)}, not a list of names and indexes")
+    path = tuple(p)
+    if path not in shapes:
+        raise KeyError(f"a leaf names {path_str(path)!r}, which the file's model lacks")
+    return path
+
+
+def _build(rec: Any, reading: _Reading, field: str = "") -> Any:
+    """The optimizer state node recorded as `rec` (`field`: its name in a named
+    tuple), checked: each array one the file holds, each per-parameter leaf a
+    parameter of the file's model of its shape, a `count` a scalar."""
+    if not isinstance(rec, Mapping):
+        raise TypeError(f"a node is {_shown(rec)}, not an object")
+    arrays = reading.arrays
     kind = rec["t"]
     if kind == "none":
         return None
     if kind == "masked":
         return optax.MaskedNode()
     if kind == "array":
-        return arrays[rec["name"]]
+        array = _array(rec["name"], arrays)
+        if field == "count" and len(getattr(array, "shape", ())) != 0:
+            shape = tuple(array.shape)
+            raise ValueError(f"count {rec['name']} has shape {shape}, not a scalar")
+        return array
     if kind == "params":
-        return {
-            path_str(tuple(p)): optax.MaskedNode() if name is None else arrays[name]
-            for p, name in rec["leaves"]
-        }
-    children = [_build(c, arrays) for c in rec["c"]]
+        out = {}
+        for p, name in rec["leaves"]:
+            path = _leaf_path(p, reading.shapes)
+            key = path_str(path)
+            if key in out:
+                raise ValueError(f"two leaves name {key!r}")
+            if name is None:
+                out[key] = optax.MaskedNode()
+                continue
+            array = _array(name, arrays)
+            want = reading.shapes[path]
+            if tuple(getattr(array, "shape", ())) != want:
+                shape = tuple(getattr(array, "shape", ()))
+                raise ValueError(
+                    f"{name} has shape {shape}, its parameter {key} {want}"
+                )
+            out[key] = array
+        return out
+    names = rec.get("fields") or rec.get("k") or []
+    children = rec["c"]
+    if not isinstance(children, list) or not isinstance(names, list):
+        raise TypeError(f"a {kind} node's children are {_shown(children)}")
+    if kind in ("namedtuple", "dict") and len(names) != len(children):
+        raise ValueError(
+            f"a {kind} node has {len(names)} names, {len(children)} children"
+        )
+    built = [
+        _build(c, reading, str(names[i]) if kind == "namedtuple" else "")
+        for i, c in enumerate(children)
+    ]
     if kind == "namedtuple":
-        cls = _optax_class(rec["cls"], rec["fields"])
-        return cls(*children) if cls else dict(zip(rec["fields"], children))
+        cls = _optax_class(rec["cls"], names)
+        return cls(*built) if cls else dict(zip(names, built))
     if kind == "tuple":
-        return tuple(children)
+        return tuple(built)
     if kind == "list":
-        return children
+        return built
     if kind == "dict":
-        return dict(zip(rec["k"], children))
-    raise ValueError(f"unknown node {kind!r} in the recorded optimizer state")
+        return dict(zip(names, built))
+    raise ValueError(f"unknown node {_shown(kind)} in the recorded optimizer state")
 
 
 def _optax_class(name: str, fields: list[str]) -> type | None:

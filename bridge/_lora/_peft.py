@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -30,8 +31,8 @@ from .._adapters._native import check_model, to_neutral
 from .._arguments import check_path, check_rules, check_str
 from .._io import _safetensors
 from .._io._atomic import atomic_dir, reachable
-from .._io._errors import CheckpointError, unreadable
-from .._io._files import open_regular, read_at, size
+from .._io._config import read_json
+from .._io._errors import CheckpointError
 from .._io._torch_layout import _name
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
@@ -123,7 +124,8 @@ def _arrays(node: Any) -> list[Any]:
 def _peft_shapes(target: Target, rank: int) -> list[tuple[int, ...]]:
     """The shapes of PEFT's `lora_A` and `lora_B` for one layer of `target`."""
     n = len(target.stack)
-    a, b = (np.zeros(s[n:], np.int8) for s in target.shapes(rank))
+    # zero-strided views: nothing allocated, whatever rank the config claims
+    a, b = (np.broadcast_to(np.int8(0), s[n:]) for s in target.shapes(rank))
     return [x.shape for x in to_peft(target, a, b)]
 
 
@@ -447,8 +449,8 @@ def load_peft(
     problems = _unsupported_settings(config)
     wrong = _wrong_types(config)
     if wrong:  # nothing below can read such a config
-        lines = "\n".join(f"  - {p}" for p in problems + wrong)
         n = len(problems) + len(wrong)
+        lines = _listing(problems + wrong)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
     named = names(tree, frame.targets(tree), rules, prefix)
     by_name = {n: (t, i) for n, t, i in named}
@@ -530,7 +532,7 @@ def load_peft(
             f"target_modules {target_modules!r} match no layer of the model"
         )
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
+        lines = _listing(problems)
         raise ValueError(_CANNOT_LOAD.format(dir=path, n=len(problems), problems=lines))
     injections = []
     for tpath, per in stacks.items():
@@ -549,6 +551,18 @@ def load_peft(
     return out if isinstance(like, Tree) else frame.native(like, out)
 
 
+SHOWN = 20
+"""The most problems an error lists (an adapter naming 20,000 missing layers gave a
+1.6 MB message); the rest are counted."""
+
+
+def _listing(problems: list[str]) -> str:
+    lines = [f"  - {p}" for p in problems[:SHOWN]]
+    if len(problems) > SHOWN:
+        lines.append(f"  ... and {len(problems) - SHOWN} more")
+    return "\n".join(lines)
+
+
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     twice = sorted(
         k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1
@@ -564,29 +578,7 @@ def read_config(file: FilePath) -> dict[str, Any]:
     never waited on), at most `CONFIG_LIMIT` bytes, one value per key. Raises
     `CheckpointError` (a `ValueError`; `FileNotFoundError` when missing) naming the
     file."""
-    fd = open_regular(file, _FORMAT)
-    try:
-        n = size(fd)
-        if n > CONFIG_LIMIT:
-            raise unreadable(
-                file, _FORMAT,
-                f"it is {n} bytes, more than the {CONFIG_LIMIT} an {CONFIG} may have",
-            )  # fmt: skip
-        data = read_at(fd, 0, n)
-    except EOFError as e:
-        raise unreadable(file, _FORMAT, f"{e} (changed while read)") from None
-    finally:
-        os.close(fd)
-    try:
-        config = json.loads(data.decode("utf-8"), object_pairs_hook=_unique)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError: not JSON, a key twice, an integer of too many digits
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise unreadable(file, _FORMAT, f"it is not JSON ({reason[:200]})") from None
-    if not isinstance(config, dict):
-        what = type(config).__name__
-        raise unreadable(file, _FORMAT, f"it holds a JSON {what}, not an object")
-    return config
+    return read_json(file, _FORMAT, CONFIG_LIMIT, _unique)
 
 
 def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
@@ -597,12 +589,17 @@ def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite JSON number (Python's json reads `NaN` and `Infinity`)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 _TYPES: dict[str, tuple[str, Any]] = {
     "r": ("a positive integer", lambda v: type(v) is int and v > 0),
-    "lora_alpha": ("a number", _number),
+    "lora_alpha": ("a finite number", _number),
     "use_rslora": ("true or false", lambda v: isinstance(v, bool)),
     "lora_dropout": ("a number from 0 to 1", lambda v: _number(v) and 0 <= v < 1),
     "target_modules": (
@@ -624,7 +621,7 @@ _TYPES: dict[str, tuple[str, Any]] = {
         ),
     ),
     "alpha_pattern": (
-        "a map of names to numbers",
+        "a map of names to finite numbers",
         lambda v: v is None or (isinstance(v, dict) and all(map(_number, v.values()))),
     ),
 }

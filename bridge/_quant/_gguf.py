@@ -1,9 +1,11 @@
 """The GGUF format (llama.cpp's files: `*.gguf`), read with the `gguf` library.
 
-Its header is read by `gguf.GGUFReader`; each tensor is dequantized by
-`gguf.quants.dequantize` (Q8_0, Q4_0, Q4_K, Q6_K, ... to float32, bit for bit as
-llama.cpp's own reference) when its layer is converted. `F32`, `F16` and `BF16`
-tensors are read as they are. GGUF stores a tensor's dimensions innermost first; read
+Its header is read and checked by `bridge._quant._gguf_header` (as llama.cpp checks
+it; values equal to `gguf.GGUFReader`'s, tested); each tensor is read with positioned
+reads and dequantized by `gguf.quants.dequantize` (Q8_0, Q4_0, Q4_K, Q6_K, ... to
+float32, bit for bit as llama.cpp's own reference) when its layer is converted.
+`F32`, `F16`, `BF16`, `F64` and `I8`...`I64` tensors are read as they are. GGUF
+stores a tensor's dimensions innermost first; read
 in NumPy order, a linear layer's weight is `(out, in)`, PyTorch's layout, so a GGUF
 file is read as a PyTorch-layout checkpoint under its own names (`token_embd.weight`,
 `blk.0.attn_q.weight`, ...). The scalar key-values (`general.architecture`,
@@ -19,8 +21,10 @@ does, not to the two halves of each head as transformers' Llama does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,11 +34,13 @@ import ml_dtypes
 import numpy as np
 
 from .._families import _gguf_llama
-from .._io._contents import Contents, Stored, dotted, split
+from .._io._contents import Contents, Malformed, Stored, dotted, split
 from .._io._errors import CheckpointError, unreadable
+from .._io._files import Files, identity, open_regular, read_at
 from .._io._format import Format, register_format
 from .._lazy import LazyArray
 from .._paths import path_of
+from ._gguf_header import read_header
 
 
 NAME = "gguf"
@@ -48,32 +54,48 @@ _NO_WRITE = """\
 (optionally in PyTorch layout, quantized to FP8: save(..., layout="torch", \
 quantize="fp8-block")), or convert with llama.cpp's convert_hf_to_gguf.py."""
 
-_DENSE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# the types stored as NumPy dtypes (read as they are, not dequantized)
+_DENSE = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+}
+_NUMPY = {
+    name: np.dtype(ml_dtypes.bfloat16 if name == "BF16" else dtype)
+    for name, dtype in _DENSE.items()
+}
 
 
 class Tensor(NamedTuple):
     """One GGUF tensor: its ggml type's name (`"Q4_K"`), bits per weight, bytes
-    stored, and the reader's array of its bytes (or values)."""
+    stored, its NumPy shape (as read: dequantized) and where its bytes start in the
+    data section."""
 
     type: str
     bits: float
     nbytes: int
-    data: Any
+    shape: tuple[int, ...]
+    offset: int
 
 
 class Source(NamedTuple):
-    """The open reader and each tensor by name; `renamed`: the names a view of the
-    file gives them (`{name: (GGUF name, heads to un-permute the rows by, or 0)}`,
-    see `hf_view`)."""
+    """The open file (`files`, as `key`), where its data section starts, and each
+    tensor by name; `renamed`: the names a view of the file gives them (`{name:
+    (GGUF name, heads to un-permute the rows by, or 0)}`, see `hf_view`)."""
 
-    reader: Any
+    files: Files
+    key: int
+    start: int
     tensors: dict[str, Tensor]
     renamed: Mapping[str, tuple[str, int]] = {}
 
     def close(self) -> None:
-        mmap = getattr(self.reader.data, "_mmap", None)
-        if mmap is not None:
-            mmap.close()
+        self.files.close()
 
 
 def _gguf(path: Path) -> Any:
@@ -83,54 +105,74 @@ def _gguf(path: Path) -> Any:
         raise unreadable(path, NAME, _NO_GGUF.format(path=path)) from None
 
 
-def _scalar(field: Any) -> str | None:
-    """A scalar key-value as text, None for an array."""
-    if len(field.types) != 1:
-        return None
-    value = field.contents()
-    return value if isinstance(value, str) else repr(value)
+@functools.cache
+def _types() -> tuple[dict[int, tuple[str, int, int]], frozenset[int]]:
+    """`({ggml type number: (name, values a block, bytes a block)}, the numbers of
+    the types bridge reads)`: those stored as NumPy dtypes and those the gguf package
+    dequantizes."""
+    gguf = importlib.import_module("gguf")
+    sizes, readable = {}, set()
+    for qtype, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        sizes[int(qtype)] = (qtype.name, block, size)
+        if qtype.name not in _DENSE:
+            try:  # what gguf cannot dequantize raises NotImplementedError
+                gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+            except NotImplementedError:
+                continue
+        readable.add(int(qtype))
+    return sizes, frozenset(readable)
 
 
 def metadata(path: Path) -> Contents:
     """The `Contents` of a GGUF file: each tensor's NumPy shape and the dtype it is
-    read as (float32 for a quantized type), the file's scalar key-values."""
-    gguf = _gguf(path)
+    read as (float32 for a quantized type), the file's scalar key-values. The header
+    is checked as llama.cpp checks it (`bridge._quant._gguf_header`)."""
+    _gguf(path)
+    fd = open_regular(path, NAME)
+    files = Files()
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise unreadable(path, NAME, f"gguf cannot read its header ({e})") from None
+        ident = identity(fd)
+        header = read_header(fd, *_types())
+        key = files.add(path, NAME, fd, ident)  # `files` closes it from here on
+    except (Malformed, EOFError) as e:
+        os.close(fd)
+        raise unreadable(path, NAME, str(e)) from None
+    except BaseException:
+        os.close(fd)
+        raise
     tensors: dict[str, Tensor] = {}
     stored = []
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = Tensor(kind, 8 * size / block, int(t.n_bytes), t.data)
+    for t in header.tensors:
+        kind, block, size = _types()[0][t.type]
+        tensors[t.name] = Tensor(kind, 8 * size / block, t.nbytes, t.shape, t.offset)
         dtype = _DENSE.get(kind, "float32")
-        stored.append(Stored(t.name, split(t.name), "params", shape, dtype))
-    meta = {
-        key: text
-        for key, field in reader.fields.items()
-        if not key.startswith("GGUF.") and (text := _scalar(field)) is not None
-    }
-    source = Source(reader, tensors)
-    return Contents(path, NAME, "torch", "torch", None, (), meta, tuple(stored), source)
+        stored.append(Stored(t.name, split(t.name), "params", t.shape, dtype))
+    source = Source(files, key, header.start, tensors)
+    return Contents(
+        path, NAME, "torch", "torch", None, (), header.scalars, tuple(stored), source
+    )
 
 
 def read_one(contents: Contents, name: str) -> np.ndarray:
-    """Tensor `name`, dequantized to float32 by `gguf` if it is quantized."""
-    gguf = _gguf(contents.path)
-
-    stored, heads = contents.source.renamed.get(name, (name, 0))
-    tensor: Tensor = contents.source.tensors[stored]
-    shape = next(s.shape for s in contents.tensors if s.key == name)
-    if tensor.type == "BF16":
-        array = np.array(tensor.data).view(ml_dtypes.bfloat16).reshape(shape)
-    elif tensor.type in _DENSE:
-        array = np.array(tensor.data).reshape(shape)
+    """Tensor `name`, read from the file its header came from (positioned reads,
+    its identity checked before and after), dequantized to float32 by `gguf` if it
+    is quantized."""
+    source: Source = contents.source
+    stored, heads = source.renamed.get(name, (name, 0))
+    tensor = source.tensors[stored]
+    data = np.empty(tensor.nbytes, np.uint8)
+    try:
+        with source.files.reading(source.key) as fd:
+            read_at(fd, source.start + tensor.offset, tensor.nbytes, data.data)
+    except EOFError as e:
+        raise unreadable(contents.path, NAME, f"{e} (changed while read)") from None
+    if tensor.type in _DENSE:
+        array = data.view(_NUMPY[tensor.type]).reshape(tensor.shape)
     else:
+        gguf = _gguf(contents.path)
         qtype = gguf.GGMLQuantizationType[tensor.type]
-        array = gguf.quants.dequantize(np.asarray(tensor.data), qtype).reshape(shape)
+        blocks = gguf.quants.quant_shape_to_byte_shape(tensor.shape, qtype)
+        array = gguf.quants.dequantize(data.reshape(blocks), qtype)
     return _gguf_llama.unpermute(array, heads) if heads else array
 
 
@@ -166,7 +208,7 @@ def hf_view(contents: Contents) -> Contents | str:
                 )
         renamed[name] = (s.key, heads)
         stored.append(dataclasses.replace(s, key=name, path=split(name)))
-    source = Source(contents.source.reader, contents.source.tensors, renamed)
+    source = contents.source._replace(renamed=renamed)
     return dataclasses.replace(contents, tensors=tuple(stored), source=source)
 
 

@@ -45,7 +45,7 @@ from .._qarray import SCHEMES, QuantizedArray, Scheme, dequantized, is_quantized
 from .._tree import Tree, framework, map_with_path
 from . import _gguf
 from ._read import applies, scan
-from ._schemes import Quantized
+from ._schemes import Quantized, read_parts
 
 
 class KeepError(ValueError):
@@ -214,7 +214,7 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
     refused += unkept
     kept: dict[Path, QuantizedArray] = {}
     for step in quantized_steps:
-        kept.update(_kept_layer(step, by_id, stored, refused))
+        kept.update(_kept_layer(step, by_id, stored, refused, contents.path))
     if refused:
         raise KeepError(
             _NO_KEEP.format(
@@ -251,6 +251,7 @@ def _kept_layer(
     by_id: dict[int, tuple[Quantized, Any]],
     stored: Mapping[str, Any],
     refused: list[str],
+    file: Any,
 ) -> dict[Path, Any]:
     """The target arrays of one layer holding quantized weights: each quantized
     weight as a `QuantizedArray` (its layout changes traced), each other array
@@ -292,7 +293,7 @@ def _kept_layer(
         else:
             name, ops = found
             q, dtype = quantized[name]
-            out[path] = _quantized_array(q, dtype, ops, stored)
+            out[path] = _quantized_array(q, dtype, ops, stored, file)
     if plain and not any(r.startswith(step.source) for r in refused):
         # the layer's other arrays (a bias): converted with the quantized ones as
         # zeros that XLA drops, since nothing kept depends on them
@@ -357,10 +358,12 @@ def _quantized_array(
     dtype: Any,
     ops: tuple[tuple[str, Any], ...],
     stored: Mapping[str, Any],
+    file: Any,
 ) -> QuantizedArray:
+    read = read_parts(file, q, lambda name: stored[name].read())  # scales checked
     parts = {
-        part: jnp.asarray(stored[name].read())
-        for part, name in q.parts.items()
+        part: jnp.asarray(array)
+        for part, array in read.items()
         if part != "shape"  # compressed-tensors' weight_shape: in the scheme
     }
     settings = tuple(

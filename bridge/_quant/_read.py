@@ -12,7 +12,6 @@ float32.
 from __future__ import annotations
 
 import collections
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .._io._config import read_config
 from .._io._contents import Contents
 from .._io._format import format_named
 from .._lazy import LazyArray
@@ -33,14 +33,10 @@ _FLOATS = ("float16", "bfloat16", "float32")
 
 
 def folder_config(contents: Contents) -> dict[str, Any]:
-    """The `config.json` beside the checkpoint (`{}` if none, or not a JSON
-    object)."""
-    found = Path(contents.path).parent / "config.json"
-    try:
-        data = json.loads(found.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """The `config.json` beside the checkpoint (`{}` if none; `CheckpointError`
+    naming it when it is not a small regular file holding a JSON object: see
+    `bridge._io._config`)."""
+    return read_config(Path(contents.path).parent) or {}
 
 
 def quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -110,19 +106,19 @@ def _replaced(
     hidden = found.hidden()
     out = {k: v for k, v in arrays.items() if k not in hidden}
     for name, q in found.quantized.items():
-        out[name] = _dequantizing(q, arrays, out_dtype)
+        out[name] = _dequantizing(q, arrays, out_dtype, contents.path)
     return out
 
 
 def _dequantizing(
-    q: Quantized, arrays: Mapping[str, LazyArray], dtype: np.dtype
+    q: Quantized, arrays: Mapping[str, LazyArray], dtype: np.dtype, path: Any
 ) -> LazyArray:
     order = max(arrays[n].order for n in q.parts.values())
     return LazyArray(
         q.shape,
         dtype,
         order,
-        lambda: _schemes.dequantize(q, lambda n: arrays[n].read(), dtype),
+        lambda: _schemes.dequantize(q, lambda n: arrays[n].read(), dtype, path),
     )
 
 

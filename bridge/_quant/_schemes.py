@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
 
@@ -145,6 +145,8 @@ def recognise(
         rest = {p: n for p, n in parts.items() if not _in(n, blocks)}
         one = _module(prefix, rest, tensors, config, method, declared, read_small)
         for q in [*blocks, one]:
+            if isinstance(q, Quantized):
+                q = _check_parts(q, tensors)
             if isinstance(q, str):
                 problems.append(q)
             elif q is not None:
@@ -162,6 +164,44 @@ def recognise(
             _REFUSED.format(path=path, n=len(problems), problems=lines)
         )
     return Scan(found, frozenset(dropped))
+
+
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+# the dtypes each part of a scheme may have, as its library writes them (a weight's
+# own dtype decides its scheme, so it is checked there); bool is never an integer
+_PART_DTYPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "fp8-block": {"scale": _FLOATS},
+    "fp8": {"scale": _FLOATS, "zero": _INTS + _FP8},
+    "int": {"scale": _FLOATS, "zero": _INTS},
+    "int-packed": {"scale": _FLOATS, "zero": _INTS, "shape": _INTS},
+    "gptq": {"weight": ("int32",), "zero": ("int32",), "scale": _FLOATS},
+    "awq": {"weight": ("int32",), "zero": ("int32",), "scale": _FLOATS},
+}
+
+
+def _check_parts(q: Quantized, tensors: Stored) -> Quantized | str:
+    """`q`, or the problem with its parts' dtypes (a float `qweight` read as packed
+    integers would be a silent wrong weight) or its zero point's shape."""
+    for part, allowed in _PART_DTYPES.get(q.scheme, {}).items():
+        name = q.parts.get(part)
+        if name is not None and tensors[name][1] not in allowed:
+            return (
+                f"{name}: {tensors[name][1]}, but a {q.scheme} {part} is "
+                f"{' or '.join(allowed)}"
+            )
+    zero, scale = q.parts.get("zero"), q.parts.get("scale")
+    if (
+        zero is not None
+        and scale is not None
+        and q.scheme in ("fp8", "int", "int-packed")
+    ):
+        want = tuple(tensors[scale][0])
+        got = tuple(tensors[zero][0])
+        packed = (math.ceil(want[0] * q.bits / 32), *want[1:]) if want else want
+        if got != want and not (q.scheme == "int-packed" and got == packed):
+            return f"{zero}: shape {got}, but its weight_scale is {want}"
+    return q
 
 
 _GPT_OSS = """\
@@ -216,6 +256,16 @@ def _blocks(
             Quantized(weight, "mxfp4-blocks", 4, dense, kept, {"group_size": 32})
         )
     return out
+
+
+def _integer(value: Any) -> TypeGuard[int]:
+    """An int from JSON (not a bool, not `4.0`)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# a block of more values than this is a config that lies: a block of [1, 2**31]
+# would make a weight's scale grid the weight's size
+_MOST_BLOCK = 1 << 16
 
 
 def _join(prefix: str, part: str) -> str:
@@ -304,9 +354,12 @@ def _fp8_block(
     if (
         not isinstance(block, list | tuple)
         or len(block) != 2
-        or not all(isinstance(b, int) and b > 0 for b in block)
+        or not all(_integer(b) and 0 < b <= _MOST_BLOCK for b in block)
     ):
-        return f"{weight}: weight_block_size {block!r} is not two positive integers"
+        return (
+            f"{weight}: weight_block_size {block!r} is not two integers from 1 to "
+            f"{_MOST_BLOCK:,}"
+        )
     block = (int(block[0]), int(block[1]))
     if len(shape) < 2:
         return f"{weight}: a block-scaled FP8 weight must be 2-D, got shape {shape}"
@@ -348,6 +401,18 @@ def _ct_args(
     ):
         return "no compressed-tensors quantization_config (with config_groups)"
     schemes = [g for g in groups.values() if isinstance(g, dict)]
+    for g in schemes:
+        targets = g.get("targets", [])
+        if not isinstance(targets, list):
+            return f"a config group's targets are {str(targets)[:60]}, not a list"
+        for t in targets:
+            if isinstance(t, str) and t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    return (
+                        f"config group target {t[:60]!r} is no regular expression ({e})"
+                    )
     by_regex = [
         g
         for g in schemes
@@ -420,11 +485,13 @@ def _packed_weight(
     if isinstance(args, str):
         return f"{packed}: packed integers, but {args}; bits per value unknown"
     bits = args.get("num_bits")
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
+    if not _integer(bits) or not 1 <= bits <= 8:
         return f"{packed}: num_bits {bits!r} is not 1 to 8"
     shape = tuple(int(v) for v in np.asarray(read_small(parts["weight_shape"])))
     packed_shape = tensors[packed][0]
-    if len(shape) != 2 or tuple(packed_shape) != (
+    if len(shape) != 2 or min(shape) <= 0:
+        return f"{parts['weight_shape']}: {shape[:4]} is not two positive sizes"
+    if tuple(packed_shape) != (
         shape[0],
         math.ceil(shape[1] * bits / 32),
     ):
@@ -535,9 +602,9 @@ def _gptq_weight(
             "quant_method 'gptq' or 'awq' says how they were packed"
         )
     bits, group_size = config.get("bits"), config.get("group_size", -1)
-    if bits not in (2, 3, 4, 8):
+    if not _integer(bits) or bits not in (2, 3, 4, 8):
         return f"{qweight}: GPTQ with {bits!r} bits is not supported (2, 3, 4, 8 are)"
-    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+    if not _integer(group_size) or not (group_size == -1 or group_size > 0):
         return f"{qweight}: GPTQ group_size {group_size!r} is not -1 or positive"
     fmt = config.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
@@ -618,11 +685,11 @@ def _awq_weight(
         config.get("bits", config.get("w_bit")),
         config.get("group_size", config.get("q_group_size")),
     )
-    if bits != 4:
+    if not _integer(bits) or bits != 4:
         return f"{qweight}: AWQ with {bits!r} bits is not supported (4 is)"
     if config.get("zero_point", True) is not True:
         return f"{qweight}: AWQ without zero points is not supported"
-    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+    if not _integer(group_size) or not (group_size == -1 or group_size > 0):
         return f"{qweight}: AWQ group_size {group_size!r} is not -1 or positive"
     shape, dtype = tensors[qweight]
     if len(shape) != 2 or dtype != "int32":
@@ -650,11 +717,57 @@ def _awq_weight(
     return Quantized(weight, "awq", 4, (out_features, in_features), out, settings)
 
 
-def dequantize(q: Quantized, read: Callable[[str], np.ndarray], dtype) -> np.ndarray:
+_NOT_FINITE = """\
+{path}: {name} ({part} of {weight}) holds {count} {what} value(s), first at index \
+{index}: the weight would be {what}, so nothing was loaded. The checkpoint is \
+damaged: quantize the model again, or download the file again"""
+
+
+def read_parts(
+    path: Any, q: Quantized, read: Callable[[str], np.ndarray]
+) -> dict[str, np.ndarray]:
+    """`{part: array}` of `q`'s parts read by `read(stored name)`, its scales
+    checked: finite (an MXFP4 E8M0 scale is never 255, its NaN), an NVFP4 global
+    scale not 0 (the weight is divided by it). Raises `QuantizationError` naming the
+    tensor; the dequantizing load and `keep_quantized=True` both read through here."""
+    out = {}
+    for part, name in q.parts.items():
+        array = np.asarray(read(name))
+        if part in ("scale", "global"):
+            if array.dtype == np.uint8 and q.scheme.startswith("mxfp4"):
+                bad, what = array == 255, "NaN (E8M0 255)"
+            else:
+                values = array.astype(np.float32)
+                bad, what = ~np.isfinite(values), "NaN or infinite"
+                if part == "global":
+                    bad, what = bad | (values == 0), "zero, NaN or infinite"
+            if bad.any():
+                index = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise QuantizationError(
+                    _NOT_FINITE.format(
+                        path=path,
+                        name=name,
+                        part=part,
+                        weight=q.name,
+                        count=int(bad.sum()),
+                        what=what,
+                        index=index,
+                    )
+                )
+        out[part] = array
+    return out
+
+
+def dequantize(
+    q: Quantized, read: Callable[[str], np.ndarray], dtype, path: Any = ""
+) -> np.ndarray:
     """The dense weight of `q` (PyTorch layout, `q.shape`) as `dtype`, from its parts
-    read by `read(stored name)`, bit for bit as the scheme's own library gives it
-    (see the scheme modules)."""
-    parts = q.parts
+    read by `read(stored name)` (checked by `read_parts`; `path` names the
+    checkpoint), bit for bit as the scheme's own library gives it (see the scheme
+    modules)."""
+    arrays = read_parts(path, q, read)
+    parts = {part: part for part in arrays}
+    read = arrays.__getitem__
     if q.scheme == "fp8-block":
         return _fp8.dequantize_blocks(
             read(parts["weight"]), read(parts["scale"]), q.settings["block"], dtype

@@ -29,6 +29,7 @@ settings, other optimizers.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._paths import Path, path_str
+from .._paths import Path, parse, path_str
 
 
 _NOT_A_MODULE = """\
@@ -215,9 +216,16 @@ def _update_of(group: Mapping[str, Any], where: str, problems: list[str]) -> Any
         problems.append(f"{where} has maximize=True")
     if kind == "sgd" and group["dampening"]:
         problems.append(f"{where} has dampening={group['dampening']} (optax: none)")
-    number = lambda key: float(group[key])  # noqa: E731
+    for key in ("amsgrad", "maximize", "nesterov", "decoupled_weight_decay"):
+        if key in group and not isinstance(group[key], bool):
+            problems.append(f"{where} {key} is {_shown(group[key])}, not True or False")
+    number = lambda key: _number(group[key], f"{where} {key}", problems)  # noqa: E731
     if kind == "adam":
-        b1, b2 = map(float, group["betas"])
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            problems.append(f"{where} betas is {_shown(betas)}, not two numbers")
+            betas = (0.0, 0.0)
+        b1, b2 = (_number(b, f"{where} betas", problems) for b in betas)
         return Update(
             "adam",
             number("lr"),
@@ -234,6 +242,27 @@ def _update_of(group: Mapping[str, Any], where: str, problems: list[str]) -> Any
         momentum=number("momentum"),
         nesterov=bool(group["nesterov"]),
     )
+
+
+def _shown(value: Any) -> str:
+    """`repr(value)`, at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _number(value: Any, what: str, problems: list[str]) -> float:
+    """`value` as a float (a Python number or a 0-d tensor, as torch keeps `lr`), or
+    0.0 with the problem added."""
+    try:
+        if isinstance(value, (bool, str, bytes)) or np.ndim(value) != 0:
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        problems.append(f"{what} is {_shown(value)}, not a number")
+        return 0.0
+    if not math.isfinite(number):
+        problems.append(f"{what} is {number}")
+    return number
 
 
 # --- reading a PyTorch optimizer state ------------------------------------------------
@@ -270,6 +299,7 @@ def read(obj: Any, model: Any, argument: str) -> TorchState:
         )
     if problems:
         raise ValueError(_UNSUPPORTED.format(problems="; ".join(problems)))
+    _check_indexes(sd)
     named = list(model.named_parameters())
     index = [k for g in sd["param_groups"] for k in g["params"]]
     bad: list[str] = []
@@ -288,6 +318,7 @@ def read(obj: Any, model: Any, argument: str) -> TorchState:
                 f"{len(named)}"
             )
         names = [n for n, _ in named[: len(index)]]
+        tensors = [t for _, t in named[: len(index)]]
         for k, (name, tensor) in zip(index, named):
             entry = sd["state"].get(k, {})
             for key, value in entry.items():
@@ -299,7 +330,126 @@ def read(obj: Any, model: Any, argument: str) -> TorchState:
                     )
     if bad:
         raise ValueError(_INDEXES.format(argument=argument, problems="; ".join(bad)))
+    _check_entries(sd, updates[0], index, names, tensors)
     return TorchState(updates[0], tuple(names), sd)
+
+
+_DAMAGED = """\
+This PyTorch optimizer state is damaged, so it was not ported ({n} problem(s)): \
+{problems}
+torch.optim's state_dict() indexes its entries by int, lists each parameter in one \
+group once, and keeps for every parameter it stepped {keys}. Port the state as the \
+optimizer saved it, or start the optimizer fresh on the other side (`tx.init(...)`)."""
+
+
+def _damaged(problems: list[str], keys: str) -> ValueError:
+    shown = "; ".join(problems[:8])
+    if len(problems) > 8:
+        shown += f"; and {len(problems) - 8} more"
+    return ValueError(_DAMAGED.format(n=len(problems), problems=shown, keys=keys))
+
+
+_KEYS = "its step, exp_avg and exp_avg_sq (Adam, AdamW) or momentum_buffer (SGD)"
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_indexes(sd: Mapping[str, Any]) -> None:
+    """The state's keys and the groups' `params`: ints, each listed once, each
+    state entry in a group."""
+    problems: list[str] = []
+    state = sd["state"]
+    if not isinstance(state, Mapping):
+        raise _damaged([f"its state is a {type(state).__name__}, not a dict"], _KEYS)
+    listed: dict[int, int] = {}
+    for i, group in enumerate(sd["param_groups"]):
+        params = group["params"]
+        if not isinstance(params, (list, tuple)):
+            problems.append(f"param_groups[{i}] params is {_shown(params)}, not a list")
+            continue
+        for k in params:
+            if not _integer(k):
+                problems.append(f"param_groups[{i}] lists {_shown(k)}, not an int")
+            elif k in listed:
+                problems.append(
+                    f"param_groups[{i}] lists entry {k}, which param_groups"
+                    f"[{listed[k]}] lists too (one entry's moments would update two "
+                    "parameters)"
+                )
+            else:
+                listed[k] = i
+    for k in state:
+        if not _integer(k):
+            problems.append(
+                f"state key {_shown(k)} is a {type(k).__name__}, not an int (did the "
+                "state dict go through JSON? its keys must be int(key))"
+            )
+        elif k not in listed:
+            problems.append(f"state entry {k} is in no parameter group")
+    if problems:
+        raise _damaged(problems, _KEYS)
+
+
+def _check_entries(
+    sd: Mapping[str, Any],
+    update: Update,
+    index: list[int],
+    names: list[str],
+    tensors: list[Any],
+) -> None:
+    """Every entry with state holds what `update` keeps, as tensors of its
+    parameter's shape, and an Adam step a whole number from 0 to 2**31 - 1."""
+    torch = _torch()
+    required = {"adam": ("step", "exp_avg", "exp_avg_sq"), "sgd": ()}[update.kind]
+    problems: list[str] = []
+    for k, name, tensor in zip(index, names, tensors):
+        entry = sd["state"].get(k)
+        if not entry:
+            continue  # never stepped: fresh
+        where = f"entry {k} ({name or 'a parameter'})"
+        if not isinstance(entry, Mapping):
+            problems.append(f"{where} is {_shown(entry)}, not a dict")
+            continue
+        missing = [key for key in required if key not in entry]
+        if missing:
+            problems.append(f"{where} lacks {', '.join(missing)}")
+        for key, value in entry.items():
+            value: Any
+            if key == "step":
+                problems.extend(_step_problem(value, where))
+            elif key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if key == "momentum_buffer" and value is None:
+                    continue  # SGD without momentum
+                if torch is None or not torch.is_tensor(value):
+                    problems.append(f"{where} {key} is a {type(value).__name__}")
+                elif not value.is_floating_point():
+                    problems.append(f"{where} {key} is {value.dtype}, not floating")
+                elif tuple(value.shape) != tuple(tensor.shape):
+                    problems.append(
+                        f"{where} {key} has shape {tuple(value.shape)}, its "
+                        f"parameter {tuple(tensor.shape)}"
+                    )
+    if problems:
+        raise _damaged(problems, _KEYS)
+
+
+def _step_problem(value: Any, where: str) -> list[str]:
+    torch = _torch()
+    is_bool = isinstance(value, bool) or (
+        torch is not None and torch.is_tensor(value) and value.dtype == torch.bool
+    )
+    problems: list[str] = []
+    number = 0.0 if is_bool else _number(value, f"{where} step", problems)
+    if is_bool or (
+        not problems and not (0 <= number < 2**31 and number == int(number))
+    ):
+        problems.append(
+            f"{where} step is {_shown(value)}: not a whole number of steps from 0 to "
+            "2**31 - 1"
+        )
+    return problems
 
 
 def _numpy(tensor: Any) -> np.ndarray:
@@ -314,7 +464,7 @@ def _numpy(tensor: Any) -> np.ndarray:
 
 def _path_of_name(name: str) -> Path:
     """A dotted torch name as the path `bridge.from_torch` gives it."""
-    return tuple(int(k) if k.isdigit() else k for k in name.split("."))
+    return parse(name)
 
 
 def to_optax(read: TorchState) -> tuple[Any, int | None]:

@@ -290,6 +290,49 @@ def cases() -> list[Case]:
         Case("entry", "bool shape", _entry(lambda e: {**e, "shape": [True, 6]})),
         Case("entry", "shape a string", _entry(lambda e: {**e, "shape": "2,3"})),
         Case("entry", "huge shape", _entry(lambda e: {**e, "shape": [2**40, 2**40]})),
+        # round 3: shapes NumPy refuses with a raw ValueError
+        Case(
+            "entry",
+            "100 dims",
+            _st(
+                {"x": {"dtype": "F32", "shape": [1] * 100, "data_offsets": [0, 4]}},
+                bytes(4),
+            ),
+        ),
+        Case(
+            "entry",
+            "65 dims",
+            _st(
+                {"x": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}},
+                bytes(4),
+            ),
+        ),
+        Case(
+            "entry",
+            "zero-size huge dims 2**62",
+            _st(
+                {
+                    "x": {
+                        "dtype": "F32",
+                        "shape": [0, 2**62, 2**62],
+                        "data_offsets": [0, 0],
+                    }
+                }
+            ),
+        ),
+        Case(
+            "entry",
+            "zero-size huge dims 2**40",
+            _st(
+                {
+                    "x": {
+                        "dtype": "F32",
+                        "shape": [2**40, 0, 2**40],
+                        "data_offsets": [0, 0],
+                    }
+                }
+            ),
+        ),
         Case(
             "entry",
             "shape too small for bytes",
@@ -703,7 +746,33 @@ def accepted() -> list[Case]:
         ),
         Case("keys", "10k arrays", _plain([(f"p.{i}", [0]) for i in range(10_000)])),
         Case("header", "huge metadata value", _meta_plain("note", "x" * 20_000_000)),
+        # round 3: digits str.isdigit takes that are no index (int() refused the
+        # superscript; the Arabic-Indic one became index 1)
+        Case(
+            "keys",
+            "Arabic-Indic and superscript digits",
+            _plain([("l.\u0661", [1]), ("l.\u00b2", [1]), ("l.1", [1])]),
+        ),
+        Case(
+            "msgpack",
+            "mixed digit and word keys",
+            _mp({"params": {"0": {"w": _f32()}, "a": {"w": _f32()}}}),
+        ),
+        Case(
+            "msgpack",
+            "01 and 1",
+            _mp({"params": {"01": {"w": _f32()}, "1": {"w": _f32()}}}),
+        ),
+        Case(
+            "msgpack",
+            "Arabic-Indic and superscript digits",
+            _mp({"params": {"\u0661": {"w": _f32()}, "\u00b2": {"w": _f32()}}}),
+        ),
     ]
+
+
+def _f32() -> msgpack.ExtType:
+    return _ext_array([2], b"float32", np.ones(2, np.float32).tobytes())
 
 
 def many() -> Case:

@@ -1,0 +1,103 @@
+"""`bridge.load_peft` of adapter configs that lie (round 3 of the hostile-input
+audit): `lora_alpha` NaN or Infinity (Python's json reads both) scaled every adapter
+to NaN; `r: 10**12` allocated terabytes before its shapes were compared; an adapter
+naming 20,000 missing layers gave a 1.6 MB message; control characters reached the
+terminal. Each is one bounded `ValueError` naming the key."""
+
+import json
+import resource
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+import bridge
+
+from .helpers import skip_unless
+
+
+class M(nnx.Module):
+    def __init__(self):
+        self.fc = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+
+
+def _adapter(tmp_path, config_text, tensors=None):
+    tensors = tensors or {
+        "base_model.model.fc.lora_A.weight": np.ones((2, 4), np.float32),
+        "base_model.model.fc.lora_B.weight": np.ones((6, 2), np.float32),
+    }
+    safetensors.numpy.save_file(tensors, tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(config_text)
+    return tmp_path
+
+
+BASE = '{"r": 2, "target_modules": ["fc"], '
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (BASE + '"lora_alpha": NaN}', "lora_alpha is nan, not a finite number"),
+        (BASE + '"lora_alpha": Infinity}', "lora_alpha is inf"),
+        (BASE + '"lora_alpha": -Infinity}', "lora_alpha is -inf"),
+        (
+            BASE + '"lora_alpha": 4, "alpha_pattern": {"fc": NaN}}',
+            "alpha_pattern is {'fc': nan}, not a map of names to finite numbers",
+        ),
+        (
+            BASE + '"lora_alpha": 4, "lora_dropout": NaN}',
+            "lora_dropout is nan",
+        ),
+    ],
+)
+def test_nan_and_infinite_settings_are_refused_by_name(tmp_path, text, match):
+    skip_unless("NNX")
+    with pytest.raises(ValueError, match=match):
+        bridge.load_peft(_adapter(tmp_path, text), M())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"r": 10**12, "lora_alpha": 4, "target_modules": ["fc"]},
+        {
+            "r": 2,
+            "lora_alpha": 4,
+            "target_modules": ["fc"],
+            "rank_pattern": {"fc": 10**12},
+        },
+    ],
+)
+def test_a_huge_rank_allocates_nothing(tmp_path, config):
+    """It was `MemoryError: Unable to allocate 3.64 TiB`."""
+    skip_unless("NNX")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match="at rank 1000000000000"):
+        bridge.load_peft(_adapter(tmp_path, json.dumps(config)), M())
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100 * 1024
+
+
+def test_20000_missing_layers_give_a_bounded_message(tmp_path):
+    skip_unless("NNX")
+    tensors = {
+        f"base_model.model.layer{i}.lora_{x}.weight": np.ones((1, 1), np.float32)
+        for i in range(10_000)
+        for x in "AB"
+    }
+    config = {"r": 1, "lora_alpha": 1, "target_modules": ["fc"]}
+    with pytest.raises(ValueError) as info:
+        bridge.load_peft(_adapter(tmp_path, json.dumps(config), tensors), M())
+    message = str(info.value)
+    assert "20001 problem(s)" in message and "... and 19981 more" in message
+    assert len(message) < 5_000
+
+
+def test_control_characters_are_escaped(tmp_path):
+    skip_unless("NNX")
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["fc", "\x1b[2J\x07"]}
+    with pytest.raises(ValueError) as info:
+        bridge.load_peft(_adapter(tmp_path, json.dumps(config)), M())
+    message = str(info.value)
+    assert "\\x1b[2J\\x07" in message
+    assert not any(ord(c) < 32 and c != "\n" for c in message)
