@@ -26,17 +26,11 @@ from .public import hf_flax  # noqa: E402
 from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 
 
-_LIKE_INPUTS = (
-    "the folder's PyTorch model is traced on like's inputs (Flax's NHWC images), "
-    "which CLIP's vision tower does not take: refused ('trace: the source's forward "
-    "pass ... failed'); with example_kwargs=(PyTorch's, like's) it is exact"
-)
 _CONV1D = "GPT-2's FlaxConv1D (kernel (out, in)) is not recognised as a Dense layer"
 _WEIGHT_NORM = "weight-normed conv (weight_g/weight_v) and `masked_spec_embed` unread"
 
 # (model, route): why it does not port exactly yet
 NOT_YET = {
-    **{(model, "folder->flax"): _LIKE_INPUTS for model in ("clip",)},
     **{(model, route): _CONV1D for model in ("gpt2",) for route in hf_flax.ROUTES},
     **{("wav2vec2", route): _WEIGHT_NORM for route in hf_flax.ROUTES},
     ("resnet", "flax->folder"): "export names Flax ResNet's `layer_0` as "
