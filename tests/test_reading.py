@@ -29,7 +29,8 @@ class Wide(nnx.Module):
 
 
 @requires("NNX")
-def test_a_wide_plan_folds_at_100_columns_and_names_the_transform():
+def test_a_wide_plan_folds_at_100_columns_and_names_the_transform(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # str(plan) folds at the terminal's width
     sd = {}
     for i in range(2):
         prefix = f"a_rather_long_block_name.{i}.attn.c_attn"

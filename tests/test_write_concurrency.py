@@ -126,6 +126,7 @@ def test_a_thousand_loads_during_saves_none_mixed(tmp_path, target, save):
 _READ_ONLY = """
 import os, sys, json
 import numpy as np, bridge
+bridge.save  # bridge's modules imported while their files can be read (lazy names)
 directory = sys.argv[1]
 if os.getuid() == 0:  # root may write anything: run as nobody
     os.setgid(65534)

@@ -121,7 +121,7 @@ def register_format(fmt: Format) -> Format:
 _LOADED = False
 
 
-def _builtins() -> None:
+def load_builtins() -> None:
     """Register every built-in format (once), as importing `bridge`'s public names
     does: their modules register themselves (`_io`'s, and GGUF's from `_quant`), so
     a program that imported a private module first (`bridge._io._read`; `import
@@ -134,28 +134,28 @@ def _builtins() -> None:
 
 def formats() -> tuple[Format, ...]:
     """Every registered format, by name."""
-    _builtins()
+    load_builtins()
     return tuple(sorted(_FORMATS.values(), key=lambda f: f.name))
 
 
 def probing() -> tuple[Format, ...]:
     """The formats that find themselves inside a directory (`probe`), in the order a
     directory is probed: longest suffix first."""
-    _builtins()
+    load_builtins()
     found = [f for f in _FORMATS.values() if f.probe is not None]
     return tuple(sorted(found, key=lambda f: -max(map(len, f.suffixes), default=0)))
 
 
 def format_named(name: str) -> Format:
     """The registered format called `name`."""
-    _builtins()
+    load_builtins()
     return _FORMATS[name]
 
 
 def format_of(path: Path) -> Format:
     """The format of `path`, by the longest registered suffix ending its name; the
     directory format for a name no suffix ends."""
-    _builtins()
+    load_builtins()
     best: Format | None = None
     directory: Format | None = None
     longest = 0

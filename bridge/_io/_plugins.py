@@ -35,6 +35,7 @@ import numpy as np
 from .._lazy import LazyArray
 from .._tree import Tree
 from ._contents import Contents
+from ._format import load_builtins
 
 
 class Request(NamedTuple):
@@ -112,7 +113,9 @@ def register_plugin(plugin: Plugin) -> Plugin:
 
 
 def plugins() -> tuple[Plugin, ...]:
-    """Every registered plug-in, in registration order."""
+    """Every registered plug-in, in registration order (bridge's own registered
+    first, as the formats are: `_format.load_builtins`)."""
+    load_builtins()
     return tuple(_PLUGINS.values())
 
 

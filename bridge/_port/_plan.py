@@ -432,8 +432,11 @@ def make_plan(
     )
     axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     first: list[str] = []
-    opened = _opened(source, target)
-    read = _paired(source, target, rules, first, traces, axes, opened)
+    read = _paired(source, target, rules, first, traces, axes)
+    opened = _opened(read[0], read[1], read[4], read[5])
+    if opened != (frozenset(), frozenset()):  # an attention against projections
+        first = []
+        read = _paired(source, target, rules, first, traces, axes, opened)
     open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
     fixed: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     for (side, path, _), axis in _traced_axes(open_, traces).items():
@@ -642,15 +645,19 @@ _SPLIT_WHERE_ALONE = frozenset({"MultiHeadAttention"})
 `q_proj`/`k_proj`/`v_proj`/`o_proj`)."""
 
 
-def _opened(source: Tree, target: Tree) -> tuple[frozenset[str], frozenset[str]]:
-    """Per side, the kinds of `_SPLIT_WHERE_ALONE` the other side has no layer of."""
-    kinds = [
-        {k for x in find_layers(t, [], told=True) for k in x.kinds}
-        for t in (source, target)
-    ]
+def _opened(
+    sources: list[Layer],
+    targets: list[Layer],
+    lone_sources: list[Layer],
+    lone_targets: list[Layer],
+) -> tuple[frozenset[str], frozenset[str]]:
+    """Per side, the kinds of `_SPLIT_WHERE_ALONE` of its unpaired layers that the
+    other side has no layer of."""
+    kinds = [{k for x in side for k in x.kinds} for side in (sources, targets)]
+    lone = [{k for x in side for k in x.kinds} for side in (lone_sources, lone_targets)]
     return (
-        frozenset(_SPLIT_WHERE_ALONE & (kinds[0] - kinds[1])),
-        frozenset(_SPLIT_WHERE_ALONE & (kinds[1] - kinds[0])),
+        frozenset(_SPLIT_WHERE_ALONE & lone[0] - kinds[1]),
+        frozenset(_SPLIT_WHERE_ALONE & lone[1] - kinds[0]),
     )
 
 
