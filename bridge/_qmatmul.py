@@ -161,11 +161,16 @@ def _run(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
     for eqn in jaxpr.eqns:
         ins = [None if isinstance(v, Literal) else env.get(v) for v in eqn.invars]
         kept = [i for i, x in enumerate(ins) if isinstance(x, _Kept)]
-        if kept and eqn.primitive.name in _MOVES and len(ins) == 1:
-            env[eqn.outvars[0]] = ins[0].then(eqn)
+        first = ins[kept[0]] if kept else None
+        if isinstance(first, _Kept) and eqn.primitive.name in _MOVES and len(ins) == 1:
+            env[eqn.outvars[0]] = first.then(eqn)
             continue
-        if len(kept) == 1 and eqn.primitive.name == "dot_general":
-            out = _product(eqn, ins[kept[0]], kept[0], read)
+        if (
+            isinstance(first, _Kept)
+            and len(kept) == 1
+            and eqn.primitive.name == "dot_general"
+        ):
+            out = _product(eqn, first, kept[0], read)
             if out is not None:
                 env[eqn.outvars[0]] = out
                 continue
@@ -186,10 +191,10 @@ def _product(eqn: Any, kept: _Kept, side: int, read: Callable) -> Any:
         return None
     if len(contract[side]) != 1 or kept.axes[contract[side][0]] != 1:
         return None
-    x = read(eqn.invars[1 - side])
-    x = jnp.moveaxis(x, contract[1 - side][0], -1)
+    x = jnp.moveaxis(jnp.asarray(read(eqn.invars[1 - side])), contract[1 - side][0], -1)
     dtype = eqn.outvars[0].aval.dtype
-    y = kept_matmul(x.astype(kept.dtype), kept.q.parts, kept.q.scheme).astype(dtype)
+    y = jnp.asarray(kept_matmul(x.astype(kept.dtype), kept.q.parts, kept.q.scheme))
+    y = y.astype(dtype)
     return y if side == 1 else jnp.moveaxis(y, -1, 0)  # dot_general's order
 
 
@@ -215,7 +220,7 @@ def _forward(x: jax.Array, parts: dict[str, Any], s: Scheme) -> jax.Array:
         and scale.size == s.stored[0]
     )
     dims = (((x.ndim - 1,), (1,)), ((), ()))
-    if per_row:  # the narrow values into the product, the scale onto its outputs
+    if per_row and scale is not None:  # narrow values in, the scale onto the outputs
         q = parts["weight"].astype(x.dtype)
         y = jax.lax.dot_general(x, q, dims, preferred_element_type=jnp.float32)
         row = scale.reshape((1,) * (y.ndim - 1) + (-1,)).astype(jnp.float32)

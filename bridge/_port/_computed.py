@@ -67,7 +67,7 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     torch = tuple(c for c in x.codecs if c.framework == "torch")
     spec = trace.kernels().get(where)
     if spec is not None and torch:
-        kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get(tuple(spec[:2]))
+        kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get((spec[0], spec[1]))
         _keep(x, tuple(c for c in x.codecs if c.kind == kind or c not in torch))
     contraction = trace.contractions().get(where)
     kernel = x.paths.get("kernel")

@@ -261,8 +261,8 @@ def _applied(codec: Codec, layer: Layer) -> str:
             if chosen is None:  # the name did not say: the shapes did (in, out)
                 weight = layer.leaves.get("weight")
                 kernel = layer.specs.get(codec.kind, {}).get("kernel")
-                chosen = weight is not None and kernel is not None
-                chosen = chosen and tuple(weight.shape) == tuple(kernel.shape)
+                shapes = [getattr(x, "shape", None) for x in (weight, kernel)]
+                chosen = shapes[0] is not None and shapes[0] == shapes[1]
             return (conv1d if chosen else other)[0]
     return codec.layout
 

@@ -19,7 +19,7 @@ changes the computation.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.extend.core
@@ -432,11 +432,12 @@ class Trace:
             return None
         if uses is None:
             return None
-        self.contracted.update(uses.contracted)
-        self.convolved.update(uses.convolved)
-        self.needs.update(uses.needs)
-        self.normalised.update(uses.norms)
-        return uses.positions
+        # an adapter's trace is keyed by leaf path (`Adapter.trace`)
+        self.contracted.update(cast(dict[Path, Contraction], uses.contracted))
+        self.convolved.update(cast(dict[Path, tuple[int, ...]], uses.convolved))
+        self.needs.update(cast(dict[Path, tuple[int, int]], uses.needs))
+        self.normalised.update(cast(dict[Path, str], uses.norms))
+        return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
         self.problems.append(

@@ -227,9 +227,7 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
     # dequantizing load moves it
     tree = run(dataclasses.replace(plan, steps=tuple(others)))
     tree = map_with_path(lambda path, leaf: kept.get(path, leaf), tree)
-    said = list(plan.warnings)
-    if plan.mismatched:
-        said.append(_errors.MISMATCHED.format(layers="\n    ".join(plan.mismatched)))
+    said = list(plan.warnings)  # mismatched layers: in load's report, as port's
     if said:
         warnings.warn(
             "Port warnings:\n  " + "\n  ".join(said), _errors.PortWarning, stacklevel=4
