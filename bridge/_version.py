@@ -2,4 +2,5 @@
 that checkpoints record (also when bridge runs from a source tree that pip did not
 install) and the wheel's version (pyproject.toml reads it from here)."""
 
-__version__ = VERSION = "0.4.0"  # (hatch reads `__version__`)
+__version__ = "0.4.0"  # hatch reads this line (its default pattern)
+VERSION = __version__
