@@ -44,6 +44,9 @@ _quiet = "ignore:Transparent hugepages are not enabled:UserWarning"
 os.environ["PYTHONWARNINGS"] = ",".join(
     w for w in (os.environ.get("PYTHONWARNINGS"), _quiet) if w
 )
+# a plan folds at the terminal's width (`Plan.__str__`): the doctests and tests read
+# it at bridge's own default, whatever terminal (or none) runs them
+os.environ["COLUMNS"] = "100"
 if jax.default_backend() != "cpu":
     # The tests compare float32 results with the frameworks' own at a CPU's float32
     # accuracy; an accelerator multiplies float32 matrices in bfloat16 passes by
