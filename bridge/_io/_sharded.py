@@ -37,7 +37,15 @@ from . import _safetensors
 from ._atomic import atomic_file, turn
 from ._contents import Contents, Malformed, decode, encode
 from ._errors import CheckpointError, unreadable
-from ._files import Files, Identity, identity, open_directory, open_regular, read_whole
+from ._files import (
+    Files,
+    Identity,
+    MissingCheckpoint,
+    identity,
+    open_directory,
+    open_regular,
+    read_whole,
+)
 from ._format import Format, register_format
 
 
@@ -176,6 +184,9 @@ def metadata(path: Path) -> Contents:
             return _metadata(path)
         except _Replaced:
             continue
+        except MissingCheckpoint:  # the folder opened was swapped away and emptied
+            if not path.exists():  # meanwhile: read the one there now; else missing
+                raise
     raise unreadable(path, NAME, _REPLACED.format(n=ATTEMPTS))
 
 
