@@ -88,3 +88,4 @@ def test_port(name, route):
         raise SilentlyWrong(f"{name} {route}: {outcome}")
     if outcome.outcome != "exact":
         raise NotYet(f"{name} {route}: {outcome}")
+    assert outcome.outcome == "exact", outcome  # within the case's tolerance

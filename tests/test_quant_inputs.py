@@ -284,6 +284,9 @@ NOT_FINITE = [
 
 
 def _check(folder, fragments, keep):
+    """The refusals of every load of `folder` (their messages), each checked to name
+    the file and every fragment."""
+    messages = []
     for like in (_like(), None) if not keep else (_like(),):
         with pytest.raises(bridge.CheckpointError) as info:
             bridge.load(folder, like=like, keep_quantized=keep)
@@ -291,6 +294,8 @@ def _check(folder, fragments, keep):
         assert "model.safetensors" in message or str(folder) in message, message
         for fragment in fragments:
             assert fragment in message, (fragment, message)
+        messages.append(message)
+    return messages
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["dequantizing", "kept"])
@@ -298,7 +303,8 @@ def _check(folder, fragments, keep):
 def test_lying_companions_are_refused_naming_the_tensor(tmp_path, case, keep):
     _, scheme, name, change, fragments = case
     state, config = _changed(scheme, name, change)
-    _check(_folder(tmp_path, state, config), fragments, keep)
+    messages = _check(_folder(tmp_path, state, config), fragments, keep)
+    assert all(f in m for m in messages for f in fragments), messages
 
 
 @pytest.mark.parametrize(
