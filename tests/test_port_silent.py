@@ -153,6 +153,57 @@ def test_positional_pairs_in_one_framework_warn():
     )
 
 
+class _UsedHeads(_Heads):
+    def __init__(self, first, second, rngs):
+        super().__init__(first, second, rngs)
+        self.heads = (first, second)
+
+    def __call__(self, x):
+        h = self.body(x)
+        return sum(getattr(self, n)(h).sum() for n in self.heads)
+
+
+@requires("NNX")
+def test_positional_pairs_confirmed_by_both_traces():
+    """Given example inputs, the only layers of their kind and shapes that both
+    forward passes use are paired by the traces (their order checked against the
+    passes), with no warning; from a file (no forward pass) the warning says the
+    source has none instead of asking again for the inputs that were given."""
+    source = _UsedHeads("sentiment_head", "extra", nnx.Rngs(0))
+    target = _UsedHeads("topic_head", "other", nnx.Rngs(1))
+    x = jnp.ones((2, 4))
+    plan = bridge.port_plan(source, target, example=(x,))
+    assert [s.by for s in plan.steps if s.renamed] == ["trace", "trace"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ported = bridge.port(source, target, example=(x,))
+    assert float(source(x)) == float(ported(x))
+    part = bridge.from_nnx(nnx.List([source]))[0]  # a part: nothing to run
+    assert float(bridge.port(part, target, example=(x,))(x)) == float(source(x))
+
+
+class _LinenHeads(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="body")(x)
+        return nn.Dense(2, name="topic_head")(h).sum() + nn.Dense(3, name="other")(h)
+
+
+def test_positional_warning_names_the_untraced_side():
+    """Example inputs given, but the source is Linen variables alone (no module to
+    run): the warning says the source has no forward pass instead of asking again
+    for the inputs that were given."""
+    x = jnp.ones((2, 4))
+    variables = _LinenHeads().init(jax.random.key(0), x)
+    params = dict(variables["params"])
+    params["sentiment_head"] = params.pop("topic_head")
+    with pytest.warns(bridge.PortWarning) as said:
+        bridge.port({"params": params}, (_LinenHeads(), variables), example=(x,))
+    text = str(said[0].message)
+    assert "sentiment_head -> .topic_head" in text
+    assert "source has no forward pass" in text and "give example" not in text
+
+
 class _Twins(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -184,8 +184,7 @@ POSITIONAL = (
     "paired by their place, not by name: layers of one framework whose names differ "
     "were paired because they are the only ones (or the n-th) of their kind and "
     "shapes:\n    {pairs}\n  Check that each pair is the same layer; say so with "
-    "rules={{...}} to silence this, or give example inputs (example=(x,)) so that "
-    "the forward passes pair them."
+    "rules={{...}} to silence this. {decide}"
 )
 OPEN_KIND = (
     "kind: {source} -> {target} fit a {kinds} alike ({shapes}), which store their "

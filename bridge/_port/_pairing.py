@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, cast
 
 from .._adapters._registry import creation_order
@@ -27,7 +27,9 @@ _NUMBERED = re.compile(r"^(.*?)[_.\-]?(\d+)$")
 
 class Pair(NamedTuple):
     """A source layer, the target layer it fills, and what paired them: `"rule"`,
-    `"path"`, `"name"`, `"shape"` (the only layer of its kind and shapes), `"order"`
+    `"path"`, `"name"`, `"shape"` (the only layer of its kind and shapes), `"trace"`
+    (the order of use of both forward passes, or the only layer of its kind and
+    shapes that both use), `"order"`
     (kind, shapes and creation order), `"kind"` (the only layer of its kind)."""
 
     source: Layer
@@ -35,11 +37,11 @@ class Pair(NamedTuple):
     by: str
 
 
-def undecided(orders: tuple[Order, Order] | list[Order]) -> str:
-    """What would decide a choice names, shapes and order leave open: example
-    inputs when none were given, else which side's forward pass could not be
-    traced (never "give example inputs" when they were given)."""
-    traced = [o.was_traced() for o in orders]
+def undecided(traced: Sequence[bool | None]) -> str:
+    """What would decide a choice names, shapes and order leave open, given
+    whether each side was traced (`Order.was_traced`): example inputs when none
+    were given, else which side's forward pass could not be traced (never "give
+    example inputs" when they were given)."""
     if traced == [None, None]:
         return _errors.GIVE_EXAMPLE
     untraced = [side for side, t in zip(("source", "target"), traced) if not t]
@@ -331,8 +333,9 @@ class _Pairing:
                 a, b = self._last_names(a, b)
             if len(a) != len(b) or not a:
                 continue
-            if len(a) == 1:
-                self.add(a[0], b[0], "shape")
+            if len(a) == 1:  # both forward passes use it: `_contradicted` checks
+                traced = all(o.traced(x) for o, x in zip(self.orders, (a, b)))
+                self.add(a[0], b[0], "trace" if traced else "shape")
                 continue
             oa, ob, by = self.in_order(a, b)
             if oa is None or ob is None:
@@ -382,7 +385,7 @@ class _Pairing:
                 targets=[t.where for t in b],
                 side=("source", "target")[side],
                 why=self.orders[side].why((a, b)[side]),
-                decide=undecided(self.orders),
+                decide=undecided([o.was_traced() for o in self.orders]),
                 source_re=re.escape(a[0].where),
             )
         )
@@ -397,7 +400,11 @@ class _Pairing:
         oa, ob, by = self.in_order(rest_s, rest_t)
         if oa is not None and ob is not None:
             for s, t in _align(
-                oa, ob, self.problems, self.ambiguous, undecided(self.orders)
+                oa,
+                ob,
+                self.problems,
+                self.ambiguous,
+                undecided([o.was_traced() for o in self.orders]),
             ):
                 self.add(s, t, by)
             return

@@ -24,7 +24,15 @@ from ._codec import Codec, same
 from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
-from ._pairing import Order, Pair, common_kind, normalised, pair, same_shapes
+from ._pairing import (
+    Order,
+    Pair,
+    common_kind,
+    normalised,
+    pair,
+    same_shapes,
+    undecided,
+)
 from ._trace import Example, Trace
 
 
@@ -506,7 +514,12 @@ def make_plan(
         if x.renamed and x.by in _POSITIONAL and _meanings(x.source, x.target)
     ]
     if guessed and framework(source) == framework(target):
-        warnings.append(_errors.POSITIONAL.format(pairs="\n    ".join(guessed)))
+        traced = [None if t is None else bool(t()) for t in traces]
+        warnings.append(
+            _errors.POSITIONAL.format(
+                pairs="\n    ".join(guessed), decide=undecided(traced)
+            )
+        )
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()

@@ -396,13 +396,14 @@ class Trace:
         return self.called
 
     def _once(self) -> Mapping[Path, Position] | None:
-        adapter = adapter_of_tree(self.tree)
+        try:
+            adapter = adapter_of_tree(self.tree)
+            native = None if adapter.trace is not None else to_native(self.tree)
+        except (TypeError, ValueError):  # a part of a model: nothing to run
+            self.why = "a part of a model has no forward pass of its own"
+            return None
         if adapter.trace is not None:  # a framework JAX does not trace (PyTorch)
             return self._by(adapter.trace)
-        try:
-            native = to_native(self.tree)
-        except (TypeError, ValueError):  # a part of a model: nothing to run
-            return None
         if isinstance(native, Mapping):  # arrays without a model to run (Linen
             return None  # variables alone, a state dict): the order known decides
         try:
