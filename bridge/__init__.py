@@ -119,7 +119,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+    """The public names and the module's own (`__version__`, `_private`), not the
+    helpers this file imports (`Any`, `importlib`)."""
+    own = [n for n in globals() if n.startswith("_") or n == "VERSION"]
+    return sorted(set(own) | set(_PUBLIC))
 
 
 _clash.watch()

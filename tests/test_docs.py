@@ -51,6 +51,9 @@ def test_the_lazy_table_and_the_static_imports_agree():
     }
     assert static == bridge._PUBLIC
     assert bridge.__all__ == sorted(static)
+    # what `dir(bridge)` shows a user: the public names, not this file's imports
+    shown = {n for n in dir(bridge) if not n.startswith("_")}
+    assert shown == set(bridge.__all__) | {"VERSION"}
 
 
 def documented_names() -> dict[str, str]:
