@@ -123,3 +123,72 @@ def test_without_a_trace_the_refusal_says_which_side(tmp_path):
         bridge.load(tmp_path / "hf", like=Decoder(nnx.Rngs(0)), example=(tokens(),))
     assert "the source has no forward pass to trace" in str(refused.value)
     assert "Give example inputs" not in str(refused.value)
+
+
+class _Registered(torch.nn.Module):
+    """Two same-shape layers registered (created) in the order `zeta`, `alpha`:
+    the names sort the other way."""
+
+    def __init__(self):
+        super().__init__()
+        self.zeta = torch.nn.Linear(4, 4)
+        self.alpha = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.alpha(torch.tanh(self.zeta(x)))
+
+
+class _UpDown(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(4, 4, rngs=rngs)
+        self.down = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.numpy.tanh(self.up(x)))
+
+
+def test_a_torch_module_pairs_in_registration_order_without_example():
+    """A torch module registers its submodules in the order `__init__` creates
+    them (not the keys of a dict): with NNX's unsorted attributes on the other
+    side, the two pair in creation order with no example inputs, both ways."""
+    module, model = _Registered(), _UpDown(nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    plan = bridge.port_plan(module, model)
+    assert {(s.source, s.target, s.by) for s in plan.steps} == {
+        (".zeta", ".up", "order"),
+        (".alpha", ".down", "order"),
+    }
+    ported = bridge.port(module, model)
+    np.testing.assert_allclose(
+        ported(x), module(torch.from_numpy(x)).detach().numpy(), atol=1e-6
+    )
+    back = _Registered()
+    back.load_state_dict(bridge.port(ported, back), strict=True)
+    np.testing.assert_allclose(
+        back(torch.from_numpy(x)).detach().numpy(), ported(x), atol=1e-6
+    )
+
+
+class _Mixed(torch.nn.Module):
+    """A parameter of the module and one of a submodule, alike: torch keeps the
+    two in separate dicts, so which was created first is not recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.scale = torch.nn.Parameter(torch.ones(4))
+        self.shift = torch.nn.Parameter(torch.zeros(4))
+
+
+class _MixedNNX(nnx.Module):
+    def __init__(self):
+        self.b = nnx.Param(jax.numpy.ones(4))
+        self.a = nnx.Param(jax.numpy.zeros(4))
+
+
+def test_a_torch_parameter_and_a_submodule_are_not_ordered():
+    """A module's own parameter against a submodule's: not ordered (torch's
+    `state_dict` lists own parameters first, whatever was created first), so two
+    alike are refused as ambiguous instead of paired by that listing."""
+    with pytest.raises(bridge.PortError, match=r"ambiguous: .*\.inner\.scale"):
+        bridge.port(_Mixed(), _MixedNNX())

@@ -116,8 +116,11 @@ class Adapter(NamedTuple):
       whose children come in the order of `keys` (its native order) lists them in
       the order they were created: True (Equinox: fields in class order), False
       when its classes keep that order but this node lost it (an NNX module's
-      attributes sorted by `nnx.jit`, `nnx.eval_shape`); None when `cls` is not of
-      this framework. Without it (Linen's dicts), the order is never trusted.
+      attributes sorted by `nnx.jit`, `nnx.eval_shape`), `APART` when the node's
+      arrays are in creation order among themselves and its submodules among
+      themselves, but not one against the other (a `torch.nn.Module` registers
+      them in two dicts); None when `cls` is not of this framework. Without it
+      (Linen's dicts), the order is never trusted.
     - `declared`: optional, `declared(tree, wanted) -> [(path, module), ...] |
       None`: the submodules of the Tree's native model that `wanted(module)`
       accepts (not looking inside them), for a framework whose `modules` cannot
@@ -176,7 +179,7 @@ class Adapter(NamedTuple):
     plain_file: Callable[[Mapping[str, str], Iterable[str]], bool] | None = None
     role_of: Callable[[str], str] | None = None
     optimizer: Optimizer | None = None
-    creation_order: Callable[[Any, Sequence[Key]], bool | None] | None = None
+    creation_order: Callable[[Any, Sequence[Key]], bool | str | None] | None = None
     declared: (
         Callable[[Tree, Callable[[Any], bool]], list[tuple[Path, Any]] | None] | None
     ) = None
@@ -360,7 +363,12 @@ def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
     return () if adapter is None or adapter.ties is None else adapter.ties(tree)
 
 
-def creation_order(cls: Any, keys: Sequence[Key]) -> bool | None:
+APART = "apart"
+"""`Adapter.creation_order`'s answer for a node whose arrays and submodules are each
+in creation order, but not ordered one against the other."""
+
+
+def creation_order(cls: Any, keys: Sequence[Key]) -> bool | str | None:
     """Whether a node of class `cls` lists its children (in the order of `keys`) in
     creation order, as the adapter whose classes `cls` is of says
     (`Adapter.creation_order`); None when no adapter knows `cls`."""

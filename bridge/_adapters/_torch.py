@@ -28,11 +28,11 @@ from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path, parse
-from .._tree import Held, Source, Tree, items, kind, walk
+from .._tree import Held, Key, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
 from . import _torch_trace
 from ._build import build, native_leaves, source_of
-from ._registry import Adapter, LayoutWriter, register_adapter
+from ._registry import APART, Adapter, LayoutWriter, register_adapter
 
 
 ROLE_OF = {
@@ -846,6 +846,15 @@ WRITER = LayoutWriter(
 )
 
 
+def _creation_order(cls: Any, keys: Sequence[Key]) -> str | None:
+    """A `torch.nn.Module` registers its parameters and its submodules, each in the
+    order `__init__` assigned them, in two dicts (`state_dict` lists the first,
+    then the second): each is in creation order, one against the other is not."""
+    torch = _torch()
+    is_module = torch is not None and isinstance(cls, type)
+    return APART if is_module and issubclass(cls, torch.nn.Module) else None
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="torch",
@@ -866,5 +875,6 @@ ADAPTER = register_adapter(
         writer=WRITER,
         trace=trace,
         with_config=with_config,
+        creation_order=_creation_order,
     )
 )

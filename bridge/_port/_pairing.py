@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, cast
 
-from .._adapters._registry import creation_order
+from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._layers import Layer
@@ -123,12 +123,19 @@ class Order:
         self._trace = trace
         self._uses: Mapping[Path, Position] | None = None
         self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
+        # nodes whose arrays and submodules are each in creation order, but not
+        # one against the other (`APART`): the keys of their arrays
+        self._apart: dict[Path, frozenset[Key]] = {}
         self._kinds: dict[Path, object] = {}
         self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
         native = native_order(tree)  # the Tree's own order is canonical
         for path, node in walk(tree):
             keys = list(native.get(path, ())) or [k for k, _ in items(node)]
-            self._nodes[path] = ({k: i for i, k in enumerate(keys)}, _known(node, keys))
+            known = _known(node, keys)
+            if known == APART:
+                arrays = [k for k, v in items(node) if not isinstance(v, Tree)]
+                self._apart[path] = frozenset(arrays)
+            self._nodes[path] = ({k: i for i, k in enumerate(keys)}, bool(known))
             self._kinds[path] = kind(node)
 
     def was_traced(self) -> bool | None:
@@ -136,13 +143,16 @@ class Order:
         (a file or a state dict has none to trace)."""
         return None if self._trace is None else bool(self._trace())
 
-    def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
-        real = tuple(
+    def _real(self, prefix: Path) -> Path:
+        """The node's path in the Tree: a stack's layer index dropped."""
+        return tuple(
             k
             for j, k in enumerate(prefix)
             if not (isinstance(k, int) and prefix[:j] in self._stacks)
         )
-        return self._nodes[real]
+
+    def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
+        return self._nodes[self._real(prefix)]
 
     def compare(self, a: Path, b: Path) -> int | None:
         """-1, 0 or 1 when the creation order of `a` and `b` is known, else None."""
@@ -155,6 +165,8 @@ class Order:
             i, j = cast(int, a[n]), cast(int, b[n])
             return (i > j) - (i < j)
         positions, known = self._node(a[:n])
+        if self._mixed(a[:n], (a[n], b[n])):
+            return None
         if known:
             return (positions[a[n]] > positions[b[n]]) - (
                 positions[a[n]] < positions[b[n]]
@@ -174,12 +186,20 @@ class Order:
                 parting.setdefault(x.path[:n], set()).add(x.path[n])
         out = []
         for prefix, keys in parting.items():
-            if len(keys) < 2 or prefix in self._stacks or self._node(prefix)[1]:
+            if len(keys) < 2 or prefix in self._stacks:
+                continue
+            if self._node(prefix)[1] and not self._mixed(prefix, keys):
                 continue
             numbers = [_number(k) for k in keys]
             if None in numbers or len({n[0] for n in numbers if n}) > 1:
                 out.append(prefix)
         return out
+
+    def _mixed(self, prefix: Path, keys: Iterable[Key]) -> bool:
+        """Whether `keys` of the node at `prefix` are arrays and submodules of a
+        node that orders each but not one against the other (`APART`)."""
+        arrays = self._apart.get(self._real(prefix))
+        return arrays is not None and len({k in arrays for k in keys}) > 1
 
     def why(self, layers: list[Layer]) -> str:
         """Why the creation order of `layers` is not known, for an error message."""
@@ -218,7 +238,7 @@ class Order:
         )
 
 
-def _known(node: Tree, keys: list[Key]) -> bool:
+def _known(node: Tree, keys: list[Key]) -> bool | str:
     cls = kind(node)
     if len(keys) <= 1 or all(isinstance(k, int) for k in keys):
         return True
@@ -228,7 +248,8 @@ def _known(node: Tree, keys: list[Key]) -> bool:
     # build them in any order, so its order is never trusted as creation order (a
     # shuffled dict then ports wrongly: tests/test_port_property.py); example inputs
     # give the order instead
-    return bool(creation_order(cls, keys))
+    known = creation_order(cls, keys)
+    return known if known == APART else bool(known)
 
 
 class _Pairing:
