@@ -475,7 +475,7 @@ def test_toy_runs_inside_every_framework(toy, wrap):
 # --- a user codec pair through a checkpoint and through `convert --to-layout` --------
 
 
-class Scale(nnx.Module):  # y = x * gain, as in docs/guides/porting.md
+class Scale(nnx.Module):  # y = x * gain, as in docs/guides/codecs.md
     def __init__(self, n):
         self.gain = nnx.Param(jnp.ones(n))
 

@@ -344,3 +344,36 @@ def test_the_version_is_one_and_the_changelog_lists_it():
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert done.stdout == f"bridge {bridge.__version__}\n"
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs' `toc` extension gives a heading (its default `slugify`)."""
+    text = re.sub(r"[^\w\s-]", "", heading).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_every_link_between_pages_arrives():
+    """Each relative link of the README and the docs names a file that exists and,
+    after `#`, a heading of that page (a split page moves sections: this is what
+    tells)."""
+    broken = []
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]
+    for page in pages:
+        text = _FENCE.sub("", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and path.suffix == ".md":
+                headings = re.findall(
+                    r"^#+ (.+)$", _FENCE.sub("", path.read_text()), re.M
+                )
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(
+                        f"{page.relative_to(ROOT)}: {target} (no such heading)"
+                    )
+    assert len(pages) > 10
+    assert not broken, "links that arrive nowhere:\n" + "\n".join(broken)

@@ -47,7 +47,7 @@ _NO_EQUINOX = (
     "unsupported: {where} ({kinds}) has no Equinox counterpart a codec knows; "
     "register an Equinox codec of kind {kind!r} with a `build` "
     "(bridge.register_codec(bridge.Codec(kind={kind!r}, framework='equinox', ..., "
-    "build=...)), see docs/guides/porting.md)"
+    "build=...)), see docs/guides/codecs.md)"
 )
 _NO_FLAX = (
     "unsupported: {where} ({kinds}) has no Flax counterpart: in the Flax layout its "

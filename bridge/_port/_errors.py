@@ -200,7 +200,7 @@ TRACE = (
 )
 UNSUPPORTED = (
     "unsupported: {where} ({cls}) holds {names} but no codec recognises it. Register "
-    "one with bridge.register_codec(bridge.Codec(...)) (see docs/guides/porting.md)."
+    "one with bridge.register_codec(bridge.Codec(...)) (see docs/guides/codecs.md)."
 )
 MISNAMED = (
     "unsupported: Linen layer {where} is named like a {name} but holds {names}, which "

@@ -936,11 +936,11 @@ def port_plan(
 
     A `Plan`; `print(plan)` shows one row per layer: `~` when the two names differ,
     source path, target path, layer kind, what paired them (`path`, `name`, `rule`,
-    `shape`, `order`, `kind`: see the porting guide), the transform applied (`copy`,
-    `Flax -> weight (out, in)`, `Flax -> stats in State`, ...), and the shapes in
-    Flax's layout; then the missing and unexpected layers, the hyperparameter
-    warnings, and the problems `bridge.port` would raise for. `port_plan` itself
-    never raises for them: it is the place to look at them.
+    `shape`, `order`, `kind`: see the guide "How layers are paired"), the transform
+    applied (`copy`, `Flax -> weight (out, in)`, `Flax -> stats in State`, ...), and the
+    shapes in Flax's layout; then the missing and unexpected layers, the hyperparameter
+    warnings, and the problems `bridge.port` would raise for. `port_plan` itself never
+    raises for them: it is the place to look at them.
 
     **Example:**
 

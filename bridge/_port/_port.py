@@ -57,14 +57,13 @@ def port(
     identical paths, then by names equal after normalisation (`layers_3` =
     `layers[3]`), then by kind and shapes, in the order the forward passes use them
     (given `example=` inputs: pass them when the two models name their layers
-    differently), else in creation order only where the order is known to be it
-    (see the porting guide); a choice left open is an error, never a guess. They
-    are converted between
-    layouts: Dense kernel `(in, out)` <-> Equinox weight `(out, in)`, conv HWIO <->
-    OIHW, attention heads split <-> fused, BatchNorm statistics <-> `eqx.nn.State`.
-    Every problem is collected first and raised once, as a `PortError`: nothing is
-    half-written, and `target` is never modified. Each ported array takes the sharding
-    of the target's array it replaces.
+    differently), else in creation order only where the order is known to be it (see the
+    guide "How layers are paired"); a choice left open is an error, never a guess. They
+    are converted between layouts: Dense kernel `(in, out)` <-> Equinox weight `(out,
+    in)`, conv HWIO <-> OIHW, attention heads split <-> fused, BatchNorm statistics <->
+    `eqx.nn.State`. Every problem is collected first and raised once, as a `PortError`:
+    nothing is half-written, and `target` is never modified. Each ported array takes the
+    sharding of the target's array it replaces.
 
     **Arguments:**
 
