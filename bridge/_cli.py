@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import json
 import math
 import os
 import re
 import sys
-import threading
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -313,62 +311,6 @@ def _clipped(value: str) -> str:
     return f"{value[:_LONGEST]}... ({len(value):,} characters; --json shows all)"
 
 
-class _Slow:
-    """A progress display (on stderr) that shows itself once an operation has taken
-    a second: one line per phase with a spinner, a bar with the share done (for a
-    phase that counts its bytes) and the time taken."""
-
-    def __init__(self, console: Console):
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            SpinnerColumn,
-            TaskProgressColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self.progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        )
-        # on a terminal only: a log or a pipe gets no redrawn lines
-        self.timer = threading.Timer(1.0, self._start if console.is_terminal else int)
-        self.started = False
-        self.task = None
-
-    @contextlib.contextmanager
-    def phase(
-        self, description: str, total: int | None = None
-    ) -> Iterator[Callable[[int], None]]:
-        """A phase of the operation; of `total` bytes, counted by calling what it
-        yields with each part's size (without `total`, a pulsing bar)."""
-        if self.task is not None:
-            self.progress.update(self.task, total=1, completed=1)
-        task = self.task = self.progress.add_task(description, total=total or None)
-        yield lambda done: self.progress.advance(task, done)
-        self.progress.update(task, total=1, completed=1)
-
-    def _start(self) -> None:
-        self.started = True
-        self.progress.start()
-
-    def __enter__(self) -> _Slow:
-        self.timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.timer.cancel()
-        self.timer.join()
-        if self.started:
-            self.progress.stop()
-
-
 _NOT_A_FORMAT = """\
 {dst}: bridge writes no {suffix} files ({what}). It writes {writable}, and an orbax
 directory for a name without a suffix (a Hugging Face folder with --to-layout torch)."""
@@ -490,14 +432,15 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     from ._io._reference import check as check_reference, reference_of
     from ._io._relayout import model_only, relayout
     from ._io._write import write
+    from ._progress import Display
 
     dst = Path(args.dst)
-    with _Slow(Console(stderr=True)) as slow:
+    with Display(Console(stderr=True)) as slow:
         with open_checkpoint(args.src) as contents:
             total = sum(s.nbytes for s in contents.tensors)
             name = f"reading {contents.path.name} ({human(total)})"
-            with slow.phase(name, total) as advance:
-                arrays = read(contents, progress=advance)
+            with slow.phase(name, total):
+                arrays = read(contents)
         if args.weights_only and contents.training:
             count = len(contents.tensors)
             contents, arrays = model_only(contents, arrays)

@@ -20,6 +20,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ._progress import advance
+
 
 class LazyArray:
     """Shape and dtype now, values on `read()` (or `np.asarray`).
@@ -43,6 +45,7 @@ class LazyArray:
         "_ahead",
         "size",
         "nbytes",
+        "_counted",
     )
 
     def __init__(
@@ -63,6 +66,7 @@ class LazyArray:
         self._ahead: concurrent.futures.Future | None = None  # `ReadAhead`'s read
         self.size = math.prod(int(n) for n in self.shape)  # asked for per row of a port
         self.nbytes = self.size * self.dtype.itemsize
+        self._counted = False  # its bytes counted for a progress display
 
     @property
     def ndim(self) -> int:
@@ -70,9 +74,14 @@ class LazyArray:
 
     def read(self) -> np.ndarray:
         """The array: read now, or the read `ReadAhead` started (once: a second
-        `read` reads again)."""
+        `read` reads again). A `plain` array (a file's bytes) counts its bytes for a
+        progress display (`bridge._progress.advance`), on its first read only."""
         ahead, self._ahead = self._ahead, None
-        return self._load() if ahead is None else ahead.result()
+        array = self._load() if ahead is None else ahead.result()
+        if self.plain and not self._counted:
+            self._counted = True
+            advance(self.nbytes)
+        return array
 
     def __array__(self, dtype=None, copy=None):
         array = self.read()

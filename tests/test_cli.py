@@ -378,19 +378,20 @@ def test_convert_shows_the_share_of_bytes_read(tmp_path):
 
     from rich.console import Console
 
-    from bridge._cli import _Slow
     from bridge._io._read import open_checkpoint, read
+    from bridge._progress import Display, counting
 
     path = tmp_path / "m.safetensors"
     bridge.save(path, {"params": {"a": jnp.ones((3, 4)), "b": jnp.ones(5, jnp.int8)}})
-    counted: list[int] = []
-    with open_checkpoint(path) as contents:
-        total = sum(s.nbytes for s in contents.tensors)
-        read(contents, progress=counted.append)
+    with Display(Console(file=io.StringIO())) as slow:
+        with open_checkpoint(path) as contents:
+            total = sum(s.nbytes for s in contents.tensors)
+            counted: list[int] = []
+            with slow.phase("reading", total):
+                with counting(counted.append):
+                    read(contents)
+                task = slow.progress.tasks[0]
+                assert task.completed == 0  # the inner listener took the counts
+                read(contents)
+                assert (task.total, task.completed) == (total, total)
     assert sorted(counted) == [5, 48] and sum(counted) == total
-    with _Slow(Console(file=io.StringIO())) as slow:
-        with slow.phase("reading", total) as advance:
-            for n in counted:
-                advance(n)
-            task = slow.progress.tasks[0]
-            assert (task.total, task.completed) == (total, total)

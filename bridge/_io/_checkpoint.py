@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from .._adapters._native import (
     check_model,
     like as like_form,
@@ -44,6 +46,8 @@ from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
 from .._port._port import port_and_plan
 from .._port._report import Report, name, report as made_report
+from .._progress import shown
+from .._sizes import human
 from .._tree import framework
 from . import (  # noqa: F401  (they register formats)
     _msgpack,
@@ -100,6 +104,7 @@ def save(
     generation_config: Any = None,
     packed_experts: str | None = None,
     like: Any = None,
+    progress: bool = False,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -180,6 +185,11 @@ def save(
       Face folder). The names and shapes written must be exactly its own (a name it
       ties to another may be left out); otherwise a `ValueError` lists every
       difference and nothing is written.
+    - `progress`: with `True`, a progress display on stderr (the bytes written out
+      of the model's total, array by array; an orbax or msgpack file fills its bar
+      at the end), as `bridge convert` shows: only when stderr is a terminal, and
+      only once the save has taken a second. Off by default, as a library's output
+      should be.
 
     **Returns:**
 
@@ -206,6 +216,7 @@ def save(
     check_str(prefix, "prefix")
     check_step(step)
     check_extra(extra)
+    check_bool(progress, "progress")
     training = opt_state is not None or step is not None or extra is not None
     folder = {"max_shard_size": max_shard_size, "config": config}
     folder["generation_config"] = generation_config
@@ -231,13 +242,24 @@ def save(
             plugin.check_save(path, tree)
     # 3. written: as another library writes it (`layout`, a `quantize` scheme a
     # plug-in gives), or bridge's own file with its metadata and training state
-    if plain:
-        save_layout(path, tree, metadata, layout, rules, prefix, folder, quantize, like)
-        return
-    contents, arrays = describe(tree, metadata)
-    if training:
-        contents, arrays = _training.add(contents, arrays, tree, opt_state, step, extra)
-    write(path, contents, arrays)
+    total = _nbytes((tree, opt_state, extra)) if progress else 0  # a walk: if asked
+    with shown(progress, f"saving {path.name} ({human(total)})", total):
+        if plain:
+            save_layout(
+                path, tree, metadata, layout, rules, prefix, folder, quantize, like
+            )
+            return
+        contents, arrays = describe(tree, metadata)
+        if training:
+            contents, arrays = _training.add(
+                contents, arrays, tree, opt_state, step, extra
+            )
+        write(path, contents, arrays)
+
+
+def _nbytes(tree: Any) -> int:
+    """The bytes of the arrays of `tree` (any pytree)."""
+    return sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _path(path: Any) -> Path:
@@ -264,6 +286,7 @@ def load(
     example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
     keep_quantized: bool = False,
     report: bool = False,
+    progress: bool = False,
 ) -> Any:
     """Load a checkpoint written by `bridge.save` (or any safetensors file).
 
@@ -326,6 +349,10 @@ def load(
       `nnx.Optimizer(model, tx, wrt=...)`, a Linen `TrainState`). The saved state
       is put into its form by `bridge.port_opt_state`, whatever framework it was
       saved from.
+    - `progress`: with `True`, a progress display on stderr (the bytes read out of
+      the checkpoint's total, array by array, shard after shard), as `bridge
+      convert` shows: only when stderr is a terminal, and only once the load has
+      taken a second. Off by default, as a library's output should be.
 
     **Returns:**
 
@@ -384,6 +411,7 @@ def load(
         )
     )
     check_bool(report, "report")
+    check_bool(progress, "progress")
     if report and like is None:
         raise TypeError("`report` needs `like`: it says what the load left of it.")
     with paused():
@@ -394,15 +422,18 @@ def load(
         with open_checkpoint(request.path) as everything:
             # 1. the file's contents: the model's arrays, the training state's apart
             contents, training = _training.split(everything)
-            if request.target is None:
-                return file_tree(contents, read_all(contents, request.dtype))
-            # 2. under the names `like` gives its layers
-            contents = _named(contents, request)
-            # 3. `like` filled by the first reader that can
-            filled = _fill(everything, contents, request)
-            saved = None
-            if opt_state_like is not None:
-                saved = _training.read_state(everything, training)
+            read = everything if opt_state_like is not None else contents
+            total = sum(s.nbytes for s in read.tensors)
+            with shown(progress, f"loading {read.path.name} ({human(total)})", total):
+                if request.target is None:
+                    return file_tree(contents, read_all(contents, request.dtype))
+                # 2. under the names `like` gives its layers
+                contents = _named(contents, request)
+                # 3. `like` filled by the first reader that can
+                filled = _fill(everything, contents, request)
+                saved = None
+                if opt_state_like is not None:
+                    saved = _training.read_state(everything, training)
         # 4. what a non-strict port left, reported (and returned with `report`);
         # the optimizer state ported
         told = _told(filled.plan, contents.path, like)

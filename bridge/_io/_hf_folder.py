@@ -36,6 +36,7 @@ import numpy as np
 
 from .._families import _experts
 from .._families._experts import Place
+from .._progress import advance
 from .._tree import Tree
 from ._atomic import _barrier, atomic_dir
 from ._config import written_type
@@ -455,7 +456,9 @@ def write_folder(
                     for index, block in _own_blocks(array):
                         if place is not None:
                             index = _inside(place, index, np.shape(array))
-                        written += write_block(fds.fd(entry.file), entry, index, block)
+                        done = write_block(fds.fd(entry.file), entry, index, block)
+                        written += done
+                        advance(done)
                     del array
         _barrier(f"bridge.save {path}: shards written")
         if primary:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from .._paths import path_of
 from .._placement import place, sharding_of
+from .._progress import advance
 from .._tree import Tree
 from ._atomic import reachable
 from ._contents import Contents, dotted
@@ -81,11 +82,10 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
 def read(
     contents: Contents,
     shardings: Mapping[str, Any] | None = None,
-    progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:
     """Every array of a checkpoint as a JAX array, by dotted name, one at a time
-    (typed PRNG keys re-wrapped). `shardings` places arrays (by name); `progress`,
-    when given, is called with each array's size in bytes once it is read.
+    (typed PRNG keys re-wrapped). `shardings` places arrays (by name); each array's
+    size in bytes is counted (`bridge._progress.advance`) once it is read.
 
     A 64-bit array (`int64`, `uint64`, `float64`, `complex128`) while
     `jax_enable_x64` is off stays a NumPy array: JAX would truncate it silently."""
@@ -98,8 +98,7 @@ def read(
         arrays = jax.device_put([array for _, array in batch]) if batch else []
         for (name, _), array in zip(batch, arrays, strict=True):
             out[name] = array
-            if progress is not None:
-                progress(by_name[name].nbytes)
+            advance(by_name[name].nbytes)
         batch.clear()
 
     for name, array in format_named(contents.format).restore(contents, shardings):
@@ -115,8 +114,7 @@ def read(
                 flush()
             continue
         out[name] = _placed(array, impl, sharding)
-        if progress is not None:
-            progress(by_name[name].nbytes)
+        advance(by_name[name].nbytes)
     flush()
     return {name: out[name] for name in by_name if name in out}
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._lazy import LazyArray
+from .._progress import advance
 from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode, encode
 from ._errors import unreadable
@@ -151,6 +152,7 @@ def save_plain(
         f.write(text)
         for array in host.values():
             f.write(_to_bytes(array).data)
+            advance(array.nbytes)
 
 
 class Entry(NamedTuple):
