@@ -160,8 +160,8 @@ def save(
       checkpoints guide.
     - `opt_state`: optional, the optimizer state made for `obj`'s parameters: an
       optax state (`tx.init(params)`, `step.init(tree)`), an `nnx.Optimizer` or a
-      Linen `TrainState` (their step is saved too). See "Resuming training in
-      another framework" in the checkpoints guide.
+      Linen `TrainState` (their step is saved too). See the guide "Resume
+      training in another framework".
     - `step`: optional, the step count (an int).
     - `extra`: optional `{name: array}` saved with it (a PRNG key, a data loader's
       position).
@@ -294,7 +294,7 @@ def load(
     memory stays near one copy of the model and a file replaced meanwhile is never
     mixed with its successor. Nothing in the file is executed or imported: the formats
     hold data only, and module classes recorded in the metadata are matched only
-    against classes already imported (see the checkpoints guide, "Security").
+    against classes already imported (see the guide "Safe writes and untrusted files").
 
     **Arguments:**
 
@@ -424,7 +424,9 @@ def load(
             contents, training = _training.split(everything)
             read = everything if opt_state_like is not None else contents
             total = sum(s.nbytes for s in read.tensors)
-            with shown(progress, f"loading {read.path.name} ({human(total)})", total):
+            with shown(
+                progress, f"loading {request.path.name} ({human(total)})", total
+            ):
                 if request.target is None:
                     return file_tree(contents, read_all(contents, request.dtype))
                 # 2. under the names `like` gives its layers
