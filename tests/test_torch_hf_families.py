@@ -133,7 +133,7 @@ def test_a_norm_computing_one_plus_weight_is_not_a_flax_rms_norm(family, cls):
 @pytest.fixture
 def gemma_norm():
     """`GemmaNorm` (NNX) and `EqxGemmaNorm` (`scale` both) registered as the layer
-    kind of Hugging Face's Gemma norms, as docs/guides/pytorch.md says."""
+    kind of Hugging Face's Gemma norms, as docs/guides/torch-layouts.md says."""
     norms = [GemmaNorm, EqxGemmaNorm]
     built_in = bridge.unregister_codec("GemmaRMSNorm", "nnx")
     built_in += bridge.unregister_codec("GemmaRMSNorm", "equinox")

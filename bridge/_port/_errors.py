@@ -53,7 +53,7 @@ FUSED = (
     "with `...` each part's name and rows, `'name': rows`, in the order the source's "
     "forward pass cuts its output: the shapes do not tell it, and a wrong order ports "
     "without an error. Port back into a Tree made with the same split to write the "
-    "fused layer again (docs/guides/pytorch.md, Fused QKV)."
+    "fused layer again (docs/guides/torch-layouts.md, Fused QKV)."
 )
 ONE_PLUS_WEIGHT = (
     "norm: {n} source layer(s) ({some}) compute x * (1 + weight), as Gemma's "
@@ -61,7 +61,7 @@ ONE_PLUS_WEIGHT = (
     "x * scale, so these weights cannot go into them as they are. Write the norm as "
     "x * (1 + scale), its array named `scale` (as Google's JAX Gemma does), and "
     'register it: bridge.register_codec(*bridge.Codec.same_layout("GemmaRMSNorm", '
-    "[MyNorm])) (docs/guides/pytorch.md, Gemma)."
+    "[MyNorm])) (docs/guides/torch-layouts.md, Gemma)."
 )
 SHAPE = (
     "shape: {source} -> {target} ({kind}): `{entry}` is {actual} in the "
