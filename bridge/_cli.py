@@ -537,7 +537,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect, check=_check_inspect)
     p = sub.add_parser(
         "convert",
-        help="convert between safetensors, msgpack and orbax",
+        help="convert between formats (safetensors, msgpack, orbax, Hugging Face "
+        "folders), and to another framework's layout (--to-layout)",
         description=_CONVERT_HELP.format(formats=_formats_help()),
     )
     p.add_argument("src", help="the checkpoint to read")
