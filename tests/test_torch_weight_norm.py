@@ -173,3 +173,43 @@ def test_a_norm_axis_other_than_the_modules_is_refused():
     wrong.parametrizations.weight.original0 = torch.nn.Parameter(torch.ones(1, 1, K))
     with pytest.raises(bridge.PortError, match=r"keeps axis 0 \(the module's `dim`\)"):
         bridge.port(wrong, FlaxConvWithWeightNorm(g_axes=(0,)))
+
+
+class DenseWithWeightNorm(nnx.Module):
+    """A weight-normed dense layer written by hand: `weight_v` stored `(out, in)`
+    (PyTorch's order) or `(in, out)` (Flax's), normalised per output."""
+
+    def __init__(self, flax_order, seed=1):
+        keys = jax.random.split(jax.random.key(seed), 3)
+        self.flax_order = flax_order
+        shape = (IN, OUT) if flax_order else (OUT, IN)
+        self.weight_v = nnx.Param(jax.random.normal(keys[0], shape))
+        g_shape = (1, OUT) if flax_order else (OUT, 1)
+        self.weight_g = nnx.Param(jax.random.normal(keys[1], g_shape))
+        self.bias = nnx.Param(jax.random.normal(keys[2], (OUT,)))
+
+    def __call__(self, x):
+        v, g = self.weight_v[...], self.weight_g[...]
+        axis = 0 if self.flax_order else 1
+        w = v * g / jnp.sqrt(jnp.sum(v * v, axis=axis, keepdims=True))
+        return x @ (w if self.flax_order else w.T) + self.bias[...][None]
+
+
+@pytest.mark.parametrize("flax_order", [False, True])
+def test_parametrized_linear_into_a_dense_weight_norm(flax_order):
+    """A weight-normed `nn.Linear` into a hand-written Flax one: `v`'s axes as the
+    product reads them (PyTorch's order needs no example; Flax's is refused without
+    one, its `bias` not fitting), outputs torch's, `v` and `g` bit-exact."""
+    torch.manual_seed(0)
+    linear = weight_norm(torch.nn.Linear(IN, OUT), dim=0).eval()
+    x = np.random.default_rng(6).normal(size=(5, IN)).astype(np.float32)
+    target = DenseWithWeightNorm(flax_order)
+    ported = bridge.port(linear, target, example=(x,))
+    _close(ported(jnp.asarray(x)), _torch_out(linear, x))
+    v = linear.parametrizations.weight.original1.detach().numpy()
+    assert np.array_equal(np.asarray(ported.weight_v[...]), v.T if flax_order else v)
+    if flax_order:
+        with pytest.raises(bridge.PortError, match="does not fit PyTorch's order"):
+            bridge.port(linear, DenseWithWeightNorm(flax_order))
+    else:
+        _close(bridge.port(linear, target)(jnp.asarray(x)), _torch_out(linear, x))
