@@ -213,3 +213,28 @@ def test_parametrized_linear_into_a_dense_weight_norm(flax_order):
             bridge.port(linear, DenseWithWeightNorm(flax_order))
     else:
         _close(bridge.port(linear, target)(jnp.asarray(x)), _torch_out(linear, x))
+
+
+class TransposedWeightNorm(torch.nn.Module):
+    """A weight-normed transposed convolution written by hand (no class tells it):
+    `weight_v` `(in, out, k)` read by `conv_transpose1d`."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight_v = torch.nn.Parameter(torch.randn(IN, OUT, K))
+        self.weight_g = torch.nn.Parameter(torch.randn(IN, 1, 1))
+        self.bias = torch.nn.Parameter(torch.randn(IN))
+
+    def forward(self, x):
+        w = torch._weight_norm(self.weight_v, self.weight_g, 0)
+        return torch.nn.functional.conv_transpose1d(x, w)
+
+
+def test_a_weight_norm_the_forward_pass_convolves_transposed_is_refused():
+    """Its entries look like a weight-normed convolution's; the traced forward pass
+    shows `conv_transpose1d`: refused, never read as a convolution."""
+    source = TransposedWeightNorm()
+    x = np.random.default_rng(2).normal(size=(2, IN, L)).astype(np.float32)
+    target = FlaxConvWithWeightNorm(g_axes=(0,))
+    with pytest.raises(bridge.PortError, match="applies transposed"):
+        bridge.port(source, target, example=(x,))

@@ -258,6 +258,11 @@ WEIGHT_NORM_AXES = (
     "does not fit PyTorch's order (out, in, *spatial), and nothing tells which axes "
     "are the output, the input and the kernel's. {why}"
 )
+TRANSPOSED_WEIGHT_NORM = (
+    "unsupported: {where} is a weight-normed convolution that the forward pass "
+    "applies transposed (conv_transpose): a weight-normed ConvTranspose is not read "
+    "yet"
+)
 SETTINGS = {
     "conv1d": (
         "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "

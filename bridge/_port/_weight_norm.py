@@ -95,58 +95,74 @@ def with_folded(codecs: tuple[Codec, ...]) -> tuple[Codec, ...]:
 
 
 def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Layer]:
-    """Each Flax weight-normed layer's `axes` (`v`'s stored axes as `(out, in,
-    *spatial)`) from the forward pass: the convolution (or product) that its
-    weight, computed from `v` element by element, feeds. Returns the layers whose
-    axes the pass told otherwise than PyTorch's order, which they are read in
-    without it (their shapes are to be read again: `_layers.read_specs`). A layer
-    whose `bias` does not fit PyTorch's order and whose axes the pass does not tell
-    is a problem, and loses its weight-norm kinds."""
+    """Each weight-normed layer's `v` axes as the forward pass reads them: the
+    convolution (or product) that the weight computed from `v` element by element
+    feeds, as its stored axes `(out, in, *spatial)`.
+
+    A Flax layer takes them (`hyper["axes"]`); it is read in PyTorch's order
+    without them. Returns the layers told other axes than that (their shapes are to
+    be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
+    PyTorch's order and whose axes the pass does not tell is a problem; so is a
+    PyTorch layer read from a file whose weight the pass convolves transposed (a
+    weight-normed `ConvTranspose`): either loses its weight-norm kinds."""
     told = []
     for x in layers:
-        if "weight_v" not in x.leaves or not any(
-            c.kind in _PLAIN.values() | _PLAIN.keys() and c.framework in _FLAX
-            for c in x.codecs
-        ):
+        codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
+        v = next((n for n in _V if n in x.leaves), None)
+        if codec is None or v is None or codec.framework not in _FLAX + ("torch",):
             continue
         base = x.real if x.index is not None else x.path
-        path = base + x.paths.get("weight_v", ("weight_v",))
-        axes = _traced(x, trace, path)
-        if axes is not None and axes != tuple(range(len(axes))):
+        axes = _traced(x, trace, base + x.paths.get(v, (v,)), v)
+        plain = axes is None or axes == tuple(range(len(axes)))
+        if codec.framework == "torch":
+            if not plain:
+                problems.append(_errors.TRANSPOSED_WEIGHT_NORM.format(where=x.where))
+                _drop(x)
+            continue
+        if not plain:
             x.hyper["axes"] = axes
             told.append(x)
-            continue
-        asked = [k for k, name in x.unknown.items() if name == "axes"]
-        if asked:
+        elif "axes" in x.unknown.values():
             problems.append(
                 _errors.WEIGHT_NORM_AXES.format(
                     where=x.where,
-                    shape=tuple(x.leaves["weight_v"].shape),
+                    shape=tuple(x.leaves[v].shape),
                     bias=tuple(x.leaves["bias"].shape),
-                    why=_errors.GIVE_EXAMPLE if trace is None else _NOT_SEEN,
+                    why=_NO_EXAMPLE if trace is None else _NOT_SEEN,
                 )
             )
-            x.codecs = tuple(c for c in x.codecs if c.kind not in asked)
-            for k in asked:
-                x.unknown.pop(k)
+            _drop(x)
     return told
 
 
+def _drop(x: Layer) -> None:
+    """`x` without its weight-norm kinds (and their unknown settings)."""
+    gone = {c.kind for c in x.codecs if c.kind in _PLAIN or is_folded(c)}
+    x.codecs = tuple(c for c in x.codecs if c.kind not in gone)
+    for k in gone:
+        x.unknown.pop(k, None)
+
+
+_V = ("weight_v", "parametrizations/weight/original1")
+"""The entry holding `v` (Flax's and PyTorch's old hook; PyTorch's parametrization)."""
+_NO_EXAMPLE = (
+    "Give example inputs (example=(x,)): the forward pass shows which axes its "
+    "convolution (or product) reads."
+)
 _NOT_SEEN = (
     "The forward pass on the example inputs convolves (or multiplies) no weight "
     "computed from it element by element."
 )
-
-
 _FLAX = ("linen", "nnx")
 """The frameworks whose weight-norm codecs read `v`'s axes from the forward pass."""
 
 
-def _traced(x: Layer, trace: Any, path: Any) -> tuple[int, ...] | None:
+def _traced(x: Layer, trace: Any, path: Any, v: str) -> tuple[int, ...] | None:
+    """`v`'s stored axes as `(out, in, *spatial)` where the pass tells them."""
     if trace is None or not trace():
         return None
     axis = x.axis if x.index is not None else None
-    rank = len(x.leaves["weight_v"].shape)
+    rank = len(x.leaves[v].shape)
     kernel = trace.kernels().get(path)
     if kernel is not None and rank >= 3:
         found = tuple(kernel)

@@ -133,8 +133,10 @@ def _torch_dim(module: Any) -> int | None:
 
 def _torch_hyper(plain: str):
     def read(layer: Any) -> dict[str, Any]:
-        out = _torch_conv_hyper(layer) if plain == "Conv" else {}
-        dim = _torch_dim(module_of(layer))
+        module = module_of(layer)
+        conv = plain == "Conv" and hasattr(module, "kernel_size")  # nn.Conv*d
+        out = _torch_conv_hyper(layer) if conv else {}
+        dim = _torch_dim(module)
         if dim is not None:
             out["weight_norm_dim"] = dim
         return out
