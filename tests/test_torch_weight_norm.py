@@ -238,3 +238,17 @@ def test_a_weight_norm_the_forward_pass_convolves_transposed_is_refused():
     target = FlaxConvWithWeightNorm(g_axes=(0,))
     with pytest.raises(bridge.PortError, match="applies transposed"):
         bridge.port(source, target, example=(x,))
+
+
+def test_parametrized_conv_into_equinox_weight_norm_and_a_dim_that_differs():
+    """Into `eqx.nn.WeightNorm(Conv1d)` (its `axis=0` is torch's `dim=0`): g and v
+    bit-exact, outputs torch's. A torch `dim=2` norm has another `g` shape: refused
+    (`shape`), never normalised over other axes."""
+    conv, x = _conv(0), _x()
+    layer = eqx.nn.Conv1d(IN, OUT, K, padding=1, key=jax.random.key(0))
+    ported = bridge.port(conv, eqx.nn.WeightNorm(layer))
+    v = conv.parametrizations.weight.original1.detach().numpy()
+    assert np.array_equal(np.asarray(ported.layer.weight), v)
+    _close(jax.vmap(ported)(jnp.asarray(x)), _torch_out(conv, x))
+    with pytest.raises(bridge.PortError, match=r"scale.*\(3, 1, 1\).*\(1, 1, 6\)"):
+        bridge.port(_conv(2), eqx.nn.WeightNorm(layer))
