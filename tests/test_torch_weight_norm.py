@@ -252,3 +252,22 @@ def test_parametrized_conv_into_equinox_weight_norm_and_a_dim_that_differs():
     _close(jax.vmap(ported)(jnp.asarray(x)), _torch_out(conv, x))
     with pytest.raises(bridge.PortError, match=r"scale.*\(3, 1, 1\).*\(1, 1, 6\)"):
         bridge.port(_conv(2), eqx.nn.WeightNorm(layer))
+
+
+def test_legacy_names_into_a_parametrized_module():
+    """An old checkpoint's `weight_g`/`weight_v` into a module made today
+    (`parametrizations.weight.original0/1`): same arrays, the target's names,
+    `load_state_dict(strict=True)` takes them and computes torch's outputs."""
+    legacy = _legacy_linear()
+    state = {k: v.detach().numpy() for k, v in legacy.state_dict().items()}
+    torch.manual_seed(1)
+    target = weight_norm(torch.nn.Linear(IN, OUT), dim=0).eval()
+    ported = bridge.port(state, target)
+    assert np.array_equal(
+        np.asarray(ported["parametrizations.weight.original1"]), state["weight_v"]
+    )
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in ported.items()}
+    )
+    x = np.random.default_rng(6).normal(size=(5, IN)).astype(np.float32)
+    _close(_torch_out(target, x), _torch_out(legacy, x))
