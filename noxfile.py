@@ -229,6 +229,7 @@ TORCH_TESTS = [
     "tests/test_opt_state_torch.py",
     "tests/test_torch_trace.py",
     "tests/test_torch_port_traced.py",
+    "tests/test_torch_weight_norm.py",
     "tests/test_public_bonsai.py",
 ]
 # examples that need torch, transformers, peft or qwix (the `examples` session, which

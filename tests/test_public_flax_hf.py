@@ -27,12 +27,10 @@ from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 
 
 _CONV1D = "GPT-2's FlaxConv1D (kernel (out, in)) is not recognised as a Dense layer"
-_WEIGHT_NORM = "weight-normed conv (weight_g/weight_v) and `masked_spec_embed` unread"
 
 # (model, route): why it does not port exactly yet
 NOT_YET = {
     **{(model, route): _CONV1D for model in ("gpt2",) for route in hf_flax.ROUTES},
-    **{("wav2vec2", route): _WEIGHT_NORM for route in hf_flax.ROUTES},
     ("resnet", "flax->folder"): "export names Flax ResNet's `layer_0` as "
     "`layer.layer_0`, PyTorch's is `layer.0`",
 }

@@ -253,6 +253,16 @@ SETTING = (
     "it (their values: {values}). Port the whole model, or give the other side as a "
     "model whose {kind} layers have one `{name}`."
 )
+WEIGHT_NORM_AXES = (
+    "layout: {where} holds a weight-normed `weight_v` {shape} whose `bias` {bias} "
+    "does not fit PyTorch's order (out, in, *spatial), and nothing tells which axes "
+    "are the output, the input and the kernel's. {why}"
+)
+TRANSPOSED_WEIGHT_NORM = (
+    "unsupported: {where} is a weight-normed convolution that the forward pass "
+    "applies transposed (conv_transpose): a weight-normed ConvTranspose is not read "
+    "yet"
+)
 SETTINGS = {
     "conv1d": (
         "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "

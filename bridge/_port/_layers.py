@@ -22,6 +22,7 @@ from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors, _shapes
 from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
 from ._general import with_views
+from ._weight_norm import with_folded
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -311,6 +312,7 @@ def find_layers(
         readings = ()
         if views:
             found, readings = with_views(found, leaves, module, ordered)
+            found = with_folded(found)
         layer = Layer(path, found, leaves, paths, hyper, readings=readings)
         read_specs(layer, problems)
         if layer.codecs:
@@ -410,6 +412,7 @@ def _stack_layers(
         if views:
             ordered = _inputs_first(seen.adapter, sub, sub_path)
             found, readings = with_views(found, one, module, ordered)
+            found = with_folded(found)
         for i in range(length):
             layer = Layer(
                 path + (i,) + rel,

@@ -34,6 +34,7 @@ from ._pairing import (
     undecided,
 )
 from ._trace import Example, Trace
+from ._weight_norm import is_folded, read_axes
 
 
 @dataclass(frozen=True, eq=False)
@@ -695,6 +696,9 @@ def _paired(
         target, problems, told=True, axes=axes[1], views=True, opened=opened[1]
     )
     computed((sources, targets), traces, problems)
+    for side, trace in ((sources, traces[0]), (targets, traces[1])):
+        for x in read_axes(side, trace, problems):  # weight norms' `v` layouts
+            read_specs(x, problems)
     told = tell_settings((sources, targets), problems)
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)
@@ -743,7 +747,10 @@ def _open_kinds(pairs: list[Pair]) -> list[str]:
         transforms = {  # a per-head kernel's Dense view reads it the same way
             (_stored(s.codec(k)), _stored(t.codec(k)))
             for k in fitting
-            if reading_of(s.codec(k)) is None and reading_of(t.codec(k)) is None
+            if reading_of(s.codec(k)) is None
+            and reading_of(t.codec(k)) is None
+            and not is_folded(s.codec(k))  # nor a weight norm's plain view
+            and not is_folded(t.codec(k))
         }
         if len(transforms) > 1:
             out.append(

@@ -151,7 +151,8 @@ def first_uses(
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
     records = (axes, layer_axes, upstream, kernels)
-    _visit(jaxpr, tracked, found, stored, records, taint)
+    fed = set(jaxpr.invars[len(structs) :])
+    _visit(jaxpr, tracked, found, stored, records, taint, fed)
     if convolved is not None:
         convolved.update({paths[i]: a for i, a in kernels.items()})
     if needs is not None:
@@ -170,6 +171,11 @@ _SIDE_BY_SIDE = frozenset({"concatenate", "pad", "select_n"})
 _SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p", "device_put"})
 """Seen-through primitives that keep an array's axes as they are."""
 
+_ELEMENTWISE = frozenset({"mul", "div", "add", "sub", "neg", "max", "min"})
+"""Primitives that compute an array element by element: one computed from weights
+alone, of the shape of one of them, is that weight changed (weight normalisation's
+`v * g / ||v||`), and the product or convolution it feeds tells that weight's layout."""
+
 
 def _visit(
     jaxpr: Any,
@@ -180,6 +186,8 @@ def _visit(
         dict[int, Contraction], dict[int, int], dict[int, int], dict[int, tuple]
     ],
     taint: dict[Any, int],
+    fed: set[Any],
+    changed: set[Any] | None = None,
 ) -> None:
     """Record in `found` the first use of every leaf a `tracked` variable holds
     (`{var: (leaf, its prefix)}`), in equation order, entering sub-computations;
@@ -188,8 +196,11 @@ def _visit(
     axis of each of its axes}`, through transposes and a scan's slicing); in
     `scanned`, the stored axis a `scan` first iterates over; in `upstream`, the
     leaves (a bit each) the other operands of a leaf's first use depend on
-    (`taint`: `{var: the leaves it depends on}`)."""
+    (`taint`: `{var: the leaves it depends on}`). `fed`: the variables computed
+    from the inputs (the others are computed from weights alone); `changed`: the
+    variables that are a weight changed element by element (`_changed`)."""
     axes, scanned_axes, upstream, kernels = records
+    changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
         every = 0
@@ -197,6 +208,8 @@ def _visit(
             every |= t
         for v in eqn.outvars:
             taint[v] = every
+        if any(not _literal(v) and v in fed for v in eqn.invars):
+            fed.update(eqn.outvars)
         used = [
             (i, tracked[v])
             for i, v in enumerate(eqn.invars)
@@ -215,16 +228,22 @@ def _visit(
                 elif known is not None and name == "transpose":
                     perm = eqn.params["permutation"]
                     stored[eqn.outvars[0]] = tuple(known[a] for a in perm)
+                if eqn.invars[0] in changed:
+                    changed.add(eqn.outvars[0])
                 continue
+        if name in _ELEMENTWISE and eqn.outvars[0] not in fed:
+            _changed(eqn, used, stored, tracked, changed)
         if name == "dot_general":
             for i, (leaf, _) in used:
                 known = stored.get(eqn.invars[i])
-                if leaf not in found and known is not None and i < 2:
+                first = leaf not in found or eqn.invars[i] in changed
+                if first and known is not None and i < 2:
                     axes.setdefault(leaf, _contraction(jaxpr, n, i, known))
         if name == "conv_general_dilated":
             for i, (leaf, _) in used:
                 known = stored.get(eqn.invars[i])
-                if leaf not in found and known is not None and i == 1:
+                first = leaf not in found or eqn.invars[i] in changed
+                if first and known is not None and i == 1:
                     spec = eqn.params["dimension_numbers"].rhs_spec
                     kernels.setdefault(leaf, tuple(known[a] for a in spec))
         scanned = (
@@ -238,6 +257,11 @@ def _visit(
                 continue
             inner = {}
             inner_stored = {}
+            inner_fed = {
+                sub.invars[j - skip]
+                for j in range(skip, len(eqn.invars))
+                if not _literal(eqn.invars[j]) and eqn.invars[j] in fed
+            }
             for i, (leaf, prefix) in used:
                 j = i - skip
                 if j < 0:
@@ -257,7 +281,21 @@ def _visit(
                 for j in range(skip, len(eqn.invars))
                 if ins[j]
             }
-            _visit(sub, inner, found, inner_stored, records, inner_taint)
+            inner_changed = {
+                sub.invars[i - skip]
+                for i, _ in used
+                if i >= skip and eqn.invars[i] in changed
+            }
+            _visit(
+                sub,
+                inner,
+                found,
+                inner_stored,
+                records,
+                inner_taint,
+                inner_fed,
+                inner_changed,
+            )
             if len(sub.outvars) == len(eqn.outvars) and s == 0:
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] = 0 if _literal(w) else inner_taint.get(w, 0)
@@ -271,6 +309,28 @@ def _visit(
                     others |= t if j != i and name not in _SIDE_BY_SIDE else 0
                 upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
+
+
+def _changed(
+    eqn: Any,
+    used: list,
+    stored: dict[Any, tuple[int, ...]],
+    tracked: dict[Any, tuple[int, Position]],
+    changed: set[Any],
+) -> None:
+    """An element-by-element operation on weights alone (`_ELEMENTWISE`) whose
+    result has the shape of an operand with known stored axes: the result is that
+    operand's weight, changed (its layout kept), so the product or convolution it
+    feeds records that weight's layout."""
+    out = eqn.outvars[0]
+    for i, (leaf, prefix) in used:
+        v = eqn.invars[i]
+        known = stored.get(v)
+        if known is not None and tuple(v.aval.shape) == tuple(out.aval.shape):
+            tracked[out] = (leaf, prefix)
+            stored[out] = known
+            changed.add(out)
+            return
 
 
 def _contraction(jaxpr: Any, n: int, side: int, known: tuple[int, ...]) -> Contraction:

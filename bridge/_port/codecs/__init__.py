@@ -8,4 +8,5 @@ from . import (
     _embed as _embed,
     _norm as _norm,
     _torch as _torch,
+    _weight_norm as _weight_norm,  # after _conv, _dense: tried before them
 )

@@ -240,7 +240,7 @@ CONV_TRANSPOSE_EQUINOX = register_codec(
 # --- PyTorch: nn.Conv{1,2,3}d, nn.ConvTranspose{1,2,3}d ------------------------------
 
 
-@by_class("Conv1d", "Conv2d", "Conv3d")
+@by_class("Conv1d", "Conv2d", "Conv3d", needs=("weight",))
 def _torch_conv(leaves: Leaves) -> bool:
     w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
     return (
@@ -251,7 +251,7 @@ def _torch_conv(leaves: Leaves) -> bool:
     )
 
 
-@by_class("ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
+@by_class("ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", needs=("weight",))
 def _torch_conv_transpose(leaves: Leaves) -> bool:
     w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
     return (

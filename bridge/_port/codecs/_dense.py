@@ -173,7 +173,7 @@ DENSE_GENERAL_NNX = register_codec(
 # --- PyTorch: nn.Linear and Hugging Face Conv1D --------------------------------------
 
 
-@by_class("Linear", CONV1D_CLASS)
+@by_class("Linear", CONV1D_CLASS, needs=("weight",))
 def _torch_dense(leaves: Leaves) -> bool:
     w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
     return (

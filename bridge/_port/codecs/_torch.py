@@ -38,14 +38,15 @@ def class_names(cls: Any) -> set[str]:
     }
 
 
-def by_class(*names: str):
-    """`recognise`: the class is (derives from) one of `names`; without a class,
-    `fallback` decides by the entries."""
+def by_class(*names: str, needs: tuple[str, ...] = ()):
+    """`recognise`: the class is (derives from) one of `names` and the layer holds
+    the entries `needs` (a weight-normed `Conv1d` holds `g` and `v`, no `weight`:
+    `_weight_norm.py`); without a class, `fallback` decides by the entries."""
 
     def wrap(fallback):
         def recognise(cls: Any, leaves: Leaves) -> bool:
             if cls is not None:
-                return bool(class_names(cls) & set(names))
+                return bool(class_names(cls) & set(names)) and set(needs) <= set(leaves)
             return fallback(leaves)
 
         return recognise

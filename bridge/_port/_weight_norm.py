@@ -1,0 +1,178 @@
+"""A weight-normed layer seen as a plain one: `g * v / ||v||` pairs with a `weight`.
+
+A weight-normed `Conv` or `Dense` (kinds `WeightNormConv`, `WeightNormDense`:
+`codecs/_weight_norm.py`) pairs with another weight-normed layer by its own kind,
+`v` and `g` carried as they are (their layouts changed, no arithmetic: bit-exact).
+It is also a candidate of the plain kind, through a view (`folded`):
+
+- decoded, its kernel is `g * (v / ||v||)`, the norm over the axes where `g` has
+  length 1, as `torch._weight_norm` computes it: the weight the layer computes with;
+- encoded from a plain kernel `w`, `v = w` and `g = ||w||` over the same axes: the
+  standard decomposition, a re-parametrisation (the layer computes `w` again, up to
+  rounding), never a copy of arrays the source does not have.
+
+Flax modules holding `weight_v`/`weight_g` store `v` in the axis order their code
+reads it in (transformers' `FlaxConvWithWeightNorm`: `(out, in, k)`, transposed before
+the convolution). `read_axes` takes that order from the forward pass on the example
+inputs (the convolution or product the changed weight feeds); without one, in PyTorch's
+order `(out, in, *spatial)`, whose names `weight_v`/`weight_g` are (a `bias` that
+does not fit it is refused).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+
+from . import _errors, _shapes
+from ._codec import Codec, Leaves
+from .codecs._weight_norm import WEIGHT_NORM
+
+
+if TYPE_CHECKING:
+    from ._layers import Layer
+
+
+_PLAIN = {wn: plain for plain, wn in WEIGHT_NORM.items()}
+_VIEWS: dict[int, Codec] = {}
+_OF: dict[int, Codec] = {}  # a view's id -> the weight-norm codec it views
+
+
+def _norm(x: Any, scale_shape: tuple[int, ...]) -> Any:
+    """`||x||` over the axes where `scale_shape` is 1, kept as axes of length 1."""
+    axes = tuple(a for a, n in enumerate(scale_shape) if n == 1)
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=axes, keepdims=True))
+
+
+def folded(codec: Codec) -> Codec:
+    """The plain-kind view (`Conv`, `Dense`) of a weight-norm codec."""
+    view = _VIEWS.get(id(codec))
+    if view is not None:
+        return view
+
+    def decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+        canonical = codec.decode(leaves, hyper)
+        v, g = jnp.asarray(canonical.pop("kernel")), canonical.pop("scale")
+        canonical["kernel"] = v * (g / _norm(v, tuple(g.shape)))
+        return canonical
+
+    def encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+        spec = _shapes.decoded(codec, like, hyper)
+        w = jnp.asarray(canonical["kernel"])
+        g = _norm(w, tuple(spec["scale"].shape)).astype(spec["scale"].dtype)
+        return codec.encode({**canonical, "scale": g}, like, hyper)
+
+    view = Codec(
+        _PLAIN[codec.kind],
+        codec.framework,
+        lambda cls, leaves: False,  # offered by `with_folded`, never recognised
+        decode,
+        encode,
+        codec.hyperparameters,
+        layout=f"{codec.layout}; weight = g * v / ||v||".lstrip("; "),
+        defaults=codec.defaults,
+    )
+    _VIEWS[id(codec)] = view
+    _OF[id(view)] = codec
+    return view
+
+
+def is_folded(codec: Codec) -> bool:
+    """Whether `codec` is the plain-kind view of a weight-normed layer."""
+    return id(codec) in _OF
+
+
+def with_folded(codecs: tuple[Codec, ...]) -> tuple[Codec, ...]:
+    """`codecs` with the plain-kind view of a weight-norm candidate, after it (so
+    that two weight-normed layers pair by their own kind)."""
+    out = list(codecs)
+    for codec in codecs:
+        plain = _PLAIN.get(codec.kind)
+        if plain is not None and plain not in {c.kind for c in codecs}:
+            out.append(folded(codec))
+    return tuple(out)
+
+
+def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Layer]:
+    """Each weight-normed layer's `v` axes as the forward pass reads them: the
+    convolution (or product) that the weight computed from `v` element by element
+    feeds, as its stored axes `(out, in, *spatial)`.
+
+    A Flax layer takes them (`hyper["axes"]`); it is read in PyTorch's order
+    without them. Returns the layers told other axes than that (their shapes are to
+    be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
+    PyTorch's order and whose axes the pass does not tell is a problem; so is a
+    PyTorch layer read from a file whose weight the pass convolves transposed (a
+    weight-normed `ConvTranspose`): either loses its weight-norm kinds."""
+    told = []
+    for x in layers:
+        codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
+        v = next((n for n in _V if n in x.leaves), None)
+        if codec is None or v is None or codec.framework not in _FLAX + ("torch",):
+            continue
+        base = x.real if x.index is not None else x.path
+        axes = _traced(x, trace, base + x.paths.get(v, (v,)), v)
+        plain = axes is None or axes == tuple(range(len(axes)))
+        if codec.framework == "torch":
+            if not plain:
+                problems.append(_errors.TRANSPOSED_WEIGHT_NORM.format(where=x.where))
+                _drop(x)
+            continue
+        if not plain:
+            x.hyper["axes"] = axes
+            told.append(x)
+        elif "axes" in x.unknown.values():
+            problems.append(
+                _errors.WEIGHT_NORM_AXES.format(
+                    where=x.where,
+                    shape=tuple(x.leaves[v].shape),
+                    bias=tuple(x.leaves["bias"].shape),
+                    why=_NO_EXAMPLE if trace is None else _NOT_SEEN,
+                )
+            )
+            _drop(x)
+    return told
+
+
+def _drop(x: Layer) -> None:
+    """`x` without its weight-norm kinds (and their unknown settings)."""
+    gone = {c.kind for c in x.codecs if c.kind in _PLAIN or is_folded(c)}
+    x.codecs = tuple(c for c in x.codecs if c.kind not in gone)
+    for k in gone:
+        x.unknown.pop(k, None)
+
+
+_V = ("weight_v", "parametrizations/weight/original1")
+"""The entry holding `v` (Flax's and PyTorch's old hook; PyTorch's parametrization)."""
+_NO_EXAMPLE = (
+    "Give example inputs (example=(x,)): the forward pass shows which axes its "
+    "convolution (or product) reads."
+)
+_NOT_SEEN = (
+    "The forward pass on the example inputs convolves (or multiplies) no weight "
+    "computed from it element by element."
+)
+_FLAX = ("linen", "nnx")
+"""The frameworks whose weight-norm codecs read `v`'s axes from the forward pass."""
+
+
+def _traced(x: Layer, trace: Any, path: Any, v: str) -> tuple[int, ...] | None:
+    """`v`'s stored axes as `(out, in, *spatial)` where the pass tells them."""
+    if trace is None or not trace():
+        return None
+    axis = x.axis if x.index is not None else None
+    rank = len(x.leaves[v].shape)
+    kernel = trace.kernels().get(path)
+    if kernel is not None and rank >= 3:
+        found = tuple(kernel)
+    else:
+        contraction = trace.contractions().get(path)
+        if contraction is None or rank != 2 or contraction.batch:
+            return None
+        if len(contraction.inputs) != 1 or len(contraction.outputs) != 1:
+            return None
+        found = (contraction.outputs[0], contraction.inputs[0])
+    if axis is not None:
+        found = tuple(a - (a > axis) for a in found)
+    return found if sorted(found) == list(range(rank)) else None
