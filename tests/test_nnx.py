@@ -310,3 +310,20 @@ def test_a_second_module_of_the_same_structure_takes_its_own_arrays_and_order():
     back = bridge.to_nnx(tree)
     assert [k for k in vars(back) if k in ("a", "b")] == ["b", "a"]
     assert back.a.kernel.get_raw_value() is swapped.a.kernel.get_raw_value()
+
+
+@pytest.mark.skipif(not hasattr(nnx, "WeightNorm"), reason="flax has no nnx.WeightNorm")
+def test_a_dict_keyed_by_tuples_round_trips():
+    """`nnx.WeightNorm` keeps its scales in a dict keyed by tuples (`('kernel',)`):
+    the Tree shows such a key by its repr, and the module comes back exactly, its
+    forward pass unchanged (was a raw TypeError from sorting the keys)."""
+    module = nnx.WeightNorm(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+    tree = bridge.from_nnx(module)
+    assert tree.scales["('kernel',)"] is module.scales[("kernel",)]
+    scaled = eqx.tree_at(lambda t: t.scales["('kernel',)"], tree, jnp.full(4, 2.0))
+    back = bridge.to_native(scaled)
+    assert isinstance(back, nnx.WeightNorm)
+    assert list(back.scales) == [("kernel",)]
+    x = jnp.ones((2, 3))
+    module.scales[("kernel",)] = jnp.full(4, 2.0)
+    assert jnp.array_equal(back(x), module(x))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax.numpy as jnp
 from flax import __version__ as flax_version, nnx
@@ -61,7 +61,7 @@ def _child_order(node: Any) -> dict[Key, int]:
     return {k: i for i, k in enumerate(keys)}
 
 
-def _child(node: Any, key: Key) -> Any:
+def _child(node: Any, key: Any) -> Any:
     if isinstance(node, nnx.Pytree) and not isinstance(node, nnx.List):
         assert isinstance(key, str)  # a Pytree's children are its attributes
         return getattr(node, key)
@@ -126,28 +126,32 @@ def _from_graph(module: nnx.Module) -> Tree:
     graphdef, flat = nnx.graph.flatten(module)  # as nnx.split, in sorted order
     leaves = flat.leaves
     held = _held(module, graphdef)
-    # flax types a path's keys as any hashable; they are `str` and `int`
-    paths = cast(list[Path], [tuple(p) for p in flat.paths])
+    # flax types a path's keys as any hashable: other keys than `str` and `int`
+    # (nnx.WeightNorm's `scales` is keyed by tuples) are shown by their repr
+    native_paths = [tuple(p) for p in flat.paths]
+    paths = [tuple(map(_tree_key, p)) for p in native_paths]
+    if len(set(paths)) != len(paths):
+        raise TypeError(_KEYS_CLASH.format(type=type(module).__name__))
 
     kinds: dict[Path, Any] = {(): type(module)}
-    nodes: dict[Path, Any] = {(): module}
+    nodes: dict[tuple, Any] = {(): module}  # by native path (any hashable keys)
+    shown: dict[Path, Any] = {(): module}  # by the Tree's path
     children: dict[Path, dict[Key, None]] = {}
 
-    def sort_key(path: Path) -> tuple:
-        out = []
+    def sort_key(i: int) -> tuple:
+        native, path = native_paths[i], paths[i]
         for depth, key in enumerate(path):
             prefix = path[:depth]
-            out.append(natural(key))
             children.setdefault(prefix, {})[key] = None
-            here = prefix + (key,)
-            if depth < len(path) - 1 and here not in nodes:
-                nodes[here] = _child(nodes[prefix], key)
-                kinds[here] = type(nodes[here])
-        return tuple(out)
+            if depth < len(path) - 1 and native[: depth + 1] not in nodes:
+                node = _child(nodes[native[:depth]], native[depth])
+                nodes[native[: depth + 1]] = shown[path[: depth + 1]] = node
+                kinds[path[: depth + 1]] = type(node)
+        return tuple(map(natural, path))
 
     # the Tree's order is canonical (natural key order), so a module whose
     # attributes nnx.jit, nnx.eval_shape or nnx.clone sorted has the same structure
-    order = sorted(range(len(paths)), key=lambda i: sort_key(paths[i]))
+    order = sorted(range(len(paths)), key=sort_key)
     entries = []
     for i in order:
         role, value = _role_and_value(leaves[i])
@@ -156,7 +160,20 @@ def _from_graph(module: nnx.Module) -> Tree:
     # sets attributes in sorted order: to_nnx restores the definition order)
     layout = tuple((path, _keys(node)) for path, node in nodes.items())
     record = NNXRecord(held, _mutable_statics(graphdef), NativeOrder(layout))
-    return build(entries, kinds, "nnx", record, _native(nodes, children))
+    return build(entries, kinds, "nnx", record, _native(shown, children))
+
+
+_KEYS_CLASH = (
+    "A {type} holds a dict whose keys are not strings or integers, and two of them "
+    "read alike once shown as strings (a key 'a' and a key of another type whose "
+    "repr is 'a'): a bridge.Tree cannot name both. Give the dict distinct keys."
+)
+
+
+def _tree_key(key: Any) -> Key:
+    """A graph key as a Tree key: strings and integers as they are, others (a
+    tuple) by their repr."""
+    return key if isinstance(key, (str, int)) else repr(key)
 
 
 def _held(module: nnx.Module, graphdef: Any) -> Held:

@@ -851,8 +851,9 @@ def _creation_order(cls: Any, keys: Sequence[Key]) -> str | None:
     order `__init__` assigned them, in two dicts (`state_dict` lists the first,
     then the second): each is in creation order, one against the other is not."""
     torch = _torch()
-    is_module = torch is not None and isinstance(cls, type)
-    return APART if is_module and issubclass(cls, torch.nn.Module) else None
+    if torch is None or not isinstance(cls, type):
+        return None
+    return APART if issubclass(cls, torch.nn.Module) else None
 
 
 ADAPTER = register_adapter(
