@@ -145,6 +145,8 @@ def save(
       weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var` (and
       `num_batches_tracked` 0), fused `in_proj_weight`. Layers are named by their
       dotted paths, or by `rules` read backwards. Default: the model's own layout.
+      A training state (an `nnx.Optimizer`, a `TrainState`, an optax state, a
+      Linen `opt_state` collection) is refused: save the model alone this way.
     - `rules`: with `layout="torch"`, the rules that imported the PyTorch model
       (`{PyTorch layer regex: this model's layer path}`, as given to `bridge.port`):
       each is read backwards to name the layers as the PyTorch model does. A rule is
@@ -210,10 +212,13 @@ def save(
     """
     # 1. the arguments checked
     path = _path(path)
-    check_model(obj, "obj")
     check_str(layout, "layout", optional=True)
     check_rules(rules)
     check_str(prefix, "prefix")
+    plain = layout is not None or rules is not None or prefix or quantize is not None
+    if plain:  # a training state is refused by name before `obj` is read as a model
+        _training.refuse_in_torch_layout(path, obj)
+    check_model(obj, "obj")
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
@@ -228,7 +233,6 @@ def save(
             "`like` is the PyTorch model a layout='torch' export is checked against: "
             'pass layout="torch" with it.'
         )
-    plain = layout is not None or rules is not None or prefix or quantize is not None
     if plain and training:
         raise ValueError(
             "A PyTorch-layout file holds the model's arrays only: save the "

@@ -30,7 +30,13 @@ import optax
 
 from .._arguments import check_opt_state
 from .._paths import Path, path_str
-from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
+from .._train._opt_state import (
+    Params,
+    is_container,
+    parts_of,
+    port_opt_state,
+    unwrap,
+)
 from .._tree import Tree
 from ._contents import Stored, dotted, is_key
 from ._errors import CheckpointError
@@ -53,6 +59,13 @@ optimizer fresh with its `init`."""
 _MALFORMED = """\
 {path}: its 'training' metadata does not describe an optimizer state ({reason}). The
 file may be damaged; load the model alone (without `opt_state_like`)."""
+
+_TRAINING_IN_TORCH = """\
+{path}: layout="torch" writes a model's arrays only (a PyTorch state dict: weights,
+biases, running statistics), but `obj` holds a training state: {found}. Save the model
+alone with layout="torch" (`bridge.save(path, model, layout="torch")`), and the
+training state in bridge's layout: `bridge.save("ckpt.safetensors", model,
+opt_state=..., step=...)`."""
 
 _TAKEN = """\
 The model has a top-level entry named {name!r}, which a training checkpoint uses for
@@ -108,6 +121,43 @@ def add(
     training = json.dumps(record)
     tensors = contents.tensors + tuple(stored)
     return dataclasses.replace(contents, tensors=tensors, training=training), arrays
+
+
+def refuse_in_torch_layout(path: Any, obj: Any) -> None:
+    """Raise `ValueError` when `obj`, given to `save(..., layout="torch")`, is or
+    holds a training state (an optimizer container such as `nnx.Optimizer` or
+    `TrainState`, an optax state, a Linen `opt_state` collection), naming the
+    first few and where they are."""
+
+    def training(x: Any) -> bool:
+        return is_container(x) or _is_optax_state(x)
+
+    found = []
+    flat = jax.tree_util.tree_flatten_with_path(obj, is_leaf=training)[0]
+    for where, x in flat:
+        if training(x):
+            found.append(f"{type(x).__name__} at obj{jax.tree_util.keystr(where)}")
+    if (
+        isinstance(obj, Mapping)
+        and OPT in obj
+        or (
+            isinstance(obj, tuple)
+            and len(obj) == 2
+            and isinstance(obj[1], Mapping)
+            and OPT in obj[1]
+        )
+    ):
+        found.append(f"the collection {OPT!r}")
+    if found:
+        shown = ", ".join(found[:3]) + (
+            f" and {len(found) - 3} more" if len(found) > 3 else ""
+        )
+        raise ValueError(_TRAINING_IN_TORCH.format(path=path, found=shown))
+
+
+def _is_optax_state(x: Any) -> bool:
+    """An optax state node: a named tuple (or `EmptyState`) defined by optax."""
+    return isinstance(x, tuple) and type(x).__module__.split(".")[0] == "optax"
 
 
 def _record(node: Any, where: Path, parts: Mapping[str, Any], put: Any) -> Any:

@@ -434,6 +434,11 @@ def _container(obj: Any) -> Optimizer | None:
     return next((c for c in _containers() if c.unwrap(obj) is not None), None)
 
 
+def is_container(obj: Any) -> bool:
+    """Whether `obj` is a framework's optimizer container (`Adapter.optimizer`)."""
+    return _container(obj) is not None
+
+
 def unwrap(obj: Any) -> tuple[Any, Any]:
     """`(optax state with array leaves, step or None)` of a state or its container
     (the framework's own, `Adapter.optimizer`: `nnx.Optimizer`, `TrainState`)."""

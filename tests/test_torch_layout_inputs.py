@@ -1,0 +1,65 @@
+"""Hostile inputs to `save(..., layout="torch")` and `bridge.from_torch`: each is
+refused by a `ValueError` naming the argument, what was found and the fix, and
+nothing is written."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import bridge
+
+from .helpers import requires
+
+
+def _linen():
+    module = nn.Dense(3)
+    return module, module.init(jax.random.key(0), jnp.ones((1, 2)))
+
+
+class WithOptimizer(nnx.Module):
+    """A training state as an NNX module: the model and its `nnx.Optimizer`."""
+
+    def __init__(self):
+        self.model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        self.optimizer = nnx.Optimizer(self.model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _training_states():
+    module, variables = _linen()
+    adam = optax.adam(1e-3)
+    linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    yield (
+        "TrainState at obj",
+        train_state.TrainState.create(
+            apply_fn=module.apply, params=variables["params"], tx=adam
+        ),
+    )
+    yield "Optimizer at obj", nnx.Optimizer(linear, adam, wrt=nnx.Param)
+    yield "ScaleByAdamState at obj\\[0\\]", adam.init(variables["params"])
+    yield "Optimizer at obj\\.optimizer", WithOptimizer()
+    yield (
+        "ScaleByAdamState at obj\\[1\\]\\['opt_state'\\]\\[0\\]",
+        (module, {**variables, "opt_state": adam.init(variables["params"])}),
+    )
+    mu = adam.init(variables["params"])[0].mu
+    yield "the collection 'opt_state'", {**variables, "opt_state": {"mu": mu}}
+
+
+@requires("NNX")
+@pytest.mark.parametrize("name", ["m.safetensors", "folder"])
+def test_a_training_state_is_refused_in_the_torch_layout(tmp_path, name):
+    """Was: the Linen collection `opt_state` written as `mu.weight`, an NNX module
+    holding its optimizer a raw TypeError, the others 'does not know how to
+    convert'."""
+    for found, state in _training_states():
+        with pytest.raises(
+            ValueError,
+            match=rf"(?s){name}: layout=\"torch\" writes a model's arrays only.*"
+            rf"holds a training state: {found}.*opt_state=",
+        ):
+            bridge.save(tmp_path / name, state, layout="torch")
+        assert list(tmp_path.iterdir()) == []
