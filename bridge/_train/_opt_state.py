@@ -506,7 +506,15 @@ class _Index:
                 self.names[name] = path
 
     def resolve(self, keypath: Any) -> Path | None:
-        return self.names.get(path_of(keypath))
+        found = self.names.get(path_of(keypath))
+        if found is None and keypath and keypath[-1] == _BOXED:
+            # a parameter in a box holding its array as `.value` (an NNX Variable
+            # of `tx.init(nnx.state(model, nnx.Param))`, a Linen `nn.Partitioned`)
+            found = self.names.get(path_of(keypath[:-1]))
+        return found
+
+
+_BOXED = jtu.GetAttrKey("value")
 
 
 def parts_of(state: Any, tree: Tree) -> dict[str, Any]:
