@@ -5,6 +5,7 @@ nothing is written."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -63,3 +64,25 @@ def test_a_training_state_is_refused_in_the_torch_layout(tmp_path, name):
         ):
             bridge.save(tmp_path / name, state, layout="torch")
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "folder"])
+@pytest.mark.parametrize("dtype", ["complex128", "int4"])
+def test_a_dtype_safetensors_cannot_store_is_named(tmp_path, name, dtype):
+    """Was a raw `KeyError: 'complex128'` from the writer."""
+    variables = {
+        "params": {
+            "Dense_0": {
+                "kernel": np.zeros((2, 3), dtype),
+                "bias": np.zeros(3, np.float32),
+            }
+        }
+    }
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s){name}: a PyTorch-layout checkpoint is safetensors, which cannot "
+        rf"store '\.Dense_0\.kernel' \({dtype}\)\.\nIt stores bfloat16, bool, .*float32"
+        r".*Convert these arrays first",
+    ):
+        bridge.save(tmp_path / name, variables, layout="torch")
+    assert list(tmp_path.iterdir()) == []
