@@ -86,3 +86,18 @@ def test_a_dtype_safetensors_cannot_store_is_named(tmp_path, name, dtype):
     ):
         bridge.save(tmp_path / name, variables, layout="torch")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "folder"])
+def test_a_rule_to_none_is_refused_by_name(tmp_path, name):
+    """A rule that left layers out on import has nothing to name on export. Was a
+    raw `TypeError: expected string or bytes-like object, got 'NoneType'`."""
+    _, variables = _linen()
+    rules = {r"fc\.(\d+)": r".Dense_\1", r"head": None, r"pool": None}
+    with pytest.raises(
+        ValueError,
+        match=r"rules 'head', 'pool' leave the source layers they match out \(a "
+        r"replacement None\), so\nthey cannot be read backwards for export",
+    ):
+        bridge.save(tmp_path / name, variables, layout="torch", rules=rules)
+    assert list(tmp_path.iterdir()) == []
