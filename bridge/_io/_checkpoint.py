@@ -57,6 +57,7 @@ from . import (  # noqa: F401  (they register formats)
     _training,
 )
 from ._contents import Contents
+from ._errors import CheckpointError
 from ._format import format_named
 from ._model import describe, file_tree
 from ._plugins import Filled, Request, asked, plugins
@@ -541,6 +542,9 @@ def _port_file(contents: Contents, request: Request) -> Filled:
                 target_tree=request.target,
             )
     except PortError as error:
+        damaged = [p for p in error.problems if p.startswith("metadata: ")]
+        if damaged:  # the file's own metadata contradicts it, whatever `like` is
+            raise CheckpointError(f"{contents.path}: " + "\n".join(damaged)) from None
         error.add_note(_PORTING.format(path=contents.path))
         raise
     return Filled(model, source, plan)

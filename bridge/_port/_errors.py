@@ -36,6 +36,13 @@ Cannot port: {n} problem(s), nothing was written.
 {problems}
 See `bridge.port_plan(source, target)` for the pairing, and docs/guides/porting.md."""
 
+METADATA = (
+    "metadata: {path} is recorded as {cls}, whose settings lack {name!r} ({found}): "
+    "the checkpoint's metadata does not describe its arrays (damaged or edited). "
+    "Load it into the model that wrote it (bridge.load(path, like=model)), or save "
+    "it again from that model."
+)
+
 MISSING = (
     "missing: target layer {target} ({kind}: {shapes}) has no source layer. Pair it "
     "with rules={{r'<source path>': '{target}'}}, or pass strict=False to keep its "
