@@ -101,3 +101,22 @@ def test_a_rule_to_none_is_refused_by_name(tmp_path, name):
     ):
         bridge.save(tmp_path / name, variables, layout="torch", rules=rules)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "array, dtype",
+    [
+        (np.array([1, "a"], dtype=object), "object"),
+        (np.zeros(2, dtype=[("a", "f4"), ("b", "i4")]), r"\[\('a', '<f4'\), "),
+        (np.array(["ab", "c"]), "<U2"),
+        (np.array([b"ab"]), r"\|S2"),
+        (np.zeros(2, "datetime64[s]"), r"datetime64\[s\]"),
+    ],
+)
+def test_from_torch_names_an_array_that_is_not_of_numbers(array, dtype):
+    state = {"fc.weight": np.ones((2, 2), np.float32), "x\x1b[2J": array}
+    with pytest.raises(
+        TypeError,
+        match=rf"maps names to arrays, but 'x\\x1b\[2J' is an array of {dtype}",
+    ):
+        bridge.from_torch(state)
