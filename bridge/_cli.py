@@ -500,12 +500,29 @@ def _positive(text: str) -> int:
 
 
 def _directory(text: str) -> Path:
+    """`--out`: an existing directory this user can write into, or one line saying
+    what `text` is instead and the fix."""
     path = Path(text)
-    if not path.is_dir():
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is a directory this user cannot write into (pick "
+                "another, or make it writable: chmod u+wx)"
+            )
+        return path
+    if path.exists():
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an existing directory (create it first)"
+            f"{text!r} is not a directory but a file (give a directory)"
         )
-    return path
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an existing directory: {str(above)!r} is a file "
+            "(give a directory)"
+        )
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not an existing directory (create it first)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
