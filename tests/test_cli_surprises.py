@@ -134,6 +134,25 @@ def test_demo_arguments_checked_before_training(tmp_path, args, words):
     assert "training" not in done.stdout and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("size", ["\u00b2", "1\u00b2", "\u0661\u0660\u0660"])
+def test_a_shard_size_of_non_ascii_digits_is_named(tmp_path, size):
+    """`--max-shard-size ²` was `invalid literal for int() with base 10: '²'`;
+    Arabic-Indic digits were read as a number."""
+    src = tmp_path / "m.safetensors"
+    save_file({"fc.weight": np.ones((2, 2), "f4")}, src, metadata={"format": "pt"})
+    done = run(
+        "convert",
+        src,
+        tmp_path / "out",
+        "--to-layout",
+        "torch",
+        "--max-shard-size",
+        size,
+    )
+    assert_refused(done, 1, "`max_shard_size` must be a positive number", repr(size))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "out, words",
     [

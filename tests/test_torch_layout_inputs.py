@@ -120,3 +120,32 @@ def test_from_torch_names_an_array_that_is_not_of_numbers(array, dtype):
         match=rf"maps names to arrays, but 'x\\x1b\[2J' is an array of {dtype}",
     ):
         bridge.from_torch(state)
+
+
+@pytest.mark.parametrize("group", ["\u00b2", "\u0661"])
+def test_a_rule_naming_a_group_by_another_digit_is_refused_by_name(tmp_path, group):
+    """`\\g<²>` read backwards was `invalid literal for int() with base 10: '²'`."""
+    _, variables = _linen()
+    rules = {r"fc\.(\d+)": rf".Dense_\g<{group}>"}
+    with pytest.raises(
+        ValueError,
+        match=rf"cannot be read backwards for export: it refers to group '{group}', "
+        r"which it does not have",
+    ):
+        bridge.save(tmp_path / "m.safetensors", variables, layout="torch", rules=rules)
+
+
+def test_a_torch_file_with_01_and_1_is_a_checkpoint_error(tmp_path):
+    """`h.01.weight` and `h.1.weight`: one index to a reader of PyTorch's names.
+    Was a ValueError naming no file."""
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "m.safetensors"
+    arrays = {"h.01.weight": np.ones((2, 2), "f4"), "h.1.weight": np.ones((2, 2), "f4")}
+    save_file(arrays, path, metadata={"format": "pt"})
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"m\.safetensors: bridge\.from_torch: 'h\.01\.weight' and 'h\.1\.weight' "
+        r"name the same array",
+    ):
+        bridge.load(path)

@@ -21,7 +21,9 @@ from ._trace import Position, layer_position
 
 
 _EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
-_WORDS = re.compile(r"[A-Za-z]+|\d+")
+_WORDS = re.compile(r"[A-Za-z]+|[0-9]+|[^\x00-\x7f]+")
+"""A name's words: ASCII letters, ASCII digits (numbers), and runs of other
+characters kept as they are (`"layer١"` is not `"layer1"`)."""
 _NUMBERED = re.compile(r"^(.*?)[_.\-]?(\d+)$")
 
 
@@ -80,7 +82,7 @@ def normalised(path: Path) -> tuple:
     """A path's words, lower case, numbers as ints: `.layers_3.Attn` and
     `.layers[3].attn` and `layers.3.attn` all give `("layers", 3, "attn")`."""
     words = _WORDS.findall("/".join(str(k) for k in path))
-    return tuple(int(w) if w.isdigit() else w.lower() for w in words)
+    return tuple(int(w) if w.isascii() and w.isdigit() else w.lower() for w in words)
 
 
 def _number(key: Key) -> tuple[tuple, int] | None:

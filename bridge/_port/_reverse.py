@@ -84,7 +84,12 @@ def reverse_rule(pattern: str, replacement: str) -> tuple[str, str]:
         for ref in _REF.finditer(replacement):
             out_pattern.append(re.escape(_unescape(replacement[last : ref.start()])))
             key = ref.group(1) or ref.group(2)
-            k = int(key) - 1 if key.isdigit() else names.index(key)
+            if key.isascii() and key.isdigit():
+                k = int(key) - 1
+            elif key in names:
+                k = names.index(key)
+            else:
+                raise ValueError(f"it refers to group {key!r}, which it does not have")
             if not 0 <= k < len(bodies):
                 raise ValueError(f"it refers to group {key}, which it does not have")
             if k in used:
