@@ -66,6 +66,23 @@ def test_a_training_state_is_refused_in_the_torch_layout(tmp_path, name):
         assert list(tmp_path.iterdir()) == []
 
 
+@requires("NNX")
+@pytest.mark.parametrize("name", ["m.safetensors", "ckpt"])
+def test_a_training_state_as_the_model_is_refused(tmp_path, name):
+    """`save(path, optimizer)` in bridge's layout: was 'does not know how to
+    convert', or for an NNX module holding its optimizer a raw `TypeError: tuple
+    indices must be integers or slices, not str`. (A Linen collection of optax
+    arrays is the model's own collection: saved.)"""
+    for found, state in list(_training_states())[:-2]:
+        with pytest.raises(
+            ValueError,
+            match=rf"(?s){name}: `obj` is the model to save, but it is or holds a "
+            rf"training state: {found}.*bridge\.save\(path, model,\nopt_state=",
+        ):
+            bridge.save(tmp_path / name, state)
+        assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["m.safetensors", "folder"])
 @pytest.mark.parametrize("dtype", ["complex128", "int4"])
 def test_a_dtype_safetensors_cannot_store_is_named(tmp_path, name, dtype):

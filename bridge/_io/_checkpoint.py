@@ -218,8 +218,12 @@ def save(
     check_str(prefix, "prefix")
     plain = layout is not None or rules is not None or prefix or quantize is not None
     if plain:  # a training state is refused by name before `obj` is read as a model
-        _training.refuse_in_torch_layout(path, obj)
-    check_model(obj, "obj")
+        _training.refuse_training_state(path, obj, torch_layout=True)
+    try:
+        check_model(obj, "obj")
+    except TypeError:  # an optimizer container: said so
+        _training.refuse_training_state(path, obj, torch_layout=False)
+        raise
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
@@ -241,7 +245,11 @@ def save(
         )
     # 2. the model as a Tree, refused by a plug-in that cannot write what it holds
     # (weights kept quantized)
-    tree = to_neutral(obj)
+    try:
+        tree = to_neutral(obj)
+    except (TypeError, ValueError):  # a model holding its optimizer: said so
+        _training.refuse_training_state(path, obj, torch_layout=False)
+        raise
     for plugin in plugins():
         if plugin.check_save is not None:
             plugin.check_save(path, tree)

@@ -30,6 +30,7 @@ import optax
 
 from .._arguments import check_opt_state
 from .._paths import Path, path_str
+from .._shown import some
 from .._train._opt_state import (
     Params,
     is_container,
@@ -66,6 +67,12 @@ biases, running statistics), but `obj` holds a training state: {found}. Save the
 alone with layout="torch" (`bridge.save(path, model, layout="torch")`), and the
 training state in bridge's layout: `bridge.save("ckpt.safetensors", model,
 opt_state=..., step=...)`."""
+
+_TRAINING_AS_MODEL = """\
+{path}: `obj` is the model to save, but it is or holds a training state: {found}.
+Pass the model as `obj` and its optimizer as `opt_state`: `bridge.save(path, model,
+opt_state=optimizer, step=...)` (an `nnx.Optimizer`, a `TrainState` or an optax
+state)."""
 
 _TAKEN = """\
 The model has a top-level entry named {name!r}, which a training checkpoint uses for
@@ -123,11 +130,12 @@ def add(
     return dataclasses.replace(contents, tensors=tensors, training=training), arrays
 
 
-def refuse_in_torch_layout(path: Any, obj: Any) -> None:
-    """Raise `ValueError` when `obj`, given to `save(..., layout="torch")`, is or
-    holds a training state (an optimizer container such as `nnx.Optimizer` or
-    `TrainState`, an optax state, a Linen `opt_state` collection), naming the
-    first few and where they are."""
+def refuse_training_state(path: Any, obj: Any, torch_layout: bool) -> None:
+    """Raise `ValueError` when `obj`, given to `save` as the model, is or holds a
+    training state (an optimizer container such as `nnx.Optimizer` or
+    `TrainState`, an optax state; for `layout="torch"` also a Linen `opt_state`
+    collection), naming the first few and where they are. `save` asks before
+    `layout="torch"`, else once `obj` is not a model it can read."""
 
     def training(x: Any) -> bool:
         return is_container(x) or _is_optax_state(x)
@@ -137,22 +145,12 @@ def refuse_in_torch_layout(path: Any, obj: Any) -> None:
     for where, x in flat:
         if training(x):
             found.append(f"{type(x).__name__} at obj{jax.tree_util.keystr(where)}")
-    if (
-        isinstance(obj, Mapping)
-        and OPT in obj
-        or (
-            isinstance(obj, tuple)
-            and len(obj) == 2
-            and isinstance(obj[1], Mapping)
-            and OPT in obj[1]
-        )
-    ):
+    variables = obj[1] if isinstance(obj, tuple) and len(obj) == 2 else obj
+    if torch_layout and isinstance(variables, Mapping) and OPT in variables:
         found.append(f"the collection {OPT!r}")
     if found:
-        shown = ", ".join(found[:3]) + (
-            f" and {len(found) - 3} more" if len(found) > 3 else ""
-        )
-        raise ValueError(_TRAINING_IN_TORCH.format(path=path, found=shown))
+        message = _TRAINING_IN_TORCH if torch_layout else _TRAINING_AS_MODEL
+        raise ValueError(message.format(path=path, found=some(found, 3, str)))
 
 
 def _is_optax_state(x: Any) -> bool:
