@@ -125,7 +125,7 @@ class NNXWrapper(nnx.Module):
         rngs: nnx.Rngs | jax.Array | None = None,
         stream: str = "dropout",
     ):
-        if _key(rngs):
+        if isinstance(rngs, jax.Array) and _key(rngs):
             rngs = nnx.Rngs(rngs)
         if rngs is not None and not isinstance(rngs, nnx.Rngs):
             raise TypeError(_RNGS.format(kind=_kind(rngs)))
