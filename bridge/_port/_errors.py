@@ -164,6 +164,15 @@ AMBIGUOUS_ORDER = (
     "rules, one per pair: rules={{r'{source_re}': '<target path>', ...}} (nothing "
     "is offered here: pairing by names or their order would be a guess)."
 )
+ONE_SIDE_TRACED = (
+    "ambiguous: source layers {sources} could pair with target layers {targets} "
+    "({kind}: {shapes}): their names differ, and only the {traced}'s forward pass "
+    "was traced: it uses these layers in another order than it created them, and "
+    "the {other} (arrays without their model: a file or a state dict) records only "
+    "the order its layers were created in, which might be either. Port from the "
+    "model that wrote them (its forward pass traced too), or say which with rules, "
+    "one per pair: rules={{r'{source_re}': '<target path>', ...}}."
+)
 GIVE_EXAMPLE = (
     "Give example inputs (example=(x,), as bridge.compare takes them) so that the "
     "order in which each forward pass uses its layers decides."
