@@ -141,11 +141,17 @@ _ROWS = 1000  # a table longer than this shows its first rows only (rich is slow
 
 
 def _natural(name: str) -> tuple:
-    """`h.2.attn` before `h.10.attn`: numbers compared as numbers."""
+    """`h.2.attn` before `h.10.attn`: numbers (ASCII digits) compared as numbers."""
     return tuple(
-        (0, int(part), "") if part.isdecimal() else (1, 0, part)
+        (0, int(part), "") if _ascii_number(part) else (1, 0, part)
         for part in name.split(".")
     )
+
+
+def _ascii_number(text: str) -> bool:
+    """Whether `text` is a number written in ASCII digits (not `"²"`, which `int`
+    refuses, nor Arabic-Indic `"١"`, which it reads as 1)."""
+    return text.isascii() and text.isdecimal()
 
 
 def _shards(contents: Contents) -> dict[str, str]:
@@ -467,7 +473,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
         with slow.phase(f"writing {dst.name}"):
             if folder:  # a Hugging Face folder
                 size = args.max_shard_size
-                size = int(size) if size is not None and size.isdigit() else size
+                size = int(size) if size is not None and _ascii_number(size) else size
                 write_arrays(dst, arrays, max_shard_size=size, config=args.config)
             else:
                 write(dst, contents, arrays)
@@ -500,12 +506,29 @@ def _positive(text: str) -> int:
 
 
 def _directory(text: str) -> Path:
+    """`--out`: an existing directory this user can write into, or one line saying
+    what `text` is instead and the fix."""
     path = Path(text)
-    if not path.is_dir():
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is a directory this user cannot write into (pick "
+                "another, or make it writable: chmod u+wx)"
+            )
+        return path
+    if path.exists():
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an existing directory (create it first)"
+            f"{text!r} is not a directory but a file (give a directory)"
         )
-    return path
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an existing directory: {str(above)!r} is a file "
+            "(give a directory)"
+        )
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not an existing directory (create it first)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import bridge
+from bridge._cli import main
 
 from . import models
 from .helpers import requires
@@ -124,12 +125,67 @@ def test_misspelt_flag_is_named_with_the_right_one(tmp_path, torch_file, wrong, 
         (["--steps", "-3"], ["--steps: -3 is not a positive number"]),
         (["--steps", "0"], ["--steps: 0 is not a positive number"]),
         (["--out", "newdir"], ["--out: 'newdir' is not an existing directory"]),
+        (["--out", "a\x1b[2J"], ["--out: 'a\\x1b[2J' is not an existing directory"]),
     ],
 )
 def test_demo_arguments_checked_before_training(tmp_path, args, words):
     done = run("demo", *args, cwd=tmp_path)
     assert_refused(done, 2, *words)
     assert "training" not in done.stdout and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size", ["\u00b2", "1\u00b2", "\u0661\u0660\u0660"])
+def test_a_shard_size_of_non_ascii_digits_is_named(tmp_path, size):
+    """`--max-shard-size ²` was `invalid literal for int() with base 10: '²'`;
+    Arabic-Indic digits were read as a number."""
+    src = tmp_path / "m.safetensors"
+    save_file({"fc.weight": np.ones((2, 2), "f4")}, src, metadata={"format": "pt"})
+    done = run(
+        "convert",
+        src,
+        tmp_path / "out",
+        "--to-layout",
+        "torch",
+        "--max-shard-size",
+        size,
+    )
+    assert_refused(done, 1, "`max_shard_size` must be a positive number", repr(size))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "out, words",
+    [
+        ("file", "'file' is not a directory but a file (give a directory)"),
+        ("file/sub", "'file/sub' is not an existing directory: 'file' is a file"),
+    ],
+)
+def test_demo_out_a_file_or_under_one_is_one_line(tmp_path, out, words):
+    (tmp_path / "file").write_text("mine")
+    done = run("demo", "--out", out, cwd=tmp_path)
+    assert_refused(done, 2, f"--out: {words}")
+    assert "training" not in done.stdout
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_demo_out_a_directory_it_cannot_write_is_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """A read-only directory (as root every directory is writable, so the check
+    is made to answer as for another user)."""
+    real = os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode),
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--out", str(tmp_path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "is a directory this user cannot write into" in err
+    assert "chmod u+wx" in err
 
 
 def test_inspect_natural_order_no_wrapping_when_piped(torch_file):

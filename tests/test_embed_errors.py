@@ -63,6 +63,24 @@ def test_missing_mutable_collection_or_state():
         wrapper(x)
 
 
+def test_an_equinox_wrapper_called_with_another_model_s_state():
+    """Was a raw `KeyError: <object object at 0x...>` from `eqx.nn.State.get`."""
+    x, _ = inputs("cnn")
+    wrapper = bridge.as_equinox(native("nnx", "cnn"))
+    other = eqx.nn.State(bridge.as_equinox(native("nnx", "cnn")))
+    _, foreign = eqx.nn.make_with_state(eqx.nn.BatchNorm)(2, "batch")
+    for state in (other, foreign):
+        with pytest.raises(
+            ValueError,
+            match=r"(?s)The `eqx.nn.State` given to this wrapper holds no entry for "
+            r"\.model\.\S+, .* state arrays \(its batch_stats\): it was made for "
+            r"another model\..*eqx\.nn\.State\(model\)",
+        ):
+            wrapper(x, state)
+    y, _ = wrapper(x, eqx.nn.State(wrapper))  # its own state: runs
+    assert y.shape[0] == x.shape[0]
+
+
 @requires("NNX")
 def test_name_collision_in_nnx_wrapper():
     class Model(nn.Module):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import bridge
@@ -124,6 +125,31 @@ def test_parity_with_flax_to_nnx():
         assert jnp.array_equal(a, ours(x, train=True, rngs=make()))
     assert not jnp.array_equal(a, ours(x, train=True, rngs=jax.random.key(5)))
     assert tree_equal_bits(nnx.state(theirs, nnx.Param), nnx.state(ours, nnx.Param))
+
+
+def test_a_key_as_the_wrapper_s_rngs_is_nnx_rngs_of_it():
+    """`as_nnx(..., rngs=key)`: a typed key (`jax.random.key`) or a raw one
+    (`jax.random.PRNGKey`) is the wrapper's `nnx.Rngs(key)`, draw for draw (both
+    were refused: 'must be an nnx.Rngs or a JAX key, got PRNGKeyArray'); anything
+    else is refused naming what it is."""
+    module, variables = native("linen", "attn")
+    x, _ = inputs("attn")
+    reference = bridge.as_nnx((module, variables), rngs=nnx.Rngs(7))
+    expected = [reference(x, train=True) for _ in range(2)]
+    assert not jnp.array_equal(*expected)  # the stream advances between calls
+    for key in (jax.random.key(7), jax.random.PRNGKey(7)):
+        ours = bridge.as_nnx((module, variables), rngs=key)
+        for want in expected:
+            assert jnp.array_equal(ours(x, train=True), want)
+    for bad, kind in [
+        (jnp.ones(3), r"an array of float32 and shape \(3,\)"),
+        (7, "a int"),
+    ]:
+        with pytest.raises(
+            TypeError,
+            match=rf"(?s)`rngs` must be an nnx.Rngs or a JAX key .*got {kind}\.",
+        ):
+            bridge.as_nnx((module, variables), rngs=bad)
 
 
 class AllNNX(nnx.Module):

@@ -252,3 +252,30 @@ def test_an_index_naming_200000_missing_arrays_gives_a_bounded_message(tmp_path)
         bridge.load(case.make(tmp_path))
     assert len(str(info.value)) < 1_000
     assert "200000 name(s)" in str(info.value) and "199995 more" in str(info.value)
+
+
+def test_equinox_metadata_naming_another_class_is_a_checkpoint_error(tmp_path):
+    """An Equinox file whose metadata records `Conv2d` for a Linear's arrays and
+    settings: loading it into another framework was a raw `AttributeError: The
+    skeleton of equinox.nn._conv:Conv2d has no 'kernel_size'`."""
+    skip_unless("NNX")
+    import equinox as eqx
+
+    path = tmp_path / "e.safetensors"
+    bridge.save(path, eqx.nn.Linear(2, 3, key=jax.random.key(0)))
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    modules = json.loads(header["__metadata__"]["modules"])
+    modules[0][1] = "equinox.nn._conv:Conv2d"
+    header["__metadata__"]["modules"] = json.dumps(modules)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n :])
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"e\.safetensors: metadata: \(root\) is recorded as "
+        r"'equinox\.nn\._conv:Conv2d', whose settings lack 'kernel_size' \(recorded "
+        r"settings: 'in_features', 'out_features', 'use_bias'; arrays: 'weight', "
+        r"'bias'\): the checkpoint's metadata does not describe its arrays",
+    ):
+        bridge.load(path, like=nnx.Linear(2, 3, rngs=nnx.Rngs(0)))

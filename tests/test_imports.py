@@ -16,7 +16,8 @@ The package is layered; a module imports only modules of its own layer or below:
        quantized), _families (model families' names), _gc (the collector paused),
        _uses (what a traced forward pass tells about each parameter), _version,
        _qmatmul (products with kept weights, as stored), _clash (the name clash with
-       flax.nnx.bridge), _sizes, _progress (the progress display of loads and saves)
+       flax.nnx.bridge), _sizes, _progress (the progress display of loads and saves),
+       _shown (untrusted text in messages: escaped, bounded)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -64,6 +65,7 @@ LAYERS = {
     "bridge._version": 0,
     "bridge._qmatmul": 0,
     "bridge._sizes": 0,
+    "bridge._shown": 0,
     "bridge._clash": 0,
     "bridge._progress": 0,
 }

@@ -143,6 +143,23 @@ def _equinox_step(model, opt, tx, x, y):
     return _compiled("equinox", tx, _equinox_jit)(model, opt, x, y)
 
 
+def _nnx_state_jit(tx):
+    @nnx.jit
+    def run(model, opt, x, y):
+        params = nnx.state(model, nnx.Param)
+        grads = nnx.grad(lambda m: mse(m(x), y))(model)
+        updates, opt = tx.update(grads, opt, params)
+        nnx.update(model, optax.apply_updates(params, updates))
+        return opt
+
+    return run
+
+
+def _nnx_state_step(model, opt, tx, x, y):
+    """optax over `nnx.state(model, nnx.Param)` by hand (no `nnx.Optimizer`)."""
+    return model, _compiled("nnx_state", tx, _nnx_state_jit)(model, opt, x, y)
+
+
 def _make_step(tree, tx):
     spec = bridge.trainable(tree, lambda t: t)
     return _compiled(
@@ -167,6 +184,11 @@ RUNS = {
         nnx_mlp,
         lambda m, tx: nnx.Optimizer(m, tx, wrt=nnx.Param),
         _nnx_step,
+    ),
+    "nnx_state": Run(
+        nnx_mlp,
+        lambda m, tx: tx.init(nnx.state(m, nnx.Param)),
+        _nnx_state_step,
     ),
     "equinox": Run(
         equinox_mlp,
@@ -210,7 +232,7 @@ def resume(a, b, optimizer):
 
 
 FAST = [("linen", "nnx"), ("nnx", "equinox"), ("equinox", "make_step")]
-FAST += [("make_step", "linen")]
+FAST += [("make_step", "linen"), ("nnx_state", "nnx"), ("nnx", "nnx_state")]
 PAIRS = [(a, b) for a in RUNS for b in RUNS]
 
 
@@ -221,7 +243,7 @@ PAIRS = [(a, b) for a in RUNS for b in RUNS]
 def test_resume_equals_training_on(a, b, optimizer):
     reference, resumed = resume(a, b, optimizer)
     assert tree_allclose(reference, resumed, rtol=1e-5, atol=1e-6)
-    if {a, b} <= {"linen", "nnx"}:  # the same arithmetic: the same bits
+    if {a, b} <= {"linen", "nnx", "nnx_state"}:  # the same arithmetic: the same bits
         assert tree_equal_bits(reference, resumed)
 
 

@@ -2,6 +2,7 @@
 forward pass first uses its layers (traced abstractly), which no sorting destroys.
 A dict's order is never evidence (test_port_property)."""
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -310,3 +311,74 @@ def test_a_forward_pass_writing_a_cache_argument_is_traced():
     np.testing.assert_allclose(
         ported(x, _Cache()), source(x, _Cache()), rtol=1e-6, atol=1e-6
     )
+
+
+class EqxPair(eqx.Module):
+    """Two square layers used in the order they are declared (the order an
+    Equinox file records)."""
+
+    first: eqx.nn.Linear
+    second: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.first = eqx.nn.Linear(4, 4, key=k1)
+        self.second = eqx.nn.Linear(4, 4, key=k2)
+
+    def __call__(self, x):
+        return self.second(jnp.tanh(self.first(x)))
+
+
+class UsedNotCreated(nnx.Module):
+    """Its own names, created in the other order than used: only its forward pass
+    pairs it with `EqxPair`."""
+
+    def __init__(self, rngs):
+        self.b = nnx.Linear(4, 4, rngs=rngs)
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def test_an_equinox_file_into_another_framework_pairs_by_like_s_trace(tmp_path):
+    """An Equinox file is read back as skeletons (no code to run): with `example=`,
+    only `like`'s forward pass is traced and the file's recorded order pairs with
+    it (the load was refused as 'a Skeleton' before). `like` made abstract
+    (`nnx.eval_shape`, attributes sorted: its creation order lost) is refused
+    without example inputs and exact with them."""
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    source = EqxPair(jax.random.key(1))
+    path = tmp_path / "eqx.safetensors"
+    bridge.save(path, source)
+    abstract = nnx.eval_shape(lambda: UsedNotCreated(nnx.Rngs(0)))
+    with pytest.raises(bridge.PortError, match="order is not known"):
+        bridge.load(path, like=abstract)
+    loaded = bridge.load(path, like=abstract, example=x)
+    assert bridge.compare(source, loaded, x) == 0.0
+    plan = bridge.port_plan(bridge.load(path), abstract, example=x)
+    assert [(s.source, s.target, s.by) for s in plan.steps] == [
+        (".first", ".a", "trace"),
+        (".second", ".b", "trace"),
+    ]
+
+
+def test_one_traced_side_whose_orders_differ_is_refused(tmp_path):
+    """`like` created `b, a` and uses `a, b`; the file records only the order its
+    layers were created in: which of like's orders it matches only the source's
+    own forward pass could say. Refused (creation order alone ports it wrongly,
+    0.6 off; the trace alone would be a guess)."""
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    source = EqxPair(jax.random.key(1))
+    path = tmp_path / "eqx.safetensors"
+    bridge.save(path, source)
+    wrong = bridge.load(path, like=UsedNotCreated(nnx.Rngs(0)))
+    assert bridge.compare(source, wrong, x) > 1e-2
+    with pytest.raises(
+        bridge.PortError,
+        match=r"only the target's forward pass was traced: it uses these layers in "
+        r"another order than it created them",
+    ):
+        bridge.load(path, like=UsedNotCreated(nnx.Rngs(0)), example=x)
+    ported = bridge.port(source, UsedNotCreated(nnx.Rngs(0)), example=x)
+    assert bridge.compare(source, ported, x) == 0.0  # from the model: both traced

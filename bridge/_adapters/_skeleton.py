@@ -16,6 +16,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .._paths import Path
+from .._shown import some
 
 
 Plain = None | bool | int | float | str | tuple
@@ -52,6 +53,15 @@ and settings, not the model's code. Load into a model instead:
 bridge.load(path, like=model)."""
 
 
+class MissingSetting(AttributeError):
+    """A setting a layer's codec reads that the checkpoint did not record for the
+    class it names (metadata naming another class than its arrays and settings)."""
+
+    def __init__(self, cls: str, name: str, found: str):
+        self.cls, self.name, self.found = cls, name, found
+        super().__init__(f"The skeleton of {cls} has no {name!r} ({found}).")
+
+
 class Skeleton:
     """A module of a checkpoint: its arrays (children) and settings as attributes."""
 
@@ -70,7 +80,10 @@ class Skeleton:
         for key, value in self._settings:
             if key == name:
                 return value
-        raise AttributeError(f"The skeleton of {self._cls} has no {name!r}.")
+        settings = some((k for k, _ in self._settings), most=8) or "none"
+        arrays = some(self._children, most=8) or "none"
+        found = f"recorded settings: {settings}; arrays: {arrays}"
+        raise MissingSetting(self._cls, name, found)
 
     def __getitem__(self, key: Any) -> Any:
         # a module whose fields are numbers (PyTorch's `nn.Sequential` names, not

@@ -28,6 +28,7 @@ from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
 from .._gc import paused
 from .._paths import Path, parse
+from .._shown import shown
 from .._tree import Held, Key, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
 from . import _torch_trace
@@ -82,7 +83,7 @@ bridge.from_torch: `obj`, a state dict, maps names to arrays, but {problems}. Pa
 `module.state_dict()`, or a flat mapping of arrays."""
 
 _LEAF_AND_NODE = """\
-bridge.from_torch: {name!r} is both an array and a prefix of {other!r}; a state dict
+bridge.from_torch: {name} is both an array and a prefix of {other}; a state dict
 from PyTorch never has this. Rename one of them."""
 
 _SPLIT_UNUSED = """\
@@ -440,7 +441,7 @@ def _arrays(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, s
 
 
 _SAME_PATH = """\
-bridge.from_torch: {other!r} and {name!r} name the same array (their numbers are the
+bridge.from_torch: {other} and {name} name the same array (their numbers are the
 same index, e.g. 01 and 1); rename one of them."""
 
 
@@ -453,14 +454,16 @@ def _check_nodes(names: Sequence[str]) -> None:
         )
         other = seen.setdefault(key, name)
         if other != name:
-            raise ValueError(_SAME_PATH.format(name=name, other=other))
+            raise ValueError(_SAME_PATH.format(name=shown(name), other=shown(other)))
     taken = set(names)
     for name in names:
         parts = name.split(".")
         for i in range(1, len(parts)):
             head = ".".join(parts[:i])
             if head in taken:
-                raise ValueError(_LEAF_AND_NODE.format(name=head, other=name))
+                raise ValueError(
+                    _LEAF_AND_NODE.format(name=shown(head), other=shown(name))
+                )
 
 
 def _is_conv1d(cls: Any) -> bool:

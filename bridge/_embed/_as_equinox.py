@@ -9,6 +9,7 @@ import jax.tree_util as jtu
 
 from .._adapters._keys import same_key
 from .._paths import Path
+from .._shown import some
 from .._tree import Tree
 from ._inner import Inner, inner_of, run
 
@@ -18,6 +19,13 @@ The wrapped model has state ({roles}), so the wrapper follows the Equinox State
 convention: call it as `y, state = wrapper(*args, state)`, the state made with
 `model, state = eqx.nn.make_with_state(...)` or `state = eqx.nn.State(model)` for the
 model that holds the wrapper; the last positional argument was a {got}."""
+
+
+_OTHER_STATE = """\
+The `eqx.nn.State` given to this wrapper holds no entry for {missing} of the wrapped
+model's {total} state arrays (its {roles}): it was made for another model. Make the
+state from the model that holds this wrapper: `model, state =
+eqx.nn.make_with_state(...)` or `state = eqx.nn.State(model)`."""
 
 
 def _is_none(x: Any) -> bool:
@@ -91,6 +99,14 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, eqx.nn.StateIndex)
 
 
+def _holds(state: Any, index: Any) -> bool:
+    try:
+        state.get(index)
+    except KeyError:
+        return False
+    return True
+
+
 class EquinoxWrapper(eqx.Module):
     """A model of another framework inside Equinox: made by `bridge.as_equinox`."""
 
@@ -101,6 +117,16 @@ class EquinoxWrapper(eqx.Module):
     def _bridge_wrapped(self) -> tuple[Inner, Path]:
         """The wrapped model and where its arrays are under the wrapper: `model`."""
         return self.inner, ("model",)
+
+    def _other_state(self, state: Any) -> str:
+        flat = jtu.tree_flatten_with_path(self.model, is_leaf=_is_index)[0]
+        indices = [(k, x) for k, x in flat if _is_index(x)]
+        lacking = [jtu.keystr(k) for k, x in indices if not _holds(state, x)]
+        return _OTHER_STATE.format(
+            missing=some(lacking, show=lambda p: f".model{p}"),
+            total=len(indices),
+            roles=", ".join(sorted({r for r in self.inner.roles if r != "params"})),
+        )
 
     def __call__(self, *args: Any, key: Any = None, **kwargs: Any) -> Any:
         """`y = wrapper(*args)`, or `y, state = wrapper(*args, state)` when the
@@ -116,7 +142,10 @@ class EquinoxWrapper(eqx.Module):
                     _NO_STATE.format(roles=", ".join(roles), got=type(got).__name__)
                 )
             args, state = args[:-1], got
-            leaves = [state.get(x) if _is_index(x) else x for x in held]
+            try:
+                leaves = [state.get(x) if _is_index(x) else x for x in held]
+            except KeyError:  # a state made for another model
+                raise ValueError(self._other_state(state)) from None
         else:
             leaves = held
         out, changed = run(

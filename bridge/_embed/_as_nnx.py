@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import variablelib
 
@@ -24,10 +25,29 @@ The wrapped model has a top-level entry named {names}, which NNXWrapper uses for
 uses other names (put it inside a container module)."""
 
 _RNGS = """\
-`rngs` must be an nnx.Rngs or a JAX key, got {kind}."""
+`rngs` must be an nnx.Rngs or a JAX key (`jax.random.key(0)`, or a raw
+`jax.random.PRNGKey(0)`: uint32 of shape (2,)), got {kind}."""
 
 
-def as_nnx(model: Any, *, rngs: nnx.Rngs | None = None, stream: str = "dropout"):
+def _key(rngs: Any) -> bool:
+    """Whether `rngs` is one JAX key: a typed key of shape `()`, or a raw uint32
+    key of shape `(2,)` (`jax.random.PRNGKey`)."""
+    if not isinstance(rngs, jax.Array):
+        return False
+    if jax.dtypes.issubdtype(rngs.dtype, jax.dtypes.prng_key):
+        return rngs.shape == ()
+    return rngs.dtype == jnp.uint32 and rngs.shape == (2,)
+
+
+def _kind(rngs: Any) -> str:
+    if isinstance(rngs, jax.Array):
+        return f"an array of {rngs.dtype} and shape {rngs.shape}"
+    return f"a {type(rngs).__name__}"
+
+
+def as_nnx(
+    model: Any, *, rngs: nnx.Rngs | jax.Array | None = None, stream: str = "dropout"
+):
     """An Equinox model or a Flax Linen module as an `nnx.Module`.
 
     The wrapper holds the wrapped model's arrays as NNX Variables, in nested
@@ -63,7 +83,9 @@ def as_nnx(model: Any, *, rngs: nnx.Rngs | None = None, stream: str = "dropout")
       `bridge.Tree` of one of them. It is not modified; the wrapper starts from its
       current arrays (shared, not copied).
     - `rngs`: optional `nnx.Rngs` the wrapper draws keys from at each call (kept as
-      the wrapper's `rngs` attribute, its counters are NNX state).
+      the wrapper's `rngs` attribute, its counters are NNX state), or a JAX key
+      (`jax.random.key(0)`, or a raw `jax.random.PRNGKey(0)`), which becomes
+      `nnx.Rngs(key)`: its `default` stream, which every stream falls back to.
     - `stream`: the stream of `rngs` an Equinox model's `key=` is drawn from.
 
     **Returns:**
@@ -100,11 +122,13 @@ class NNXWrapper(nnx.Module):
         inner: Inner,
         leaves: list[Any],
         *,
-        rngs: nnx.Rngs | None = None,
+        rngs: nnx.Rngs | jax.Array | None = None,
         stream: str = "dropout",
     ):
+        if isinstance(rngs, jax.Array) and _key(rngs):
+            rngs = nnx.Rngs(rngs)
         if rngs is not None and not isinstance(rngs, nnx.Rngs):
-            raise TypeError(_RNGS.format(kind=type(rngs).__name__))
+            raise TypeError(_RNGS.format(kind=_kind(rngs)))
         tree = inner.tree(leaves)
         top = [str(k) for k, _ in items(tree)]
         taken = [k for k in top if k in _OWN or k.startswith("_")]
@@ -145,10 +169,10 @@ def _keys(rngs: Any, stream: str) -> Keys:
     (`default` feeds Linen's `params` stream)."""
     if rngs is None:
         return Keys()
-    if isinstance(rngs, jax.Array):
+    if _key(rngs):
         return same_key(rngs)
     if not isinstance(rngs, nnx.Rngs):
-        raise TypeError(_RNGS.format(kind=type(rngs).__name__))
+        raise TypeError(_RNGS.format(kind=_kind(rngs)))
 
     def named(tag: str) -> Any:
         return rngs[tag]() if tag in rngs or "default" in rngs else None

@@ -57,6 +57,7 @@ from . import (  # noqa: F401  (they register formats)
     _training,
 )
 from ._contents import Contents
+from ._errors import CheckpointError
 from ._format import format_named
 from ._model import describe, file_tree
 from ._plugins import Filled, Request, asked, plugins
@@ -145,6 +146,8 @@ def save(
       weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var` (and
       `num_batches_tracked` 0), fused `in_proj_weight`. Layers are named by their
       dotted paths, or by `rules` read backwards. Default: the model's own layout.
+      A training state (an `nnx.Optimizer`, a `TrainState`, an optax state, a
+      Linen `opt_state` collection) is refused: save the model alone this way.
     - `rules`: with `layout="torch"`, the rules that imported the PyTorch model
       (`{PyTorch layer regex: this model's layer path}`, as given to `bridge.port`):
       each is read backwards to name the layers as the PyTorch model does. A rule is
@@ -210,10 +213,17 @@ def save(
     """
     # 1. the arguments checked
     path = _path(path)
-    check_model(obj, "obj")
     check_str(layout, "layout", optional=True)
     check_rules(rules)
     check_str(prefix, "prefix")
+    plain = layout is not None or rules is not None or prefix or quantize is not None
+    if plain:  # a training state is refused by name before `obj` is read as a model
+        _training.refuse_training_state(path, obj, torch_layout=True)
+    try:
+        check_model(obj, "obj")
+    except TypeError:  # an optimizer container: said so
+        _training.refuse_training_state(path, obj, torch_layout=False)
+        raise
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
@@ -228,7 +238,6 @@ def save(
             "`like` is the PyTorch model a layout='torch' export is checked against: "
             'pass layout="torch" with it.'
         )
-    plain = layout is not None or rules is not None or prefix or quantize is not None
     if plain and training:
         raise ValueError(
             "A PyTorch-layout file holds the model's arrays only: save the "
@@ -236,7 +245,11 @@ def save(
         )
     # 2. the model as a Tree, refused by a plug-in that cannot write what it holds
     # (weights kept quantized)
-    tree = to_neutral(obj)
+    try:
+        tree = to_neutral(obj)
+    except (TypeError, ValueError):  # a model holding its optimizer: said so
+        _training.refuse_training_state(path, obj, torch_layout=False)
+        raise
     for plugin in plugins():
         if plugin.check_save is not None:
             plugin.check_save(path, tree)
@@ -537,6 +550,9 @@ def _port_file(contents: Contents, request: Request) -> Filled:
                 target_tree=request.target,
             )
     except PortError as error:
+        damaged = [p for p in error.problems if p.startswith("metadata: ")]
+        if damaged:  # the file's own metadata contradicts it, whatever `like` is
+            raise CheckpointError(f"{contents.path}: " + "\n".join(damaged)) from None
         error.add_note(_PORTING.format(path=contents.path))
         raise
     return Filled(model, source, plan)

@@ -26,6 +26,7 @@ from .._tree import (
 from ._classes import resolve
 from ._config import CONFIG, model_type
 from ._contents import RESERVED, VERSION, Contents, Stored, dotted, is_key, split
+from ._errors import CheckpointError
 
 
 _RESERVED_KEY = """\
@@ -144,7 +145,12 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
         kinds.update(file_norms(family, ndims))  # read if listed
         kinds.update(file_linears(family, ndims))
     modules = {p: (c, f) for p, c, f in contents.modules}
-    tree = read(tensors, modules, kinds, list(contents.empty))
+    try:
+        tree = read(tensors, modules, kinds, list(contents.empty))
+    except CheckpointError:
+        raise
+    except ValueError as error:  # names its framework cannot hold as one model
+        raise CheckpointError(f"{contents.path}: {error}") from None
     told = next(
         (a.with_config for a in adapters() if a.layout == contents.layout), None
     )

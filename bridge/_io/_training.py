@@ -30,7 +30,14 @@ import optax
 
 from .._arguments import check_opt_state
 from .._paths import Path, path_str
-from .._train._opt_state import Params, parts_of, port_opt_state, unwrap
+from .._shown import some
+from .._train._opt_state import (
+    Params,
+    is_container,
+    parts_of,
+    port_opt_state,
+    unwrap,
+)
 from .._tree import Tree
 from ._contents import Stored, dotted, is_key
 from ._errors import CheckpointError
@@ -53,6 +60,19 @@ optimizer fresh with its `init`."""
 _MALFORMED = """\
 {path}: its 'training' metadata does not describe an optimizer state ({reason}). The
 file may be damaged; load the model alone (without `opt_state_like`)."""
+
+_TRAINING_IN_TORCH = """\
+{path}: layout="torch" writes a model's arrays only (a PyTorch state dict: weights,
+biases, running statistics), but `obj` holds a training state: {found}. Save the model
+alone with layout="torch" (`bridge.save(path, model, layout="torch")`), and the
+training state in bridge's layout: `bridge.save("ckpt.safetensors", model,
+opt_state=..., step=...)`."""
+
+_TRAINING_AS_MODEL = """\
+{path}: `obj` is the model to save, but it is or holds a training state: {found}.
+Pass the model as `obj` and its optimizer as `opt_state`: `bridge.save(path, model,
+opt_state=optimizer, step=...)` (an `nnx.Optimizer`, a `TrainState` or an optax
+state)."""
 
 _TAKEN = """\
 The model has a top-level entry named {name!r}, which a training checkpoint uses for
@@ -108,6 +128,34 @@ def add(
     training = json.dumps(record)
     tensors = contents.tensors + tuple(stored)
     return dataclasses.replace(contents, tensors=tensors, training=training), arrays
+
+
+def refuse_training_state(path: Any, obj: Any, torch_layout: bool) -> None:
+    """Raise `ValueError` when `obj`, given to `save` as the model, is or holds a
+    training state (an optimizer container such as `nnx.Optimizer` or
+    `TrainState`, an optax state; for `layout="torch"` also a Linen `opt_state`
+    collection), naming the first few and where they are. `save` asks before
+    `layout="torch"`, else once `obj` is not a model it can read."""
+
+    def training(x: Any) -> bool:
+        return is_container(x) or _is_optax_state(x)
+
+    found = []
+    flat = jax.tree_util.tree_flatten_with_path(obj, is_leaf=training)[0]
+    for where, x in flat:
+        if training(x):
+            found.append(f"{type(x).__name__} at obj{jax.tree_util.keystr(where)}")
+    variables = obj[1] if isinstance(obj, tuple) and len(obj) == 2 else obj
+    if torch_layout and isinstance(variables, Mapping) and OPT in variables:
+        found.append(f"the collection {OPT!r}")
+    if found:
+        message = _TRAINING_IN_TORCH if torch_layout else _TRAINING_AS_MODEL
+        raise ValueError(message.format(path=path, found=some(found, 3, str)))
+
+
+def _is_optax_state(x: Any) -> bool:
+    """An optax state node: a named tuple (or `EmptyState`) defined by optax."""
+    return isinstance(x, tuple) and type(x).__module__.split(".")[0] == "optax"
 
 
 def _record(node: Any, where: Path, parts: Mapping[str, Any], put: Any) -> Any:

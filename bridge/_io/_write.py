@@ -11,12 +11,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._shown import shown, some
 from .._tree import Tree
 from . import _hf_folder
 from ._atomic import atomic_files
 from ._config import model_type
 from ._contents import Contents, Stored, is_key
-from ._format import format_of, formats
+from ._format import format_named, format_of, formats
 from ._model import _NOT_STRINGS, both_str
 from ._plugins import quantizer
 from ._reference import check, reference_of
@@ -26,6 +27,12 @@ from ._torch_layout import torch_state
 _DTYPES_NOT_STORED = """\
 The {format} format cannot store {problems}. Convert these arrays (e.g. with
 jax.tree.map and .astype), or save to a format that stores them: {others}."""
+
+_DTYPES_NOT_IN_LAYOUT = """\
+{path}: a PyTorch-layout checkpoint is safetensors, which cannot store {problems}.
+It stores {supported}. Convert these arrays first (e.g. `jax.tree.map(lambda x:
+x.astype(jnp.float32), tree)`), or save them in bridge's own layout (without
+`layout=`) to a format that stores them: {others}."""
 
 _TRAINING_NO_METADATA = """\
 {path}: a {format} checkpoint holds arrays only, with no metadata to record the
@@ -108,6 +115,30 @@ _LAYOUT_OPTIONS = """\
 and `prefix` apply only with layout="torch"."""
 
 
+def _check_layout_dtypes(path: Path, tree: Tree) -> None:
+    """`ValueError` naming every array of `tree` whose dtype a PyTorch-layout
+    (safetensors) checkpoint cannot store, before anything is written."""
+    stores = format_named("safetensors").dtypes
+    assert stores is not None
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    bad = [
+        (jax.tree_util.keystr(k), str(np.dtype(x.dtype)))
+        for k, x in flat
+        if str(np.dtype(x.dtype)) not in stores and not is_key(x)
+    ]
+    if bad:
+        found = {d for _, d in bad}
+        others = [f.name for f in formats() if f.dtypes is None or found <= f.dtypes]
+        raise ValueError(
+            _DTYPES_NOT_IN_LAYOUT.format(
+                path=path,
+                problems=some(bad, show=lambda kd: f"{shown(kd[0])} ({kd[1]})"),
+                supported=", ".join(sorted(stores)),
+                others=", ".join(others) or "none",
+            )
+        )
+
+
 def save_layout(
     path: Path,
     tree: Tree,
@@ -132,6 +163,7 @@ def save_layout(
     if bad:
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
     fmt = format_of(path)
+    _check_layout_dtypes(path, tree)
     if not fmt.suffixes:  # a folder: save_pretrained's layout
         if scheme is not None:
             raise ValueError(_QUANTIZE_FOLDER.format(path=path))

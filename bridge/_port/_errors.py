@@ -36,6 +36,13 @@ Cannot port: {n} problem(s), nothing was written.
 {problems}
 See `bridge.port_plan(source, target)` for the pairing, and docs/guides/porting.md."""
 
+METADATA = (
+    "metadata: {path} is recorded as {cls}, whose settings lack {name!r} ({found}): "
+    "the checkpoint's metadata does not describe its arrays (damaged or edited). "
+    "Load it into the model that wrote it (bridge.load(path, like=model)), or save "
+    "it again from that model."
+)
+
 MISSING = (
     "missing: target layer {target} ({kind}: {shapes}) has no source layer. Pair it "
     "with rules={{r'<source path>': '{target}'}}, or pass strict=False to keep its "
@@ -156,6 +163,15 @@ AMBIGUOUS_ORDER = (
     "be the order the layers were created in ({why}). {decide} Or say which with "
     "rules, one per pair: rules={{r'{source_re}': '<target path>', ...}} (nothing "
     "is offered here: pairing by names or their order would be a guess)."
+)
+ONE_SIDE_TRACED = (
+    "ambiguous: source layers {sources} could pair with target layers {targets} "
+    "({kind}: {shapes}): their names differ, and only the {traced}'s forward pass "
+    "was traced: it uses these layers in another order than it created them, and "
+    "the {other} (arrays without their model: a file or a state dict) records only "
+    "the order its layers were created in, which might be either. Port from the "
+    "model that wrote them (its forward pass traced too), or say which with rules, "
+    "one per pair: rules={{r'{source_re}': '<target path>', ...}}."
 )
 GIVE_EXAMPLE = (
     "Give example inputs (example=(x,), as bridge.compare takes them) so that the "

@@ -15,9 +15,11 @@ from .._adapters._registry import (
     adapter_of_class,
     canonical_adapter,
 )
+from .._adapters._skeleton import MissingSetting
 from .._embed._inside import embedded
 from .._lazy import materialise
 from .._paths import Path, at, path_str
+from .._shown import shown
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors, _shapes
 from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
@@ -308,7 +310,20 @@ def find_layers(
         # a layer of a file read without its model (an NNX class recorded in a
         # Flax file) has no module: its codecs read their settings from one
         expects = adapter_named(found[0].framework).records_classes
-        hyper = {} if module is None and expects else found[0].hyperparameters(module)
+        try:
+            hyper = (
+                {} if module is None and expects else found[0].hyperparameters(module)
+            )
+        except MissingSetting as missing:  # a file's metadata naming another class
+            problems.append(
+                _errors.METADATA.format(
+                    path=path_str(path) or "(root)",
+                    cls=shown(missing.cls),
+                    name=missing.name,
+                    found=missing.found,
+                )
+            )
+            return Layer(path, (), leaves, paths, {})
         readings = ()
         if views:
             found, readings = with_views(found, leaves, module, ordered)

@@ -21,8 +21,15 @@ from ._trace import Position, layer_position
 
 
 _EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
-_WORDS = re.compile(r"[A-Za-z]+|\d+")
+_WORDS = re.compile(r"[A-Za-z]+|[0-9]+|[^\x00-\x7f]+")
+"""A name's words: ASCII letters, ASCII digits (numbers), and runs of other
+characters kept as they are (`"layer١"` is not `"layer1"`)."""
 _NUMBERED = re.compile(r"^(.*?)[_.\-]?(\d+)$")
+
+
+ONE_SIDE = "one side"
+"""`_Pairing.in_order`'s answer where only one side was traced and that side uses
+its layers in another order than it created them."""
 
 
 class Pair(NamedTuple):
@@ -80,7 +87,7 @@ def normalised(path: Path) -> tuple:
     """A path's words, lower case, numbers as ints: `.layers_3.Attn` and
     `.layers[3].attn` and `layers.3.attn` all give `("layers", 3, "attn")`."""
     words = _WORDS.findall("/".join(str(k) for k in path))
-    return tuple(int(w) if w.isdigit() else w.lower() for w in words)
+    return tuple(int(w) if w.isascii() and w.isdigit() else w.lower() for w in words)
 
 
 def _number(key: Key) -> tuple[tuple, int] | None:
@@ -359,6 +366,9 @@ class _Pairing:
                 self.add(a[0], b[0], "trace" if traced else "shape")
                 continue
             oa, ob, by = self.in_order(a, b)
+            if by == ONE_SIDE:
+                self._one_side(a, b)
+                continue
             if oa is None or ob is None:
                 self._unordered(a, b, 0 if oa is None else 1)
                 continue
@@ -372,6 +382,17 @@ class _Pairing:
         example inputs), else in creation order where it is known (None where not),
         and what ordered them (`"trace"` or `"order"`)."""
         ta, tb = self.orders[0].traced(a), self.orders[1].traced(b)
+        if (ta is None) != (tb is None):
+            # one side traced (a file, a state dict: the other has no forward pass),
+            # the other's known order the order its layers were created in: paired
+            # with the traced side's order of use only where that side was created
+            # in that order too, or its creation order is not known
+            side = 0 if ta is not None else 1
+            created = self.orders[side].sorted((a, b)[side])
+            other = self.orders[1 - side].sorted((a, b)[1 - side])
+            used = ta if side == 0 else tb
+            if None not in (created, other) and created != used:
+                return None, None, ONE_SIDE
         oa = ta if ta is not None else self.orders[0].sorted(a)
         ob = tb if tb is not None else self.orders[1].sorted(b)
         return oa, ob, "trace" if ta is not None or tb is not None else "order"
@@ -394,20 +415,44 @@ class _Pairing:
             [x for x in b if id(x) not in self.paired],
         )
 
+    def _one_side(self, a: list[Layer], b: list[Layer]) -> None:
+        """The problem of layers that one side's forward pass uses in another order
+        than it created them, where the other side has no forward pass (`in_order`)."""
+        side = [o.was_traced() for o in self.orders].index(True)
+        self._ambiguous(
+            a,
+            b,
+            _errors.ONE_SIDE_TRACED,
+            traced=("source", "target")[side],
+            other=("source", "target")[1 - side],
+        )
+
     def _unordered(self, a: list[Layer], b: list[Layer], side: int) -> None:
+        self._ambiguous(
+            a,
+            b,
+            _errors.AMBIGUOUS_ORDER,
+            side=("source", "target")[side],
+            why=self.orders[side].why((a, b)[side]),
+            decide=undecided([o.was_traced() for o in self.orders]),
+        )
+
+    def _ambiguous(
+        self, a: list[Layer], b: list[Layer], message: str, **fields: str
+    ) -> None:
+        """`message` for same-kind, same-shape layers that cannot be paired, all
+        marked ambiguous."""
         a = sorted(a, key=lambda x: _sortable(normalised(x.path)))
         b = sorted(b, key=lambda x: _sortable(normalised(x.path)))
         self.ambiguous.update(map(id, a + b))
         self.problems.append(
-            _errors.AMBIGUOUS_ORDER.format(
+            message.format(
                 kind="/".join(a[0].kinds),
                 shapes=a[0].shapes(),
                 sources=[s.where for s in a],
                 targets=[t.where for t in b],
-                side=("source", "target")[side],
-                why=self.orders[side].why((a, b)[side]),
-                decide=undecided([o.was_traced() for o in self.orders]),
                 source_re=re.escape(a[0].where),
+                **fields,
             )
         )
 
@@ -419,6 +464,9 @@ class _Pairing:
         if not any(common_kind(s, t) for s in rest_s for t in rest_t):
             return
         oa, ob, by = self.in_order(rest_s, rest_t)
+        if by == ONE_SIDE:
+            self._one_side(rest_s, rest_t)
+            return
         if oa is not None and ob is not None:
             for s, t in _align(
                 oa,

@@ -14,12 +14,20 @@ import re
 from collections.abc import Mapping
 from re import _constants, _parser  # pyright: ignore[reportAttributeAccessIssue]
 
+from .._shown import some
+
 
 _NOT_REVERSIBLE = """\
 rule {pattern!r} -> {replacement!r} cannot be read backwards for export: {reason}.
 Write it with literal text and capturing groups only, each group used in the
 replacement (e.g. r"\\.h\\[(\\d+)\\]\\.attn" -> r".blocks[\\1].attention"), or give
 the export rules yourself."""
+
+_DROPPED = """\
+rules {patterns} leave the source layers they match out (a replacement None), so
+they cannot be read backwards for export: the model holds no such layers to name.
+Give the export rules without them (e.g. `{{k: v for k, v in rules.items() if v is not
+None}}`)."""
 
 _REF = re.compile(r"\\(\d+)|\\g<(\w+)>")
 
@@ -76,7 +84,12 @@ def reverse_rule(pattern: str, replacement: str) -> tuple[str, str]:
         for ref in _REF.finditer(replacement):
             out_pattern.append(re.escape(_unescape(replacement[last : ref.start()])))
             key = ref.group(1) or ref.group(2)
-            k = int(key) - 1 if key.isdigit() else names.index(key)
+            if key.isascii() and key.isdigit():
+                k = int(key) - 1
+            elif key in names:
+                k = names.index(key)
+            else:
+                raise ValueError(f"it refers to group {key!r}, which it does not have")
             if not 0 <= k < len(bodies):
                 raise ValueError(f"it refers to group {key}, which it does not have")
             if k in used:
@@ -116,6 +129,10 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\(.)", r"\1", text)
 
 
-def reverse_rules(rules: Mapping[str, str]) -> dict[str, str]:
-    """Every rule reversed (ValueError for the first that cannot be)."""
-    return dict(reverse_rule(p, r) for p, r in rules.items())
+def reverse_rules(rules: Mapping[str, str | None]) -> dict[str, str]:
+    """Every rule reversed (ValueError naming every rule to None, else the first
+    that cannot be reversed)."""
+    dropped = [p for p, r in rules.items() if r is None]
+    if dropped:
+        raise ValueError(_DROPPED.format(patterns=some(dropped)))
+    return dict(reverse_rule(p, r) for p, r in rules.items() if r is not None)

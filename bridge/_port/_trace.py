@@ -25,6 +25,7 @@ import jax
 import jax.extend.core
 
 from .._adapters._native import adapter_of_tree, to_native
+from .._adapters._skeleton import Skeleton
 from .._paths import Path
 from .._tree import Tree, map_with_path
 from .._uses import (
@@ -466,6 +467,8 @@ class Trace:
             return self._by(adapter.trace)
         if isinstance(native, Mapping):  # arrays without a model to run (Linen
             return None  # variables alone, a state dict): the order known decides
+        if isinstance(model_of(native), Skeleton):  # a checkpoint read without its
+            return None  # model's code: its recorded names and order decide
         try:
             return first_uses(
                 self.tree,

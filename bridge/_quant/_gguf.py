@@ -195,7 +195,7 @@ def hf_view(contents: Contents) -> Contents | str:
         heads = 0
         if key is not None:
             text = contents.metadata.get(f"{arch}.{key}", "")
-            if not text.isdigit() or len(s.shape) not in (1, 2):
+            if not (text.isascii() and text.isdigit()) or len(s.shape) not in (1, 2):
                 return (
                     f"{s.key}: its rows are permuted, but no {arch}.{key} says by "
                     "how many heads"

@@ -434,6 +434,11 @@ def _container(obj: Any) -> Optimizer | None:
     return next((c for c in _containers() if c.unwrap(obj) is not None), None)
 
 
+def is_container(obj: Any) -> bool:
+    """Whether `obj` is a framework's optimizer container (`Adapter.optimizer`)."""
+    return _container(obj) is not None
+
+
 def unwrap(obj: Any) -> tuple[Any, Any]:
     """`(optax state with array leaves, step or None)` of a state or its container
     (the framework's own, `Adapter.optimizer`: `nnx.Optimizer`, `TrainState`)."""
@@ -501,7 +506,15 @@ class _Index:
                 self.names[name] = path
 
     def resolve(self, keypath: Any) -> Path | None:
-        return self.names.get(path_of(keypath))
+        found = self.names.get(path_of(keypath))
+        if found is None and keypath and keypath[-1] == _BOXED:
+            # a parameter in a box holding its array as `.value` (an NNX Variable
+            # of `tx.init(nnx.state(model, nnx.Param))`, a Linen `nn.Partitioned`)
+            found = self.names.get(path_of(keypath[:-1]))
+        return found
+
+
+_BOXED = jtu.GetAttrKey("value")
 
 
 def parts_of(state: Any, tree: Tree) -> dict[str, Any]:
