@@ -106,6 +106,7 @@ def save(
     packed_experts: str | None = None,
     like: Any = None,
     progress: bool = False,
+    strict: bool = True,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -193,6 +194,12 @@ def save(
       at the end), as `bridge convert` shows: only when stderr is a terminal, and
       only once the save has taken a second. Off by default, as a library's output
       should be.
+    - `strict`: with `like` and `False`, the names under which `like` holds a
+      stored sinusoidal position table that the model computes and has no array
+      for (transformers' Marian, Pegasus, RoFormer `embed_positions.weight`,
+      recognised by its values) are written with `like`'s values (logged, logger
+      `"bridge"`, INFO); with `True`, the default, each is a difference too. Every
+      other difference raises either way.
 
     **Returns:**
 
@@ -224,6 +231,7 @@ def save(
     except TypeError:  # an optimizer container: said so
         _training.refuse_training_state(path, obj, torch_layout=False)
         raise
+    check_bool(strict, "strict")
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
@@ -259,7 +267,16 @@ def save(
     with shown(progress, f"saving {path.name} ({human(total)})", total):
         if plain:
             save_layout(
-                path, tree, metadata, layout, rules, prefix, folder, quantize, like
+                path,
+                tree,
+                metadata,
+                layout,
+                rules,
+                prefix,
+                folder,
+                quantize,
+                like,
+                strict,
             )
             return
         contents, arrays = describe(tree, metadata)

@@ -526,8 +526,11 @@ def save_folder(
     twice = sorted(n for n, c in counts.items() if c > 1)
     if twice:
         raise ValueError(_TWICE.format(names=", ".join(twice)))
-    if reference is not None:
-        check(((name, tuple(shape)) for name, shape, _ in tensors), reference)
+    if reference is not None:  # and its stored tables the model computes
+        tables = check(((name, tuple(shape)) for name, shape, _ in tensors), reference)
+        if tables:
+            layers.append(TorchLayer(tables, dict))
+            tensors += [(k, tuple(np.shape(v)), v.dtype) for k, v in tables.items()]
     return write_folder(
         path,
         ((layer.encode, layer.leaves) for layer in layers),

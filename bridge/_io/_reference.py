@@ -7,15 +7,30 @@ Face folder): its names and shapes, read without its values. The export must hol
 exactly those names, each with the reference's shape, before anything is written;
 a name the reference ties to another (the same tensor under two names, as an
 `lm_head.weight` tied to the embeddings) may be left out, as `save_pretrained` does.
+A name the reference holds a stored sinusoidal position table under (transformers'
+Marian, Pegasus, RoFormer `embed_positions.weight`), which the model computes and has
+no array for, is written with the reference's values with `strict=False`; it is an
+error otherwise, as every other difference is. Its values are read only then.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._read import open_checkpoint
+import numpy as np
+
+from .._adapters._native import to_neutral
+from .._families._sinusoid import sinusoid
+from .._paths import path_str
+from .._tree import map_with_path
+from ._read import lazy, open_checkpoint
+from ._torch_layout import dotted_torch
+
+
+LOG = logging.getLogger("bridge")
 
 
 Shapes = dict[str, tuple[int, ...]]
@@ -36,17 +51,38 @@ checkpoint in the PyTorch layout (a safetensors file, a Hugging Face folder); go
 {what}."""
 
 
-class Reference:
-    """The names and shapes an export must have, and the names it may leave out."""
+_TABLE = (
+    "computed by the model: {name} {shape} is in the reference, a stored "
+    "sinusoidal position table ({variant}), which the model computes (it has no "
+    "array for it); pass strict=False to write the reference's table"
+)
 
-    def __init__(self, shapes: Shapes, ties: Mapping[str, set[str]], what: str):
+Values = Callable[[list[str]], dict[str, Any]]
+"""The reference's arrays of some names, read now (those it cannot give left out)."""
+
+
+class Reference:
+    """The names and shapes an export must have, the names it may leave out, and
+    (`values`) the reference's arrays, read when asked; `strict`: whether its
+    stored sinusoidal tables the export lacks are errors (else written)."""
+
+    def __init__(
+        self,
+        shapes: Shapes,
+        ties: Mapping[str, set[str]],
+        what: str,
+        values: Values | None = None,
+        strict: bool = True,
+    ):
         self.shapes = shapes
         self.ties = ties
         self.what = what
+        self.values = values
+        self.strict = strict
 
 
-def reference_of(like: Any) -> Reference:
-    """Read `like`'s names and shapes (no values).
+def reference_of(like: Any, strict: bool = True) -> Reference:
+    """Read `like`'s names and shapes (its values only when `check` asks).
 
     **Raises:**
 
@@ -55,7 +91,7 @@ def reference_of(like: Any) -> Reference:
     if isinstance(like, str | os.PathLike):
         with open_checkpoint(like) as contents:
             shapes = {s.key: tuple(s.shape) for s in contents.tensors}
-        return Reference(shapes, {}, os.fspath(like))
+        return Reference(shapes, {}, os.fspath(like), _file_values(like), strict)
     state = like.state_dict() if callable(getattr(like, "state_dict", None)) else like
     if not isinstance(state, Mapping) or not all(
         isinstance(k, str) and hasattr(v, "shape") for k, v in state.items()
@@ -63,7 +99,29 @@ def reference_of(like: Any) -> Reference:
         raise TypeError(_NOT_A_REFERENCE.format(what=type(like).__name__))
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     what = type(like).__name__ + ("" if state is like else ".state_dict()")
-    return Reference(shapes, _ties(state), what)
+    return Reference(shapes, _ties(state), what, _state_values(state), strict)
+
+
+def _file_values(path: Any) -> Values:
+    def values(names: list[str]) -> dict[str, Any]:
+        with open_checkpoint(path) as contents:
+            arrays = lazy(contents) or {}
+            return {n: np.asarray(arrays[n].read()) for n in names if n in arrays}
+
+    return values
+
+
+def _state_values(state: Mapping[str, Any]) -> Values:
+    def values(names: list[str]) -> dict[str, Any]:
+        try:  # as bridge reads a state dict: numpy views (none on `meta`)
+            tree = to_neutral({n: state[n] for n in names})
+        except (TypeError, ValueError):
+            return {}
+        out: dict[str, Any] = {}
+        map_with_path(lambda p, x: out.__setitem__(dotted_torch(path_str(p)), x), tree)
+        return out
+
+    return values
 
 
 def _ties(state: Mapping[str, Any]) -> dict[str, set[str]]:
@@ -78,10 +136,18 @@ def _ties(state: Mapping[str, Any]) -> dict[str, set[str]]:
     return {n: set(names) - {n} for names in owners.values() for n in names}
 
 
-def check(written: Iterable[tuple[str, tuple[int, ...]]], reference: Reference) -> None:
+def check(
+    written: Iterable[tuple[str, tuple[int, ...]]], reference: Reference
+) -> dict[str, Any]:
     """Raise `ValueError` listing every name the export would write that the
     reference lacks, every name of the reference it would not write (but for tied
-    ones), and every shape that differs; nothing is written by then."""
+    ones and, with `reference.strict` False, its stored sinusoidal tables), and
+    every shape that differs; nothing is written by then.
+
+    **Returns:**
+
+    `{name: array}`: the reference's sinusoidal tables to write as well (empty
+    with `reference.strict`)."""
     out = dict(written)
     problems = []
     for name, shape in out.items():
@@ -92,12 +158,42 @@ def check(written: Iterable[tuple[str, tuple[int, ...]]], reference: Reference) 
                 f"shape: {name} would be written with {shape}, the reference "
                 f"holds {reference.shapes[name]}"
             )
-    for name, shape in reference.shapes.items():
-        if name in out or reference.ties.get(name, set()) & out.keys():
-            continue
-        problems.append(f"missing: {name} {shape} is in the reference, not written")
+    lacking = {
+        name: shape
+        for name, shape in reference.shapes.items()
+        if name not in out and not reference.ties.get(name, set()) & out.keys()
+    }
+    tables = _tables(lacking, reference)
+    for name, shape in lacking.items():
+        if name in tables and reference.strict:
+            variant = tables[name][1]
+            problems.append(_TABLE.format(name=name, shape=shape, variant=variant))
+        elif name not in tables:
+            problems.append(f"missing: {name} {shape} is in the reference, not written")
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
             _MISMATCH.format(n=len(problems), reference=reference.what, problems=lines)
         )
+    if reference.strict or not tables:
+        return {}
+    LOG.info(
+        "Written from the reference (stored sinusoidal position tables, which the "
+        "model computes): %s",
+        sorted(tables),
+    )
+    return {name: array for name, (array, _) in tables.items()}
+
+
+def _tables(lacking: Shapes, reference: Reference) -> dict[str, tuple[Any, str]]:
+    """`{name: (array, variant)}` for the names the export lacks whose reference
+    arrays are stored sinusoidal position tables (`bridge._families._sinusoid`)."""
+    names = [n for n, shape in lacking.items() if len(shape) == 2]
+    if not names or reference.values is None:
+        return {}
+    found = {}
+    for name, array in reference.values(names).items():
+        variant = sinusoid(array)
+        if variant is not None:
+            found[name] = (array, variant)
+    return found

@@ -149,6 +149,7 @@ def save_layout(
     folder: Mapping[str, Any],
     quantize: str | None = None,
     like: Any = None,
+    strict: bool = True,
 ) -> None:
     """Write `tree` as a plain PyTorch-layout checkpoint (`save(..., layout=...)`):
     one file in a format that writes plain files (`Format.save_plain`), or a Hugging
@@ -156,7 +157,7 @@ def save_layout(
     shapes are the reference's (`_reference`)."""
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
-    reference = None if like is None else reference_of(like)
+    reference = None if like is None else reference_of(like, strict)
     scheme = quantizer(quantize)  # a plug-in's (bridge._quant), or a ValueError
     user = dict(metadata or {})
     bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
@@ -191,7 +192,9 @@ def save_layout(
     kinds: dict[str, str] = {}
     state = torch_state(tree, rules, prefix, kinds=kinds, family=model_type(path))
     if reference is not None:
-        check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
+        state.update(
+            check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
+        )
     if scheme is not None:
         linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
         state = scheme.state(state, linear)

@@ -53,6 +53,16 @@ UNEXPECTED = (
     "it with rules={{r'{source_re}': '<target path>'}}, or pass strict=False to leave "
     "it out."
 )
+COMPUTED_BY_TARGET = (
+    "computed by the target: source layer {where} ({kind}: {shapes}) is a stored "
+    "sinusoidal position table ({variant}), which the target computes (it has no "
+    "array for it); pass strict=False to leave it out."
+)
+COMPUTED_BY_SOURCE = (
+    "computed by the source: target layer {where} ({kind}: {shapes}) holds a "
+    "sinusoidal position table ({variant}), which the source computes (it has no "
+    "array for it); pass strict=False to keep its values."
+)
 FUSED = (
     "fused: source layer {source} (Dense, {out} outputs) holds {parts} side by side; "
     "a rule cannot split it. Split a PyTorch-layout source as it is read: "

@@ -17,6 +17,8 @@ from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._registry import adapter_named, canonical_adapter, ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
+from .._families._sinusoid import sinusoid
+from .._lazy import materialise
 from .._paths import Path, path_str
 from .._tree import Tree, framework
 from . import _errors, _shapes
@@ -98,6 +100,14 @@ class Plan:
       target"`): the target keeps its own values there, as Hugging Face's
       `ignore_mismatched_sizes=True` does. With `strict=True` they are problems.
     - `dropped`: source layers a rule `{pattern: None}` leaves out.
+    - `computed_by_target`: source layers without a target layer that hold a
+      stored sinusoidal position table (`embed_positions.weight` of transformers'
+      Marian, Pegasus, RoFormer), which the target computes: left out (only with
+      `strict=False`, else an error). Recognised by their values, never by name:
+      a learned table is `unexpected`.
+    - `computed_by_source`: target layers without a source layer whose values are
+      such a table, which the source computes: they keep their values (only with
+      `strict=False`, else an error).
     """
 
     steps: tuple[PlanRow, ...]
@@ -110,6 +120,8 @@ class Plan:
     _target: Tree | None = field(default=None, repr=False)
     mismatched: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    computed_by_target: tuple[str, ...] = ()
+    computed_by_source: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         """The table (`table`), folded to the terminal's width (`$COLUMNS`, else
@@ -162,6 +174,11 @@ class Plan:
             ("unexpected (left out)", self.unexpected),
             ("mismatched shapes (the target's values kept)", self.mismatched),
             ("dropped by rules", self.dropped),
+            (
+                "computed by the target (stored tables, left out)",
+                self.computed_by_target,
+            ),
+            ("computed by the source (stored tables, kept)", self.computed_by_source),
             ("warnings", self.warnings),
             ("tied (stored once)", self.tied),
             ("problems (bridge.port raises)", self.problems),
@@ -521,6 +538,16 @@ def make_plan(
                 pairs="\n    ".join(guessed), decide=undecided(traced)
             )
         )
+    tables = (_tables(lone_sources), _tables(lone_targets))
+    lone_sources = [s for s in lone_sources if id(s) not in tables[0]]
+    lone_targets = [t for t in lone_targets if id(t) not in tables[1]]
+    computed_tables = [
+        text.format(where=x.where, kind="/".join(x.kinds), shapes=x.shapes(), variant=v)
+        for text, found in zip(
+            (_errors.COMPUTED_BY_TARGET, _errors.COMPUTED_BY_SOURCE), tables
+        )
+        for x, v in found.values()
+    ]
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
@@ -542,7 +569,7 @@ def make_plan(
         some = ", ".join(offset[:3]) + (", ..." if len(offset) > 3 else "")
         unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
-        problems += missing + unexpected
+        problems += computed_tables + missing + unexpected
     if (missing or unexpected) and strict:  # what would have paired them
         problems += _untraced(traces)
     if problems:
@@ -568,8 +595,27 @@ def make_plan(
         target,
         tuple(mismatched),
         tuple(s.where for s in dropped),
+        tuple(x.where for x, _ in tables[0].values()),
+        tuple(x.where for x, _ in tables[1].values()),
     )
     return plan, problems
+
+
+def _tables(layers: list[Layer]) -> dict[int, tuple[Layer, str]]:
+    """`{id(layer): (layer, variant)}` for the unpaired `layers` that hold a
+    stored sinusoidal position table: one 2-D float array (concrete: a file's is
+    read) whose values are one of `bridge._families._sinusoid.VARIANTS`."""
+    out = {}
+    for x in layers:
+        if x.index is not None or len(x.leaves) != 1:
+            continue
+        (leaf,) = x.leaves.values()
+        if getattr(leaf, "ndim", None) != 2 or isinstance(leaf, jax.ShapeDtypeStruct):
+            continue
+        variant = sinusoid(materialise(leaf))
+        if variant is not None:
+            out[id(x)] = (x, variant)
+    return out
 
 
 _POSITIONAL = frozenset({"shape", "order", "kind"})

@@ -35,6 +35,12 @@ class Report:
       (Dense): kernel (8, 10) in the source, (8, 5) in the target"`); the target
       keeps its values there (a new head).
     - `dropped`: the source's layers a rule `{pattern: None}` left out on purpose.
+    - `computed_by_target`: the source's layers that hold a stored sinusoidal
+      position table which the target computes (it has no array for it): left out.
+    - `computed_by_source`: the target's layers that hold such a table, which the
+      source computes: they keep their values. Both are recognised by their values
+      (a learned table is `unexpected` or `missing`) and leave the port
+      `complete`.
     - `source`, `target`: what was ported into what, as the messages name them
       (`"the checkpoint at bert/"`, `"Classifier"`).
 
@@ -64,6 +70,8 @@ class Report:
     dropped: tuple[str, ...] = ()
     source: str = "the source"
     target: str = "the target"
+    computed_by_target: tuple[str, ...] = ()
+    computed_by_source: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -92,18 +100,35 @@ class Report:
             )
         return said
 
-    def __str__(self) -> str:
-        text = "\n".join(self.paragraphs())
+    def notes(self) -> list[str]:
+        """What was left out or kept on purpose, one line each: by rules, and the
+        stored position tables one side computes."""
+        said = []
         if self.dropped:
-            text += ("\n" if text else "") + f"Left out by rules: {list(self.dropped)}"
+            said.append(f"Left out by rules: {list(self.dropped)}")
+        if self.computed_by_target:
+            said.append(
+                "Computed by the target (stored sinusoidal position tables, left "
+                f"out): {list(self.computed_by_target)}"
+            )
+        if self.computed_by_source:
+            said.append(
+                "Computed by the source (stored sinusoidal position tables, kept "
+                f"as they are): {list(self.computed_by_source)}"
+            )
+        return said
+
+    def __str__(self) -> str:
+        text = "\n".join(self.paragraphs() + self.notes())
         return text or f"{self.target} was filled entirely from {self.source}."
 
     def log(self) -> None:
-        """Log it (logger `"bridge"`): the warnings, and what rules left out."""
+        """Log it (logger `"bridge"`): the warnings (WARNING), and what was left
+        out or kept on purpose (INFO)."""
         for paragraph in self.paragraphs():
             LOG.warning("%s", paragraph)
-        if self.dropped:
-            LOG.info("Left out by rules: %s", list(self.dropped))
+        for note in self.notes():
+            LOG.info("%s", note)
 
 
 def report(plan: Any, source: str, target: Any) -> Report:
@@ -114,6 +139,8 @@ def report(plan: Any, source: str, target: Any) -> Report:
         unexpected=tuple(plan.unexpected),
         mismatched=tuple(plan.mismatched),
         dropped=tuple(plan.dropped),
+        computed_by_target=tuple(plan.computed_by_target),
+        computed_by_source=tuple(plan.computed_by_source),
         source=source,
         target=name(target),
     )
