@@ -3,7 +3,10 @@ twins, ported by bridge with no rules, four routes each (`tests/public/hf_flax.p
 builds them; `tests/public/RESULTS.md` has the table): every case is exact, or
 refused for a reason the computation cannot settle (its message asserted), or an
 `xfail(strict=True)` naming what bridge does not do yet, which flips to a failure
-the day it ports exactly (then remove its entry from `NOT_YET`).
+the day it ports exactly (then remove its entry from `NOT_YET`). A model whose
+PyTorch side stores a table its Flax side computes (`COMPUTED`) is refused with
+`strict=True`, naming it, and exact with `strict=False`, which reports exactly those
+tables.
 
 Needs transformers 4.x (the last releases with Flax classes) beside torch: `nox -s
 tests_public`. A case that turns silently wrong fails, xfail or not.
@@ -36,11 +39,19 @@ NOT_YET = {
 }
 # silently wrong today: the fix is exact
 WRONG: dict[tuple[str, str], str] = {}
-# refused for a reason the computation cannot settle under strict=True: the
-# PyTorch side stores a sinusoidal table the Flax module computes
-REFUSED = {
-    (model, route): "embed_positions"
-    for model in ("roformer", "marian", "pegasus")
+# refused for a reason the computation cannot settle
+REFUSED: dict[tuple[str, str], str] = {}
+# the PyTorch side stores a sinusoidal position table (`embed_positions.weight`)
+# that the Flax module computes: refused under strict=True ("computed by the
+# target/source/model"), exact under strict=False, which reports these tables
+_SEQ2SEQ_TABLES = frozenset({"encoder.embed_positions", "decoder.embed_positions"})
+COMPUTED = {
+    (model, route): tables
+    for model, tables in (
+        ("roformer", frozenset({"encoder.embed_positions"})),
+        ("marian", _SEQ2SEQ_TABLES),
+        ("pegasus", _SEQ2SEQ_TABLES),
+    )
     for route in hf_flax.ROUTES
 }
 # transformers' own Flax and PyTorch Electra compute different functions (its own
@@ -81,6 +92,19 @@ def test_port(arch, route):
         outcome = hf_flax.run_route(built, route)
     if outcome.outcome == "wrong":
         raise SilentlyWrong(f"{arch.id} {route}: {outcome}")
+    tables = COMPUTED.get((arch.id, route))
+    if tables is not None:
+        assert outcome.outcome == "refused", outcome
+        assert len(outcome.problems) == len(tables), outcome.problems
+        for problem in outcome.problems:
+            assert "embed_positions" in problem and "computed by" in problem, problem
+            assert "strict=False" in problem, problem
+        with hf_flax._quiet():
+            relaxed = hf_flax.run_route(built, route, strict=False)
+        assert relaxed.outcome == "exact", relaxed
+        named = {n.strip(".").removesuffix(".weight") for n in relaxed.computed}
+        assert named == tables and len(relaxed.computed) == len(tables), relaxed
+        return
     expected = REFUSED.get((arch.id, route))
     if expected is not None:
         assert outcome.outcome == "refused", outcome
