@@ -34,8 +34,6 @@ _CONV1D = "GPT-2's FlaxConv1D (kernel (out, in)) is not recognised as a Dense la
 # (model, route): why it does not port exactly yet
 NOT_YET = {
     **{(model, route): _CONV1D for model in ("gpt2",) for route in hf_flax.ROUTES},
-    ("resnet", "flax->folder"): "export names Flax ResNet's `layer_0` as "
-    "`layer.layer_0`, PyTorch's is `layer.0`",
 }
 # silently wrong today: the fix is exact
 WRONG: dict[tuple[str, str], str] = {}

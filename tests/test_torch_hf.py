@@ -239,10 +239,12 @@ def test_bert_module_and_back(fw):
     assert excess(_torch_out(fresh), expected) <= 0
 
 
-@pytest.mark.parametrize("fw", ["nnx", "equinox"])
+@pytest.mark.parametrize("fw", list(FRAMEWORKS))
 def test_bert_files_sharded_and_export(tmp_path, fw):
     """save_pretrained (one file, then sharded) -> load(like=...) -> save(layout=
-    "torch") -> from_pretrained."""
+    "torch") -> from_pretrained. Linen's `setup` list `encoder.layer` (named
+    `layer_0`, `layer_1`) is written as `encoder.layer.0`, `nn.ModuleList`'s names,
+    with no reference to read them from."""
     hf = _bert()
     expected = _torch_out(hf)
     make, run = FRAMEWORKS[fw]

@@ -450,6 +450,38 @@ def _declared_in(module: nn.Module, wanted: Callable[[Any], bool]):
             yield from _declared_in(child, wanted)
 
 
+def _listed(tree: Tree) -> dict[Path, Path]:
+    """`{path: indexed path}` of the submodules a Linen model's `setup` assigns
+    in a list or tuple (`self.layer = [A(), B()]`, which Linen names `layer_0`,
+    `layer_1`): `("layer_0",)` -> `("layer", 0)`, at any depth. Empty without the
+    module, or where its setup fails outside `apply`."""
+    module = source_of(tree, "linen", LinenRecord).record.module.value
+    if module is None:
+        return {}
+    out: dict[Path, Path] = {}
+    try:  # best effort, as `_declared`
+        _listed_in(module.clone(parent=None).bind(to_linen(tree)), (), (), out)
+    except Exception:
+        return {}
+    return out
+
+
+def _listed_in(module: nn.Module, at: Path, new: Path, out: dict[Path, Path]) -> None:
+    """`module` at `at` (`new` once indexed): its list elements into `out`."""
+    module._try_setup()
+    for attr, value in vars(module).items():
+        if not isinstance(value, (list, tuple)):
+            continue
+        for i, child in enumerate(value):
+            named = f"{attr}_{i}"  # Linen's name for it
+            if isinstance(child, nn.Module) and child.name == named:
+                out[at + (named,)] = new + (attr, i)
+    for name, child in module._state.children.items():
+        if isinstance(child, nn.Module) and child.scope is not None:
+            inner = at + (name,)
+            _listed_in(child, inner, out.get(inner, new + (name,)), out)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="linen",
@@ -475,5 +507,6 @@ ADAPTER = register_adapter(
             params=_optimizer_params,
         ),
         declared=_declared,
+        listed=_listed,
     )
 )

@@ -127,6 +127,12 @@ class Adapter(NamedTuple):
       give them (Linen: those its module declares as fields or in `setup`, found
       by binding it); None when the Tree records no module. `bridge.port` finds
       the `bridge.as_*` wrappers inside such a model with it.
+    - `listed`: optional, `listed(tree) -> {path: indexed path}`: the submodules
+      the native model holds in a list or tuple attribute under names of their own
+      (Linen's `setup` names `self.layer = [A(), B()]`'s `layer_0`, `layer_1`), at
+      the path other frameworks give an element of a list (`("layer", 0)`, as
+      PyTorch's `nn.ModuleList` and NNX and Equinox lists do). Names written for
+      another framework (`bridge.save(..., layout="torch")`) use it.
     - `check`: optional, `check()`: raise `ImportError` naming the versions when
       the installed framework is too old for this adapter (`require`).
     - `writer`: optional, a `LayoutWriter`: how a Tree of any framework is written
@@ -184,6 +190,7 @@ class Adapter(NamedTuple):
         Callable[[Tree, Callable[[Any], bool]], list[tuple[Path, Any]] | None] | None
     ) = None
     check: Callable[[], None] | None = None
+    listed: Callable[[Tree], dict[Path, Path]] | None = None
     writer: LayoutWriter | None = None
     trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
     with_config: Callable[[Tree, Any], Tree] | None = None
@@ -389,6 +396,17 @@ def declared(tree: Tree, wanted: Callable[[Any], bool]) -> list[tuple[Path, Any]
     if adapter is None or adapter.declared is None:
         return []
     return adapter.declared(tree, wanted) or []
+
+
+def listed(tree: Tree) -> dict[Path, Path]:
+    """The paths of the submodules the native model of `tree` holds in list
+    attributes, as other frameworks index them (`Adapter.listed`; empty for a
+    framework without it, or a Tree that records no module)."""
+    src = tree._info.source
+    adapter = None if src is None else registered(src.framework)
+    if adapter is None or adapter.listed is None:
+        return {}
+    return adapter.listed(tree)
 
 
 def records_no_module(tree: Tree) -> bool | None:

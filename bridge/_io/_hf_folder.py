@@ -517,7 +517,9 @@ def save_folder(
     its own (`_reference.check`)."""
     configs = config_files(config, generation_config)
     family = None if packed_experts is None else _experts.family(packed_experts)
-    layers = torch_layers(tree, rules, prefix, family=written_type(configs, path))
+    known = None if reference is None else reference.shapes.keys()
+    written = written_type(configs, path)
+    layers = torch_layers(tree, rules, prefix, family=written, known=known)
     tensors = [t for layer in layers for t in _described(layer)]
     places: dict[str, Place] = {}
     if family is not None:

@@ -12,18 +12,25 @@ that `module.load_state_dict(strict=True)` finds the names it expects.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from .._adapters._registry import Adapter, LayoutWriter, of_layout, registered
+from .._adapters._registry import (
+    Adapter,
+    LayoutWriter,
+    listed,
+    of_layout,
+    registered,
+)
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
 from .._port._errors import SETTINGS
 from .._port._layers import ARRAY, Layer, find_layers
+from .._port._pairing import normalised
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, framework, native_order, native_paths
@@ -83,6 +90,7 @@ def torch_state(
     rename: Rename | None = None,
     kinds: dict[str, str] | None = None,
     family: str | None = None,
+    known: Collection[str] | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
@@ -94,12 +102,14 @@ def torch_state(
     every name two layers would share. `kinds`, if given, receives the kind of the
     layer of each name written (`{"fc.weight": "Dense", ...}`). `family`: the
     Hugging Face `model_type` written for, where known (GPT-2's `c_fc` is a
-    `Conv1D`, GPT-Neo's an `nn.Linear`).
+    `Conv1D`, GPT-Neo's an `nn.Linear`). `known`: the names of the PyTorch model
+    written for, where given (`like`): a layer it names otherwise takes its name
+    there (`fitted`).
     """
     if _own(tree):
         return _writer()[1].own(tree, prefix)
     out = {}
-    for layer in torch_layers(tree, rules, prefix, rename, family):
+    for layer in torch_layers(tree, rules, prefix, rename, family, known):
         encoded = layer.encode(layer.leaves)
         if kinds is not None:
             kinds.update(dict.fromkeys(encoded, layer.kind))
@@ -125,6 +135,7 @@ def torch_layers(
     prefix: str = "",
     rename: Rename | None = None,
     family: str | None = None,
+    known: Collection[str] | None = None,
 ) -> list[TorchLayer]:
     """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
     errors, raised before anything is converted."""
@@ -140,7 +151,9 @@ def torch_layers(
     layers = _in_native_order(tree, find_layers(tree, problems))
     chosen = [(layer, kind) for layer in layers if (kind := _kind(layer, problems))]
     if rename is None:
-        names = [_name(path_str(layer.path), backwards) for layer, _ in chosen]
+        indexed = indexed_names(tree) if chosen else {}
+        names = [_name(path_str(x.path), backwards, indexed) for x, _ in chosen]
+        names = fitted(names, prefix, known)
     else:
         paths = rename([layer.path for layer, _ in chosen], problems)
         names = [dotted_torch(path_str(p)) for p in paths]
@@ -261,9 +274,63 @@ def _kind(layer: Layer, problems: list[str]) -> str | None:
     return kinds[0]
 
 
-def _name(where: str, backwards: Mapping[str, str]) -> str:
+def fitted(names: list[str], prefix: str, known: Collection[str] | None) -> list[str]:
+    """Layer `names` with each that the PyTorch model written for (`known`: its
+    names, `prefix` included) lacks renamed to the one layer of it that nothing is
+    written under and whose name is the same once normalised, a word repeated
+    next to itself said once (`_key`): Flax ResNet's `layer.layer_0`, a module
+    holding its list under its own name, is PyTorch's `layer.0`. A name that fits
+    none, or several, stays (the reference check lists it)."""
+    if not known:
+        return names
+    layers = {k.rpartition(".")[0] for k in known} | set(known)
+    written = {prefix + n for n in names}
+    free: dict[tuple, list[str]] = {}
+    for other in layers - written:
+        free.setdefault(_key(other), []).append(other)
+    lacking: dict[tuple, list[int]] = {}
+    for i, name in enumerate(names):
+        if prefix + name not in layers:
+            lacking.setdefault(_key(prefix + name), []).append(i)
+    out = list(names)
+    for key, at in lacking.items():
+        there = free.get(key, [])
+        if len(at) == 1 and len(there) == 1 and there[0].startswith(prefix):
+            out[at[0]] = there[0][len(prefix) :]
+    return out
+
+
+def _key(name: str) -> tuple:
+    """A name's normalised words (`bridge._port._pairing.normalised`), a word
+    repeated next to itself said once."""
+    words = normalised((name,))
+    return tuple(w for i, w in enumerate(words) if i == 0 or w != words[i - 1])
+
+
+def indexed_names(tree: Tree) -> dict[str, str]:
+    """`{keystr path: keystr path}` of the submodules `tree`'s model holds in list
+    attributes, as other frameworks index them (`Adapter.listed`: Linen's
+    `.layer_0` of `self.layer = [...]` is `.layer[0]`, as in an `nn.ModuleList`)."""
+    return {path_str(k): path_str(v) for k, v in listed(tree).items()}
+
+
+_BOUNDARY = re.compile(r"(?=[.\[])")
+
+
+def _name(
+    where: str, backwards: Mapping[str, str], indexed: Mapping[str, str] | None = None
+) -> str:
+    """A layer's PyTorch name: by the first rule read backwards that matches its
+    path (`keystr` form), else its path with its longest part that `indexed`
+    (`indexed_names`) holds indexed."""
     for pattern, replacement in backwards.items():
         match = re.fullmatch(pattern, where)
         if match:
             return dotted_torch(match.expand(replacement))
+    if indexed:
+        cuts = [m.start() for m in _BOUNDARY.finditer(where) if m.start()]
+        for cut in reversed([*cuts, len(where)]):
+            head = indexed.get(where[:cut])
+            if head is not None:
+                return dotted_torch(head + where[cut:])
     return dotted_torch(where)

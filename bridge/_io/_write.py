@@ -190,7 +190,9 @@ def save_layout(
     if any(v is not None for v in folder.values()):
         raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
     kinds: dict[str, str] = {}
-    state = torch_state(tree, rules, prefix, kinds=kinds, family=model_type(path))
+    known = None if reference is None else reference.shapes.keys()
+    family = model_type(path)
+    state = torch_state(tree, rules, prefix, kinds=kinds, family=family, known=known)
     if reference is not None:
         state.update(
             check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)

@@ -33,7 +33,7 @@ from .._io import _safetensors
 from .._io._atomic import atomic_dir, reachable
 from .._io._config import read_json
 from .._io._errors import CheckpointError
-from .._io._torch_layout import _name
+from .._io._torch_layout import _name, indexed_names
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import CONV1D_NAMES
@@ -86,8 +86,9 @@ def names(
 ) -> list[tuple[str, Target, int | None]]:
     """Each target's PyTorch layer name(s), one per layer of a stack."""
     backwards = reverse_rules(rules or {})
+    indexed = indexed_names(tree)  # as `bridge.save(..., layout="torch")` names them
     return [
-        (prefix + _name(where, backwards), target, index)
+        (prefix + _name(where, backwards, indexed), target, index)
         for target in found
         for where, index in layer_paths(tree, target)
     ]
