@@ -102,28 +102,37 @@ def sinusoid(array: Any) -> str | None:
     dtype = getattr(array, "dtype", None)
     if shape is None or len(shape) != 2 or min(shape) < 2 or dtype is None:
         return None
-    try:
+    try:  # the first rows alone first: a learned table fails there, cheaply
         if not jnp.issubdtype(dtype, jnp.floating):
             return None
         eps = float(jnp.finfo(dtype).eps)
-        values = np.asarray(array, dtype=np.float64)
+        head = np.asarray(array[:HEAD], dtype=np.float64)
     except (TypeError, ValueError, RuntimeError):  # abstract, not addressable
         return None
     n, d = shape
     tolerance = 2 * eps + 8 * float(np.finfo(np.float32).eps) * np.arange(1, n + 1)
-    zero = ~values.any(axis=1)
+    fitting = []
     for name, formula in VARIANTS.items():
-        head = formula(min(n, 4), d)  # a learned table fails here, cheaply
-        if head is None or _misses(values, head, tolerance, zero) > 1:
-            continue
-        if _misses(values, formula(n, d), tolerance, zero) <= 1:
+        want = formula(min(n, HEAD), d)
+        if want is not None and _misses(head, want, tolerance) <= 1:
+            fitting.append(name)
+    if not fitting:
+        return None
+    values = np.asarray(array, dtype=np.float64)
+    for name in fitting:
+        if _misses(values, VARIANTS[name](n, d), tolerance) <= 1:
             return name  # exact, or but one row of zeros (a padding index)
     return None
 
 
-def _misses(values: Any, want: Any, tolerance: Any, zero: Any) -> int:
-    """How many of the first rows of `values` the formula's `want` misses, where
-    each is a row of zeros; more than there are rows where one is not."""
-    n = len(want)
-    off = (np.abs(values[:n] - want) > tolerance[:n, None]).any(axis=1)
-    return int(off.sum()) if zero[:n][off].all() else len(zero) + 1
+HEAD = 4
+"""The rows compared before the whole table is read (a memory-mapped file's
+table is then touched only there)."""
+
+
+def _misses(values: Any, want: Any, tolerance: Any) -> int:
+    """How many rows of `values` the formula's `want` misses where each is a row
+    of zeros; more than there are rows where one is not."""
+    off = (np.abs(values - want) > tolerance[: len(want), None]).any(axis=1)
+    zero = ~values.any(axis=1)
+    return int(off.sum()) if zero[off].all() else len(want) + 1
