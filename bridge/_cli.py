@@ -317,6 +317,10 @@ def _clipped(value: str) -> str:
     return f"{value[:_LONGEST]}... ({len(value):,} characters; --json shows all)"
 
 
+_TABLE_FIX = (
+    "a converted file cannot take it from --like: save the model with "
+    "bridge.save(path, model, layout='torch', like=REFERENCE, strict=False)"
+)
 _NOT_A_FORMAT = """\
 {dst}: bridge writes no {suffix} files ({what}). It writes {writable}, and an orbax
 directory for a name without a suffix (a Hugging Face folder with --to-layout torch)."""
@@ -468,7 +472,7 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
                 _check_names(dst, contents)
         if args.like is not None:  # before anything is written
             shapes = ((k, tuple(getattr(v, "shape", ()))) for k, v in arrays.items())
-            check_reference(shapes, reference_of(args.like))
+            check_reference(shapes, reference_of(args.like, fix=_TABLE_FIX))
         folder = args.to_layout == "torch" and not format_of(dst).suffixes
         with slow.phase(f"writing {dst.name}"):
             if folder:  # a Hugging Face folder

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy as safetensors_numpy
 from flax import linen as nn, nnx
 
 import bridge
+from bridge._cli import main
 from bridge._families._sinusoid import VARIANTS, sinusoid
 
 from .helpers import requires
@@ -277,3 +279,55 @@ def test_save_like_a_learned_table_stays_missing(tmp_path):
             like=_torch_model(learned),
             strict=False,
         )
+
+
+# --- exports against a reference file (no torch) -------------------------------
+
+
+def _reference_file(tmp_path, table):
+    """A PyTorch-layout file as the PyTorch model stores it: the table, `proj`."""
+    module, variables = _computed()
+    kernel = np.asarray(variables["params"]["proj"]["kernel"])
+    path = tmp_path / "reference.safetensors"
+    safetensors_numpy.save_file(
+        {
+            "embed_positions.weight": table,
+            "proj.weight": np.zeros_like(kernel.T),
+            "proj.bias": np.zeros(3, np.float32),
+        },
+        str(path),
+    )
+    return path
+
+
+def test_save_like_a_reference_file_writes_its_table(tmp_path):
+    reference = _reference_file(tmp_path, TABLE)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ValueError, match=r"computed by the model: embed_positions"):
+        bridge.save(out, _computed(), layout="torch", like=reference)
+    bridge.save(out, _computed(), layout="torch", like=reference, strict=False)
+    written = safetensors_numpy.load_file(str(out))
+    assert sorted(written) == ["embed_positions.weight", "proj.bias", "proj.weight"]
+    np.testing.assert_array_equal(written["embed_positions.weight"], TABLE)
+    _, variables = _computed()
+    np.testing.assert_array_equal(
+        written["proj.weight"], np.asarray(variables["params"]["proj"]["kernel"]).T
+    )
+
+
+def test_convert_like_a_reference_names_the_save_that_writes_the_table(
+    tmp_path, capsys
+):
+    """`bridge convert --like`: a file cannot take the reference's table; the
+    refusal says which call can."""
+    reference = _reference_file(tmp_path, TABLE)
+    source = tmp_path / "computed.safetensors"
+    bridge.save(source, _computed())
+    out = tmp_path / "out.safetensors"
+    args = ["convert", str(source), str(out), "--to-layout", "torch"]
+    assert main([*args, "--like", str(reference)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "computed by the model: embed_positions.weight (8, 4)" in err
+    assert "save the model with bridge.save(path, model, layout='torch', " in err
+    assert "like=REFERENCE, strict=False)" in err
+    assert not out.exists()

@@ -54,8 +54,10 @@ checkpoint in the PyTorch layout (a safetensors file, a Hugging Face folder); go
 _TABLE = (
     "computed by the model: {name} {shape} is in the reference, a stored "
     "sinusoidal position table ({variant}), which the model computes (it has no "
-    "array for it); pass strict=False to write the reference's table"
+    "array for it); {fix}"
 )
+STRICT_FIX = "pass strict=False to write the reference's table"
+"""The fix `_TABLE` names, for `bridge.save` (`bridge convert` names another)."""
 
 Values = Callable[[list[str]], dict[str, Any]]
 """The reference's arrays of some names, read now (those it cannot give left out)."""
@@ -73,16 +75,19 @@ class Reference:
         what: str,
         values: Values | None = None,
         strict: bool = True,
+        fix: str = STRICT_FIX,
     ):
         self.shapes = shapes
         self.ties = ties
         self.what = what
         self.values = values
         self.strict = strict
+        self.fix = fix
 
 
-def reference_of(like: Any, strict: bool = True) -> Reference:
-    """Read `like`'s names and shapes (its values only when `check` asks).
+def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Reference:
+    """Read `like`'s names and shapes (its values only when `check` asks); `fix`:
+    how a stored table the export lacks is written (`_TABLE`).
 
     **Raises:**
 
@@ -91,7 +96,8 @@ def reference_of(like: Any, strict: bool = True) -> Reference:
     if isinstance(like, str | os.PathLike):
         with open_checkpoint(like) as contents:
             shapes = {s.key: tuple(s.shape) for s in contents.tensors}
-        return Reference(shapes, {}, os.fspath(like), _file_values(like), strict)
+        values = _file_values(like)
+        return Reference(shapes, {}, os.fspath(like), values, strict, fix)
     state = like.state_dict() if callable(getattr(like, "state_dict", None)) else like
     if not isinstance(state, Mapping) or not all(
         isinstance(k, str) and hasattr(v, "shape") for k, v in state.items()
@@ -99,7 +105,7 @@ def reference_of(like: Any, strict: bool = True) -> Reference:
         raise TypeError(_NOT_A_REFERENCE.format(what=type(like).__name__))
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     what = type(like).__name__ + ("" if state is like else ".state_dict()")
-    return Reference(shapes, _ties(state), what, _state_values(state), strict)
+    return Reference(shapes, _ties(state), what, _state_values(state), strict, fix)
 
 
 def _file_values(path: Any) -> Values:
@@ -167,7 +173,11 @@ def check(
     for name, shape in lacking.items():
         if name in tables and reference.strict:
             variant = tables[name][1]
-            problems.append(_TABLE.format(name=name, shape=shape, variant=variant))
+            problems.append(
+                _TABLE.format(
+                    name=name, shape=shape, variant=variant, fix=reference.fix
+                )
+            )
         elif name not in tables:
             problems.append(f"missing: {name} {shape} is in the reference, not written")
     if problems:
