@@ -44,8 +44,9 @@ class Uses(NamedTuple):
     module's record: `bridge._adapters._torch_trace.trace_module`).
 
     Keys are the module's state-dict names (`trace_module`; tied names, one tensor
-    under several names, each appear with the same values), or a Tree's leaf paths
-    (an adapter's `trace`: the paths the Tree has).
+    under several names, each with the uses of the module holding it under that
+    name), or a Tree's leaf paths (an adapter's `trace`: the paths the Tree has,
+    and the paths of the names it holds once, `tied`).
 
     **Fields:**
 
@@ -78,6 +79,11 @@ class Uses(NamedTuple):
     - `unused`: names the forward pass never computes with (training-only arrays
       such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
       evaluation).
+    - `tied`: `{name: the name it is the same tensor as}` for the second and later
+      names of a tensor held under several (T5's `encoder.embed_tokens.weight` is
+      `shared.weight`). A tied tensor's names are traced apart: each has the uses
+      made through the module that holds it under that name (`lm_head.weight` its
+      `F.linear`, `shared.weight` its embedding lookup).
     """
 
     positions: dict[Where, tuple[int, ...]]
@@ -87,6 +93,7 @@ class Uses(NamedTuple):
     weight_norm: dict[Where, tuple[Where, Where]]
     needs: dict[Where, tuple[int, int]]
     unused: tuple[Where, ...]
+    tied: dict[Where, Where] = {}  # noqa: RUF012 - never mutated
 
 
 class Untraced(Exception):

@@ -147,9 +147,15 @@ def test_norms_by_what_they_compute(everything):
 
 def test_ties_unused_and_buffers(everything):
     _, uses = everything
-    assert uses.positions["head.weight"] == uses.positions["embed.weight"]
-    assert uses.contracted["head.weight"] == uses.contracted["embed.weight"] == LINEAR
-    assert uses.needs["head.weight"] == uses.needs["embed.weight"]
+    # a tie's names are traced apart, each through its own module: the head's
+    # product comes last, the embedding's lookup first; one tensor, one bit
+    assert uses.positions["head.weight"] > uses.positions["bn.weight"]
+    assert uses.positions["embed.weight"] < uses.positions["conv1d.weight"]
+    assert uses.contracted["head.weight"] == LINEAR
+    assert "embed.weight" not in uses.contracted
+    assert uses.needs["head.weight"][0] == uses.needs["embed.weight"][0]
+    assert uses.needs["head.weight"][1] & uses.needs["bn.weight"][0]
+    assert uses.tied == {"head.weight": "embed.weight"}
     assert uses.unused == ("mask_token", "bn.num_batches_tracked")
     bn = [uses.positions[f"bn.{n}"] for n in ("weight", "running_mean", "running_var")]
     assert bn[0] == bn[1] == bn[2]
@@ -160,7 +166,7 @@ def test_order_of_first_use(everything):
     order = ["embed.weight", "conv1d.weight", "linear.weight", "rms.weight"]
     order += ["gemma.weight", "heads", "conv.weight", "transposed.weight"]
     order += ["normed.parametrizations.weight.original1", "ln.weight", "ln.bias"]
-    order += ["bn.weight"]  # head.weight: tied, at embed.weight's
+    order += ["bn.weight", "head.weight"]  # head.weight: tied, its own use
     got = sorted(order, key=lambda n: (uses.positions[n], order.index(n)))
     assert got == order
     assert uses.positions["linear.weight"] == uses.positions["linear.bias"]
@@ -462,7 +468,8 @@ def test_gpt2_conv1d_is_in_out():
     for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
         assert uses.contracted[f"transformer.h.0.{layer}.weight"] == CONV1D
     assert uses.contracted["lm_head.weight"] == LINEAR  # tied to wte
-    assert uses.positions["lm_head.weight"] == uses.positions["transformer.wte.weight"]
+    assert uses.positions["lm_head.weight"] > uses.positions["transformer.wte.weight"]
+    assert uses.tied == {"lm_head.weight": "transformer.wte.weight"}
     assert uses.norms["transformer.h.0.ln_1.weight"] == "mean"
 
 
@@ -478,10 +485,14 @@ def test_t5_rms_norms_and_three_tied_names():
     assert set(norms.values()) == {"rms"}
     assert "encoder.final_layer_norm.weight" in norms
     assert "decoder.block.1.layer.2.layer_norm.weight" in norms
-    tied = ["shared.weight", "encoder.embed_tokens.weight"]
-    tied += ["decoder.embed_tokens.weight", "lm_head.weight"]
-    assert len({uses.positions[n] for n in tied}) == 1
-    assert len({uses.needs[n] for n in tied}) == 1
+    # one tensor under four names, each traced through its own module: the
+    # encoder's lookup, the decoder's, the head's product; `shared` is never called
+    tied = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
+    tied += ["lm_head.weight"]
+    assert sorted(tied, key=uses.positions.__getitem__) == tied
+    assert len({uses.needs[n][0] for n in tied}) == 1
+    assert "shared.weight" in uses.unused
+    assert uses.tied == dict.fromkeys(tied, "shared.weight")
     assert uses.contracted["lm_head.weight"] == LINEAR
     wi = "encoder.block.0.layer.1.DenseReluDense.wi.weight"
     assert uses.contracted[wi] == LINEAR
@@ -513,7 +524,7 @@ def test_bert_layer_norms_and_tied_decoder():
     assert uses.contracted[decoder] == LINEAR
     assert (
         uses.positions[decoder]
-        == uses.positions["bert.embeddings.word_embeddings.weight"]
+        > uses.positions["bert.embeddings.word_embeddings.weight"]
     )
 
 
@@ -618,15 +629,18 @@ def _adapter_trace():
 
 def test_adapter_trace_keys_by_tree_path():
     """The torch adapter's `trace`: the module a Tree holds, keyed by leaf path (a
-    stripped prefix off, a tie's second name left out as the Tree leaves it out)."""
+    stripped prefix off; a tie's second name, which the Tree holds once, by its own
+    path, its array's in `tied`)."""
     import bridge
 
     model = _real("gpt2")
     tree = bridge.from_torch(model, prefix="transformer.")
     uses = _adapter_trace()(tree, *INPUTS["gpt2"])
     assert uses.contracted[("h", 0, "attn", "c_attn", "weight")] == CONV1D
-    assert uses.contracted[("wte", "weight")] == LINEAR  # the tied head's product
-    paths = []
+    assert uses.contracted[("lm_head", "weight")] == LINEAR  # the tied head's
+    assert ("wte", "weight") not in uses.contracted  # a lookup
+    assert uses.tied == {("lm_head", "weight"): ("wte", "weight")}
+    paths = [("lm_head", "weight")]
     bridge._tree.map_with_path(lambda p, _: paths.append(p), tree)
     assert sorted(uses.positions, key=str) == sorted(paths, key=str)
     assert _adapter_trace()(bridge.from_torch(model.state_dict()), TOKENS, {}) is None

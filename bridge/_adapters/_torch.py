@@ -790,7 +790,7 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
     kwargs = {k: _channel_first(x, channels) for k, x in kwargs.items()}
     uses = _torch_trace.trace_module(module, inputs, kwargs)
     held = set(record.names)
-    names = {}
+    names: dict[Any, str] = {}
     for name in [*uses.positions, *uses.unused]:
         if not isinstance(name, str):  # trace_module's keys are names
             continue
@@ -798,7 +798,19 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         own = _strip(file, record.prefix)
         if own in held and (own == file or own in record.stripped):
             names[name] = own
-    return _torch_trace.rekeyed(uses, names, _split_name)
+    # a tie's second name: keyed by its own name (its module's uses), the Tree's
+    # name it is the same array as in `tied`
+    tied = {}
+    for name, same in uses.tied.items():
+        if not isinstance(name, str) or name not in renamed and name in names:
+            continue
+        own = _strip(name, record.prefix)
+        kept = names.get(same) or names.get(name)
+        if kept is not None and own != kept:
+            names[name] = own
+            tied[_split_name(own)] = _split_name(kept)
+    out = _torch_trace.rekeyed(uses, names, _split_name)
+    return out._replace(tied=tied)
 
 
 def _channel_first(x: Any, channels: Any) -> Any:

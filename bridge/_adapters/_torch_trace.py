@@ -194,20 +194,58 @@ class _Recorder:
     """The `TorchFunctionMode` body: records every operation's effect on the
     tensors it knows (`trace_module` makes one per call)."""
 
-    def __init__(self, torch: Any, objects: list[Any]):
+    def __init__(
+        self,
+        torch: Any,
+        objects: list[Any],
+        tied: Mapping[int, list[str]] | None = None,
+        owners: Mapping[int, list[str]] | None = None,
+    ):
         self.torch = torch
+        self.tied = dict(tied or {})
+        """`{tensor index: its names}` for a tensor under several names (a tie)."""
+        self.owners = dict(owners or {})
+        """`{id(module): its names}` (one module object may have several)."""
+        self.calls: list[Any] = []
+        """The modules whose `forward` is running, outermost first."""
         self.seen: dict[int, _Seen] = {}
         for i, t in enumerate(objects):
             source = _Source(i, tuple(range(t.dim())), False)
             self.seen[id(t)] = _Seen(t, (source,), 1 << i, None)
         self.count = 0
         self.names: dict[Any, tuple[str, bool]] = {}
-        self.positions: dict[int, tuple[int, ...]] = {}
-        self.needs: dict[int, tuple[int, int]] = {}
-        self.contracted: dict[int, Contraction] = {}
-        self.convolved: dict[int, tuple[int, ...]] = {}
-        self.norms: dict[int, str] = {}
+        # by tensor index, or `(index, name)` for a tied one (`key`)
+        self.positions: dict[Any, tuple[int, ...]] = {}
+        self.needs: dict[Any, tuple[int, int]] = {}
+        self.contracted: dict[Any, Contraction] = {}
+        self.convolved: dict[Any, tuple[int, ...]] = {}
+        self.norms: dict[Any, str] = {}
         self.weight_norm: list[tuple[int, int]] = []
+
+    def key(self, index: int) -> Any:
+        """What a use of tensor `index` is recorded under: the index, or for a tied
+        tensor `(index, name)`, the name of it the running module holds (the
+        module's names against the enclosing modules' where one module object has
+        several: transformers' T5 calls one embedding as `encoder.embed_tokens`
+        and `decoder.embed_tokens`); the first name where no module holds one."""
+        names = self.tied.get(index)
+        if names is None:
+            return index
+        found: list[str] = []
+        for depth in range(len(self.calls) - 1, -1, -1):
+            held = self.owners.get(id(self.calls[depth]), ())
+            found = [n for n in names if n.rpartition(".")[0] in held]
+            if found:
+                break
+        else:
+            return (index, names[0])
+        for outer in reversed(self.calls[:depth]):
+            if len(found) == 1:
+                break
+            prefixes = [p + "." for p in self.owners.get(id(outer), ()) if p]
+            inside = [n for n in found if any(n.startswith(p) for p in prefixes)]
+            found = inside or found
+        return (index, found[0])
 
     def entry(self, t: Any) -> _Seen | None:
         e = self.seen.get(id(t))
@@ -306,36 +344,38 @@ class _Recorder:
                     continue
                 others |= e2.bits
             for s in e.sources:
-                if s.index not in self.positions:
-                    self.positions[s.index] = (self.count + later.get(slot, 0),)
-                    self.needs[s.index] = (1 << s.index, others)
-                self.roles(name, args, slot, s, operands)
-                kind = self.scaled(name, slot, operands, s)
+                key = self.key(s.index)
+                if key not in self.positions:
+                    self.positions[key] = (self.count + later.get(slot, 0),)
+                    self.needs[key] = (1 << s.index, others)
+                self.roles(name, args, slot, s, operands, key)
+                kind = self.scaled(name, slot, operands, s, key)
                 if kind is not None:
                     tag = kind
         self.count += max(later.values(), default=0)
         return tag
 
     def roles(
-        self, name: str, args: tuple, slot: Any, s: _Source, operands: list
+        self, name: str, args: tuple, slot: Any, s: _Source, operands: list, key: Any
     ) -> None:
-        """What the operation makes of the parameter `s` in `slot`: a norm's weight
-        or bias, a convolution's kernel, a product's contracted axes."""
+        """What the operation makes of the parameter `s` in `slot` (recorded under
+        `key`): a norm's weight or bias, a convolution's kernel, a product's
+        contracted axes."""
         if name in _NORMS and slot in ("weight", "bias"):
-            self.norms.setdefault(s.index, _NORMS[name] + ("+1" if s.plus1 else ""))
+            self.norms.setdefault(key, _NORMS[name] + ("+1" if s.plus1 else ""))
         if s.axes is None or None in s.axes:
             return
         axes = tuple(a for a in s.axes if a is not None)
         if slot == "weight" and name.startswith("conv_transpose"):
-            self.convolved.setdefault(s.index, (axes[1], axes[0], *axes[2:]))
+            self.convolved.setdefault(key, (axes[1], axes[0], *axes[2:]))
         elif slot == "weight" and name in ("conv1d", "conv2d", "conv3d"):
-            self.convolved.setdefault(s.index, tuple(axes))
+            self.convolved.setdefault(key, tuple(axes))
         else:
             product = _product(name, args, slot, axes)
             if product is not None:
-                self.contracted.setdefault(s.index, product)
+                self.contracted.setdefault(key, product)
 
-    def scaled(self, name: str, slot: Any, operands: list, s: _Source):
+    def scaled(self, name: str, slot: Any, operands: list, s: _Source, key: Any):
         """`w * x` with `x` normalised, then `+ b`: the norm's weight and bias."""
         if name not in ("mul", "add") or len(operands) != 2:
             return None
@@ -347,7 +387,7 @@ class _Recorder:
         if (name, kind) not in (("mul", "normed"), ("add", "scaled")):
             return None
         what = "mean" if centred else "rms"
-        self.norms.setdefault(s.index, what + ("+1" if s.plus1 else ""))
+        self.norms.setdefault(key, what + ("+1" if s.plus1 else ""))
         return ("scaled", centred) if name == "mul" else None
 
     def tag(self, name: str, args: tuple, operands: list):
@@ -808,9 +848,19 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
     call = _named(module, inputs, call)
     if fake is not None or meta:
         call = _with_mask(module, args, call, torch)
-    recorder = _Recorder(torch, objects)
+    tied: dict[int, list[str]] = {}
+    for n, i in zip(names, of):
+        tied.setdefault(i, []).append(n)
+    tied = {i: ns for i, ns in tied.items() if len(ns) > 1}
+    owners: dict[int, list[str]] = {}
+    if tied:  # which name of a tied tensor a use is: the running module's
+        for n, m in module.named_modules(remove_duplicate=False):
+            owners.setdefault(id(m), []).append(n)
+    recorder = _Recorder(torch, objects, tied, owners)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
+        if tied:
+            stack.enter_context(_calls(torch, recorder.calls))
         if fake is not None:
             stack.enter_context(fake)
         stack.enter_context(_mode_class(torch)(recorder))
@@ -824,6 +874,30 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
                     tensors[n] = _fake_copy(fake, t)
             torch.func.functional_call(module, tensors, args, call, strict=True)
     return _uses(recorder, names, of)
+
+
+@contextlib.contextmanager
+def _calls(torch: Any, calls: list[Any]) -> Any:
+    """Keep `calls` the stack of modules whose `forward` runs (global module hooks,
+    removed on exit)."""
+    hooks = torch.nn.modules.module
+
+    def enter(module: Any, *_: Any) -> None:
+        calls.append(module)
+
+    def leave(module: Any, *_: Any) -> None:
+        if calls and calls[-1] is module:
+            calls.pop()
+
+    handles = [
+        hooks.register_module_forward_pre_hook(enter),
+        hooks.register_module_forward_hook(leave, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _weight_name(g: str, v: str) -> str:
@@ -857,10 +931,16 @@ def _uses(r: _Recorder, names: list[str], of: list[int]) -> Uses:
     weight_norm = {
         _weight_name(first[g], first[v]): (first[g], first[v]) for g, v in r.weight_norm
     }
-    unused = tuple(n for n, i in zip(names, of) if i not in r.positions)
+    # a tied tensor's names each have the uses made through their own module
+    keys = [(i, n) if i in r.tied else i for n, i in zip(names, of)]
+    unused = tuple(n for n, k in zip(names, keys) if k not in r.positions)
+    tied = {n: first[i] for n, i in zip(names, of) if n != first[i]}
     return _made(
-        lambda d: {n: d[i] for n, i in zip(names, of) if i in d}, r, weight_norm, unused
-    )
+        lambda d: {n: d[k] for n, k in zip(names, keys) if k in d},
+        r,
+        weight_norm,
+        unused,
+    )._replace(tied=tied)
 
 
 class FolderModule(NamedTuple):

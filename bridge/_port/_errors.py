@@ -312,6 +312,13 @@ RULE_TARGET = (
     "rule {pattern!r}: maps {source} to {target!r}, which is not a layer of the "
     "target. Target layers: {layers}."
 )
+TIED_UNEQUAL = (
+    "tied: the target holds {target} once for {names} (one array under several "
+    "names), and the source's arrays for them differ ({a} and {b}: largest "
+    "difference {diff}); one array cannot hold both. Make the source's arrays "
+    "equal first, or untie the target's (give each name its own parameter), or "
+    "leave one out with rules={{r'<source path>': None}}."
+)
 RULE_UNUSED = "rule {pattern!r}: matches no source layer. Source layers: {layers}."
 RULE_TWICE = "rule: target layer {target} is paired with {sources}; pair it once."
 ENTRY_MISSING = (

@@ -79,6 +79,19 @@ class Layer:
     unknown: dict[str, str] = field(default_factory=dict)
     """`{kind: setting}`: a setting the kind's codec needs that the layer's module
     did not give (a part of a model, a state dict): the paired side tells it."""
+    held: dict[str, Path] = field(default_factory=dict)
+    """`{entry: leaf path}` for entries the Tree holds at another layer's path (a
+    tied array, held once: `with_ties`): read and written there."""
+    tied: frozenset[Path] = frozenset()
+    """The leaf paths of this layer's arrays that other layers hold too (a tie):
+    layers whose `tied` meet are one array under several names."""
+
+    def leaf(self, entry: str) -> Path:
+        """The leaf path of one of the layer's entries (a stack's: the stacked
+        array's; a tied one: where the Tree holds it)."""
+        if entry in self.held:
+            return self.held[entry]
+        return (self.real if self.index is not None else self.path) + self.paths[entry]
 
     def own_leaves(self) -> Leaves:
         """The layer's arrays (the `index`-th slice of a stack's)."""
@@ -394,6 +407,71 @@ def find_layers(
     if not told:
         tell_settings((layers, []), problems)
     return layers
+
+
+def with_ties(
+    tree: Tree,
+    layers: list[Layer],
+    ties: dict[Path, Path],
+    problems: list[str],
+    views: bool = False,
+) -> list[Layer]:
+    """`layers` and, for each module that holds a tied array under a name the Tree
+    holds it once (`ties`: `{that name's leaf path: the leaf path the Tree holds
+    it at}`: T5's `encoder.embed_tokens.weight` is `shared.weight`; a tied head's
+    `lm_head.weight`), a layer of its own: recognised as that module (an
+    `nn.Linear` head reads the embedding as `(out, in)`), its arrays the held ones
+    (`Layer.held`), and its own arrays beside them (a head's bias). The layers
+    sharing an array know it (`Layer.tied`): one array may fill several layers
+    of the other side, and several layers of the other side may fill one array
+    only with equal values (`_port.run`)."""
+    at_leaf = {x.leaf(k): (x, k) for x in layers if x.index is None for k in x.paths}
+    modules: dict[Path, dict[str, Path]] = {}
+    for alias, held in ties.items():
+        if held in at_leaf and alias and alias not in at_leaf:
+            modules.setdefault(alias[:-1], {})[str(alias[-1])] = held
+    if not modules:
+        return layers
+    name = framework(tree)
+    adapter = canonical_adapter() if name is None else adapter_named(name)
+    native = None if adapter.modules is None else adapter.modules(tree)
+    families: dict[str, list[Codec]] = {}
+    out = list(layers)
+    for path, entries in modules.items():
+        leaves = {e: at_leaf[h][0].leaves[at_leaf[h][1]] for e, h in entries.items()}
+        paths: dict[str, Path] = {e: (e,) for e in entries}
+        own = next((x for x in out if x.path == path and x.index is None), None)
+        if own is not None:  # arrays of its own beside the tied ones
+            leaves, paths = {**own.leaves, **leaves}, {**own.paths, **paths}
+        module = None if native is None else at(native, path)
+        # the class of a module no node of the Tree stands for: the native node's
+        cls = getattr(module, "cls", None)
+        found, _ = _recognise(families, adapter, cls, path, leaves)
+        if not found:
+            continue
+        readings = ()
+        if views:
+            found, readings = with_views(found, leaves, module, False)
+        layer = Layer(
+            path,
+            found,
+            leaves,
+            paths,
+            found[0].hyperparameters(module),
+            readings=readings,
+            held=dict(entries),
+            tied=frozenset(entries.values()),
+        )
+        read_specs(layer, problems)
+        if not layer.codecs:
+            continue
+        if own is not None:
+            out.remove(own)
+        for h in entries.values():
+            x = at_leaf[h][0]
+            x.tied = x.tied | {h}
+        out.append(layer)
+    return out
 
 
 def _stack_layers(

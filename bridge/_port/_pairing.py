@@ -145,6 +145,25 @@ class Order:
             self._nodes[path] = ({k: i for i, k in enumerate(keys)}, bool(known))
             self._kinds[path] = kind(node)
 
+    def unused(self, layers: list[Layer]) -> list[Layer]:
+        """Of `layers`, names of a tied array (`Layer.tied`) that the traced
+        forward pass never uses while another name of that array is used
+        (transformers' `shared`, whose module T5 never calls: it looks the array
+        up as `encoder.embed_tokens` and `decoder.embed_tokens`); none without a
+        trace."""
+        tied = [x for x in layers if x.tied]
+        if not tied or self._trace is None:
+            return []
+        if self._uses is None:
+            self._uses = self._trace() or {}
+        if not self._uses:
+            return []
+        used = [
+            x for x in tied if any(x.path + p in self._uses for p in x.paths.values())
+        ]
+        arrays = {h for x in used for h in x.tied}
+        return [x for x in tied if x not in used and not x.tied - arrays]
+
     def was_traced(self) -> bool | None:
         """None without example inputs; else whether the forward pass was traced
         (a file or a state dict has none to trace)."""
@@ -159,7 +178,8 @@ class Order:
         )
 
     def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
-        return self._nodes[self._real(prefix)]
+        # a tied name's module may be no node of the Tree (it holds the array once)
+        return self._nodes.get(self._real(prefix), ({}, False))
 
     def compare(self, a: Path, b: Path) -> int | None:
         """-1, 0 or 1 when the creation order of `a` and `b` is known, else None."""
@@ -174,7 +194,7 @@ class Order:
         positions, known = self._node(a[:n])
         if self._mixed(a[:n], (a[n], b[n])):
             return None
-        if known:
+        if known and a[n] in positions and b[n] in positions:
             return (positions[a[n]] > positions[b[n]]) - (
                 positions[a[n]] < positions[b[n]]
             )
@@ -195,7 +215,9 @@ class Order:
         for prefix, keys in parting.items():
             if len(keys) < 2 or prefix in self._stacks:
                 continue
-            if self._node(prefix)[1] and not self._mixed(prefix, keys):
+            positions, known = self._node(prefix)
+            every = all(k in positions for k in keys)
+            if known and every and not self._mixed(prefix, keys):
                 continue
             numbers = [_number(k) for k in keys]
             if None in numbers or len({n[0] for n in numbers if n}) > 1:
@@ -267,6 +289,7 @@ class _Pairing:
         self.pairs: list[Pair] = []
         self.ambiguous: set[int] = set()
         self.paired: set[int] = set()
+        self.left: list[Layer] = []  # names of a tied array the pass does not use
 
     def add(self, s: Layer, t: Layer, by: str) -> None:
         self.pairs.append(Pair(s, t, by))
@@ -274,8 +297,15 @@ class _Pairing:
 
     def rest(self, side: int) -> list[Layer]:
         layers = self.targets if side else self.sources
-        done = self.paired | self.ambiguous
+        done = self.paired | self.ambiguous | {id(x) for x in self.left}
         return [x for x in layers if id(x) not in done]
+
+    def unused_ties(self) -> None:
+        """Leave out of the pairing by shapes and order the names of a tied
+        array that names did not pair and the forward pass does not use (`Order.
+        unused`): the used names pair in the order of their uses."""
+        for side in (0, 1):
+            self.left += self.orders[side].unused(self.rest(side))
 
     def rules(self, rules: Mapping[str, str]) -> None:
         by_where = {t.where: t for t in self.targets}
@@ -497,6 +527,7 @@ def pair(
     p = _Pairing(sources, targets, orders[0], orders[1], problems)
     p.rules(rules or {})
     fallback = p.names()
+    p.unused_ties()
     p.shapes()
     for s, t in fallback:
         if id(s) not in p.paired and id(t) not in p.paired:
@@ -504,6 +535,7 @@ def pair(
     p.remainder()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
+    p.left = []  # unpaired: delivered through another name, or unexpected
     return pairs, p.rest(0), p.rest(1)
 
 

@@ -19,13 +19,20 @@ from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
 from .._families._sinusoid import sinusoid
 from .._lazy import materialise
-from .._paths import Path, path_str
+from .._paths import Path, parse, path_str
 from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
 from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
-from ._layers import ARRAY, Layer, find_layers, read_specs, tell_settings
+from ._layers import (
+    ARRAY,
+    Layer,
+    find_layers,
+    read_specs,
+    tell_settings,
+    with_ties,
+)
 from ._pairing import (
     Order,
     Pair,
@@ -458,11 +465,17 @@ def make_plan(
     )
     axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     first: list[str] = []
-    read = _paired(source, target, rules, first, traces, axes)
+    ties = (_ties(source), _ties(target))
+    read = _paired(source, target, rules, first, traces, axes, ties=ties)
+    if first or read[4] or read[5]:  # ties a traced model shows (a folder's)
+        traced = (_traced_ties(traces[0], ties[0]), _traced_ties(traces[1], ties[1]))
+        if traced != ties:
+            ties, first = traced, []
+            read = _paired(source, target, rules, first, traces, axes, ties=ties)
     opened = _opened(read[0], read[1], read[4], read[5])
     if opened != (frozenset(), frozenset()):  # an attention against projections
         first = []
-        read = _paired(source, target, rules, first, traces, axes, opened)
+        read = _paired(source, target, rules, first, traces, axes, opened, ties)
     open_ = [(side, p, c) for side in (0, 1) for p, c in axes[side].items()]
     fixed: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
     for (side, path, _), axis in _traced_axes(open_, traces).items():
@@ -470,7 +483,7 @@ def make_plan(
     if fixed[0] or fixed[1]:
         first = []
         chosen = (dict(fixed[0]), dict(fixed[1]))
-        read = _paired(source, target, rules, first, traces, chosen, opened)
+        read = _paired(source, target, rules, first, traces, chosen, opened, ties)
         open_ = [x for x in open_ if x[1] not in fixed[x[0]]]
     if not open_:
         problems += first
@@ -481,7 +494,9 @@ def make_plan(
             for (side, path, _), axis in zip(open_, choice):
                 chosen[side][path] = axis
             trial: list[str] = []
-            attempt = _paired(source, target, rules, trial, traces, chosen, opened)
+            attempt = _paired(
+                source, target, rules, trial, traces, chosen, opened, ties
+            )
             if not trial and not attempt[4] and not attempt[5]:
                 fitting.append(attempt)
         if len(fitting) == 1:
@@ -497,6 +512,12 @@ def make_plan(
                     )
                 )
     sources, targets, told, pairs, lone_sources, lone_targets, dropped = read
+    # a name of a tied array whose array goes (or comes) through another name
+    delivered = [
+        {h for p in pairs for h in (p.source, p.target)[side].tied} for side in (0, 1)
+    ]
+    lone_sources = [s for s in lone_sources if not s.tied & delivered[0]]
+    lone_targets = [t for t in lone_targets if not t.tied & delivered[1]]
     _adopt([(p.source, p.target) for p in pairs], problems)
     problems += _undecided(pairs)
     problems += _open_kinds(pairs)
@@ -589,7 +610,7 @@ def make_plan(
         tuple(t.where for t in lone_targets),
         tuple(s.where for s in lone_sources),
         tuple(warnings),
-        tuple(f"{a} = {b}" for t in (source, target) for a, b in ties_of(t)),
+        _tie_lines(pairs, (ties_of(source), ties_of(target))),
         tuple(problems),
         source,
         target,
@@ -616,6 +637,33 @@ def _tables(layers: list[Layer]) -> dict[int, tuple[Layer, str]]:
         if variant is not None:
             out[id(x)] = (x, variant)
     return out
+
+
+def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
+    """The plan's lines for arrays held once under several names (`ties`: each
+    side's `(name, same as)`): where they pair with several layers,
+    `.shared.weight -> .encoder.embed_tokens, .decoder.embed_tokens` (one source
+    array fills them) or `.a, .b -> .shared.weight` (one target array holds them:
+    their values must be equal); else `lm_head.weight = wte.weight`."""
+    lines = []
+    for side in (0, 1):
+        ends = [(p.source, p.target)[:: 1 - 2 * side] for p in pairs]
+        held = sorted({h for mine, _ in ends for h in mine.tied}, key=path_str)
+        shown = set()
+        for h in held:
+            others = [other.where for mine, other in ends if h in mine.tied]
+            if len(others) < 2:
+                continue
+            shown.add(h)
+            if side == 0:
+                lines.append(f"{path_str(h)} -> {', '.join(others)}")
+            else:
+                lines.append(
+                    f"{', '.join(others)} -> {path_str(h)} (one array: their "
+                    "values must be equal)"
+                )
+        lines += [f"{a} = {b}" for a, b in ties[side] if parse(b) not in shown]
+    return tuple(lines)
 
 
 _POSITIONAL = frozenset({"shape", "order", "kind"})
@@ -729,18 +777,21 @@ def _paired(
     traces: tuple[Any, Any],
     axes: tuple[dict[Path, Any], dict[Path, Any]],
     opened: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+    ties: tuple[dict[Path, Path], dict[Path, Path]] = ({}, {}),
 ) -> tuple[
     list[Layer], list[Layer], list[str], list[Pair], list[Layer], list[Layer], list
 ]:
-    """Both sides' layers (stacks' layer axes from `axes`), settings told, and
-    their pairing: `(sources, targets, told, pairs, lone sources, lone targets,
-    source layers dropped by rules)`."""
+    """Both sides' layers (stacks' layer axes from `axes`, a layer per tied name
+    from `ties`), settings told, and their pairing: `(sources, targets, told,
+    pairs, lone sources, lone targets, source layers dropped by rules)`."""
     sources = find_layers(
         source, problems, told=True, axes=axes[0], views=True, opened=opened[0]
     )
     targets = find_layers(
         target, problems, told=True, axes=axes[1], views=True, opened=opened[1]
     )
+    sources = with_ties(source, sources, ties[0], problems, views=True)
+    targets = with_ties(target, targets, ties[1], problems, views=True)
     computed((sources, targets), traces, problems)
     for side, trace in ((sources, traces[0]), (targets, traces[1])):
         for x in read_axes(side, trace, problems):  # weight norms' `v` layouts
@@ -755,6 +806,28 @@ def _paired(
     kept, sources, dropped = _dropped(rules, sources, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, kept, problems, orders)
     return sources, targets, told, pairs, lone_sources, lone_targets, dropped
+
+
+def _ties(tree: Tree) -> dict[Path, Path]:
+    """`{leaf path of a tied name: the leaf path the Tree holds the array at}`
+    that the Tree's adapter knows (a PyTorch module's or state dict's ties)."""
+    return {parse(name): parse(same) for name, same in ties_of(tree)}
+
+
+def _traced_ties(trace: Trace | None, known: dict[Path, Path]) -> dict[Path, Path]:
+    """`known` and the ties the side's traced model shows (a Hugging Face folder
+    stores a tied array once; the model built from its `config.json` holds it
+    under every name), asked only where a side's forward pass is traced anyway."""
+    if trace is None or _own_trace(trace) is None or not trace():
+        return known
+    return {**known, **trace.ties()}
+
+
+def _own_trace(trace: Trace) -> Any:
+    """The adapter's own trace (a framework JAX does not trace: PyTorch), or
+    None: only such a trace can show ties the Tree does not hold."""
+    name = framework(trace.tree)
+    return None if name is None else adapter_named(name).trace
 
 
 def _untraced(traces: tuple[Trace | None, Trace | None]) -> list[str]:
@@ -866,6 +939,8 @@ def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
         return []
     checked = [p for p in pairs if p.by != "rule" and p.source.index is None]
     checked = [p for p in checked if p.target.index is None]
+    # a tied array's names share its bit: each seems to feed what the others do
+    checked = [p for p in checked if not p.source.tied and not p.target.tied]
     if len(checked) < 2:
         return []
     sides = []

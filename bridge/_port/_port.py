@@ -237,6 +237,8 @@ def run(plan: Plan) -> Tree:
     stacks: dict[Path, Any] = {}
     fused: dict[Any, Any] = {}
     writes: dict[Any, Any] = {}
+    wrote: dict[Path, PlanRow] = {}  # a target array and the row that wrote it
+    again: dict[Path, list[tuple[PlanRow, Any]]] = {}  # written again (a tie)
     steps = sorted(plan.steps, key=_reading_order)
     ahead = _read_ahead(steps, plan._source)
     with ahead, Placing(ahead.budget) as placing:
@@ -245,8 +247,12 @@ def run(plan: Plan) -> Tree:
             if _written(step, stacks, targets, writes):
                 continue
             for path, index, value in _move(step, problems, fused, placing):
+                if index is None and path in new:  # one tied array, several names
+                    again.setdefault(path, []).append((step, value))
+                    continue
                 if index is None:
                     new[path] = value
+                    wrote[path] = step
                     continue
                 stack = stacks.get(path)
                 if stack is None:
@@ -254,6 +260,10 @@ def run(plan: Plan) -> Tree:
                 at, axis = index
                 stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), at, axis)
         new = {path: placing.result(value) for path, value in new.items()}
+        for path, more in again.items():
+            steps_ = [wrote[path]] + [m for m, _ in more]
+            values = [new[path]] + [placing.result(v) for _, v in more]
+            _equal_ties(path, steps_, values, problems)
     if problems:
         raise _errors.PortError(problems)
 
@@ -263,6 +273,35 @@ def run(plan: Plan) -> Tree:
         return new.get(path, leaf)
 
     return map_with_path(replace, plan._target)
+
+
+def _equal_ties(
+    path: Path, steps: list[PlanRow], values: list[Any], problems: list[str]
+) -> None:
+    """A target array held once under several names, filled by several rows (one
+    per name): their arrays must be equal to the bit, else a problem."""
+    first = np.asarray(values[0])
+    for step, value in zip(steps[1:], values[1:]):
+        other = np.asarray(value)
+        if (first.shape, first.dtype) == (other.shape, other.dtype) and (
+            np.ascontiguousarray(first).tobytes()
+            == np.ascontiguousarray(other).tobytes()
+        ):
+            continue
+        try:
+            diff = float(np.max(np.abs(first.astype(np.float64) - other)))
+        except (TypeError, ValueError):  # shapes or dtypes apart
+            diff = f"{first.shape} {first.dtype} against {other.shape} {other.dtype}"
+        problems.append(
+            _errors.TIED_UNEQUAL.format(
+                target=path_str(path),
+                names=", ".join(s.target for s in steps),
+                a=steps[0].source,
+                b=step.source,
+                diff=diff,
+            )
+        )
+        return
 
 
 AHEAD = 32  # a port reads ahead at most 1/AHEAD of the bytes it reads lazily
@@ -378,13 +417,9 @@ def _move(
     if leaves is None:
         leaves = _converted(step, problems)
     if t.index is not None:
-        return [(t.real + t.paths[k], (t.index, t.axis), v) for k, v in leaves.items()]
+        return [(t.leaf(k), (t.index, t.axis), v) for k, v in leaves.items()]
     return [
-        (
-            t.path + t.paths[k],
-            None,
-            _placed(v, t.leaves[k], path_str(t.path + t.paths[k]), placing),
-        )
+        (t.leaf(k), None, _placed(v, t.leaves[k], path_str(t.leaf(k)), placing))
         for k, v in leaves.items()
     ]
 
@@ -458,7 +493,7 @@ def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
             own,
             lambda leaves: _encoded(step, _decoded(step, leaves), t.leaves),
             t.leaves,
-            lambda k: path_str(t.path + t.paths[k]),
+            lambda k: path_str(t.leaf(k)),
         )
         if ranged is not None:
             return ranged

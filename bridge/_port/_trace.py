@@ -415,6 +415,7 @@ class Trace:
         self.convolved: dict[Path, tuple[int, ...]] = {}
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
+        self.tied: dict[Path, Path] = {}
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -449,6 +450,13 @@ class Trace:
         scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
         self()
         return self.normalised
+
+    def ties(self) -> Mapping[Path, Path]:
+        """`{leaf path of a name the Tree holds once: the leaf path it holds it
+        at}` that the traced model shows (a Hugging Face folder's tied embeddings,
+        stored once: `bridge._uses.Uses.tied`)."""
+        self()
+        return self.tied
 
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
@@ -501,6 +509,7 @@ class Trace:
         self.convolved.update(cast(dict[Path, tuple[int, ...]], uses.convolved))
         self.needs.update(cast(dict[Path, tuple[int, int]], uses.needs))
         self.normalised.update(cast(dict[Path, str], uses.norms))
+        self.tied.update(cast(dict[Path, Path], uses.tied))
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
