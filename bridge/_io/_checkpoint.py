@@ -29,6 +29,7 @@ from .._adapters._native import (
     check_model,
     like as like_form,
     placeholders,
+    to_native,
     to_neutral,
 )
 from .._arguments import (
@@ -46,6 +47,7 @@ from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
 from .._port._port import port_and_plan
 from .._port._report import Report, name, report as made_report
+from .._port._trace import Example, first_uses
 from .._progress import shown
 from .._sizes import human
 from .._tree import framework
@@ -84,8 +86,9 @@ _MISMATCH = """\
 A file of `like`'s own framework fills it as it is only with exactly its arrays (the
 same paths, shapes and dtypes). To fine-tune a changed model (a new head, layers added
 or removed), pass strict=False: the layers that fit are filled, the others keep
-`like`'s values and are reported; for other dtypes, pass dtype=. To see what the file
-holds, run `bridge inspect` on it, or load it without `like`."""
+`like`'s values and are reported; for other dtypes, pass dtype=. For a rewrite whose
+layers have names of its own, pass example= inputs: the computation pairs them. To see
+what the file holds, run `bridge inspect` on it, or load it without `like`."""
 
 
 def save(
@@ -107,6 +110,8 @@ def save(
     like: Any = None,
     progress: bool = False,
     strict: bool = True,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
     `step` or `extra`, the whole training state.
@@ -200,6 +205,13 @@ def save(
       recognised by its values) are written with `like`'s values (logged, logger
       `"bridge"`, INFO); with `True`, the default, each is a difference too. Every
       other difference raises either way.
+    - `example`, `example_kwargs`: optional example inputs of the model (as
+      `bridge.port` takes them): its forward pass is traced abstractly (no FLOPs)
+      and the file records the order in which it first uses each array (metadata
+      `order`). A file keeps no other order of a Linen model's layers (its
+      variables are dicts): with it, `bridge.load(path, like=rewrite,
+      example=...)` pairs the layers of a model with names of its own as the live
+      model would, with no rules. A safetensors file or an orbax directory.
 
     **Returns:**
 
@@ -235,6 +247,8 @@ def save(
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
+    check_inputs(example, "example")
+    check_pair_or_mapping(example_kwargs, "example_kwargs")
     training = opt_state is not None or step is not None or extra is not None
     folder = {"max_shard_size": max_shard_size, "config": config}
     folder["generation_config"] = generation_config
@@ -263,6 +277,9 @@ def save(
             plugin.check_save(path, tree)
     # 3. written: as another library writes it (`layout`, a `quantize` scheme a
     # plug-in gives), or bridge's own file with its metadata and training state
+    if plain and example is not None:
+        raise ValueError(_ORDER_PLAIN)
+    uses = None if plain else _uses(tree, example, example_kwargs)
     total = _nbytes((tree, opt_state, extra)) if progress else 0  # a walk: if asked
     with shown(progress, f"saving {path.name} ({human(total)})", total):
         if plain:
@@ -279,7 +296,7 @@ def save(
                 strict,
             )
             return
-        contents, arrays = describe(tree, metadata)
+        contents, arrays = describe(tree, metadata, uses)
         if training:
             contents, arrays = _training.add(
                 contents, arrays, tree, opt_state, step, extra
@@ -290,6 +307,36 @@ def save(
 def _nbytes(tree: Any) -> int:
     """The bytes of the arrays of `tree` (any pytree)."""
     return sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree))
+
+
+_ORDER_PLAIN = """\
+`example` records the order of use in bridge's own metadata, which a PyTorch-layout
+file (layout="torch") does not have: save without `example`, or in bridge's layout."""
+
+_ORDER_UNTRACED = """\
+save(..., example=...) traces the model's forward pass to record the order it uses
+its arrays, but {why}. Pass a model that runs: `(module, variables)` for Linen, an NNX
+or Equinox model, with the inputs it takes."""
+
+
+def _uses(tree: Any, example: Any, kwargs: Any) -> dict | None:
+    """The position of each array's first use in the model's forward pass on the
+    example inputs (None without them)."""
+    if example is None:
+        return None
+    given = Example(example, kwargs)
+    try:
+        native = to_native(tree)
+    except (TypeError, ValueError) as e:
+        raise ValueError(_ORDER_UNTRACED.format(why=f"it is not a model ({e})")) from e
+    if isinstance(native, Mapping):
+        why = "arrays without their model (Linen variables alone) have none"
+        raise ValueError(_ORDER_UNTRACED.format(why=why))
+    try:
+        return first_uses(tree, given.inputs, given.kwargs[0])
+    except Exception as e:  # the model's own error on these inputs
+        why = f"it failed on these inputs ({type(e).__name__}: {e})"
+        raise ValueError(_ORDER_UNTRACED.format(why=why)) from e
 
 
 def _path(path: Any) -> Path:
@@ -534,7 +581,9 @@ def _fill(everything: Contents, contents: Contents, request: Request) -> Filled:
         whole = everything if format_named(everything.format).places else contents
         source = fill(whole, target, request.dtype)
         return Filled(like_form(request.like, source), source, None)
-    if contents.framework == framework(target) and request.as_saved and request.strict:
+    # example inputs: the names may be a rewrite's own, the computation pairs them
+    same = contents.framework == framework(target) and request.example is None
+    if same and request.as_saved and request.strict:
         raise ValueError(
             _MISMATCH.format(path=contents.path, problems="\n".join(problems))
             + prefix_hint(contents, target)
@@ -565,6 +614,7 @@ def _port_file(contents: Contents, request: Request) -> Filled:
                 request.example,
                 request.example_kwargs,
                 target_tree=request.target,
+                source_uses=recorded(contents),
             )
     except PortError as error:
         damaged = [p for p in error.problems if p.startswith("metadata: ")]
@@ -573,6 +623,16 @@ def _port_file(contents: Contents, request: Request) -> Filled:
         error.add_note(_PORTING.format(path=contents.path))
         raise
     return Filled(model, source, plan)
+
+
+def recorded(contents: Contents) -> dict | None:
+    """`{array path: (rank,)}`: the order of use a file records (`save(...,
+    example=...)`), which stands for its model's traced forward pass; None where
+    it records none."""
+    if not contents.order:
+        return None
+    paths = {s.key: s.path for s in contents.tensors}
+    return {paths[name]: (i,) for i, name in enumerate(contents.order)}
 
 
 EARLY = 4  # a load reads at most 1/EARLY of a lazily read file while it plans

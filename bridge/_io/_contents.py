@@ -3,8 +3,9 @@ it is written with; shared by every format.
 
 The metadata is a `dict[str, str]`: the user's own keys, and `bridge_version`,
 `framework`, `layout`, `tensors` (JSON: each array's path, role, shape, dtype and, for
-a typed PRNG key, its impl) and `modules` (JSON: each module's path, class and
-settings).
+a typed PRNG key, its impl), `modules` (JSON: each module's path, class and
+settings) and, where the model was saved with example inputs, `order` (JSON: the
+arrays' names in the order the model's forward pass first uses them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ RESERVED = (
     "modules",
     "training",
     "empty",
+    "order",
 )
 
 
@@ -83,6 +85,9 @@ class Contents:
     # the model's empty mappings, which hold no array: `(role, path)`, e.g.
     # `("params", ("a",))` for Linen's `{"params": {"a": {}}}`
     empty: tuple[tuple[str, TreePath], ...] = ()
+    # the arrays' names in the order the model's forward pass first uses them
+    # (`save(..., example=...)`); empty where no order was recorded
+    order: tuple[str, ...] = ()
 
     def close(self) -> None:
         """Close what the format opened (nothing is read after this)."""
@@ -143,6 +148,7 @@ def encode(contents: Contents) -> dict[str, str]:
             if contents.empty
             else {}
         ),
+        **({"order": json.dumps(list(contents.order))} if contents.order else {}),
     }
 
 
@@ -320,6 +326,21 @@ def _empty(
     return tuple(out)
 
 
+def _order(names: Any, tensors: tuple[Stored, ...]) -> tuple[str, ...]:
+    """The `order` metadata, checked: the names of stored arrays, each once."""
+    if not isinstance(names, list):
+        raise Malformed(f"its 'order' metadata is a {type(names).__name__}")
+    stored = {s.key for s in tensors}
+    unknown = [n for n in names if not isinstance(n, str) or n not in stored]
+    if unknown:
+        raise Malformed(
+            f"its 'order' metadata names {_short(unknown[0])}, no array of the file"
+        )
+    if len(set(names)) != len(names):
+        raise Malformed("its 'order' metadata names an array twice")
+    return tuple(names)
+
+
 def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
     if not (
         isinstance(entry, list)
@@ -401,6 +422,7 @@ def decode(
     if not isinstance(training, str):
         raise Malformed("its 'training' metadata is not a string")
     empty = _empty(_json(meta, "empty") if "empty" in meta else [], tensors)
+    order = _order(_json(meta, "order") if "order" in meta else [], tensors)
     return Contents(
         path,
         fmt,
@@ -413,4 +435,5 @@ def decode(
         source,
         training,
         empty,
+        order,
     )

@@ -45,8 +45,14 @@ _KEY_COLLISION = """\
 Two paths give the same dotted name in the file: {problems}. Rename one of them."""
 
 
-def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, dict]:
-    """The `Contents` a Tree is saved as, and `{dotted name: array to store}`."""
+def describe(
+    tree: Tree,
+    metadata: Mapping[str, str] | None,
+    uses: Mapping[TreePath, tuple[int, ...]] | None = None,
+) -> tuple[Contents, dict]:
+    """The `Contents` a Tree is saved as, and `{dotted name: array to store}`;
+    `uses`, where the model's forward pass was traced (`save(..., example=...)`):
+    the position of each array's first use (`Contents.order`)."""
     flat = list(zip(jtu.tree_flatten_with_path(tree)[0], leaf_roles(tree)))
     if native_order(tree):  # the file lists the arrays in the model's native order
         at_path = {path_of(kp): ((kp, leaf), role) for (kp, leaf), role in flat}
@@ -97,8 +103,18 @@ def describe(tree: Tree, metadata: Mapping[str, str] | None) -> tuple[Contents, 
     empty = (
         () if adapter is None or adapter.empty is None else tuple(adapter.empty(tree))
     )
+    used = sorted((pos, dotted(path)) for path, pos in (uses or {}).items())
     contents = Contents(
-        Path(), "", fw, layout, VERSION, modules, user, tuple(tensors), empty=empty
+        Path(),
+        "",
+        fw,
+        layout,
+        VERSION,
+        modules,
+        user,
+        tuple(tensors),
+        empty=empty,
+        order=tuple(name for _, name in used if name in arrays),
     )
     return contents, arrays
 

@@ -192,7 +192,8 @@ UNTRACED = (
     "(arrays without their model: a file or a state dict). Port from the model "
     "itself (a torch.nn.Module, a Flax or Equinox model), or from a Hugging Face "
     "folder whose config.json names the model (with torch and transformers "
-    "installed)."
+    "installed), or from a file saved with bridge.save(path, model, example=(x,)), "
+    "which records the order its model's forward pass uses its layers."
 )
 TRACED_ALIKE = (
     "Both forward passes were traced on the example inputs and use these layers "

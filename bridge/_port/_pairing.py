@@ -409,8 +409,11 @@ class _Pairing:
         self, a: list[Layer], b: list[Layer]
     ) -> tuple[list[Layer] | None, list[Layer] | None, str]:
         """Both sides' layers in the order their forward passes use them (given
-        example inputs), else in creation order where it is known (None where not),
-        and what ordered them (`"trace"` or `"order"`)."""
+        example inputs, both sides traced), else in creation order where both sides
+        know it (None where a side does not), and what ordered them (`"trace"` or
+        `"order"`). One side's order of use is never matched with the other's
+        order of creation: a model may create its layers in any order (an NNX
+        file's creation order against a rewrite's order of use ported wrongly)."""
         ta, tb = self.orders[0].traced(a), self.orders[1].traced(b)
         if (ta is None) != (tb is None):
             # one side traced (a file, a state dict: the other has no forward pass),

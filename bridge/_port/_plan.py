@@ -453,14 +453,16 @@ def make_plan(
     strict: bool,
     dtype: Any = None,
     example: Example | None = None,
+    source_uses: Mapping[Path, tuple[int, ...]] | None = None,
 ) -> tuple[Plan, list[str]]:
     """The plan and every problem found (empty: `port` may run it). With `example`
     inputs, layers that names do not pair are paired in the order the two forward
-    passes use them (`_trace`)."""
+    passes use them (`_trace`); `source_uses`, the order a file records, stands for
+    the source's."""
     source, target = to_neutral(source), to_neutral(target)
     problems: list[str] = []
     traces = (
-        _tracer(source, example, 0, problems),
+        _tracer(source, example, 0, problems, source_uses),
         _tracer(target, example, 1, problems),
     )
     axes: tuple[dict[Path, Any], dict[Path, Any]] = ({}, {})
@@ -1035,10 +1037,17 @@ def _undecided(pairs: list[Pair]) -> list[str]:
 
 
 def _tracer(
-    tree: Tree, example: Example | None, side: int, problems: list[str]
+    tree: Tree,
+    example: Example | None,
+    side: int,
+    problems: list[str],
+    recorded: Mapping[Path, tuple[int, ...]] | None = None,
 ) -> Trace | None:
-    """The side's `Trace`, or None without example inputs."""
-    return None if example is None else Trace(tree, example, side, problems)
+    """The side's `Trace` (the order of use `recorded` in a file standing for its
+    forward pass), or None without example inputs."""
+    if example is None:
+        return None
+    return Trace(tree, example, side, problems, recorded)
 
 
 def port_plan(

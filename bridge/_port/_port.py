@@ -174,11 +174,14 @@ def port_and_plan(
     example: Any = None,
     example_kwargs: Any = None,
     target_tree: Tree | None = None,
+    source_uses: Mapping[Path, tuple[int, ...]] | None = None,
 ) -> tuple[Any, Plan]:
     """`bridge.port`, returning the plan it ran as well (`bridge.load` reports its
     missing, unexpected and mismatched layers). `target_tree`: `target` already
     converted (`to_neutral(placeholders(target))`, which `bridge.load` makes to
-    check the file against), planned with instead of converting `target` again."""
+    check the file against), planned with instead of converting `target` again.
+    `source_uses`: the order of use a file records (`{array path: (rank,)}`),
+    standing for the source's forward pass where example inputs are given."""
     plain, adapters = _carry.split(source)  # LoRA adapters follow their layers
     # and replace the target's own (port_opt_state ports into a LoRA model)
     if adapters or target_tree is None:
@@ -186,7 +189,9 @@ def port_and_plan(
     else:
         abstract = target_tree
     given = examples(example, example_kwargs, check, check_kwargs)
-    plan, problems = make_plan(plain, abstract, rules, strict, dtype, given)
+    plan, problems = make_plan(
+        plain, abstract, rules, strict, dtype, given, source_uses
+    )
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)

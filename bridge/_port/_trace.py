@@ -401,13 +401,23 @@ class Trace:
     first use of each of the Tree's arrays (None: no trace); its methods give the
     other facts the same trace records."""
 
-    def __init__(self, tree: Tree, example: Example, side: int, problems: list[str]):
+    def __init__(
+        self,
+        tree: Tree,
+        example: Example,
+        side: int,
+        problems: list[str],
+        recorded: Mapping[Path, Position] | None = None,
+    ):
         self.tree, self.example, self.side, self.problems = (
             tree,
             example,
             side,
             problems,
         )
+        self.recorded = recorded
+        """The order of use a file records (`bridge.save(..., example=...)`): its
+        model's forward pass, which the file cannot run."""
         self.done: list[Mapping[Path, Position] | None] = []
         self.contracted: dict[Path, Contraction] = {}
         self.scanned: dict[Path, int] = {}
@@ -465,6 +475,8 @@ class Trace:
         return self.called
 
     def _once(self) -> Mapping[Path, Position] | None:
+        if self.recorded:
+            return self.recorded
         try:
             adapter = adapter_of_tree(self.tree)
             native = None if adapter.trace is not None else to_native(self.tree)
