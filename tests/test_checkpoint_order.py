@@ -106,9 +106,18 @@ def test_order_needs_a_model_that_runs(tmp_path):
     _, variables = _theirs()
     with pytest.raises(ValueError, match="Linen variables alone"):
         bridge.save(tmp_path / "v.safetensors", variables, example=(X,))
-    with pytest.raises(ValueError, match="does not have: save without `example`"):
-        bridge.save(tmp_path / "t.safetensors", _mine(), layout="torch", example=(X,))
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_torch_layout_file_records_no_order(tmp_path):
+    """layout="torch" has no metadata of bridge's: `example` there decides only the
+    layouts the arrays leave open (none here); the file is PyTorch's plain one."""
+    from safetensors import safe_open
+
+    path = tmp_path / "t.safetensors"
+    bridge.save(path, _mine(), layout="torch", example=(X,))
+    with safe_open(path, "np") as f:
+        assert f.metadata() == {"format": "pt"}
 
 
 def test_an_order_naming_no_array_is_refused(tmp_path):

@@ -211,7 +211,11 @@ def save(
       `order`). A file keeps no other order of a Linen model's layers (its
       variables are dicts): with it, `bridge.load(path, like=rewrite,
       example=...)` pairs the layers of a model with names of its own as the live
-      model would, with no rules. A safetensors file or an orbax directory.
+      model would, with no rules. A safetensors file or an orbax directory. With
+      `layout="torch"` (no metadata to record it in) the forward pass is traced
+      only where the arrays leave a layout open, and decides it: a square kernel
+      of a Linen model that stores its other kernels `(out, in)` (transformers'
+      `FlaxConv1D`), refused without.
 
     **Returns:**
 
@@ -277,12 +281,11 @@ def save(
             plugin.check_save(path, tree)
     # 3. written: as another library writes it (`layout`, a `quantize` scheme a
     # plug-in gives), or bridge's own file with its metadata and training state
-    if plain and example is not None:
-        raise ValueError(_ORDER_PLAIN)
     uses = None if plain else _uses(tree, example, example_kwargs)
     total = _nbytes((tree, opt_state, extra)) if progress else 0  # a walk: if asked
     with shown(progress, f"saving {path.name} ({human(total)})", total):
         if plain:
+            inputs = None if example is None else Example(example, example_kwargs)
             save_layout(
                 path,
                 tree,
@@ -294,6 +297,7 @@ def save(
                 quantize,
                 like,
                 strict,
+                inputs,
             )
             return
         contents, arrays = describe(tree, metadata, uses)
@@ -308,10 +312,6 @@ def _nbytes(tree: Any) -> int:
     """The bytes of the arrays of `tree` (any pytree)."""
     return sum(getattr(x, "nbytes", 0) for x in jax.tree_util.tree_leaves(tree))
 
-
-_ORDER_PLAIN = """\
-`example` records the order of use in bridge's own metadata, which a PyTorch-layout
-file (layout="torch") does not have: save without `example`, or in bridge's layout."""
 
 _ORDER_UNTRACED = """\
 save(..., example=...) traces the model's forward pass to record the order it uses

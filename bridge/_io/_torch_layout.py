@@ -28,10 +28,12 @@ from .._adapters._registry import (
 from .._lazy import materialise
 from .._paths import Path, path_str
 from .._port._codec import codec_of
+from .._port._computed import computed
 from .._port._errors import SETTINGS
-from .._port._layers import ARRAY, Layer, find_layers
+from .._port._layers import ARRAY, Layer, find_layers, tell_settings
 from .._port._pairing import normalised
 from .._port._reverse import reverse_rules
+from .._port._trace import Example, Trace
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, framework, native_order, native_paths
 
@@ -91,6 +93,7 @@ def torch_state(
     kinds: dict[str, str] | None = None,
     family: str | None = None,
     known: Collection[str] | None = None,
+    example: Example | None = None,
 ) -> dict[str, np.ndarray]:
     """`tree`'s arrays in PyTorch layout, by the names a PyTorch model gives them.
 
@@ -104,12 +107,14 @@ def torch_state(
     Hugging Face `model_type` written for, where known (GPT-2's `c_fc` is a
     `Conv1D`, GPT-Neo's an `nn.Linear`). `known`: the names of the PyTorch model
     written for, where given (`like`): a layer it names otherwise takes its name
-    there (`fitted`).
+    there (`fitted`). `example`: inputs of the model, whose
+    forward pass (traced abstractly) decides the layouts its arrays leave open (a
+    square kernel of a model that stores others `(out, in)`).
     """
     if _own(tree):
         return _writer()[1].own(tree, prefix)
     out = {}
-    for layer in torch_layers(tree, rules, prefix, rename, family, known):
+    for layer in torch_layers(tree, rules, prefix, rename, family, known, example):
         encoded = layer.encode(layer.leaves)
         if kinds is not None:
             kinds.update(dict.fromkeys(encoded, layer.kind))
@@ -136,6 +141,7 @@ def torch_layers(
     rename: Rename | None = None,
     family: str | None = None,
     known: Collection[str] | None = None,
+    example: Example | None = None,
 ) -> list[TorchLayer]:
     """`torch_state`, layer by layer and unconverted (see `TorchLayer`); the same
     errors, raised before anything is converted."""
@@ -148,7 +154,11 @@ def torch_layers(
         backwards = reverse_rules(rules or {})
     except ValueError as error:
         problems.append(str(error))
-    layers = _in_native_order(tree, find_layers(tree, problems))
+    found = find_layers(tree, problems, told=example is not None)
+    if example is not None:  # the forward pass tells the settings left open
+        computed((found, []), (Trace(tree, example, 0, problems), None), problems)
+        tell_settings((found, []), problems)
+    layers = _in_native_order(tree, found)
     chosen = [(layer, kind) for layer in layers if (kind := _kind(layer, problems))]
     if rename is None:
         indexed = indexed_names(tree) if chosen else {}

@@ -150,11 +150,14 @@ def save_layout(
     quantize: str | None = None,
     like: Any = None,
     strict: bool = True,
+    example: Any = None,
 ) -> None:
     """Write `tree` as a plain PyTorch-layout checkpoint (`save(..., layout=...)`):
     one file in a format that writes plain files (`Format.save_plain`), or a Hugging
     Face folder for a path no suffix claims; with `like`, only if its names and
-    shapes are the reference's (`_reference`)."""
+    shapes are the reference's (`_reference`); `example` (a `_port._trace.Example`):
+    the model's inputs, whose forward pass decides the layouts its arrays leave
+    open."""
     if layout != "torch":
         raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
     reference = None if like is None else reference_of(like, strict)
@@ -179,6 +182,7 @@ def save_layout(
             prefix=prefix,
             metadata=user,
             reference=reference,
+            example=example,
             **folder,
         )
         return
@@ -192,7 +196,15 @@ def save_layout(
     kinds: dict[str, str] = {}
     known = None if reference is None else reference.shapes.keys()
     family = model_type(path)
-    state = torch_state(tree, rules, prefix, kinds=kinds, family=family, known=known)
+    state = torch_state(
+        tree,
+        rules,
+        prefix,
+        kinds=kinds,
+        family=family,
+        known=known,
+        example=example,
+    )
     if reference is not None:
         state.update(
             check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)

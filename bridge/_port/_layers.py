@@ -25,6 +25,7 @@ from . import _errors, _shapes
 from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
 from ._general import with_views
 from ._weight_norm import with_folded
+from .codecs._dense import DENSE_LINEN, by_bias, open_square
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -236,16 +237,17 @@ class _Walk:
         return got
 
     def found(self, path: Path, axis: int | None) -> tuple:
-        """`_recognise` of the node's `leaves(path, axis)`."""
+        """`_recognise` of the node's `leaves(path, axis)`; at a stack's layer axis,
+        not a Linen `Dense` read `(out, in)` by its bias alone (`by_bias`: the
+        slice of a stack of Dense layers along its other axis reads so too)."""
         got = self._found.get((path, axis))
         if got is None:
+            leaves = self.leaves(path, axis)
             got = _recognise(
-                self.families,
-                self.adapter,
-                kind(self.nodes[path]),
-                path,
-                self.leaves(path, axis),
+                self.families, self.adapter, kind(self.nodes[path]), path, leaves
             )
+            if axis is not None and by_bias(leaves):  # no evidence of a stack
+                got = (tuple(c for c in got[0] if c is not DENSE_LINEN), got[1])
             self._found[(path, axis)] = got
         return got
 
@@ -404,6 +406,8 @@ def find_layers(
             )
         )
         taken.add(path)
+    for layer in open_square(layers):  # square kernels of a FlaxConv1D's model
+        read_specs(layer, problems)
     if not told:
         tell_settings((layers, []), problems)
     return layers
@@ -621,10 +625,10 @@ def tell_settings(
     for side, other in ((sides[0], sides[1]), (sides[1], sides[0])):
         for layer in side:
             for kind_, name in list(layer.unknown.items()):
-                values = {
+                values = {  # a setting the other side lacks too tells nothing
                     repr(x.hyper[name]): x.hyper[name]
                     for x in other
-                    if kind_ in x.kinds and name in x.hyper
+                    if kind_ in x.kinds and x.hyper.get(name) is not None
                 }
                 if len(values) == 1:
                     layer.hyper[name] = next(iter(values.values()))
@@ -644,9 +648,14 @@ def tell_settings(
                         kind=kind_,
                         name=name,
                         values=sorted(values) or "none",
-                        shape=tuple(layer.leaves["weight"].shape)
-                        if "weight" in layer.leaves
-                        else (),
+                        shape=next(
+                            (
+                                tuple(layer.leaves[k].shape)
+                                for k in ("weight", "kernel")
+                                if k in layer.leaves
+                            ),
+                            (),
+                        ),
                     )
                 )
                 layer.unknown.pop(kind_, None)

@@ -13,7 +13,9 @@ with the reference framework's:
 - `flax->torch`: `bridge.port((flax_module, variables), torch_model, example=...)`,
   then `torch_model.load_state_dict(..., strict=True)`;
 - `flax->folder`: `bridge.save(folder, (flax_module, variables), layout="torch",
-  config=config, like=torch_model)`, then `TorchClass.from_pretrained(folder)`.
+  config=config, like=torch_model, example=...)`, then
+  `TorchClass.from_pretrained(folder)` (the Flax module's forward pass is traced only
+  where its arrays leave a layout open: GPT-2's square `FlaxConv1D` kernels).
 
 The example inputs are the arrays transformers' own wrapper passes to
 `module.apply` (recorded on one call), split into the leading positional arrays
@@ -648,6 +650,8 @@ def _flax_to_folder(built: Built, strict: bool = True):
             config=built.config,
             like=like,
             strict=strict,
+            example=built.example,
+            example_kwargs=built.flax_kwargs,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

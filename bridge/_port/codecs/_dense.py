@@ -43,16 +43,70 @@ def _linen_dense(cls, leaves: Leaves) -> bool:
         set(leaves) <= {"kernel", "bias"}
         and kernel is not None
         and kernel.ndim == 2
-        and (bias is None or tuple(bias.shape) == kernel.shape[1:])
+        and (bias is None or tuple(bias.shape) == kernel.shape[1:] or by_bias(leaves))
+    )
+
+
+def by_bias(leaves: Leaves) -> bool:
+    """Whether a Linen kernel is read `(out, in)` by its bias alone: the kernel is
+    not square and the bias spans its first axis, not its last (transformers'
+    `FlaxConv1D`). Only a whole layer's arrays tell so: a stack's slice along
+    another axis looks the same (a stack of Dense kernels `(L, in, out)` and biases
+    `(L, out)`, sliced at axis 1), so `_layers` takes no such reading for a stack's
+    layer axis."""
+    kernel, bias = leaves.get("kernel"), leaves.get("bias")
+    return (
+        kernel is not None
+        and bias is not None
+        and kernel.ndim == 2
+        and kernel.shape[0] != kernel.shape[1]
+        and tuple(bias.shape) == kernel.shape[:1]
     )
 
 
 def _out_in(leaves: Leaves, hyper: dict[str, Any]) -> bool:
-    """Whether a square Linen kernel is stored `(out, in)`, as transformers'
-    `FlaxConv1D` holds it: told by the forward pass (`hyper["out_in"]`, set by
-    `_port/_computed.py`). A kernel that is not square and holds a bias of `out`
-    is no Dense (a stack's slice along another axis looks the same)."""
-    return bool(hyper.get("out_in"))
+    """Whether a Linen kernel is stored `(out, in)`, as transformers' `FlaxConv1D`
+    holds it: told by the forward pass (`hyper["out_in"]`, set by
+    `_port/_computed.py` from the axis the product contracts), else by a bias of
+    `out` where the kernel is not square (`by_bias`). `hyper["out_in"]` is None
+    (`open_square`) for a square kernel of a model that stores others `(out, in)`:
+    a setting nothing gave (`KeyError`, see `_errors.SETTINGS`), never a guess."""
+    if "out_in" not in hyper:
+        return by_bias(leaves)
+    told = hyper["out_in"]
+    if told is None:
+        raise KeyError("out_in")
+    return bool(told)
+
+
+def reads_out_in(leaves: Leaves, hyper: dict[str, Any]) -> bool:
+    """Whether the Linen `Dense` codec reads these arrays `(out, in)` (for the
+    plan's words; a setting left open reads neither way: False)."""
+    try:
+        return _out_in(leaves, hyper)
+    except KeyError:
+        return False
+
+
+def open_square(layers: list[Any]) -> list[Any]:
+    """Where a Linen model holds a kernel read `(out, in)` by its bias
+    (`by_bias`), its other square kernels read by the Linen `Dense` codec under
+    names its author chose (not an `nn.Dense`'s auto-name `Dense_0`) may be stored
+    either way: their `out_in` setting is left open (None) for the forward pass to
+    tell (`_port/_computed.py`), else refused. `layers`: one model's
+    (`_layers.Layer`s); returns those left open."""
+    linen = [x for x in layers if DENSE_LINEN in x.codecs]
+    if not any(by_bias(x.leaves) for x in linen):
+        return []
+    out = []
+    for x in linen:
+        kernel = x.leaves["kernel"]
+        name = str(x.path[-1]) if x.path else ""
+        square = kernel.shape[0] == kernel.shape[1]
+        if square and "out_in" not in x.hyper and not name.startswith("Dense_"):
+            x.hyper["out_in"] = None
+            out.append(x)
+    return out
 
 
 def _linen_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
