@@ -222,8 +222,16 @@ OPEN_KIND = (
 )
 TRACE = (
     "trace: the {side}'s forward pass on the example inputs failed ({error}), so it "
-    "cannot order its layers. Give inputs (and keyword arguments: example_kwargs=, "
-    "a pair for the two sides) that the model takes, as bridge.compare takes them."
+    "cannot order its layers.{called} Give inputs (and keyword arguments: "
+    "example_kwargs=, a pair for the two sides) that the model takes, as "
+    "bridge.compare takes them."
+)
+TRACE_CALLED = " The {side} was called with the keyword arguments {names}"
+TRACE_SHARED = (
+    ", the example_kwargs given for both sides alike (one dict): where the two "
+    "models' calls take different ones (an NNX model's cache, a PyTorch model's "
+    "attention_mask), give a pair, (source's, target's); bridge.load's are "
+    "(the file's model's, like's)."
 )
 UNSUPPORTED = (
     "unsupported: {where} ({cls}) holds {names} but no codec recognises it. Register "
@@ -298,7 +306,15 @@ SETTINGS = {
         "with the torch module (its forward pass decides), port from the module "
         "itself, or from a Hugging Face folder whose config.json names the "
         "model_type (or pass config= to bridge.save)."
-    )
+    ),
+    "out_in": (
+        "layout: {where} holds a square kernel {shape} in a Linen model that stores "
+        "other kernels (out, in) (their bias spans the first axis: transformers' "
+        "FlaxConv1D), so this one may be stored (in, out) as nn.Dense or (out, in), "
+        "and nothing tells which. Give example inputs (example=(x,), as "
+        "bridge.compare takes them) with the model: its forward pass says which "
+        "axis the product contracts."
+    ),
 }
 """Messages of settings nothing told, where the setting decides a layout."""
 UNFIT = (

@@ -105,6 +105,14 @@ def _sortable(words: tuple) -> tuple:
     return tuple((isinstance(w, str), w) for w in words)
 
 
+def _indexed_name(x: Layer) -> tuple:
+    """A layer's indices and last name: `.model.layers[1].mlp.up_proj` and
+    `.layers[1].mlp.up_proj` both give `((1,), ("up", "proj"))`."""
+    words = normalised(x.path)
+    last = normalised(x.path[-1:])
+    return tuple(w for w in words[: len(words) - len(last)] if isinstance(w, int)), last
+
+
 def _counted(path: Path | tuple) -> bool:
     """Whether a path (or its normalised words) holds a number (an index, `Dense_3`,
     `layers_2`): a count of positions more than a name."""
@@ -434,7 +442,12 @@ class _Pairing:
         """Within a group of one kind and shapes, pair the layers whose last names
         match, each once (`.ResNetBlock_1.norm_proj` and `.blocks[1].norm_proj`);
         return the others. Numbered names are left to order: `Conv_1` counts from
-        0, `conv1` often from 1."""
+        0, `conv1` often from 1. Where the last names repeat (one per block), the
+        layers pair by their indices and last name when that names every layer of
+        the group once, alike on both sides (`.model.layers[1].mlp.up_proj` and
+        `.layers[1].mlp.up_proj`): two implementations may compute a block's
+        parallel branches in either order (`silu(gate(x)) * up(x)`), so neither
+        order of use nor creation says which is which there; the names do."""
         last = [{}, {}]
         for side, layers in ((0, a), (1, b)):
             for x in layers:
@@ -443,7 +456,7 @@ class _Pairing:
             other = last[1].get(name, [])
             if name and not _counted(name) and len(found) == 1 and len(other) == 1:
                 self.add(found[0], other[0], "name")
-        return (
+        return self._by_index(
             [x for x in a if id(x) not in self.paired],
             [x for x in b if id(x) not in self.paired],
         )
@@ -459,6 +472,41 @@ class _Pairing:
             traced=("source", "target")[side],
             other=("source", "target")[1 - side],
         )
+
+    def _by_index(self, a: list[Layer], b: list[Layer]):
+        """Pair `a` with `b` by their indices and last names (`_indexed_name`) when
+        that names every layer once, alike on both sides; return the others."""
+        keys = [{_indexed_name(x): x for x in side} for side in (a, b)]
+        if (
+            len(a) > 1
+            and len(keys[0]) == len(a)
+            and len(keys[1]) == len(b)
+            and keys[0].keys() == keys[1].keys()
+        ):
+            for key, s in keys[0].items():
+                self.add(s, keys[1][key], "name")
+            return [], []
+        return a, b
+
+    def indexed(self) -> None:
+        """The layers left, in groups of one common kind and equal shapes in it
+        (a file's layer may read as several kinds, so `shapes` may have grouped it
+        apart), paired by `_by_index` before any order aligns them."""
+        rest_s, rest_t = self.rest(0), self.rest(1)
+        kinds = {k for x in rest_s for k in x.kinds} & {
+            k for x in rest_t for k in x.kinds
+        }
+        for kind_ in sorted(kinds):
+            groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
+            for side in (0, 1):
+                for x in self.rest(side):
+                    if kind_ in x.kinds:
+                        spec = x.specs[kind_]
+                        key = tuple(sorted((k, v.shape) for k, v in spec.items()))
+                        groups.setdefault(key, ([], []))[side].append(x)
+            for a, b in groups.values():
+                if len(a) > 1 and len(a) == len(b):
+                    self._by_index(a, b)
 
     def _unordered(self, a: list[Layer], b: list[Layer], side: int) -> None:
         self._ambiguous(
@@ -535,6 +583,7 @@ def pair(
     for s, t in fallback:
         if id(s) not in p.paired and id(t) not in p.paired:
             p.add(s, t, "name")
+    p.indexed()
     p.remainder()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])

@@ -42,8 +42,10 @@ from ._pairing import (
     same_shapes,
     undecided,
 )
+from ._product import products
 from ._trace import Example, Trace
 from ._weight_norm import is_folded, read_axes
+from .codecs._dense import DENSE_LINEN, reads_out_in
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,7 +285,7 @@ def _applied(codec: Codec, layer: Layer) -> str:
     """The layout a codec applies to this layer: of a layout that names two (a
     PyTorch dense weight: `nn.Linear`'s or Hugging Face's `Conv1D`), the one the
     layer's settings choose; a Flax kernel the forward pass reads `(out, in)`."""
-    if layer.hyper.get("out_in"):
+    if codec is DENSE_LINEN and reads_out_in(layer.leaves, layer.hyper):
         return "kernel (out,in)"
     choices = codec.layout.split(" or ")
     if len(choices) == 2 and "conv1d" in layer.hyper:
@@ -794,6 +796,7 @@ def _paired(
     )
     sources = with_ties(source, sources, ties[0], problems, views=True)
     targets = with_ties(target, targets, ties[1], problems, views=True)
+    products((sources, targets), traces, problems)
     computed((sources, targets), traces, problems)
     for side, trace in ((sources, traces[0]), (targets, traces[1])):
         for x in read_axes(side, trace, problems):  # weight norms' `v` layouts

@@ -68,6 +68,8 @@ class Example:
         kwargs: Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any]] | None,
     ):
         self.inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.paired = isinstance(kwargs, tuple)
+        """Whether each side was given its own keyword arguments."""
         if isinstance(kwargs, tuple):
             self.kwargs = (dict(kwargs[0]), dict(kwargs[1]))
         else:
@@ -525,9 +527,14 @@ class Trace:
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
+        side = ("source", "target")[self.side]
+        names = sorted(self.example.kwargs[self.side])
+        called = ""
+        if names:
+            called = _errors.TRACE_CALLED.format(side=side, names=names)
+            called += "." if self.example.paired else _errors.TRACE_SHARED
         self.problems.append(
             _errors.TRACE.format(
-                side=("source", "target")[self.side],
-                error=f"{type(error).__name__}: {error}",
+                side=side, error=f"{type(error).__name__}: {error}", called=called
             )
         )

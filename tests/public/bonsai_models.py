@@ -245,7 +245,7 @@ def qwen3() -> Case:
         num_heads=2,
         head_dim=8,
         num_kv_heads=1,
-        rope_theta=10000,
+        rope_theta=1_000_000,  # what bonsai's attention uses, whatever this says
         rope_scaling_factor=1,
         local_rope_theta=1e4,
         norm_eps=1e-6,
@@ -261,7 +261,7 @@ def qwen3() -> Case:
         head_dim=8,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        rope_theta=10000,
+        rope_theta=1_000_000,  # bonsai's `_generate_pos_embeddings` default
     )
     ids = np.random.default_rng(0).integers(3, 99, (BATCH, 7)).astype(np.int32)
     segments = jnp.ones(ids.shape, jnp.int32)
