@@ -29,12 +29,8 @@ from .public import hf_flax  # noqa: E402
 from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 
 
-_CONV1D = "GPT-2's FlaxConv1D (kernel (out, in)) is not recognised as a Dense layer"
-
 # (model, route): why it does not port exactly yet
-NOT_YET = {
-    **{(model, route): _CONV1D for model in ("gpt2",) for route in hf_flax.ROUTES},
-}
+NOT_YET: dict[tuple[str, str], str] = {}
 # silently wrong today: the fix is exact
 WRONG: dict[tuple[str, str], str] = {}
 # refused for a reason the computation cannot settle
