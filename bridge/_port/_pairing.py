@@ -442,10 +442,11 @@ class _Pairing:
         """Within a group of one kind and shapes, pair the layers whose last names
         match, each once (`.ResNetBlock_1.norm_proj` and `.blocks[1].norm_proj`);
         return the others. Numbered names are left to order: `Conv_1` counts from
-        0, `conv1` often from 1. Where the last names repeat (one per block), the
-        layers pair by their indices and last name when that names every layer of
-        the group once, alike on both sides (`.model.layers[1].mlp.up_proj` and
-        `.layers[1].mlp.up_proj`): two implementations may compute a block's
+        0, `conv1` often from 1. Where the last names repeat (one per block) and
+        both sides were traced, the layers pair by their indices and last name
+        when that names every layer of the group once, alike on both sides
+        (`.model.layers[1].mlp.up_proj` and `.layers[1].mlp.up_proj`): two
+        implementations may compute a block's
         parallel branches in either order (`silu(gate(x)) * up(x)`), so neither
         order of use nor creation says which is which there; the names do."""
         last = [{}, {}]
@@ -475,7 +476,13 @@ class _Pairing:
 
     def _by_index(self, a: list[Layer], b: list[Layer]):
         """Pair `a` with `b` by their indices and last names (`_indexed_name`) when
-        that names every layer once, alike on both sides; return the others."""
+        that names every layer once, alike on both sides, and both forward passes
+        were traced (their orders of use would pair them otherwise, and differ
+        only where a block's branches run in another order; without traces a
+        prefix that names do not explain stays a problem, with its fix); return
+        the others."""
+        if not all(o.was_traced() for o in self.orders):
+            return a, b
         keys = [{_indexed_name(x): x for x in side} for side in (a, b)]
         if (
             len(a) > 1
