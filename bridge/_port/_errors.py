@@ -226,6 +226,20 @@ TRACE = (
     "example_kwargs=, a pair for the two sides) that the model takes, as "
     "bridge.compare takes them."
 )
+PRODUCT_UNREAD = (
+    "unread: the {side}'s loose arrays {arrays} are read by no codec (an "
+    "nnx.Einsum's per-head kernel, a kernel a module multiplies by hand), and the "
+    "other side has Dense layers left unpaired. Which axes of such an array meet "
+    "the input is what its forward pass computes, not what its shape says: {why}"
+)
+PRODUCT_GIVE = (
+    "give example inputs (example=(x,), as bridge.compare takes them), and each "
+    "array the pass contracts with the input becomes a Dense layer read that way."
+)
+PRODUCT_FAILED = (
+    "the {side} has no traced forward pass (see the trace problem), so they stay "
+    "loose arrays."
+)
 TRACE_CALLED = " The {side} was called with the keyword arguments {names}"
 TRACE_SHARED = (
     ", the example_kwargs given for both sides alike (one dict): where the two "

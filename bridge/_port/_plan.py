@@ -42,7 +42,7 @@ from ._pairing import (
     same_shapes,
     undecided,
 )
-from ._product import products
+from ._product import products, unread
 from ._trace import Example, Trace
 from ._weight_norm import is_folded, read_axes
 from .codecs._dense import DENSE_LINEN, reads_out_in
@@ -597,6 +597,7 @@ def make_plan(
         problems += computed_tables + missing + unexpected
     if (missing or unexpected) and strict:  # what would have paired them
         problems += _untraced(traces)
+        problems += unread((lone_sources, lone_targets), traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
     for side, tree, layers in (

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _errors
 from ._general import Reading, dense_view
 from ._layers import ARRAY, Layer, read_specs
 from ._trace import Trace
@@ -64,6 +65,37 @@ def products(
         layers[:] = [replaced.get(id(x), x) for x in layers if id(x) not in dropped]
         for new, _ in made:
             read_specs(new, problems)
+
+
+def unread(
+    lone: tuple[list[Layer], list[Layer]], traces: tuple[Trace | None, Trace | None]
+) -> list[str]:
+    """Per side with no forward pass traced, one problem naming its unpaired loose
+    arrays of two axes or more where the other side has unpaired `Dense` layers:
+    the trace would say whether they are products (a rule cannot pair an array
+    with a layer)."""
+    out = []
+    for side, trace in enumerate(traces):
+        arrays = [
+            x
+            for x in lone[side]
+            if x.kinds == (ARRAY,) and x.index is None and len(_shape(x)) >= 2
+        ]
+        if not arrays or not any("Dense" in y.kinds for y in lone[1 - side]):
+            continue
+        if trace is not None and trace():
+            continue  # traced: they are not products the trace recognises
+        some = ", ".join(f"{x.where} {_shape(x)}" for x in arrays[:3])
+        out.append(
+            _errors.PRODUCT_UNREAD.format(
+                side=("source", "target")[side],
+                arrays=some + (", ..." if len(arrays) > 3 else ""),
+                why=_errors.PRODUCT_GIVE
+                if trace is None
+                else _errors.PRODUCT_FAILED.format(side=("source", "target")[side]),
+            )
+        )
+    return out
 
 
 def _shape(x: Layer) -> tuple[int, ...]:
