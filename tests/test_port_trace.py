@@ -216,6 +216,56 @@ def test_names_computed_in_another_order_but_not_contradicted_port():
     assert bridge.compare(source, ported, x) < 1e-6
 
 
+class _GatedMlp(nnx.Module):
+    def __init__(self, rngs, up_first):
+        self.gate = nnx.Linear(4, 6, rngs=rngs)
+        self.up = nnx.Linear(4, 6, rngs=rngs)
+        self.down = nnx.Linear(6, 4, rngs=rngs)
+        self.up_first = up_first
+
+    def __call__(self, x):
+        if self.up_first:
+            u = self.up(x)
+            g = self.gate(x)
+        else:
+            g = self.gate(x)
+            u = self.up(x)
+        return x + self.down(jax.nn.silu(g) * u)
+
+
+class _Layers(nnx.Module):
+    def __init__(self, rngs, up_first):
+        self.layers = nnx.List([_GatedMlp(rngs, up_first) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Prefixed(nnx.Module):
+    def __init__(self, rngs):
+        self.model = _Layers(rngs, up_first=False)
+
+    def __call__(self, x):
+        return self.model(x)
+
+
+def test_branches_used_in_another_order_pair_by_indices_and_names():
+    """`.model.layers[i].gate` / `.up` against `.layers[i].gate` / `.up`, one model
+    computing `up` first: the orders of use disagree and the paths differ by a
+    prefix, but with both passes traced the indices and last names pair them."""
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    source = _Prefixed(nnx.Rngs(0))
+    target = _Layers(nnx.Rngs(1), up_first=True)
+    plan = bridge.port_plan(source, target, example=x)
+    rows = {(s.source, s.target, s.by) for s in plan.steps}
+    assert (".model.layers[1].up", ".layers[1].up", "name") in rows
+    assert (".model.layers[0].gate", ".layers[0].gate", "name") in rows
+    ported = bridge.port(source, target, example=x)
+    assert bridge.compare(source, ported, x) < 1e-6
+
+
 class OIHWConv(nn.Module):
     """A convolution written by hand with PyTorch's kernel layout `(out, in, kh,
     kw)`: with 3 channels and a 3x3 window its kernel has the shapes of a Flax
