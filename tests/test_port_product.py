@@ -129,7 +129,7 @@ def _run_torch(model, x):
 
 @pytest.mark.torch
 def test_flax_conv1d_with_torch_linear_both_ways():
-    import torch
+    torch = pytest.importorskip("torch")
 
     module, variables = _linen()
     x = _x()

@@ -63,20 +63,38 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     readable checkpoint (also a `FileNotFoundError` for a missing path and a
     `PermissionError` for one this user may not read).
     """
-    path = reachable(Path(path))  # a folder swap a killed save left half done
+    given = Path(path)
+    path = reachable(given)  # a folder swap a killed save left half done
     if path.suffix in PICKLE_SUFFIXES:
         raise _pickle(path)
-    if path.is_dir():  # a Hugging Face save_pretrained directory, or orbax
+    if not path.is_dir():
+        return format_of(path).metadata(path)
+    for _ in range(_PROBES):  # a Hugging Face save_pretrained directory, or orbax
+        before = _identity(path)
         for fmt in probing():
             found = fmt.probe(path) if fmt.probe is not None else None
             if found is not None:
                 return fmt.metadata(found)
         if (path / "pytorch_model.bin").is_file():  # a Hugging Face folder of v4
             raise _pickle(path / "pytorch_model.bin")
-        fmt = next(f for f in formats() if not f.suffixes)
-    else:
-        fmt = format_of(path)
-    return fmt.metadata(path)
+        if _identity(path) == before:
+            break
+        # a save swapped the directory while it was probed (by two renames, where
+        # the filesystem cannot exchange them): probe the one there now
+        path = reachable(given)
+    return next(f for f in formats() if not f.suffixes).metadata(path)
+
+
+_PROBES = 5
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which directory is at `path` now (None: none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def read(
