@@ -248,7 +248,7 @@ class Steps:
             self._busy.on = True
             try:
                 to = self.store / f"{len(self.copies):04d}"
-                shutil.copytree(self.root, to, symlinks=True)
+                _snapshot(Path(self.root), to)
                 self.copies.append(to)
                 self.names.append(call)
             finally:
@@ -292,6 +292,21 @@ class Steps:
     def __exit__(self, *exc: Any) -> None:
         for undo in reversed(self._undo):
             undo()
+
+
+def _snapshot(root: Path, to: Path, tries: int = 5) -> None:
+    """Copy `root` to `to`. Orbax's writer (tensorstore, below Python's hooks) may
+    remove a file of its own while it is copied (`manifest.ocdbt.__lock`): copy
+    again, a few times, where every error is a file that vanished."""
+    for _ in range(tries - 1):
+        try:
+            shutil.copytree(root, to, symlinks=True)
+            return
+        except shutil.Error as e:
+            if not all("No such file" in str(why) for _, _, why in e.args[0]):
+                raise
+            shutil.rmtree(to, ignore_errors=True)
+    shutil.copytree(root, to, symlinks=True)
 
 
 def _short(value: Any) -> str:
