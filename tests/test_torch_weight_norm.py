@@ -123,16 +123,16 @@ def test_weight_norm_into_plain_conv_computes_the_weight():
     conv, x = _conv(0), _x()
     with torch.no_grad():
         weight = conv.weight.numpy()  # what torch computes from g and v
+    expected = _torch_out(conv, x)
     flax_conv = nnx.Conv(IN, OUT, (K,), padding=1, rngs=nnx.Rngs(0))
     ported = bridge.port(conv, flax_conv)
-    _close(ported.kernel[...], weight.transpose(2, 1, 0))
-    _close(
-        ported(jnp.asarray(x).transpose(0, 2, 1)).transpose(0, 2, 1),
-        _torch_out(conv, x),
-    )
+    assert np.allclose(ported.kernel[...], weight.transpose(2, 1, 0), atol=1e-5)
+    out = ported(jnp.asarray(x).transpose(0, 2, 1)).transpose(0, 2, 1)
+    assert np.allclose(out, expected, atol=1e-5)
     eqx_conv = eqx.nn.Conv1d(IN, OUT, K, padding=1, key=jax.random.key(0))
     ported = bridge.port(conv, eqx_conv)
-    _close(jax.vmap(ported)(jnp.asarray(x)), _torch_out(conv, x))
+    assert np.allclose(ported.weight, weight, atol=1e-5)
+    assert np.allclose(jax.vmap(ported)(jnp.asarray(x)), expected, atol=1e-5)
 
 
 def test_plain_conv_into_weight_norm_is_the_standard_decomposition():
