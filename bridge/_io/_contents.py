@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from .._adapters._registry import plain_reader
 from .._paths import MAX_DEPTH, Path as TreePath, is_index, parse
+from .._shown import shown
 from .._version import VERSION
 
 
@@ -212,17 +213,17 @@ def _stored(name: str, entry: Any) -> Stored:
     impl = entry.get("prng_impl")
     if not _is_path(path):
         raise Malformed(
-            f"tensor {name!r}: path {_short(path)} is not a list of 1 to {MAX_DEPTH} "
+            f"tensor {name!r}: path {shown(path)} is not a list of 1 to {MAX_DEPTH} "
             "names and indices"
         )
     if not (isinstance(role, str) and role):
-        raise Malformed(f"tensor {name!r}: role {_short(role)} is not a name")
+        raise Malformed(f"tensor {name!r}: role {shown(role)} is not a name")
     if not _is_shape(shape):
-        raise Malformed(f"tensor {name!r}: shape {_short(shape)} is not a shape")
+        raise Malformed(f"tensor {name!r}: shape {shown(shape)} is not a shape")
     if not (isinstance(dtype, str) and dtype in DTYPE_NAMES):
-        raise Malformed(f"tensor {name!r}: unknown dtype {_short(dtype)}")
+        raise Malformed(f"tensor {name!r}: unknown dtype {shown(dtype)}")
     if impl is not None and not (isinstance(impl, str) and _known_impl(impl)):
-        raise Malformed(f"tensor {name!r}: unknown PRNG impl {_short(impl)}")
+        raise Malformed(f"tensor {name!r}: unknown PRNG impl {shown(impl)}")
     if impl is not None:
         data_shape, _ = key_info(impl)
         if len(shape) < len(data_shape) or (
@@ -235,11 +236,6 @@ def _stored(name: str, entry: Any) -> Stored:
     return Stored(name, tuple(path), role, tuple(shape), dtype, impl)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _plain_paths(names: list[str]) -> dict[str, TreePath]:
     """The paths of a file's dotted names (a file bridge did not write): a name's
     segments become indices where every sibling is a plain number (`layers.0`,
@@ -249,7 +245,7 @@ def _plain_paths(names: list[str]) -> dict[str, TreePath]:
         parts = name.split(".")
         if not _is_path(parts):
             raise Malformed(
-                f"tensor name {_short(name)} is not a dotted path (empty segments, or "
+                f"tensor name {shown(name)} is not a dotted path (empty segments, or "
                 f"over {MAX_DEPTH} of them)"
             )
         split_names[name] = tuple(parts)
@@ -309,7 +305,7 @@ def _empty(
             and entry[0]
             and (entry[1] == [] or _is_path(entry[1]))
         ):
-            raise Malformed(f"an 'empty' entry {_short(entry)} is not [role, path]")
+            raise Malformed(f"an 'empty' entry {shown(entry)} is not [role, path]")
         out.append((entry[0], tuple(entry[1])))
     if not out:
         return ()
@@ -320,7 +316,7 @@ def _empty(
         key = around.get((role, path)) or next(filter(None, inside), None)
         if key is not None:
             raise Malformed(
-                f"the empty mapping {role}:{_short(list(path))} holds or is tensor "
+                f"the empty mapping {role}:{shown(list(path))} holds or is tensor "
                 f"{key!r}, or is inside it"
             )
     return tuple(out)
@@ -334,7 +330,7 @@ def _order(names: Any, tensors: tuple[Stored, ...]) -> tuple[str, ...]:
     unknown = [n for n in names if not isinstance(n, str) or n not in stored]
     if unknown:
         raise Malformed(
-            f"its 'order' metadata names {_short(unknown[0])}, no array of the file"
+            f"its 'order' metadata names {shown(unknown[0])}, no array of the file"
         )
     if len(set(names)) != len(names):
         raise Malformed("its 'order' metadata names an array twice")
@@ -350,7 +346,7 @@ def _module(entry: Any) -> tuple[TreePath, str, dict[str, Any]]:
         and isinstance(entry[2], dict)
     ):
         raise Malformed(
-            f"a 'modules' entry {_short(entry)} is not [path, 'module:Class', "
+            f"a 'modules' entry {shown(entry)} is not [path, 'module:Class', "
             "{settings}]"
         )
     return tuple(entry[0]), entry[1], entry[2]

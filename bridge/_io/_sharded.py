@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._shown import shown, some
 from . import _safetensors
 from ._atomic import atomic_file, turn
 from ._contents import Contents, Malformed, decode, encode
@@ -72,23 +73,12 @@ def index_of(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def _some(names: list[str], most: int = 5) -> str:
-    """At most `most` names (each shortened), and how many more: a bounded message."""
-    shown = ", ".join(_short(n) for n in names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def _short(value: str) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
         twice = [k for k, _ in pairs if k in seen or seen.add(k)]
-        raise Malformed(_TWICE.format(names=_some(sorted(set(twice)))))
+        raise Malformed(_TWICE.format(names=some(sorted(set(twice)))))
     return out
 
 
@@ -130,7 +120,7 @@ def _weight_map(
             or shard in ("", ".", "..")
             or Path(shard).name != shard
         ):
-            raise Malformed(_OUTSIDE.format(name=_short(shard)))
+            raise Malformed(_OUTSIDE.format(name=shown(shard)))
         out.setdefault(index.parent / shard, []).append(name)
     return out, ident
 
@@ -206,7 +196,7 @@ def _metadata(path: Path) -> Contents:
             if missing:
                 raise Malformed(
                     _NOT_IN_SHARD.format(
-                        count=len(missing), shard=shard.name, names=_some(missing)
+                        count=len(missing), shard=shard.name, names=some(missing)
                     )
                 )
             if meta is None:

@@ -37,6 +37,7 @@ from .._io._torch_layout import _name, indexed_names
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
 from .._port.codecs._torch import CONV1D_NAMES
+from .._shown import shown
 from .._tree import Tree, framework
 from ._fused import Part, Split, check_split, fuse, part_of, parts_of, split_b
 from ._settings import A, B, Injection, Settings, Target, frame_of
@@ -631,7 +632,7 @@ _TYPES: dict[str, tuple[str, Any]] = {
 def _wrong_types(config: Mapping[str, Any]) -> list[str]:
     """The config values bridge reads that are not of PEFT's types."""
     wrong = [
-        f"{CONFIG}: {key} is {_short(config[key])}, not {what}"
+        f"{CONFIG}: {key} is {shown(config[key])}, not {what}"
         for key, (what, ok) in _TYPES.items()
         if key in config and not ok(config[key])
     ]
@@ -649,14 +650,9 @@ def _wrong_types(config: Mapping[str, Any]) -> list[str]:
             re.compile(pattern)
         except re.error as e:
             wrong.append(
-                f"{CONFIG}: {key} {_short(pattern)} is no regular expression ({e})"
+                f"{CONFIG}: {key} {shown(pattern)} is no regular expression ({e})"
             )
     return wrong
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unsupported_settings(config: Mapping[str, Any]) -> list[str]:
