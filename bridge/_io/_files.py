@@ -153,6 +153,16 @@ class Identity(NamedTuple):
     mtime_ns: int
 
 
+def inode(path: str | os.PathLike) -> tuple[int, int] | None:
+    """Which file or directory is at `path` now, `(device, inode)` (None: none): a
+    directory a save swapped in has another."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def identity(fd: int) -> Identity:
     st = os.fstat(fd)
     return Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -22,6 +22,7 @@ from .._tree import Tree
 from ._atomic import reachable
 from ._contents import Contents, dotted
 from ._errors import CheckpointError
+from ._files import inode
 from ._format import format_named, format_of, formats, probing
 from ._plugins import dense
 
@@ -70,14 +71,14 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     if not path.is_dir():
         return format_of(path).metadata(path)
     for _ in range(_PROBES):  # a Hugging Face save_pretrained directory, or orbax
-        before = _identity(path)
+        before = inode(path)
         for fmt in probing():
             found = fmt.probe(path) if fmt.probe is not None else None
             if found is not None:
                 return fmt.metadata(found)
         if (path / "pytorch_model.bin").is_file():  # a Hugging Face folder of v4
             raise _pickle(path / "pytorch_model.bin")
-        if _identity(path) == before:
+        if inode(path) == before:
             break
         # a save swapped the directory while it was probed (by two renames, where
         # the filesystem cannot exchange them): probe the one there now
@@ -86,15 +87,6 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
 
 
 _PROBES = 5
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Which directory is at `path` now (None: none)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def read(

@@ -33,6 +33,7 @@ from .._io import _safetensors
 from .._io._atomic import atomic_dir, reachable
 from .._io._config import read_json
 from .._io._errors import CheckpointError
+from .._io._files import inode
 from .._io._torch_layout import _name, indexed_names
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
@@ -294,24 +295,16 @@ def _read_adapter(path: FilePath) -> tuple[Any, Any, FilePath]:
     one after the reads than before them)."""
     for _ in range(_ATTEMPTS):
         where = reachable(path)
-        before = _inode(where)
+        before = inode(where)
         config = read_config(where / CONFIG)
         tensors = read_tensors(where / WEIGHTS)
-        if _inode(where) == before:
+        if inode(where) == before:
             return config, tensors, where
     raise CheckpointError(
         f"{path}: the adapter directory was replaced {_ATTEMPTS} times while it was "
         "read (a save of the same directory is running): load it again once the "
         "writer is done."
     )
-
-
-def _inode(path: FilePath) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 _OWN = (WEIGHTS, CONFIG, "adapter_model.bin")  # the adapter's own files
