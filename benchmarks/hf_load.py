@@ -345,6 +345,10 @@ def main() -> None:
     if args.child is not None:
         child(args.child, Path(args.dir), s)
         return
+    import jax
+
+    # this process writes the folder on the CPU: the children hold the accelerator
+    jax.config.update("jax_platforms", "cpu")
     sides = ["nnx", "eqx", "floor", "anchor"]
     if not args.quick:
         try:

@@ -117,10 +117,13 @@ def keep_child(folder: Path, n: int, rounds: int) -> None:
 
     abstract = nnx.eval_shape(lambda: Model(n))
     out: dict = {"backend": backend()}
-    forwards, steps = {}, {}
+    forwards, steps, outputs = {}, {}, []
+    probe = jax.random.normal(jax.random.key(0), (BATCHES[0], n), DTYPE)
     for keep in (False, True):
         model = bridge.load(folder, like=abstract, dtype=DTYPE, keep_quantized=keep)
         forward = jax.jit(bridge.quantized_matmuls(lambda m, x: m(x)))
+        first = jax.jit(bridge.quantized_matmuls(lambda m, x: m.layers[0](x)))
+        outputs.append(np.asarray(first(model, probe), np.float32))
         for b in BATCHES:
             x = jnp.ones((b, n), DTYPE)
             out[f"forward{b}_{keep}"] = compiled_bytes(forward.lower(model, x))
@@ -138,6 +141,10 @@ def keep_child(folder: Path, n: int, rounds: int) -> None:
         x = jnp.ones((BATCHES[-1], n), DTYPE)
         out[f"step_{keep}"] = compiled_bytes(step.lower(tree, opt_state, x))
         steps[f"step_{keep}"] = _runner(step, tree, opt_state, x)
+    # kept vs dequantizing: the first layer's outputs for one random batch (16
+    # layers of random weights amplify any rounding: not a measure of the product)
+    difference = np.abs(outputs[1] - outputs[0]).max() / np.abs(outputs[0]).max()
+    out["forward_max_difference"] = float(difference)
     for fns in (forwards, steps):
         for name, seconds in interleaved(fns, rounds, warmup=2).items():
             out[name + "_s"] = seconds
@@ -181,6 +188,11 @@ def keep_main(n: int, rounds: int, as_json: bool) -> None:
         f"{jnp.dtype(DTYPE).name} ({dense / 2**20:,.0f} MiB dense), FP8 128x128 "
         f"blocks; XLA's footprint (arguments + outputs + temporaries) and median "
         f"time of {rounds} interleaved rounds; LoRA rank 8, adam, batch {BATCHES[-1]}"
+    )
+    print(
+        "kept vs dequantizing, the first layer's outputs (batch 8, random): largest "
+        "difference / largest output "
+        f"{runs['default']['forward_max_difference']:.2e}"
     )
     measures = []
     for name, r in runs.items():

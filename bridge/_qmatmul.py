@@ -33,6 +33,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import Literal
 
+from . import _qkernels
 from ._qarray import _DEQUANTIZE, QuantizedArray, Scheme, is_quantized
 
 
@@ -211,6 +212,8 @@ def kept_matmul(x: jax.Array, parts: dict[str, Any], scheme: Scheme) -> jax.Arra
 def _forward(x: jax.Array, parts: dict[str, Any], s: Scheme) -> jax.Array:
     # dequantized when `x` is there: XLA may not hoist every layer's to the start
     parts, x = jax.lax.optimization_barrier((parts, x))
+    if _qkernels.applies(x, parts, s):  # on a TPU: decoded in VMEM, see _qkernels
+        return _qkernels.fp8_block_matmul(x, parts["weight"], parts["scale"], "in")
     scale = parts.get("scale")
     per_row = (
         s.name in ("int", "fp8")
@@ -238,6 +241,9 @@ def _forward_rule(x, parts, scheme):
 def _backward_rule(scheme, parts, g):
     # recomputed when `g` is there, not early (all layers' dense weights at once)
     parts, g = jax.lax.optimization_barrier((parts, g))
+    if _qkernels.applies(g, parts, scheme):
+        dx = _qkernels.fp8_block_matmul(g, parts["weight"], parts["scale"], "out")
+        return dx, jtu.tree_map(_no_gradient, parts)
     w = _DEQUANTIZE[scheme.name](parts, scheme).astype(g.dtype)
     dx = jax.lax.dot_general(
         g, w, (((g.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
