@@ -74,9 +74,12 @@ def reset_peak() -> None:
 def anonymous() -> int:
     """This process's resident memory that is not a file's pages, in bytes: `RssAnon`
     (private anonymous) + `RssShmem` (shared anonymous: reads into shared anonymous
-    maps land there), from `/proc/self/status` (Linux)."""
+    maps land there), from `/proc/self/status` (Linux; where it lacks them, as
+    under gVisor, the whole resident set `VmRSS`)."""
     with open("/proc/self/status") as f:
         fields = dict(line.split(":", 1) for line in f)
+    if "RssAnon" not in fields:  # gVisor (the TPU machines) gives VmRSS alone
+        return int(fields["VmRSS"].split()[0]) * 1024
     return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
 
 
