@@ -16,6 +16,7 @@ from typing import NamedTuple, cast
 from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
+from ._branches import Branch
 from ._layers import Layer
 from ._trace import Position, layer_position
 
@@ -265,6 +266,32 @@ class Order:
             return None
         return [x for _, x in sorted(zip(keys, layers), key=lambda kx: kx[0])]
 
+    def reads(self, layers: list[Layer]) -> list[tuple | None] | None:
+        """Per layer, what its first use reads: `(stack index, the input's
+        variables)`, equal for layers used side by side (`_branches`), None for a
+        layer the pass does not use; None where the pass was not traced here (a
+        PyTorch module, a file's recorded order)."""
+        inputs = getattr(self._trace, "inputs", None)
+        read = None if inputs is None else inputs()
+        if read is None:
+            return None
+        if self._uses is None:
+            self._uses = self._trace() or {}  # type: ignore[misc]
+        uses, out = self._uses, []
+        for x in layers:
+            used = [x.leaf(e) for e in x.paths if x.leaf(e) in uses]
+            got = read.get(min(used, key=lambda p: uses[p])) if used else None
+            out.append((x.index, got) if got else None)
+        return out
+
+    def branches(self, groups: list[list[Layer]]) -> list[list[Branch]] | None:
+        """For each group of layers side by side, what each one's output flows
+        into (`_branches.Branch`); None where the pass was not traced here."""
+        branches = getattr(self._trace, "branches", None)
+        if branches is None:
+            return None
+        return branches([[[x.leaf(e) for e in x.paths] for x in g] for g in groups])
+
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
         if self._unknown(layers):
@@ -410,8 +437,76 @@ class _Pairing:
             if oa is None or ob is None:
                 self._unordered(a, b, 0 if oa is None else 1)
                 continue
-            for s, t in zip(oa, ob):
+            for s, t in self.side_by_side(oa, ob) if by == "trace" else zip(oa, ob):
                 self.add(s, t, by)
+
+    def side_by_side(self, a: list[Layer], b: list[Layer]) -> list[tuple[Layer, Layer]]:
+        """`a[i]` with `b[i]` (both sides' layers in their orders of use), except
+        layers used side by side (one kind and shapes, one input: `_branches`):
+        those pair by what their outputs flow into where that tells each from the
+        others alike on both sides, and are refused otherwise; never by the order
+        in which each pass happens to compute them."""
+        pairs = list(zip(a, b))
+        reads = [o.reads(x) for o, x in zip(self.orders, (a, b))]
+        if reads[0] is None or reads[1] is None:
+            return pairs
+        parts = [_parts(r, x) for r, x in zip(reads, (a, b))]
+        groups, left, seen = [], [], set()
+        for i in range(len(pairs)):
+            if i in seen:
+                continue
+            together, grown = {i}, True
+            while grown:
+                more = {j for k in together for side in parts for j in side[k]}
+                grown = not more <= together
+                together |= more
+            seen |= together
+            at = sorted(together)
+            if len(at) == 1:
+                left.append(pairs[i])
+            elif parts[0][i] == parts[1][i] == frozenset(at):
+                groups.append(at)
+            else:  # side by side on one side only
+                side = 0 if len(parts[0][i]) > 1 else 1
+                self._ambiguous(
+                    [a[j] for j in at],
+                    [b[j] for j in at],
+                    _errors.SIDE_BY_SIDE,
+                    why=_errors.SIDE_BY_SIDE_ONE.format(
+                        side=("source", "target")[side],
+                        other=("source", "target")[1 - side],
+                    ),
+                )
+        if not groups:
+            return left
+        found = [
+            o.branches([[x[j] for j in at] for at in groups])
+            for o, x in zip(self.orders, (a, b))
+        ]
+        if found[0] is None or found[1] is None:
+            return pairs
+        for at, ba, bb in zip(groups, found[0], found[1]):
+            sa, sb = [a[j] for j in at], [b[j] for j in at]
+            if len(set(ba)) == len(ba) and set(ba) == set(bb):
+                partner = dict(zip(bb, sb))
+                left += [(s, partner[branch]) for s, branch in zip(sa, ba)]
+                continue
+            alike = [
+                (side, layers, branches)
+                for side, layers, branches in (("source", sa, ba), ("target", sb, bb))
+                if len(set(branches)) < len(branches)
+            ]
+            if alike:
+                side, layers, branches = alike[0]
+                why = _errors.SIDE_BY_SIDE_ALIKE.format(
+                    side=side, layers=_described(layers, branches)
+                )
+            else:
+                why = _errors.SIDE_BY_SIDE_DIFFER.format(
+                    sources=_described(sa, ba), targets=_described(sb, bb)
+                )
+            self._ambiguous(sa, sb, _errors.SIDE_BY_SIDE, why=why)
+        return left
 
     def in_order(
         self, a: list[Layer], b: list[Layer]
@@ -556,13 +651,18 @@ class _Pairing:
             self._one_side(rest_s, rest_t)
             return
         if oa is not None and ob is not None:
-            for s, t in _align(
+            aligned = _align(
                 oa,
                 ob,
                 self.problems,
                 self.ambiguous,
                 undecided([o.was_traced() for o in self.orders]),
-            ):
+            )
+            if by == "trace":
+                aligned = self.side_by_side(
+                    [s for s, _ in aligned], [t for _, t in aligned]
+                )
+            for s, t in aligned:
                 self.add(s, t, by)
             return
         for s in rest_s:
@@ -596,6 +696,24 @@ def pair(
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
     p.left = []  # unpaired: delivered through another name, or unexpected
     return pairs, p.rest(0), p.rest(1)
+
+
+def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int]]:
+    """For each layer, the positions of the layers used side by side with it (one
+    kind and shapes, one input: `Order.reads`), itself included."""
+    together: dict[tuple, set[int]] = {}
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        if read is not None:
+            together.setdefault((read, x.kinds, _signature(x)), set()).add(i)
+    out = []
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        key = (read, x.kinds, _signature(x))
+        out.append(frozenset(together[key]) if read is not None else frozenset({i}))
+    return out
+
+
+def _described(layers: list[Layer], branches: list[Branch]) -> str:
+    return ", ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))
 
 
 def _signature(layer: Layer) -> tuple:

@@ -34,6 +34,7 @@ from .._uses import (
     Uses,
 )
 from . import _errors
+from ._branches import Branch, Program, branches, inputs
 from ._compare import forward, model_of
 
 
@@ -85,6 +86,7 @@ def first_uses(
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
     classes: dict[Path, type] | None = None,
+    program: list[tuple[Program, list[Path]]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -100,7 +102,8 @@ def first_uses(
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
     With `classes`, fills it with `{module path: class}` for every submodule the
     pass calls, where the framework records them only then (Linen's compact
-    submodules: `Adapter.called`).
+    submodules: `Adapter.called`). With `program`, appends the traced program
+    and the leaf paths its first inputs are (`_branches`: layers side by side).
 
     **Arguments:**
 
@@ -156,6 +159,8 @@ def first_uses(
     records = (axes, layer_axes, upstream, kernels)
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
+    if program is not None:
+        program.append((Program(jaxpr, len(structs)), paths))
     if convolved is not None:
         convolved.update({paths[i]: a for i, a in kernels.items()})
     if needs is not None:
@@ -428,6 +433,8 @@ class Trace:
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
         self.tied: dict[Path, Path] = {}
+        self.program: list[tuple[Program, list[Path]]] = []
+        self.read: list[dict[Path, frozenset]] = []
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -470,6 +477,34 @@ class Trace:
         self()
         return self.tied
 
+    def inputs(self) -> Mapping[Path, frozenset] | None:
+        """`{leaf path: what its first use computes it with}` (`_branches.inputs`:
+        equal for layers that read one input), or None where the pass was not
+        traced here (a PyTorch module, a file's recorded order)."""
+        if not self() or not self.program:
+            return None
+        if not self.read:
+            program, paths = self.program[0]
+            self.read.append({paths[i]: x for i, x in inputs(program).items()})
+        return self.read[0]
+
+    def branches(self, groups: list[list[list[Path]]]) -> list[list[Branch]] | None:
+        """For each group of layers side by side (each layer as its leaf paths),
+        what each layer's output flows into (`_branches.Branch`); None where the
+        pass was not traced here."""
+        if not self() or not self.program:
+            return None
+        program, paths = self.program[0]
+        index = {p: i for i, p in enumerate(paths)}
+        sets = [
+            tuple(frozenset(index[p] for p in layer if p in index) for layer in group)
+            for group in groups
+        ]
+        # a stack's layers share their arrays: each group of them once
+        unique = list(dict.fromkeys(sets))
+        found = dict(zip(unique, branches(program, unique)))
+        return [found[group] for group in sets]
+
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
         does not record them (Linen's compact submodules)."""
@@ -501,6 +536,7 @@ class Trace:
                 self.needs,
                 self.convolved,
                 self.called,
+                self.program,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)
