@@ -261,3 +261,51 @@ def test_equinox_attention_into_renamed_projections_is_exact():
     np.testing.assert_allclose(ported(x), _run(source, x), atol=1e-5)
     back = bridge.port(ported, _AttentionEqx(jax.random.key(7)), example=(x,))
     np.testing.assert_allclose(_run(back, x), _run(source, x), atol=1e-5)
+
+
+class _NormedNNX(nnx.Module):
+    """Qwen3 style: a norm on the query's and on the key's heads."""
+
+    def __init__(self, rngs):
+        self.q_proj = nnx.Linear(8, 8, rngs=rngs)
+        self.k_proj = nnx.Linear(8, 8, rngs=rngs)
+        self.v_proj = nnx.Linear(8, 8, rngs=rngs)
+        self.o_proj = nnx.Linear(8, 8, rngs=rngs)
+        self.q_norm = nnx.RMSNorm(4, rngs=rngs)
+        self.k_norm = nnx.RMSNorm(4, rngs=rngs)
+        self.q_norm.scale[...] = jnp.arange(1.0, 5.0)  # the two norms differ
+        self.k_norm.scale[...] = jnp.arange(4.0, 0.0, -1.0)
+
+    def __call__(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, s, 2, 4)).reshape(b, s, 8)
+        k = self.k_norm(self.k_proj(x).reshape(b, s, 2, 4)).reshape(b, s, 8)
+        return self.o_proj(_attention(q + 1.0, k, self.v_proj(x), 2))
+
+
+class _NormedLinen(nn.Module):
+    """The same computation, other names, the key and its norm computed first."""
+
+    @nn.compact
+    def __call__(self, x):
+        b, s, _ = x.shape
+        k = nn.Dense(8, name="p2")(x).reshape(b, s, 2, 4)
+        k = nn.RMSNorm(name="n2")(k).reshape(b, s, 8)
+        q = nn.Dense(8, name="p1")(x).reshape(b, s, 2, 4)
+        q = nn.RMSNorm(name="n1")(q).reshape(b, s, 8)
+        v = nn.Dense(8, name="p3")(x)
+        return nn.Dense(8, name="p0")(_attention(q + 1.0, k, v, 2, k_first=True))
+
+
+@requires("NNX")
+def test_norms_after_side_by_side_layers_pair_by_what_they_are_computed_from():
+    """The query's and the key's norms are used in either order too: each pairs
+    with the norm of its projection's partner (was 1.6 off, no error)."""
+    x = jax.random.normal(jax.random.key(2), (2, 3, 8))
+    source = _NormedNNX(nnx.Rngs(0))
+    target = _linen(_NormedLinen(), x)
+    plan = bridge.port_plan(source, target, example=(x,))
+    rows = {(r.source, r.target) for r in plan.steps}
+    assert {(".q_norm", ".n1"), (".k_norm", ".n2"), (".q_proj", ".p1")} <= rows
+    ported = bridge.port(source, target, example=(x,))
+    np.testing.assert_allclose(_run(ported, x), source(x), atol=1e-5)

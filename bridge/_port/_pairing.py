@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
@@ -172,6 +172,10 @@ class Order:
         ]
         arrays = {h for x in used for h in x.tied}
         return [x for x in tied if x not in used and not x.tied - arrays]
+
+    def tracer(self) -> Any:
+        """The side's trace where its forward pass was traced, else None."""
+        return self._trace if self.was_traced() else None
 
     def was_traced(self) -> bool | None:
         """None without example inputs; else whether the forward pass was traced
@@ -487,9 +491,9 @@ class _Pairing:
             return pairs
         for at, ba, bb in zip(groups, found[0], found[1]):
             sa, sb = [a[j] for j in at], [b[j] for j in at]
-            if len(set(ba)) == len(ba) and set(ba) == set(bb):
-                partner = dict(zip(bb, sb))
-                left += [(s, partner[branch]) for s, branch in zip(sa, ba)]
+            matched = _matched(ba, bb)
+            if matched is not None:
+                left += [(sa[i], sb[j]) for i, j in matched]
                 continue
             alike = [
                 (side, layers, branches)
@@ -639,6 +643,55 @@ class _Pairing:
             )
         )
 
+    def preceded(self) -> None:
+        """Re-pair layers that the orders of use paired against what each is
+        computed from: where a source layer's input comes from the layers of some
+        pairs and its partner's from others' (a query's norm paired with the key's,
+        when one side computes the key first), and exchanging partners within
+        their kind and shapes makes every such pair agree, one way only. Both
+        forward passes traced; stacks' layers (one array for every index) and ties
+        are left as they are."""
+        traces = [o.tracer() for o in self.orders]
+        if traces[0] is None or traces[1] is None:
+            return
+        for _ in range(len(self.pairs)):
+            kept = [
+                k
+                for k, p in enumerate(self.pairs)
+                if p.source.index is None
+                and p.target.index is None
+                and not p.source.tied
+                and not p.target.tied
+            ]
+            sides = [
+                dependence(t, [(p.source, p.target)[side] for p in self.pairs])
+                for side, t in enumerate(traces)
+            ]
+            after = [[0] * len(self.pairs), [0] * len(self.pairs)]
+            for side, found in enumerate(sides):
+                for k in kept:
+                    for j in kept:
+                        if found[k][1] & found[j][0]:
+                            after[side][k] |= 1 << j
+            wrong: dict[tuple, list[int]] = {}
+            for k in kept:
+                p = self.pairs[k]
+                if p.by == "trace" and after[0][k] != after[1][k]:
+                    key = (p.source.kinds, _signature(p.source))
+                    wrong.setdefault(key, []).append(k)
+            changed = False
+            for ks in wrong.values():
+                fits = {k: [j for j in ks if after[0][k] == after[1][j]] for k in ks}
+                if all(len(f) == 1 for f in fits.values()) and len(
+                    {f[0] for f in fits.values()}
+                ) == len(ks):
+                    targets = {k: self.pairs[fits[k][0]].target for k in ks}
+                    for k in ks:
+                        self.pairs[k] = Pair(self.pairs[k].source, targets[k], "trace")
+                    changed = True
+            if not changed:
+                return
+
     def remainder(self) -> None:
         """What names and equal-shape groups left: an alignment in creation order
         (most equal-shape pairs, then most pairs) when both sides know it, else
@@ -673,6 +726,20 @@ class _Pairing:
                     self.add(s, t, "kind")
 
 
+def dependence(trace: Any, layers: list[Layer]) -> list[tuple[int, int]]:
+    """Per layer, `(its arrays' bits, the bits of the arrays its input is computed
+    from)` in one side's traced forward pass (`Trace.upstream`)."""
+    needs = trace.upstream()
+    out = []
+    for x in layers:
+        mine, fed = 0, 0
+        for rel in x.paths.values():
+            bit, upstream = needs.get(x.path + rel, (0, 0))
+            mine, fed = mine | bit, fed | upstream
+        out.append((mine, fed & ~mine))
+    return out
+
+
 def pair(
     sources: list[Layer],
     targets: list[Layer],
@@ -692,6 +759,7 @@ def pair(
             p.add(s, t, "name")
     p.indexed()
     p.remainder()
+    p.preceded()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
     p.left = []  # unpaired: delivered through another name, or unexpected
@@ -710,6 +778,30 @@ def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int
         key = (read, x.kinds, _signature(x))
         out.append(frozenset(together[key]) if read is not None else frozenset({i}))
     return out
+
+
+_VIEWS = (
+    lambda b: b,
+    lambda b: b.merges,
+    lambda b: b.alone,
+    lambda b: bool(b.alone),
+)
+"""What of a `Branch` may pair layers side by side, most first: all of it; where
+each meets the others (the same on both sides when what each applies alone is
+written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
+alone (a silu on the gate: the merge is the same product); whether it applies
+anything alone (a silu written `x / (1 + exp(-x))` on one side)."""
+
+
+def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
+    """`[(i, j)]` pairing `a[i]` with `b[j]` by the first view (`_VIEWS`) that
+    tells each layer from the others on both sides and takes the same values on
+    both; None where none does."""
+    for view in _VIEWS:
+        va, vb = [view(x) for x in a], [view(x) for x in b]
+        if len(set(va)) == len(va) == len(set(vb)) and set(va) == set(vb):
+            return [(i, vb.index(v)) for i, v in enumerate(va)]
+    return None
 
 
 def _described(layers: list[Layer], branches: list[Branch]) -> str:
