@@ -101,24 +101,24 @@ def test_gated_mlp_nnx_equinox_both_ways():
     np.testing.assert_allclose(back(x), source(x), atol=1e-6)
 
 
-class _Product(nnx.Module):
-    """`a(x) * b(x)`: nothing after either tells them apart."""
+class _Two(nnx.Module):
+    """Two same-shape layers, named `names`, and what the call does with them."""
 
-    def __init__(self, names, rngs):
-        self.names = names
+    def __init__(self, names, call, rngs):
+        self.names, self.call = names, call
         for name in names:
             setattr(self, name, nnx.Linear(4, 8, use_bias=False, rngs=rngs))
 
     def __call__(self, x):
-        first, second = (getattr(self, n) for n in self.names)
-        return jnp.tanh(first(x)) * jnp.tanh(second(x))
+        return self.call(*(getattr(self, n) for n in self.names), x)
 
 
 @requires("NNX")
 def test_side_by_side_alike_with_unrelated_names_is_refused():
     x = jax.random.normal(jax.random.key(2), (2, 4))
-    source = _Product(("left", "right"), nnx.Rngs(0))
-    target = _Product(("beta", "alpha"), nnx.Rngs(1))
+    alike = lambda a, b, x: jnp.tanh(a(x)) * jnp.tanh(b(x))  # noqa: E731
+    source = _Two(("left", "right"), alike, nnx.Rngs(0))
+    target = _Two(("beta", "alpha"), alike, nnx.Rngs(1))
     with pytest.raises(bridge.PortError, match="side by side") as refused:
         bridge.port(source, target, example=(x,))
     message = str(refused.value)
@@ -133,27 +133,18 @@ def test_side_by_side_alike_with_unrelated_names_is_refused():
     np.testing.assert_allclose(ported(x), source(x), atol=1e-6)
 
 
-class _Heads(nnx.Module):
-    """Two heads on one input, returned apart: the output's place tells them."""
-
-    def __init__(self, names, rngs):
-        self.names = names
-        for name in names:
-            setattr(self, name, nnx.Linear(4, 3, rngs=rngs))
-
-    def __call__(self, x):
-        first, second = (getattr(self, n) for n in self.names)
-        if self.names[0] > self.names[1]:  # computed in the other order
-            b = second(x)
-            return first(x), b
-        return first(x), second(x)
+def _second_first(a, b, x):
+    """Two heads returned as `(a(x), b(x))`, `b` computed first."""
+    second = b(x)
+    return a(x), second
 
 
 @requires("NNX")
 def test_heads_side_by_side_pair_by_the_output_they_are():
+    """Two heads on one input, returned apart: the output's place tells them."""
     x = jax.random.normal(jax.random.key(2), (2, 4))
-    source = _Heads(("sentiment", "topic"), nnx.Rngs(0))
-    target = _Heads(("zeta", "eta"), nnx.Rngs(1))
+    source = _Two(("sentiment", "topic"), lambda a, b, x: (a(x), b(x)), nnx.Rngs(0))
+    target = _Two(("zeta", "eta"), _second_first, nnx.Rngs(1))
     ported = bridge.port(source, target, example=(x,))
     for got, want in zip(ported(x), source(x)):
         np.testing.assert_allclose(got, want, atol=1e-6)
@@ -309,3 +300,28 @@ def test_norms_after_side_by_side_layers_pair_by_what_they_are_computed_from():
     assert {(".q_norm", ".n1"), (".k_norm", ".n2"), (".q_proj", ".p1")} <= rows
     ported = bridge.port(source, target, example=(x,))
     np.testing.assert_allclose(_run(ported, x), source(x), atol=1e-5)
+
+
+@requires("NNX")
+@pytest.mark.parametrize(
+    "call, why",
+    [
+        (  # another computation after each: no signature of the one fits the other
+            lambda a, b, x: jnp.sin(b(x)) * jnp.exp(a(x)),
+            r"differs between the two forward passes \(source \[\.a: tanh",
+        ),
+        (  # the target reads them from two inputs
+            lambda a, b, x: jnp.tanh(b(x)) * a(x * 2.0),
+            r"Only the source reads them from one input",
+        ),
+    ],
+)
+def test_side_by_side_that_the_computation_cannot_pair_is_refused(call, why):
+    x = jax.random.normal(jax.random.key(2), (2, 4))
+    source = _Two(("a", "b"), lambda a, b, x: jnp.tanh(a(x)) * b(x), nnx.Rngs(0))
+    target = _Two(("c", "d"), call, nnx.Rngs(1))
+    with pytest.raises(bridge.PortError, match=why) as refused:
+        bridge.port(source, target, example=(x,))
+    message = str(refused.value)
+    for name in (".a", ".b", ".c", ".d"):
+        assert name in message

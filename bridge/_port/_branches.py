@@ -29,27 +29,14 @@ layers apart the port is refused, never paired by order.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax.extend.core
+from .._paths import Path
+from ._trace import _SEEN_THROUGH, Program, Trace, _literal, _subs
 
 
-_RELAYOUT = frozenset(
-    {
-        "transpose",
-        "reshape",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "device_put",
-        "reduce_precision",
-        "optimization_barrier",
-    }
-)
+_RELAYOUT = _SEEN_THROUGH | {"reduce_precision", "optimization_barrier"}
 """Primitives that move or cast an array without computing with it."""
 
 _COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor"})
@@ -87,14 +74,6 @@ class _Value(NamedTuple):
 
 
 _CONSTANT = _Value(None, None, False, 0)
-
-
-class Program(NamedTuple):
-    """A traced forward pass: the `jax.extend.core.Jaxpr` and how many of its first
-    inputs are the Tree's leaves (the rest are the model's inputs)."""
-
-    jaxpr: Any
-    leaves: int
 
 
 def inputs(program: Program) -> dict[int, frozenset]:
@@ -146,6 +125,35 @@ def branches(program: Program, groups: Sequence[Sequence[frozenset[int]]]) -> li
             bit += 1
         out.append(found)
     return out
+
+
+def reads(trace: Trace) -> Mapping[Path, frozenset] | None:
+    """`{leaf path: what its first use computes it with}` (`inputs`: equal for
+    layers that read one input) of a traced side, or None where JAX did not trace
+    it here (a PyTorch module, a file's recorded order)."""
+    if not trace() or not trace.program:
+        return None
+    if not trace.read:
+        program, paths = trace.program[0]
+        trace.read.append({paths[i]: x for i, x in inputs(program).items()})
+    return trace.read[0]
+
+
+def signatures(trace: Trace, groups: list[list[list[Path]]]) -> list | None:
+    """For each group of layers side by side (each layer as its leaf paths), each
+    layer's `Branch` in `trace`'s program; None where JAX did not trace it here."""
+    if not trace() or not trace.program:
+        return None
+    program, paths = trace.program[0]
+    index = {p: i for i, p in enumerate(paths)}
+    sets = [
+        tuple(frozenset(index[p] for p in layer if p in index) for layer in group)
+        for group in groups
+    ]
+    # a stack's layers share their arrays: each group of them once
+    unique = list(dict.fromkeys(sets))
+    found = dict(zip(unique, branches(program, unique)))
+    return [found[group] for group in sets]
 
 
 def _start(program: Program) -> dict[Any, _Value]:
@@ -292,20 +300,3 @@ def _place(jaxpr: Any, n: int, j: int) -> int | None:
                 places = [[perm.index(p) for p in side] for side in places]
             break
     return 0 if min(places[j]) < min(places[1 - j]) else 1
-
-
-def _subs(eqn: Any) -> list[Any]:
-    """The computations an equation runs (a while loop's body, not its condition)."""
-    out = []
-    for key, value in eqn.params.items():
-        if key == "cond_jaxpr":
-            continue
-        for v in value if isinstance(value, tuple | list) else (value,):
-            j = getattr(v, "jaxpr", v)
-            if hasattr(j, "eqns") and hasattr(j, "invars"):
-                out.append(j)
-    return out
-
-
-def _literal(v: Any) -> bool:
-    return isinstance(v, jax.extend.core.Literal)

@@ -192,11 +192,11 @@ SIDE_BY_SIDE = (
 )
 SIDE_BY_SIDE_ALIKE = (
     "What each one's output flows into until they meet is the same on the "
-    "{side} ({layers}), so the computation does not tell them apart either."
+    "{side} [{layers}], so the computation does not tell them apart either."
 )
 SIDE_BY_SIDE_DIFFER = (
     "What their outputs flow into until they meet differs between the two "
-    "forward passes (source: {sources}; target: {targets}), so the computation "
+    "forward passes (source [{sources}], target [{targets}]), so the computation "
     "does not say which is which."
 )
 SIDE_BY_SIDE_ONE = (

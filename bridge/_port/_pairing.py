@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, cast
 from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
-from ._branches import Branch
+from ._branches import Branch, reads, signatures
 from ._layers import Layer
-from ._trace import Position, layer_position
+from ._trace import Position, Trace, layer_position
 
 
 _EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
@@ -275,12 +275,13 @@ class Order:
         variables)`, equal for layers used side by side (`_branches`), None for a
         layer the pass does not use; None where the pass was not traced here (a
         PyTorch module, a file's recorded order)."""
-        inputs = getattr(self._trace, "inputs", None)
-        read = None if inputs is None else inputs()
+        if not isinstance(self._trace, Trace):
+            return None
+        read = reads(self._trace)
         if read is None:
             return None
         if self._uses is None:
-            self._uses = self._trace() or {}  # type: ignore[misc]
+            self._uses = self._trace() or {}
         uses, out = self._uses, []
         for x in layers:
             used = [x.leaf(e) for e in x.paths if x.leaf(e) in uses]
@@ -291,10 +292,11 @@ class Order:
     def branches(self, groups: list[list[Layer]]) -> list[list[Branch]] | None:
         """For each group of layers side by side, what each one's output flows
         into (`_branches.Branch`); None where the pass was not traced here."""
-        branches = getattr(self._trace, "branches", None)
-        if branches is None:
+        if not isinstance(self._trace, Trace):
             return None
-        return branches([[[x.leaf(e) for e in x.paths] for x in g] for g in groups])
+        return signatures(
+            self._trace, [[[x.leaf(e) for e in x.paths] for x in g] for g in groups]
+        )
 
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
@@ -805,7 +807,7 @@ def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
 
 
 def _described(layers: list[Layer], branches: list[Branch]) -> str:
-    return ", ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))
+    return "; ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))
 
 
 def _signature(layer: Layer) -> tuple:

@@ -19,7 +19,7 @@ changes the computation.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.extend.core
@@ -34,7 +34,6 @@ from .._uses import (
     Uses,
 )
 from . import _errors
-from ._branches import Branch, Program, branches, inputs
 from ._compare import forward, model_of
 
 
@@ -170,6 +169,14 @@ def first_uses(
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
+
+
+class Program(NamedTuple):
+    """A traced forward pass: the `jax.extend.core.Jaxpr` and how many of its first
+    inputs are the Tree's leaves (the rest are the model's inputs)."""
+
+    jaxpr: Any
+    leaves: int
 
 
 _SIDE_BY_SIDE = frozenset({"concatenate", "pad", "select_n"})
@@ -434,7 +441,9 @@ class Trace:
         self.normalised: dict[Path, str] = {}
         self.tied: dict[Path, Path] = {}
         self.program: list[tuple[Program, list[Path]]] = []
+        """The traced program (`_branches` reads it), where JAX traced it here."""
         self.read: list[dict[Path, frozenset]] = []
+        """`_branches.reads`' answer, once made."""
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -476,34 +485,6 @@ class Trace:
         stored once: `bridge._uses.Uses.tied`)."""
         self()
         return self.tied
-
-    def inputs(self) -> Mapping[Path, frozenset] | None:
-        """`{leaf path: what its first use computes it with}` (`_branches.inputs`:
-        equal for layers that read one input), or None where the pass was not
-        traced here (a PyTorch module, a file's recorded order)."""
-        if not self() or not self.program:
-            return None
-        if not self.read:
-            program, paths = self.program[0]
-            self.read.append({paths[i]: x for i, x in inputs(program).items()})
-        return self.read[0]
-
-    def branches(self, groups: list[list[list[Path]]]) -> list[list[Branch]] | None:
-        """For each group of layers side by side (each layer as its leaf paths),
-        what each layer's output flows into (`_branches.Branch`); None where the
-        pass was not traced here."""
-        if not self() or not self.program:
-            return None
-        program, paths = self.program[0]
-        index = {p: i for i, p in enumerate(paths)}
-        sets = [
-            tuple(frozenset(index[p] for p in layer if p in index) for layer in group)
-            for group in groups
-        ]
-        # a stack's layers share their arrays: each group of them once
-        unique = list(dict.fromkeys(sets))
-        found = dict(zip(unique, branches(program, unique)))
-        return [found[group] for group in sets]
 
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
