@@ -177,6 +177,10 @@ class _Walk:
         self.first: dict[int, frozenset] = {}
         self.alone: dict[int, set[str]] = defaultdict(set)
         self.merges: dict[int, set[tuple[str, int | None, int]]] = defaultdict(set)
+        self.single: dict[int, list[int]] = {}
+        self.group = {
+            b: k for k, group in enumerate(sets) for b in _bits(group)
+        }  # {bit: its group's index}
 
     def run(self, jaxpr: Any, env: dict[Any, _Value]) -> list[_Value]:
         for n, eqn in enumerate(jaxpr.eqns):
@@ -259,20 +263,39 @@ class _Walk:
         name = eqn.primitive.name
         own = self._own(ins)
         masks = [x.mask for x in ins]
-        scaling = name in _SCALING and any(not x.fed for x in ins)
-        for group in self.sets:
-            met = mask & group
-            if not met:
-                continue
-            if any(m & group and m & group != met for m in masks):
+        merged = 0
+        if len({m for m in masks if m} | ({own} if own else set())) > 1:
+            for group in self._groups(mask):
+                met = mask & group
                 for j, m in enumerate(masks):
                     part = m & group
                     if part and part != met:
+                        merged |= group
                         at = _place(jaxpr, n, j)
                         for b in _bits(part):
                             self.merges[b].add((name, at, bin(met & ~part).count("1")))
-            elif met & (met - 1) == 0 and not own & group and not scaling:
-                self.alone[_bits(met)[0]].add(name)
+        if name in _SCALING and any(not x.fed for x in ins):
+            return
+        for b in self._alone(mask):
+            if not (merged | own) & self.sets[self.group[b]]:
+                self.alone[b].add(name)
+
+    def _groups(self, mask: int) -> list[int]:
+        """The groups `mask` holds layers of."""
+        return [group for group in self.sets if mask & group]
+
+    def _alone(self, mask: int) -> list[int]:
+        """The layers that `mask` holds alone of their group (a value computed
+        from one layer of a group and none of the others), once per mask."""
+        found = self.single.get(mask)
+        if found is None:
+            found = [
+                _bits(mask & group)[0]
+                for group in self._groups(mask)
+                if mask & group & (mask & group) - 1 == 0
+            ]
+            self.single[mask] = found
+        return found
 
 
 def _place(jaxpr: Any, n: int, j: int) -> int | None:

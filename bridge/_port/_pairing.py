@@ -420,11 +420,15 @@ class _Pairing:
 
     def shapes(self) -> None:
         """Groups of one kind and shapes: one on each side pair; several pair in
-        creation order when both sides know it, else they are ambiguous."""
+        their orders of use (layers side by side by what follows them: `decide`,
+        once for every group) or creation order when both sides know it, else
+        they are ambiguous."""
         groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
         for side in (0, 1):
             for x in self.rest(side):
                 groups.setdefault(_signature(x), ([], []))[side].append(x)
+        pending: list[tuple[Layer, Layer]] = []  # traced: paired once all are seen
+        side_by_side: list[tuple[list[Layer], list[Layer]]] = []
         for a, b in groups.values():
             if not _share_kinds(a, b):
                 continue
@@ -443,19 +447,28 @@ class _Pairing:
             if oa is None or ob is None:
                 self._unordered(a, b, 0 if oa is None else 1)
                 continue
-            for s, t in self.side_by_side(oa, ob) if by == "trace" else zip(oa, ob):
-                self.add(s, t, by)
+            if by != "trace":
+                for s, t in zip(oa, ob):
+                    self.add(s, t, by)
+                continue
+            paired, found = self.side_by_side(oa, ob)
+            pending += paired
+            side_by_side += found
+        for s, t in pending + self.decide(side_by_side):
+            self.add(s, t, "trace")
 
-    def side_by_side(self, a: list[Layer], b: list[Layer]) -> list[tuple[Layer, Layer]]:
-        """`a[i]` with `b[i]` (both sides' layers in their orders of use), except
-        layers used side by side (one kind and shapes, one input: `_branches`):
-        those pair by what their outputs flow into where that tells each from the
-        others alike on both sides, and are refused otherwise; never by the order
-        in which each pass happens to compute them."""
+    def side_by_side(
+        self, a: list[Layer], b: list[Layer]
+    ) -> tuple[list[tuple[Layer, Layer]], list[tuple[list[Layer], list[Layer]]]]:
+        """`(pairs, groups)`: `a[i]` with `b[i]` (both sides' layers in their
+        orders of use), except layers used side by side (one kind and shapes, one
+        input: `_branches`), given apart as groups for `decide`, and refused where
+        only one side uses them so: never paired by the order in which each pass
+        happens to compute them."""
         pairs = list(zip(a, b))
         reads = [o.reads(x) for o, x in zip(self.orders, (a, b))]
         if reads[0] is None or reads[1] is None:
-            return pairs
+            return pairs, []
         parts = [_parts(r, x) for r, x in zip(reads, (a, b))]
         groups, left, seen = [], [], set()
         for i in range(len(pairs)):
@@ -483,16 +496,24 @@ class _Pairing:
                         other=("source", "target")[1 - side],
                     ),
                 )
+        return left, [([a[j] for j in at], [b[j] for j in at]) for at in groups]
+
+    def decide(
+        self, groups: list[tuple[list[Layer], list[Layer]]]
+    ) -> list[tuple[Layer, Layer]]:
+        """Layers side by side (`side_by_side`'s groups), paired by what their
+        outputs flow into (`_branches`, one walk of each side's program for all
+        the groups) where that tells each from the others alike on both sides,
+        and refused otherwise."""
         if not groups:
-            return left
+            return []
         found = [
-            o.branches([[x[j] for j in at] for at in groups])
-            for o, x in zip(self.orders, (a, b))
+            o.branches([g[side] for g in groups]) for side, o in enumerate(self.orders)
         ]
         if found[0] is None or found[1] is None:
-            return pairs
-        for at, ba, bb in zip(groups, found[0], found[1]):
-            sa, sb = [a[j] for j in at], [b[j] for j in at]
+            return [st for sa, sb in groups for st in zip(sa, sb)]
+        left = []
+        for (sa, sb), ba, bb in zip(groups, found[0], found[1]):
             matched = _matched(ba, bb)
             if matched is not None:
                 left += [(sa[i], sb[j]) for i, j in matched]
@@ -714,9 +735,10 @@ class _Pairing:
                 undecided([o.was_traced() for o in self.orders]),
             )
             if by == "trace":
-                aligned = self.side_by_side(
+                aligned, found = self.side_by_side(
                     [s for s, _ in aligned], [t for _, t in aligned]
                 )
+                aligned += self.decide(found)
             for s, t in aligned:
                 self.add(s, t, by)
             return
