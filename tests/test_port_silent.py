@@ -266,13 +266,6 @@ class _GatedTarget(nnx.Module):
 
 
 @requires("NNX")
-@pytest.mark.xfail(
-    strict=True,
-    reason="known silent case (issue 37, open): two same-shape layers used side by "
-    "side (same input, neither feeds the other) with unrelated names pair by the "
-    "order each pass happens to use them; what tells them apart is what follows "
-    "them (a silu on one), which the trace does not compare yet",
-)
 def test_side_by_side_branches_used_in_another_order():
     """Exact or refused, never silently wrong: gate/up of a gated MLP into a
     rewrite that names them otherwise and computes the linear branch first."""

@@ -183,6 +183,26 @@ ONE_SIDE_TRACED = (
     "model that wrote them (its forward pass traced too), or say which with rules, "
     "one per pair: rules={{r'{source_re}': '<target path>', ...}}."
 )
+SIDE_BY_SIDE = (
+    "ambiguous: source layers {sources} could pair with target layers {targets} "
+    "({kind}: {shapes}): their names differ, and each side uses them side by side "
+    "(on one input, neither computed from the other), so which it computes first "
+    "is its own choice and the order of use does not pair them. {why} Say which "
+    "with rules, one per pair: rules={{r'{source_re}': '<target path>', ...}}."
+)
+SIDE_BY_SIDE_ALIKE = (
+    "What each one's output flows into until they meet is the same on the "
+    "{side} [{layers}], so the computation does not tell them apart either."
+)
+SIDE_BY_SIDE_DIFFER = (
+    "What their outputs flow into until they meet differs between the two "
+    "forward passes (source [{sources}], target [{targets}]), so the computation "
+    "does not say which is which."
+)
+SIDE_BY_SIDE_ONE = (
+    "Only the {side} reads them from one input (the {other} computes their inputs "
+    "apart), so the computation does not say which is which."
+)
 GIVE_EXAMPLE = (
     "Give example inputs (example=(x,), as bridge.compare takes them) so that the "
     "order in which each forward pass uses its layers decides."

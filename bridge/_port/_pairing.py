@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
+from ._branches import Branch, reads, signatures
 from ._layers import Layer
-from ._trace import Position, layer_position
+from ._trace import Position, Trace, layer_position
 
 
 _EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
@@ -172,6 +173,10 @@ class Order:
         arrays = {h for x in used for h in x.tied}
         return [x for x in tied if x not in used and not x.tied - arrays]
 
+    def tracer(self) -> Any:
+        """The side's trace where its forward pass was traced, else None."""
+        return self._trace if self.was_traced() else None
+
     def was_traced(self) -> bool | None:
         """None without example inputs; else whether the forward pass was traced
         (a file or a state dict has none to trace)."""
@@ -264,6 +269,34 @@ class Order:
         if len(set(keys)) != len(keys):
             return None
         return [x for _, x in sorted(zip(keys, layers), key=lambda kx: kx[0])]
+
+    def reads(self, layers: list[Layer]) -> list[tuple | None] | None:
+        """Per layer, what its first use reads: `(stack index, the input's
+        variables)`, equal for layers used side by side (`_branches`), None for a
+        layer the pass does not use; None where the pass was not traced here (a
+        PyTorch module, a file's recorded order)."""
+        if not isinstance(self._trace, Trace):
+            return None
+        read = reads(self._trace)
+        if read is None:
+            return None
+        if self._uses is None:
+            self._uses = self._trace() or {}
+        uses, out = self._uses, []
+        for x in layers:
+            used = [x.leaf(e) for e in x.paths if x.leaf(e) in uses]
+            got = read.get(min(used, key=lambda p: uses[p])) if used else None
+            out.append((x.index, got) if got else None)
+        return out
+
+    def branches(self, groups: list[list[Layer]]) -> list[list[Branch]] | None:
+        """For each group of layers side by side, what each one's output flows
+        into (`_branches.Branch`); None where the pass was not traced here."""
+        if not isinstance(self._trace, Trace):
+            return None
+        return signatures(
+            self._trace, [[[x.leaf(e) for e in x.paths] for x in g] for g in groups]
+        )
 
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
@@ -387,11 +420,15 @@ class _Pairing:
 
     def shapes(self) -> None:
         """Groups of one kind and shapes: one on each side pair; several pair in
-        creation order when both sides know it, else they are ambiguous."""
+        their orders of use (layers side by side by what follows them: `decide`,
+        once for every group) or creation order when both sides know it, else
+        they are ambiguous."""
         groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
         for side in (0, 1):
             for x in self.rest(side):
                 groups.setdefault(_signature(x), ([], []))[side].append(x)
+        pending: list[tuple[Layer, Layer]] = []  # traced: paired once all are seen
+        side_by_side: list[tuple[list[Layer], list[Layer]]] = []
         for a, b in groups.values():
             if not _share_kinds(a, b):
                 continue
@@ -410,8 +447,93 @@ class _Pairing:
             if oa is None or ob is None:
                 self._unordered(a, b, 0 if oa is None else 1)
                 continue
-            for s, t in zip(oa, ob):
-                self.add(s, t, by)
+            if by != "trace":
+                for s, t in zip(oa, ob):
+                    self.add(s, t, by)
+                continue
+            paired, found = self.side_by_side(oa, ob)
+            pending += paired
+            side_by_side += found
+        for s, t in pending + self.decide(side_by_side):
+            self.add(s, t, "trace")
+
+    def side_by_side(
+        self, a: list[Layer], b: list[Layer]
+    ) -> tuple[list[tuple[Layer, Layer]], list[tuple[list[Layer], list[Layer]]]]:
+        """`(pairs, groups)`: `a[i]` with `b[i]` (both sides' layers in their
+        orders of use), except layers used side by side (one kind and shapes, one
+        input: `_branches`), given apart as groups for `decide`, and refused where
+        only one side uses them so: never paired by the order in which each pass
+        happens to compute them."""
+        pairs = list(zip(a, b))
+        reads = [o.reads(x) for o, x in zip(self.orders, (a, b))]
+        if reads[0] is None or reads[1] is None:
+            return pairs, []
+        parts = [_parts(r, x) for r, x in zip(reads, (a, b))]
+        groups, left, seen = [], [], set()
+        for i in range(len(pairs)):
+            if i in seen:
+                continue
+            together, grown = {i}, True
+            while grown:
+                more = {j for k in together for side in parts for j in side[k]}
+                grown = not more <= together
+                together |= more
+            seen |= together
+            at = sorted(together)
+            if len(at) == 1:
+                left.append(pairs[i])
+            elif parts[0][i] == parts[1][i] == frozenset(at):
+                groups.append(at)
+            else:  # side by side on one side only
+                side = 0 if len(parts[0][i]) > 1 else 1
+                self._ambiguous(
+                    [a[j] for j in at],
+                    [b[j] for j in at],
+                    _errors.SIDE_BY_SIDE,
+                    why=_errors.SIDE_BY_SIDE_ONE.format(
+                        side=("source", "target")[side],
+                        other=("source", "target")[1 - side],
+                    ),
+                )
+        return left, [([a[j] for j in at], [b[j] for j in at]) for at in groups]
+
+    def decide(
+        self, groups: list[tuple[list[Layer], list[Layer]]]
+    ) -> list[tuple[Layer, Layer]]:
+        """Layers side by side (`side_by_side`'s groups), paired by what their
+        outputs flow into (`_branches`, one walk of each side's program for all
+        the groups) where that tells each from the others alike on both sides,
+        and refused otherwise."""
+        if not groups:
+            return []
+        found = [
+            o.branches([g[side] for g in groups]) for side, o in enumerate(self.orders)
+        ]
+        if found[0] is None or found[1] is None:
+            return [st for sa, sb in groups for st in zip(sa, sb)]
+        left = []
+        for (sa, sb), ba, bb in zip(groups, found[0], found[1]):
+            matched = _matched(ba, bb)
+            if matched is not None:
+                left += [(sa[i], sb[j]) for i, j in matched]
+                continue
+            alike = [
+                (side, layers, branches)
+                for side, layers, branches in (("source", sa, ba), ("target", sb, bb))
+                if len(set(branches)) < len(branches)
+            ]
+            if alike:
+                side, layers, branches = alike[0]
+                why = _errors.SIDE_BY_SIDE_ALIKE.format(
+                    side=side, layers=_described(layers, branches)
+                )
+            else:
+                why = _errors.SIDE_BY_SIDE_DIFFER.format(
+                    sources=_described(sa, ba), targets=_described(sb, bb)
+                )
+            self._ambiguous(sa, sb, _errors.SIDE_BY_SIDE, why=why)
+        return left
 
     def in_order(
         self, a: list[Layer], b: list[Layer]
@@ -544,6 +666,55 @@ class _Pairing:
             )
         )
 
+    def preceded(self) -> None:
+        """Re-pair layers that the orders of use paired against what each is
+        computed from: where a source layer's input comes from the layers of some
+        pairs and its partner's from others' (a query's norm paired with the key's,
+        when one side computes the key first), and exchanging partners within
+        their kind and shapes makes every such pair agree, one way only. Both
+        forward passes traced; stacks' layers (one array for every index) and ties
+        are left as they are."""
+        traces = [o.tracer() for o in self.orders]
+        if traces[0] is None or traces[1] is None:
+            return
+        for _ in range(len(self.pairs)):
+            kept = [
+                k
+                for k, p in enumerate(self.pairs)
+                if p.source.index is None
+                and p.target.index is None
+                and not p.source.tied
+                and not p.target.tied
+            ]
+            sides = [
+                dependence(t, [(p.source, p.target)[side] for p in self.pairs])
+                for side, t in enumerate(traces)
+            ]
+            after = [[0] * len(self.pairs), [0] * len(self.pairs)]
+            for side, found in enumerate(sides):
+                for k in kept:
+                    for j in kept:
+                        if found[k][1] & found[j][0]:
+                            after[side][k] |= 1 << j
+            wrong: dict[tuple, list[int]] = {}
+            for k in kept:
+                p = self.pairs[k]
+                if p.by == "trace" and after[0][k] != after[1][k]:
+                    key = (p.source.kinds, _signature(p.source))
+                    wrong.setdefault(key, []).append(k)
+            changed = False
+            for ks in wrong.values():
+                fits = {k: [j for j in ks if after[0][k] == after[1][j]] for k in ks}
+                if all(len(f) == 1 for f in fits.values()) and len(
+                    {f[0] for f in fits.values()}
+                ) == len(ks):
+                    targets = {k: self.pairs[fits[k][0]].target for k in ks}
+                    for k in ks:
+                        self.pairs[k] = Pair(self.pairs[k].source, targets[k], "trace")
+                    changed = True
+            if not changed:
+                return
+
     def remainder(self) -> None:
         """What names and equal-shape groups left: an alignment in creation order
         (most equal-shape pairs, then most pairs) when both sides know it, else
@@ -556,13 +727,19 @@ class _Pairing:
             self._one_side(rest_s, rest_t)
             return
         if oa is not None and ob is not None:
-            for s, t in _align(
+            aligned = _align(
                 oa,
                 ob,
                 self.problems,
                 self.ambiguous,
                 undecided([o.was_traced() for o in self.orders]),
-            ):
+            )
+            if by == "trace":
+                aligned, found = self.side_by_side(
+                    [s for s, _ in aligned], [t for _, t in aligned]
+                )
+                aligned += self.decide(found)
+            for s, t in aligned:
                 self.add(s, t, by)
             return
         for s in rest_s:
@@ -571,6 +748,20 @@ class _Pairing:
                 t = candidates[0]
                 if [x for x in rest_s if common_kind(x, t)] == [s]:
                     self.add(s, t, "kind")
+
+
+def dependence(trace: Any, layers: list[Layer]) -> list[tuple[int, int]]:
+    """Per layer, `(its arrays' bits, the bits of the arrays its input is computed
+    from)` in one side's traced forward pass (`Trace.upstream`)."""
+    needs = trace.upstream()
+    out = []
+    for x in layers:
+        mine, fed = 0, 0
+        for rel in x.paths.values():
+            bit, upstream = needs.get(x.path + rel, (0, 0))
+            mine, fed = mine | bit, fed | upstream
+        out.append((mine, fed & ~mine))
+    return out
 
 
 def pair(
@@ -592,10 +783,53 @@ def pair(
             p.add(s, t, "name")
     p.indexed()
     p.remainder()
+    p.preceded()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
     p.left = []  # unpaired: delivered through another name, or unexpected
     return pairs, p.rest(0), p.rest(1)
+
+
+def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int]]:
+    """For each layer, the positions of the layers used side by side with it (one
+    kind and shapes, one input: `Order.reads`), itself included."""
+    together: dict[tuple, set[int]] = {}
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        if read is not None:
+            together.setdefault((read, x.kinds, _signature(x)), set()).add(i)
+    out = []
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        key = (read, x.kinds, _signature(x))
+        out.append(frozenset(together[key]) if read is not None else frozenset({i}))
+    return out
+
+
+_VIEWS = (
+    lambda b: b,
+    lambda b: b.merges,
+    lambda b: b.alone,
+    lambda b: bool(b.alone),
+)
+"""What of a `Branch` may pair layers side by side, most first: all of it; where
+each meets the others (the same on both sides when what each applies alone is
+written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
+alone (a silu on the gate: the merge is the same product); whether it applies
+anything alone (a silu written `x / (1 + exp(-x))` on one side)."""
+
+
+def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
+    """`[(i, j)]` pairing `a[i]` with `b[j]` by the first view (`_VIEWS`) that
+    tells each layer from the others on both sides and takes the same values on
+    both; None where none does."""
+    for view in _VIEWS:
+        va, vb = [view(x) for x in a], [view(x) for x in b]
+        if len(set(va)) == len(va) == len(set(vb)) and set(va) == set(vb):
+            return [(i, vb.index(v)) for i, v in enumerate(va)]
+    return None
+
+
+def _described(layers: list[Layer], branches: list[Branch]) -> str:
+    return "; ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))
 
 
 def _signature(layer: Layer) -> tuple:

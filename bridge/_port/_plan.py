@@ -37,6 +37,7 @@ from ._pairing import (
     Order,
     Pair,
     common_kind,
+    dependence,
     normalised,
     pair,
     same_shapes,
@@ -951,17 +952,8 @@ def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
         return []
     sides = []
     for side, trace in enumerate(traces):
-        needs = trace.upstream()
-        layers = [p.source if side == 0 else p.target for p in checked]
-        own, feeds = [], []
-        for x in layers:
-            mine, fed = 0, 0
-            for rel in x.paths.values():
-                bit, upstream = needs.get(x.path + rel, (0, 0))
-                mine, fed = mine | bit, fed | upstream
-            own.append(mine)
-            feeds.append(fed & ~mine)
-        sides.append((own, feeds))
+        found = dependence(trace, [(p.source, p.target)[side] for p in checked])
+        sides.append(([f[0] for f in found], [f[1] for f in found]))
     (s_own, s_feeds), (t_own, t_feeds) = sides
     out = []
     for i, j in itertools.permutations(range(len(checked)), 2):

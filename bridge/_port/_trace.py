@@ -19,7 +19,7 @@ changes the computation.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.extend.core
@@ -85,6 +85,7 @@ def first_uses(
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
     classes: dict[Path, type] | None = None,
+    program: list[tuple[Program, list[Path]]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -100,7 +101,8 @@ def first_uses(
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
     With `classes`, fills it with `{module path: class}` for every submodule the
     pass calls, where the framework records them only then (Linen's compact
-    submodules: `Adapter.called`).
+    submodules: `Adapter.called`). With `program`, appends the traced program
+    and the leaf paths its first inputs are (`_branches`: layers side by side).
 
     **Arguments:**
 
@@ -156,6 +158,8 @@ def first_uses(
     records = (axes, layer_axes, upstream, kernels)
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
+    if program is not None:
+        program.append((Program(jaxpr, len(structs)), paths))
     if convolved is not None:
         convolved.update({paths[i]: a for i, a in kernels.items()})
     if needs is not None:
@@ -165,6 +169,14 @@ def first_uses(
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
+
+
+class Program(NamedTuple):
+    """A traced forward pass: the `jax.extend.core.Jaxpr` and how many of its first
+    inputs are the Tree's leaves (the rest are the model's inputs)."""
+
+    jaxpr: Any
+    leaves: int
 
 
 _SIDE_BY_SIDE = frozenset({"concatenate", "pad", "select_n"})
@@ -428,6 +440,10 @@ class Trace:
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
         self.tied: dict[Path, Path] = {}
+        self.program: list[tuple[Program, list[Path]]] = []
+        """The traced program (`_branches` reads it), where JAX traced it here."""
+        self.read: list[dict[Path, frozenset]] = []
+        """`_branches.reads`' answer, once made."""
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -501,6 +517,7 @@ class Trace:
                 self.needs,
                 self.convolved,
                 self.called,
+                self.program,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)

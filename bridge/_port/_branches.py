@@ -1,0 +1,325 @@
+"""Layers used side by side, told apart by what their outputs flow into, not by order.
+
+Two layers of one kind and shapes that read one input (a gated MLP's gate and up;
+attention's query, key and value) are *side by side*: neither is computed from the
+other, and which one a model computes first is its own choice, so the order of use
+(`_trace`) does not pair them across two implementations. What tells them apart is
+the computation after each: `silu(gate(x)) * up(x)` applies `logistic` and `mul` to
+the gate alone, then merges it with the up; `q @ k.T` takes the query's rows and the
+key's columns, and the value meets what the query and key became.
+
+A `Branch` records that, per layer, from the abstract trace of the forward pass
+(the `jax.make_jaxpr` program `_trace.first_uses` keeps):
+
+- `alone`: the primitives applied to the layer's output before it meets another
+  layer of its group (`logistic`, `mul`), leaving out relayouts (`reshape`,
+  `transpose`, casts) and scalings by constants or weights (`q * d ** -0.5` here or
+  on the scores is one computation);
+- `merges`: where it meets the others: the primitive, its place in it (none for
+  `add`, `mul`, `max`, `min`; for a `dot_general`, whether its free axes come first
+  in the result, after a transpose that directly follows, as `jnp.einsum` writes
+  it; else the operand's index), and how many other layers of the group the other
+  operands carry; a model's output it reaches with its group unmerged counts too.
+
+Signatures are compared only within one side's group; two sides pair by equal
+signatures (`_pairing._Pairing.side_by_side`), and where they cannot tell the
+layers apart the port is refused, never paired by order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .._paths import Path
+from ._trace import _SEEN_THROUGH, Program, Trace, _literal, _subs
+
+
+_RELAYOUT = _SEEN_THROUGH | {"reduce_precision", "optimization_barrier"}
+"""Primitives that move or cast an array without computing with it."""
+
+_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor"})
+"""Primitives whose operands' places do not matter (`a * b` is `b * a`)."""
+
+_SCALING = frozenset({"add", "sub", "mul", "div"})
+"""Primitives that, with a constant or weight operand, scale or shift: where they
+happen (on the query or on the scores) is an implementation's choice."""
+
+
+class Branch(NamedTuple):
+    """What one layer's output flows into until it meets the other layers of its
+    group (module docstring)."""
+
+    alone: frozenset[str]
+    merges: frozenset[tuple[str, int | None, int]]
+
+    def words(self) -> str:
+        """The signature as a message says it: `logistic, mul, then mul`."""
+        alone = ", ".join(sorted(self.alone)) or "nothing"
+        merges = sorted(
+            f"{name}{'' if at is None else f' as operand {at}'} with {n} other(s)"
+            for name, at, n in self.merges
+        )
+        return f"{alone}, then {'; '.join(merges) or 'no merge'}"
+
+
+class _Value(NamedTuple):
+    """What the walk knows of one variable of the program."""
+
+    root: Any  # the variable it is a relayout of (an identity token)
+    leaf: int | None  # the parameter it holds (through relayouts), or None
+    fed: bool  # computed from the model's inputs
+    mask: int  # the group layers (a bit each) it is computed from
+
+
+_CONSTANT = _Value(None, None, False, 0)
+
+
+def inputs(program: Program) -> dict[int, frozenset]:
+    """`{leaf index: the variables its first use computes it with}`: the inputs of
+    the first operation on the model's inputs that reads the leaf, each seen back
+    through relayouts (two layers reading one `x` give the same set)."""
+    walk = _Walk({}, [])
+    walk.run(program.jaxpr, _start(program))
+    return walk.first
+
+
+def branches(program: Program, groups: Sequence[Sequence[frozenset[int]]]) -> list:
+    """For each group (each layer's leaf indices), each layer's `Branch`.
+
+    **Arguments:**
+
+    - `program`: the traced forward pass.
+    - `groups`: layers side by side, as the sets of leaf indices they hold; a
+      layer holding no leaf of the program gets an empty `Branch`.
+
+    **Returns:**
+
+    A list per group of one `Branch` per layer, in the groups' order.
+    """
+    bits, sets, bit = {}, [], 0
+    for group in groups:
+        mask = 0
+        for layer in group:
+            for leaf in layer:
+                bits[leaf] = bit
+            mask |= 1 << bit
+            bit += 1
+        sets.append(mask)
+    walk = _Walk(bits, sets)
+    outs = walk.run(program.jaxpr, _start(program))
+    for k, value in enumerate(outs):  # an output its group reaches unmerged
+        for group in sets:
+            part = value.mask & group
+            if part and part != group:
+                for b in _bits(part):
+                    walk.merges[b].add(("output", k, 0))
+    out, bit = [], 0
+    for group in groups:
+        found = []
+        for _ in group:
+            found.append(
+                Branch(frozenset(walk.alone[bit]), frozenset(walk.merges[bit]))
+            )
+            bit += 1
+        out.append(found)
+    return out
+
+
+def reads(trace: Trace) -> Mapping[Path, frozenset] | None:
+    """`{leaf path: what its first use computes it with}` (`inputs`: equal for
+    layers that read one input) of a traced side, or None where JAX did not trace
+    it here (a PyTorch module, a file's recorded order)."""
+    if not trace() or not trace.program:
+        return None
+    if not trace.read:
+        program, paths = trace.program[0]
+        trace.read.append({paths[i]: x for i, x in inputs(program).items()})
+    return trace.read[0]
+
+
+def signatures(trace: Trace, groups: list[list[list[Path]]]) -> list | None:
+    """For each group of layers side by side (each layer as its leaf paths), each
+    layer's `Branch` in `trace`'s program; None where JAX did not trace it here."""
+    if not trace() or not trace.program:
+        return None
+    program, paths = trace.program[0]
+    index = {p: i for i, p in enumerate(paths)}
+    sets = [
+        tuple(frozenset(index[p] for p in layer if p in index) for layer in group)
+        for group in groups
+    ]
+    # a stack's layers share their arrays: each group of them once
+    unique = list(dict.fromkeys(sets))
+    found = dict(zip(unique, branches(program, unique)))
+    return [found[group] for group in sets]
+
+
+def _start(program: Program) -> dict[Any, _Value]:
+    invars = program.jaxpr.invars
+    env = {v: _Value(v, i, False, 0) for i, v in enumerate(invars[: program.leaves])}
+    env.update({v: _Value(v, None, True, 0) for v in invars[program.leaves :]})
+    return env
+
+
+def _bits(mask: int) -> list[int]:
+    return [b for b in range(mask.bit_length()) if mask >> b & 1]
+
+
+class _Walk:
+    """One pass over the program in equation order, entering sub-computations
+    (`pjit`, `custom_jvp_call`, `scan`'s body once, each `cond` branch)."""
+
+    def __init__(self, bits: dict[int, int], sets: list[int]):
+        self.bits = bits  # {leaf index: its layer's bit}
+        self.sets = sets  # each group's bits
+        self.first: dict[int, frozenset] = {}
+        self.alone: dict[int, set[str]] = defaultdict(set)
+        self.merges: dict[int, set[tuple[str, int | None, int]]] = defaultdict(set)
+        self.single: dict[int, list[int]] = {}
+        self.group = {
+            b: k for k, group in enumerate(sets) for b in _bits(group)
+        }  # {bit: its group's index}
+
+    def run(self, jaxpr: Any, env: dict[Any, _Value]) -> list[_Value]:
+        for n, eqn in enumerate(jaxpr.eqns):
+            ins = [
+                _CONSTANT if _literal(v) else env.get(v, _CONSTANT) for v in eqn.invars
+            ]
+            subs = _subs(eqn)
+            outs = self._call(eqn, subs, ins) if subs else None
+            if outs is None:
+                outs = self._op(jaxpr, n, eqn, ins)
+            for v, value in zip(eqn.outvars, outs):
+                env[v] = value
+        return [
+            _CONSTANT if _literal(v) else env.get(v, _CONSTANT) for v in jaxpr.outvars
+        ]
+
+    def _call(
+        self, eqn: Any, subs: list[Any], ins: list[_Value]
+    ) -> list[_Value] | None:
+        outs: list[_Value] | None = None
+        for sub in subs:
+            skip = len(eqn.invars) - len(sub.invars)
+            if skip < 0:
+                continue
+            env = {v: ins[j + skip] for j, v in enumerate(sub.invars)}
+            found = self.run(sub, env)
+            if len(found) != len(eqn.outvars):
+                continue
+            if outs is None:
+                outs = list(found)
+            else:  # another branch of a `cond`
+                outs = [
+                    _Value(v, None, a.fed or b.fed, a.mask | b.mask)
+                    for v, a, b in zip(eqn.outvars, outs, found)
+                ]
+        return outs
+
+    def _op(self, jaxpr: Any, n: int, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        name = eqn.primitive.name
+        live = [x for v, x in zip(eqn.invars, ins) if not _literal(v)]
+        if name in _RELAYOUT and len(live) == 1:
+            return [live[0]] * len(eqn.outvars)
+        fed = any(x.fed for x in ins)
+        mask = 0
+        for x in ins:
+            mask |= x.mask
+        leaves = [x.leaf for x in ins if x.leaf is not None]
+        if not fed:  # a weight computed from weights: still that weight (a norm's)
+            shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else None
+            same = [
+                x.leaf
+                for v, x in zip(eqn.invars, ins)
+                if x.leaf is not None and tuple(v.aval.shape) == shape
+            ]
+            held = same[0] if same else None
+            return [_Value(v, held, False, mask) for v in eqn.outvars]
+        for leaf in leaves:
+            if leaf not in self.first:
+                self.first[leaf] = frozenset(
+                    x.root for x in ins if x.fed and x.leaf is None
+                )
+        mask |= self._own(ins)
+        if mask and self.sets:
+            self._record(jaxpr, n, eqn, ins, mask)
+        return [_Value(v, None, True, mask) for v in eqn.outvars]
+
+    def _own(self, ins: list[_Value]) -> int:
+        """The bits of the group layers whose parameters are operands."""
+        mask = 0
+        for x in ins:
+            if x.leaf is not None and x.leaf in self.bits:
+                mask |= 1 << self.bits[x.leaf]
+        return mask
+
+    def _record(
+        self, jaxpr: Any, n: int, eqn: Any, ins: list[_Value], mask: int
+    ) -> None:
+        """Merges of group layers this operation makes, and what it applies to one
+        layer's output alone."""
+        name = eqn.primitive.name
+        own = self._own(ins)
+        masks = [x.mask for x in ins]
+        merged = 0
+        if len({m for m in masks if m} | ({own} if own else set())) > 1:
+            for group in self._groups(mask):
+                met = mask & group
+                for j, m in enumerate(masks):
+                    part = m & group
+                    if part and part != met:
+                        merged |= group
+                        at = _place(jaxpr, n, j)
+                        for b in _bits(part):
+                            self.merges[b].add((name, at, bin(met & ~part).count("1")))
+        if name in _SCALING and any(not x.fed for x in ins):
+            return
+        for b in self._alone(mask):
+            if not (merged | own) & self.sets[self.group[b]]:
+                self.alone[b].add(name)
+
+    def _groups(self, mask: int) -> list[int]:
+        """The groups `mask` holds layers of."""
+        return [group for group in self.sets if mask & group]
+
+    def _alone(self, mask: int) -> list[int]:
+        """The layers that `mask` holds alone of their group (a value computed
+        from one layer of a group and none of the others), once per mask."""
+        found = self.single.get(mask)
+        if found is None:
+            found = [
+                _bits(mask & group)[0]
+                for group in self._groups(mask)
+                if mask & group & (mask & group) - 1 == 0
+            ]
+            self.single[mask] = found
+        return found
+
+
+def _place(jaxpr: Any, n: int, j: int) -> int | None:
+    """Operand `j`'s place in the operation `jaxpr.eqns[n]`: None where places do
+    not matter; for a `dot_general`, 0 if its free axes come first in the result
+    (after a transpose that directly follows), else 1; else `j`."""
+    eqn = jaxpr.eqns[n]
+    name = eqn.primitive.name
+    if name in _COMMUTATIVE:
+        return None
+    if name != "dot_general" or j > 1:
+        return j
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs = len(eqn.invars[0].aval.shape) - len(lc) - len(lb)
+    rhs = len(eqn.invars[1].aval.shape) - len(rc) - len(rb)
+    if not lhs or not rhs:
+        return j
+    free = (range(len(lb), len(lb) + lhs), range(len(lb) + lhs, len(lb) + lhs + rhs))
+    places = [list(free[0]), list(free[1])]
+    out = eqn.outvars[0]
+    for later in jaxpr.eqns[n + 1 :]:
+        if any(v is out for v in later.invars):
+            if later.primitive.name == "transpose":
+                perm = list(later.params["permutation"])
+                places = [[perm.index(p) for p in side] for side in places]
+            break
+    return 0 if min(places[j]) < min(places[1 - j]) else 1
