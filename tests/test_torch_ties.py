@@ -148,3 +148,113 @@ def test_tie_uses_pair_in_order_of_use():
     np.testing.assert_allclose(
         np.asarray(ported(IDS)), _torch_out(source), rtol=1e-6, atol=1e-6
     )
+
+
+# --- a tie inside the JAX model: its embedding read again as the head ------------
+
+
+class Untied(TiedHead):
+    """`TiedHead` with a head of its own (`tie_word_embeddings=False`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(D, V, bias=False)
+
+
+def _jax_tied(name):
+    """A JAX model whose head reads its embedding (one array, two layers), and
+    its forward pass on a batch of ids."""
+    import jax
+
+    if name == "linen":
+        import flax.linen as nn
+
+        class Linen(nn.Module):
+            @nn.compact
+            def __call__(self, ids):
+                table = nn.Embed(V, D, name="wte")
+                return table.attend(jnp.tanh(nn.Dense(D, name="mlp")(table(ids))))
+
+        module = Linen()
+        model = (module, module.init(jax.random.key(1), IDS))
+        return model, lambda m, ids: module.apply(m[1], ids), ".wte.embedding"
+    if name == "nnx":
+        from flax import nnx
+
+        class NNX(nnx.Module):
+            def __init__(self, rngs):
+                self.wte = nnx.Embed(V, D, rngs=rngs)
+                self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+            def __call__(self, ids):
+                return self.wte.attend(jnp.tanh(self.mlp(self.wte(ids))))
+
+        return NNX(nnx.Rngs(1)), lambda m, ids: m(ids), ".wte.embedding"
+    import equinox as eqx
+
+    class Equinox(eqx.Module):  # per example; the head reads `embed.weight`
+        embed: eqx.nn.Embedding
+        mlp: eqx.nn.Linear
+
+        def __init__(self, key):
+            a, b = jax.random.split(key)
+            self.embed = eqx.nn.Embedding(V, D, key=a)
+            self.mlp = eqx.nn.Linear(D, D, key=b)
+
+        def __call__(self, ids):
+            h = jnp.tanh(jax.vmap(self.mlp)(jax.vmap(self.embed)(ids)))
+            return h @ self.embed.weight.T
+
+    return (
+        Equinox(jax.random.key(1)),
+        lambda m, ids: jax.vmap(m)(ids),
+        ".embed.weight",
+    )
+
+
+JAX = ["linen", "nnx", "equinox"]
+
+
+@pytest.mark.parametrize("name", JAX)
+@pytest.mark.parametrize("torch_model", [TiedHead, Untied])
+def test_jax_tie_into_torch(name, torch_model):
+    source, forward, table = _jax_tied(name)
+    plan = bridge.port_plan(source, torch_model().eval(), example=(IDS,))
+    assert not plan.problems, plan
+    assert f"{table} -> .embed, .head" in plan.tied, plan
+    target = torch_model().eval()
+    target.load_state_dict(bridge.port(source, target, example=(IDS,)), strict=True)
+    np.testing.assert_allclose(
+        _torch_out(target), np.asarray(forward(source, IDS)), rtol=1e-6, atol=1e-6
+    )
+    # the one array fills both names (one tensor where they are tied)
+    assert (target.head.weight is target.embed.weight) == (torch_model is TiedHead)
+    np.testing.assert_array_equal(
+        target.head.weight.detach().numpy(), target.embed.weight.detach().numpy()
+    )
+
+
+@pytest.mark.parametrize("name", JAX)
+@pytest.mark.parametrize("equal", [True, False])
+def test_torch_into_jax_tie(name, equal):
+    torch.manual_seed(0)
+    tied = TiedHead().eval()
+    model, forward, table = _jax_tied(name)
+    ported = bridge.port(tied, model, example=(IDS,))
+    np.testing.assert_allclose(
+        np.asarray(forward(ported, IDS)), _torch_out(tied), rtol=1e-6, atol=1e-6
+    )
+    untied = Untied().eval()  # two tensors: equal, or two random ones
+    if equal:
+        with torch.no_grad():
+            untied.head.weight.copy_(untied.embed.weight)
+        ported = bridge.port(untied, model, example=(IDS,))
+        np.testing.assert_allclose(
+            np.asarray(forward(ported, IDS)), _torch_out(untied), rtol=1e-6, atol=1e-6
+        )
+        return
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(untied, model, example=(IDS,))
+    message = str(error.value)
+    assert f"tied: the target holds {table} once" in message
+    assert "the source's arrays for them differ (.embed and .head" in message

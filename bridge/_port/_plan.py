@@ -25,6 +25,7 @@ from . import _errors, _shapes
 from ._codec import Codec, same
 from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
+from ._heads import with_heads
 from ._layers import (
     ARRAY,
     Layer,
@@ -797,6 +798,7 @@ def _paired(
     )
     sources = with_ties(source, sources, ties[0], problems, views=True)
     targets = with_ties(target, targets, ties[1], problems, views=True)
+    with_heads((sources, targets), traces, problems)
     products((sources, targets), traces, problems)
     computed((sources, targets), traces, problems)
     for side, trace in ((sources, traces[0]), (targets, traces[1])):
