@@ -258,3 +258,78 @@ def test_torch_into_jax_tie(name, equal):
     message = str(error.value)
     assert f"tied: the target holds {table} once" in message
     assert "the source's arrays for them differ (.embed and .head" in message
+
+
+# --- a Hugging Face folder's tied head, told by its config.json -----------------
+
+
+def _llama_folder(folder, tied, key=True, head=True):
+    """A tiny `LlamaForCausalLM` saved by `save_pretrained` (a tied head is stored
+    once, as `model.embed_tokens.weight`), with `tie_word_embeddings` left out of
+    its config.json where `key` is False (as transformers 4.x writes it when true)
+    and `lm_head.weight` left out of its files where `head` is False."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from .llamas import llama_config
+
+    config = llama_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    if not key:
+        raw = json.loads((folder / "config.json").read_text())
+        del raw["tie_word_embeddings"]
+        (folder / "config.json").write_text(json.dumps(raw))
+    if not head:
+        weights = folder / "model.safetensors"
+        state = safetensors_torch.load_file(weights)
+        del state["lm_head.weight"]
+        safetensors_torch.save_file(state, weights, metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("key", [True, False], ids=["said", "default"])
+def test_folder_tied_head_fills_a_separate_head(tmp_path, key):
+    from flax import nnx
+
+    from .llamas import LlamaForCausalLM, tokens
+
+    reference = _llama_folder(tmp_path, tied=True, key=key)
+    like = LlamaForCausalLM(nnx.Rngs(0))  # a head of its own; no example inputs
+    model, report = bridge.load(tmp_path, like=like, report=True)
+    ids = np.array(tokens())
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, rtol=1e-5, atol=1e-5)
+    said = "true" if key else "not set (transformers' default: true)"
+    assert report.complete, report
+    (line,) = report.tied
+    arrow, why = line.split(" (", 1)
+    source, targets = arrow.split(" -> ")
+    assert source == ".model.embed_tokens.weight", line
+    assert set(targets.split(", ")) == {".lm_head", ".model.embed_tokens"}, line
+    assert why == (
+        f"config.json: tie_word_embeddings {said}, and no lm_head.weight in the files)"
+    ), line
+    embedding = reference.model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), embedding.T)
+
+
+def test_folder_without_its_untied_head_refused(tmp_path):
+    from flax import nnx
+
+    from .llamas import LlamaForCausalLM
+
+    _llama_folder(tmp_path, tied=False, head=False)
+    with pytest.raises(bridge.PortError) as error:
+        bridge.load(tmp_path, like=LlamaForCausalLM(nnx.Rngs(0)))
+    message = str(error.value)
+    assert "missing: target layer .lm_head" in message
+    assert (
+        "head: the source's files hold no lm_head.weight (config.json: "
+        "tie_word_embeddings false, and no lm_head.weight in the files), so "
+        "nothing fills the target's .lm_head"
+    ) in message

@@ -596,6 +596,8 @@ def make_plan(
         unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
         problems += computed_tables + missing + unexpected
+    if missing and strict:  # a head a folder lacks, and why
+        problems += _absent(source, lone_targets)
     if (missing or unexpected) and strict:  # what would have paired them
         problems += _untraced(traces)
         problems += unread((lone_sources, lone_targets), traces)
@@ -645,16 +647,32 @@ def _tables(layers: list[Layer]) -> dict[int, tuple[Layer, str]]:
     return out
 
 
+def _absent(source: Tree, lone_targets: list[Layer]) -> list[str]:
+    """Where target `Dense` layers are missing, the source's arrays its adapter
+    says its files lack and nothing fills (`ties_of`: a Hugging Face folder
+    without `lm_head.weight` whose `config.json` does not tie it), and why."""
+    heads = [t.where for t in lone_targets if "Dense" in t.kinds]
+    if not heads:
+        return []
+    return [
+        _errors.HEAD_ABSENT.format(name=tie[0], why=tie[2], targets=", ".join(heads))
+        for tie in ties_of(source)
+        if len(tie) > 2 and not tie[1]
+    ]
+
+
 def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
     """The plan's lines for arrays held once under several names (`ties`: each
     side's `(name, same as)`): where they pair with several layers,
     `.shared.weight -> .encoder.embed_tokens, .decoder.embed_tokens` (one source
     array fills them) or `.a, .b -> .shared.weight` (one target array holds them:
-    their values must be equal); else `lm_head.weight = wte.weight`."""
+    their values must be equal); else `lm_head.weight = wte.weight`. A tie
+    inferred (a folder's `config.json`) says why: `(config.json: ...)`."""
     lines = []
     for side in (0, 1):
         ends = [(p.source, p.target)[:: 1 - 2 * side] for p in pairs]
         held = sorted({h for mine, _ in ends for h in mine.tied}, key=path_str)
+        why = {parse(t[1]): f" ({t[2]})" for t in ties[side] if len(t) > 2 and t[1]}
         shown = set()
         for h in held:
             others = [other.where for mine, other in ends if h in mine.tied]
@@ -662,13 +680,17 @@ def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
                 continue
             shown.add(h)
             if side == 0:
-                lines.append(f"{path_str(h)} -> {', '.join(others)}")
+                lines.append(f"{path_str(h)} -> {', '.join(others)}{why.get(h, '')}")
             else:
                 lines.append(
                     f"{', '.join(others)} -> {path_str(h)} (one array: their "
                     "values must be equal)"
                 )
-        lines += [f"{a} = {b}" for a, b in ties[side] if parse(b) not in shown]
+        lines += [
+            f"{t[0]} = {t[1]}{why.get(parse(t[1]), '')}"
+            for t in ties[side]
+            if t[1] and parse(t[1]) not in shown
+        ]
     return tuple(lines)
 
 
@@ -819,7 +841,7 @@ def _paired(
 def _ties(tree: Tree) -> dict[Path, Path]:
     """`{leaf path of a tied name: the leaf path the Tree holds the array at}`
     that the Tree's adapter knows (a PyTorch module's or state dict's ties)."""
-    return {parse(name): parse(same) for name, same in ties_of(tree)}
+    return {parse(tie[0]): parse(tie[1]) for tie in ties_of(tree) if tie[1]}
 
 
 def _traced_ties(trace: Trace | None, known: dict[Path, Path]) -> dict[Path, Path]:
