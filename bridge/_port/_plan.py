@@ -17,8 +17,6 @@ from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._registry import adapter_named, canonical_adapter, ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
-from .._families._sinusoid import sinusoid
-from .._lazy import materialise
 from .._paths import Path, parse, path_str
 from .._tree import Tree, framework
 from . import _errors, _shapes
@@ -44,6 +42,7 @@ from ._pairing import (
     undecided,
 )
 from ._product import products, unread
+from ._tables import tables as _tables
 from ._trace import Example, Trace
 from ._weight_norm import is_folded, read_axes
 from .codecs._dense import DENSE_LINEN, reads_out_in
@@ -564,7 +563,7 @@ def make_plan(
                 pairs="\n    ".join(guessed), decide=undecided(traced)
             )
         )
-    tables = (_tables(lone_sources), _tables(lone_targets))
+    tables = (_tables(lone_sources, sources), _tables(lone_targets, targets))
     lone_sources = [s for s in lone_sources if id(s) not in tables[0]]
     lone_targets = [t for t in lone_targets if id(t) not in tables[1]]
     computed_tables = [
@@ -603,11 +602,11 @@ def make_plan(
         problems += unread((lone_sources, lone_targets), traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
-    for side, tree, layers in (
-        ("source", source, sources),
-        ("target", target, targets),
+    for side, tree, layers, found in (
+        ("source", source, sources, tables[0]),
+        ("target", target, targets, tables[1]),
     ):
-        loose = [x.where for x in layers if x.kinds == (ARRAY,)]
+        loose = [x.where for x in layers if x.kinds == (ARRAY,) and id(x) not in found]
         fix = hidden_wrappers(tree) if problems and loose else None
         if fix:
             problems.append(
@@ -628,23 +627,6 @@ def make_plan(
         tuple(x.where for x, _ in tables[1].values()),
     )
     return plan, problems
-
-
-def _tables(layers: list[Layer]) -> dict[int, tuple[Layer, str]]:
-    """`{id(layer): (layer, variant)}` for the unpaired `layers` that hold a
-    stored sinusoidal position table: one 2-D float array (concrete: a file's is
-    read) whose values are one of `bridge._families._sinusoid.VARIANTS`."""
-    out = {}
-    for x in layers:
-        if x.index is not None or len(x.leaves) != 1:
-            continue
-        (leaf,) = x.leaves.values()
-        if getattr(leaf, "ndim", None) != 2 or isinstance(leaf, jax.ShapeDtypeStruct):
-            continue
-        variant = sinusoid(materialise(leaf))
-        if variant is not None:
-            out[id(x)] = (x, variant)
-    return out
 
 
 def _absent(source: Tree, lone_targets: list[Layer]) -> list[str]:
