@@ -547,8 +547,14 @@ class Trace:
             return None
         for table, (position, read) in later.items():
             head = table[:-1] + (ATTEND,)
-            if head in found or read.batch or len(read.inputs + read.outputs) != 2:
-                continue  # a name of the Tree's own, or no head's product
+            if (
+                head in found
+                or read.batch
+                or read.inputs != (1,)
+                or read.outputs != (0,)
+            ):
+                continue  # a name of the Tree's own, or no head's product (the
+                # rows are the vocabulary: the features meet the input)
             self.attended[head] = table
             found[head] = position
             self.contracted[head] = read
