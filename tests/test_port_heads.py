@@ -113,3 +113,35 @@ def test_no_head_without_a_lookup():
 def test_no_head_without_a_trace():
     with pytest.raises(bridge.PortError, match="missing: target layer .logits"):
         bridge.port(_NNXTied(nnx.Rngs(0)), _linen())
+
+
+# --- a Hugging Face folder's head, told by its config.json (no torch) -------------
+
+
+def test_folder_head_from_config_and_files():
+    from bridge._families._tied_heads import folder_head
+
+    files = {"model.embed_tokens.weight": (32, 16), "model.norm.weight": (16,)}
+    for config, said in (
+        ({"vocab_size": 32, "tie_word_embeddings": True}, "true"),
+        ({"vocab_size": 32}, "not set (transformers' default: true)"),
+        ({"text_config": {"vocab_size": 32}}, "not set (transformers' default: true)"),
+    ):
+        head, table, why = folder_head(config, files)
+        assert (head, table) == ("lm_head.weight", "model.embed_tokens.weight")
+        assert why.startswith(f"config.json: tie_word_embeddings {said}, "), why
+    # the files hold the head: nothing to tie
+    assert (
+        folder_head({"vocab_size": 32}, {**files, "lm_head.weight": (32, 16)}) is None
+    )
+    # untied, no head: nothing fills it
+    untied = folder_head({"vocab_size": 32, "tie_word_embeddings": False}, files)
+    assert untied == (
+        "lm_head.weight",
+        "",
+        "config.json: tie_word_embeddings false, and no lm_head.weight in the files",
+    )
+    # two tables of the vocabulary's rows: which one is not told
+    two = {**files, "model.positions.weight": (32, 16)}
+    _, table, why = folder_head({"vocab_size": 32}, two)
+    assert table == "" and "the files hold 2 tables of vocab_size=32 rows" in why

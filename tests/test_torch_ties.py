@@ -333,3 +333,29 @@ def test_folder_without_its_untied_head_refused(tmp_path):
         "tie_word_embeddings false, and no lm_head.weight in the files), so "
         "nothing fills the target's .lm_head"
     ) in message
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["config", "traced"])
+def test_folder_into_a_jax_tie(tmp_path, example):
+    from flax import nnx
+
+    from .llamas import LlamaModel, tokens
+
+    class Tied(nnx.Module):  # the head reads the embedding: one array
+        def __init__(self, rngs):
+            self.model = LlamaModel(rngs)
+
+        def __call__(self, ids):
+            return self.model.embed_tokens.attend(self.model(ids))
+
+    reference = _llama_folder(tmp_path, tied=True)
+    ids = np.array(tokens())
+    given = (ids,) if example else None
+    model = bridge.load(tmp_path, like=Tied(nnx.Rngs(0)), example=given)
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, rtol=1e-5, atol=1e-5)
+    untied = tmp_path / "untied"
+    _llama_folder(untied, tied=False)  # two tensors into one array: refused
+    with pytest.raises(bridge.PortError, match=r"\(\.model\.embed_tokens and \.lm_hea"):
+        bridge.load(untied, like=Tied(nnx.Rngs(0)), example=(ids,))
