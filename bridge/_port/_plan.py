@@ -100,7 +100,10 @@ class Plan:
     - `warnings`: hyperparameters that differ between paired layers.
     - `tied`: names that share one array in a PyTorch-layout source or target
       (`"lm_head.weight = wte.weight"`): kept once in the Tree, written under both
-      names by `bridge.to_torch`.
+      names by `bridge.to_torch`; and how one array filled (or was filled by)
+      several layers (`".wte.embedding -> .embed_tokens, .lm_head"`: a JAX
+      model's embedding its head reads, `_heads.py`), with why where a folder's
+      `config.json` told it.
     - `problems`: what `bridge.port` would raise for (shapes, dtypes, ambiguous
       pairings, unsupported layers, rules that do not apply; with `strict`, missing
       and unexpected layers too). Empty when the port can run.
