@@ -605,11 +605,11 @@ def make_plan(
         problems += unread((lone_sources, lone_targets), traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
-    for side, tree, layers, found in (
+    for side, tree, layers, stored in (
         ("source", source, sources, tables[0]),
         ("target", target, targets, tables[1]),
     ):
-        loose = [x.where for x in layers if x.kinds == (ARRAY,) and id(x) not in found]
+        loose = [x.where for x in layers if x.kinds == (ARRAY,) and id(x) not in stored]
         fix = hidden_wrappers(tree) if problems and loose else None
         if fix:
             problems.append(
