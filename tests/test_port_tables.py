@@ -6,6 +6,8 @@ the same shape stays an unexpected or missing layer. PyTorch's side (an
 `nn.Embedding` holding the table, as transformers' Marian does): the tests marked
 `torch`."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,6 +187,122 @@ def test_load_strict_false_leaves_a_stored_table_out(tmp_path):
     )
     assert report.computed_by_target == (".embed_positions",) and report.complete
     np.testing.assert_allclose(module.apply(variables, X), source(X), atol=1e-6)
+
+
+# --- in a stack of layers (nn.scan): read per slice ------------------------------
+
+LAYERS = 3
+
+
+class _StoredBlock(nn.Module):
+    """Holds a table per layer: a loose array, or an `nn.Embed`'s."""
+
+    table: np.ndarray
+    form: str
+
+    @nn.compact
+    def __call__(self, x, _):
+        init = lambda *_: jnp.asarray(self.table)  # noqa: E731
+        if self.form == "loose":
+            table = self.param("positions", init)
+        else:
+            table = nn.Embed(POSITIONS, DIM, embedding_init=init, name="positions")
+            table = table.embedding
+        return jnp.tanh(nn.Dense(DIM, name="proj")(x + table[None, : x.shape[1]])), None
+
+
+class _ComputedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        table = jnp.asarray(TABLE)[None, : x.shape[1]]
+        return jnp.tanh(nn.Dense(DIM, name="proj")(x + table)), None
+
+
+class _Scanned(nn.Module):
+    block: Any
+    fields: tuple = ()
+
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            self.block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=LAYERS,
+        )
+        return scan(*self.fields, name="blocks")(x, None)[0]
+
+
+def _scanned(block, *fields):
+    module = _Scanned(block, fields)
+    return module, module.init(jax.random.key(3), X)
+
+
+def _apply(model):
+    module, variables = model
+    return np.asarray(module.apply(variables, X))
+
+
+def _stored(form, tables):
+    """A scanned model holding `tables[i]` in layer `i`."""
+    module, variables = _scanned(_StoredBlock, TABLE, form)
+    stacked = jnp.asarray(np.stack(tables))
+    blocks = dict(variables["params"]["blocks"])
+    blocks["positions"] = stacked if form == "loose" else {"embedding": stacked}
+    return module, {"params": {**variables["params"], "blocks": blocks}}
+
+
+_WHERE = {
+    "loose": (".blocks.positions",),
+    "embed": tuple(f".blocks[{i}].positions" for i in range(LAYERS)),
+}
+
+
+@pytest.mark.parametrize("form", ["loose", "embed"])
+def test_stacked_tables_the_target_computes(form):
+    source, target = _stored(form, [TABLE] * LAYERS), _scanned(_ComputedBlock)
+    variant = "halves, each of 3 layers" if form == "loose" else "halves"
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(source, target)
+    message = str(error.value)
+    for where in _WHERE[form]:
+        assert f"computed by the target: source layer {where} (" in message
+    assert f"sinusoidal position table ({variant})" in message
+    assert "in no layer bridge knows" not in message  # no wrapper to blame
+    ported, report = bridge.port(source, target, strict=False, report=True)
+    assert report.computed_by_target == _WHERE[form] and report.complete
+    np.testing.assert_allclose(_apply(ported), _apply(source), atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["loose", "embed"])
+def test_stacked_tables_the_source_computes_keep_their_values(form):
+    source, target = _scanned(_ComputedBlock), _stored(form, [TABLE] * LAYERS)
+    with pytest.raises(bridge.PortError, match="computed by the source: target lay"):
+        bridge.port(source, target)
+    ported, report = bridge.port(source, target, strict=False, report=True)
+    assert report.computed_by_source == _WHERE[form] and report.complete
+    kept = ported[1]["params"]["blocks"]["positions"]
+    kept = kept if form == "loose" else kept["embedding"]
+    np.testing.assert_array_equal(np.asarray(kept), np.stack([TABLE] * LAYERS))
+    np.testing.assert_allclose(_apply(ported), _apply(source), atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["loose", "embed"])
+def test_a_stacked_table_trained_in_one_layer_is_not_dropped(form):
+    trained = TABLE + np.float32(0.01) * np.random.default_rng(1).normal(
+        size=TABLE.shape
+    ).astype(np.float32)
+    source = _stored(form, [TABLE, trained, TABLE])
+    _, report = bridge.port(source, _scanned(_ComputedBlock), strict=False, report=True)
+    if form == "loose":  # one array: a table only if every slice is
+        assert report.unexpected == (".blocks.positions",)
+        assert report.computed_by_target == ()
+    else:  # a layer per slice: each told apart
+        assert report.unexpected == (".blocks[1].positions",)
+        assert report.computed_by_target == (
+            ".blocks[0].positions",
+            ".blocks[2].positions",
+        )
 
 
 # --- PyTorch: an nn.Embedding holding the table ---------------------------------

@@ -148,3 +148,214 @@ def test_tie_uses_pair_in_order_of_use():
     np.testing.assert_allclose(
         np.asarray(ported(IDS)), _torch_out(source), rtol=1e-6, atol=1e-6
     )
+
+
+# --- a tie inside the JAX model: its embedding read again as the head ------------
+
+
+class Untied(TiedHead):
+    """`TiedHead` with a head of its own (`tie_word_embeddings=False`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(D, V, bias=False)
+
+
+def _jax_tied(name):
+    """A JAX model whose head reads its embedding (one array, two layers), and
+    its forward pass on a batch of ids."""
+    import jax
+
+    if name == "linen":
+        import flax.linen as nn
+
+        class Linen(nn.Module):
+            @nn.compact
+            def __call__(self, ids):
+                table = nn.Embed(V, D, name="wte")
+                return table.attend(jnp.tanh(nn.Dense(D, name="mlp")(table(ids))))
+
+        module = Linen()
+        model = (module, module.init(jax.random.key(1), IDS))
+        return model, lambda m, ids: module.apply(m[1], ids), ".wte.embedding"
+    if name == "nnx":
+        from flax import nnx
+
+        class NNX(nnx.Module):
+            def __init__(self, rngs):
+                self.wte = nnx.Embed(V, D, rngs=rngs)
+                self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+            def __call__(self, ids):
+                return self.wte.attend(jnp.tanh(self.mlp(self.wte(ids))))
+
+        return NNX(nnx.Rngs(1)), lambda m, ids: m(ids), ".wte.embedding"
+    import equinox as eqx
+
+    class Equinox(eqx.Module):  # per example; the head reads `embed.weight`
+        embed: eqx.nn.Embedding
+        mlp: eqx.nn.Linear
+
+        def __init__(self, key):
+            a, b = jax.random.split(key)
+            self.embed = eqx.nn.Embedding(V, D, key=a)
+            self.mlp = eqx.nn.Linear(D, D, key=b)
+
+        def __call__(self, ids):
+            h = jnp.tanh(jax.vmap(self.mlp)(jax.vmap(self.embed)(ids)))
+            return h @ self.embed.weight.T
+
+    return (
+        Equinox(jax.random.key(1)),
+        lambda m, ids: jax.vmap(m)(ids),
+        ".embed.weight",
+    )
+
+
+JAX = ["linen", "nnx", "equinox"]
+
+
+@pytest.mark.parametrize("name", JAX)
+@pytest.mark.parametrize("torch_model", [TiedHead, Untied])
+def test_jax_tie_into_torch(name, torch_model):
+    source, forward, table = _jax_tied(name)
+    plan = bridge.port_plan(source, torch_model().eval(), example=(IDS,))
+    assert not plan.problems, plan
+    assert f"{table} -> .embed, .head" in plan.tied, plan
+    target = torch_model().eval()
+    target.load_state_dict(bridge.port(source, target, example=(IDS,)), strict=True)
+    np.testing.assert_allclose(
+        _torch_out(target), np.asarray(forward(source, IDS)), rtol=1e-6, atol=1e-6
+    )
+    # the one array fills both names (one tensor where they are tied)
+    assert (target.head.weight is target.embed.weight) == (torch_model is TiedHead)
+    np.testing.assert_array_equal(
+        target.head.weight.detach().numpy(), target.embed.weight.detach().numpy()
+    )
+
+
+@pytest.mark.parametrize("name", JAX)
+@pytest.mark.parametrize("equal", [True, False])
+def test_torch_into_jax_tie(name, equal):
+    torch.manual_seed(0)
+    tied = TiedHead().eval()
+    model, forward, table = _jax_tied(name)
+    ported = bridge.port(tied, model, example=(IDS,))
+    np.testing.assert_allclose(
+        np.asarray(forward(ported, IDS)), _torch_out(tied), rtol=1e-6, atol=1e-6
+    )
+    untied = Untied().eval()  # two tensors: equal, or two random ones
+    if equal:
+        with torch.no_grad():
+            untied.head.weight.copy_(untied.embed.weight)
+        ported = bridge.port(untied, model, example=(IDS,))
+        np.testing.assert_allclose(
+            np.asarray(forward(ported, IDS)), _torch_out(untied), rtol=1e-6, atol=1e-6
+        )
+        return
+    with pytest.raises(bridge.PortError) as error:
+        bridge.port(untied, model, example=(IDS,))
+    message = str(error.value)
+    assert f"tied: the target holds {table} once" in message
+    assert "the source's arrays for them differ (.embed and .head" in message
+
+
+# --- a Hugging Face folder's tied head, told by its config.json -----------------
+
+
+def _llama_folder(folder, tied, key=True, head=True):
+    """A tiny `LlamaForCausalLM` saved by `save_pretrained` (a tied head is stored
+    once, as `model.embed_tokens.weight`), with `tie_word_embeddings` left out of
+    its config.json where `key` is False (as transformers 4.x writes it when true)
+    and `lm_head.weight` left out of its files where `head` is False."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from .llamas import llama_config
+
+    config = llama_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    if not key:
+        raw = json.loads((folder / "config.json").read_text())
+        del raw["tie_word_embeddings"]
+        (folder / "config.json").write_text(json.dumps(raw))
+    if not head:
+        weights = folder / "model.safetensors"
+        state = safetensors_torch.load_file(weights)
+        del state["lm_head.weight"]
+        safetensors_torch.save_file(state, weights, metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("key", [True, False], ids=["said", "default"])
+def test_folder_tied_head_fills_a_separate_head(tmp_path, key):
+    from flax import nnx
+
+    from .llamas import LlamaForCausalLM, tokens
+
+    reference = _llama_folder(tmp_path, tied=True, key=key)
+    like = LlamaForCausalLM(nnx.Rngs(0))  # a head of its own; no example inputs
+    model, report = bridge.load(tmp_path, like=like, report=True)
+    ids = np.array(tokens())
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, rtol=1e-5, atol=1e-5)
+    said = "true" if key else "not set (transformers' default: true)"
+    assert report.complete, report
+    (line,) = report.tied
+    arrow, why = line.split(" (", 1)
+    source, targets = arrow.split(" -> ")
+    assert source == ".model.embed_tokens.weight", line
+    assert set(targets.split(", ")) == {".lm_head", ".model.embed_tokens"}, line
+    assert why == (
+        f"config.json: tie_word_embeddings {said}, and no lm_head.weight in the files)"
+    ), line
+    embedding = reference.model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.lm_head.kernel[...]), embedding.T)
+
+
+def test_folder_without_its_untied_head_refused(tmp_path):
+    from flax import nnx
+
+    from .llamas import LlamaForCausalLM
+
+    _llama_folder(tmp_path, tied=False, head=False)
+    with pytest.raises(bridge.PortError) as error:
+        bridge.load(tmp_path, like=LlamaForCausalLM(nnx.Rngs(0)))
+    message = str(error.value)
+    assert "missing: target layer .lm_head" in message
+    assert (
+        "head: the source's files hold no lm_head.weight (config.json: "
+        "tie_word_embeddings false, and no lm_head.weight in the files), so "
+        "nothing fills the target's .lm_head"
+    ) in message
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["config", "traced"])
+def test_folder_into_a_jax_tie(tmp_path, example):
+    from flax import nnx
+
+    from .llamas import LlamaModel, tokens
+
+    class Tied(nnx.Module):  # the head reads the embedding: one array
+        def __init__(self, rngs):
+            self.model = LlamaModel(rngs)
+
+        def __call__(self, ids):
+            return self.model.embed_tokens.attend(self.model(ids))
+
+    reference = _llama_folder(tmp_path, tied=True)
+    ids = np.array(tokens())
+    given = (ids,) if example else None
+    model = bridge.load(tmp_path, like=Tied(nnx.Rngs(0)), example=given)
+    with torch.no_grad():
+        logits = reference(torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), logits, rtol=1e-5, atol=1e-5)
+    untied = tmp_path / "untied"
+    _llama_folder(untied, tied=False)  # two tensors into one array: refused
+    with pytest.raises(bridge.PortError, match=r"\(\.model\.embed_tokens and \.lm_hea"):
+        bridge.load(untied, like=Tied(nnx.Rngs(0)), example=(ids,))

@@ -104,7 +104,9 @@ class Adapter(NamedTuple):
       `like` gives them back.
     - `ties`: optional, `ties(tree) -> ((name, same as), ...)`: the arrays the
       native model holds once under two names (a state dict's tied embedding), for
-      the port plan.
+      the port plan; a third string says why where the tie is inferred (a Hugging
+      Face folder's `config.json`), and an empty "same as" names an array the
+      model's files lack and nothing can fill (refused where a target needs it).
     - `plain_file`: optional, `plain_file(meta, names) -> bool`: whether a file
       without bridge metadata (its metadata strings, its array names) is in this
       framework's layout (a PyTorch state dict: `{"format": "pt"}`, `weight`s).
@@ -181,7 +183,7 @@ class Adapter(NamedTuple):
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None
     embed: Callable[..., tuple[Any, Tree | None, tuple[str, ...]]] | None = None
-    ties: Callable[[Tree], tuple[tuple[str, str], ...]] | None = None
+    ties: Callable[[Tree], tuple[tuple[str, ...], ...]] | None = None
     plain_file: Callable[[Mapping[str, str], Iterable[str]], bool] | None = None
     role_of: Callable[[str], str] | None = None
     optimizer: Optimizer | None = None
@@ -362,7 +364,7 @@ def plain_reader(meta: Mapping[str, str], names: Iterable[str]) -> Adapter | Non
     )
 
 
-def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
+def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
     """The tied names `(name, same as)` of a whole-model Tree, from its adapter
     (empty for a part, or a framework without ties)."""
     src = tree._info.source

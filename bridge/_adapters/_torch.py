@@ -26,6 +26,7 @@ import numpy as np
 from .._arguments import check_bool, check_names, check_pattern, check_str, type_error
 from .._families import _experts
 from .._families._gpt2 import CONV1D_CLASS, CONV1D_NAMES, named_class
+from .._families._tied_heads import folder_head
 from .._gc import paused
 from .._paths import Path, parse
 from .._shown import shown
@@ -636,12 +637,24 @@ def _fuse(arrays: dict[str, Any], s: Split) -> dict[str, Any]:
     return dict(rest)
 
 
-def ties_of(tree: Tree) -> tuple[tuple[str, str], ...]:
-    """The tied names `(name, same as)` `from_torch` found (empty for other Trees)."""
+def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
+    """The tied names `(name, same as)` `from_torch` found (empty for other Trees),
+    and for a Hugging Face folder's Tree (its `config.json` recorded, no module),
+    its LM head: `(name, same as, why)` where the config ties it and the files hold
+    it once, `(name, "", why)` where they hold no head that can fill it
+    (`bridge._families._tied_heads`)."""
     src = tree._info.source
     if src is None or src.framework != "torch":
         return ()
-    return src.record.ties
+    record = src.record
+    config = record.config.value
+    if is_module(record.module.value) or not isinstance(config, Mapping):
+        return record.ties
+    _, leaves = native_leaves(tree, "torch", TorchRecord)
+    shapes = {n: tuple(getattr(x, "shape", ())) for n, x in zip(record.names, leaves)}
+    shapes.update((a, shapes.get(b, ())) for a, b in record.ties)
+    head = folder_head(config, shapes)
+    return record.ties if head is None else (*record.ties, head)
 
 
 class TorchNode(Mapping):

@@ -24,7 +24,7 @@ from .._tree import (
     walk,
 )
 from ._classes import resolve
-from ._config import CONFIG, model_type
+from ._config import CONFIG, model_type, read_config
 from ._contents import RESERVED, VERSION, Contents, Stored, dotted, is_key, split
 from ._errors import CheckpointError
 
@@ -172,5 +172,11 @@ def file_tree(contents: Contents, arrays: Mapping[str, Any]) -> Tree:
     )
     folder = Path(contents.path).parent
     if told is not None and (folder / CONFIG).is_file():  # a Hugging Face folder:
-        tree = told(tree, str(folder))  # its model is built when a trace needs it
+        # its config (its tied head: `ties`), and its model built when a trace
+        # needs it
+        try:
+            config: Any = read_config(folder)
+        except CheckpointError:  # the trace says why, where it needs the config
+            config = None
+        tree = told(tree, str(folder) if config is None else config)
     return tree

@@ -370,6 +370,11 @@ TIED_UNEQUAL = (
     "equal first, or untie the target's (give each name its own parameter), or "
     "leave one out with rules={{r'<source path>': None}}."
 )
+HEAD_ABSENT = (
+    "head: the source's files hold no {name} ({why}), so nothing fills the "
+    "target's {targets}; do not pair another array with it by a rule. Load a "
+    "folder that holds the head, or pass strict=False to keep the target's values."
+)
 RULE_UNUSED = "rule {pattern!r}: matches no source layer. Source layers: {layers}."
 RULE_TWICE = "rule: target layer {target} is paired with {sources}; pair it once."
 ENTRY_MISSING = (

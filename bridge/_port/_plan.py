@@ -17,14 +17,13 @@ from .._adapters._native import check_model, placeholders, to_neutral
 from .._adapters._registry import adapter_named, canonical_adapter, ties_of
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._embed._as_linen import hidden_wrappers
-from .._families._sinusoid import sinusoid
-from .._lazy import materialise
 from .._paths import Path, parse, path_str
 from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
 from ._computed import computed
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
+from ._heads import with_heads
 from ._layers import (
     ARRAY,
     Layer,
@@ -44,6 +43,7 @@ from ._pairing import (
     undecided,
 )
 from ._product import products, unread
+from ._tables import tables as _tables
 from ._trace import Example, Trace
 from ._weight_norm import is_folded, read_axes
 from .codecs._dense import DENSE_LINEN, reads_out_in
@@ -101,7 +101,10 @@ class Plan:
     - `warnings`: hyperparameters that differ between paired layers.
     - `tied`: names that share one array in a PyTorch-layout source or target
       (`"lm_head.weight = wte.weight"`): kept once in the Tree, written under both
-      names by `bridge.to_torch`.
+      names by `bridge.to_torch`; and how one array filled (or was filled by)
+      several layers (`".wte.embedding -> .embed_tokens, .lm_head"`: a JAX
+      model's embedding its head reads, `_heads.py`), with why where a folder's
+      `config.json` told it.
     - `problems`: what `bridge.port` would raise for (shapes, dtypes, ambiguous
       pairings, unsupported layers, rules that do not apply; with `strict`, missing
       and unexpected layers too). Empty when the port can run.
@@ -564,7 +567,7 @@ def make_plan(
                 pairs="\n    ".join(guessed), decide=undecided(traced)
             )
         )
-    tables = (_tables(lone_sources), _tables(lone_targets))
+    tables = (_tables(lone_sources, sources), _tables(lone_targets, targets))
     lone_sources = [s for s in lone_sources if id(s) not in tables[0]]
     lone_targets = [t for t in lone_targets if id(t) not in tables[1]]
     computed_tables = [
@@ -596,16 +599,18 @@ def make_plan(
         unexpected.append(_errors.ONE_PLUS_WEIGHT.format(n=len(offset), some=some))
     if strict:
         problems += computed_tables + missing + unexpected
+    if missing and strict:  # a head a folder lacks, and why
+        problems += _absent(source, lone_targets)
     if (missing or unexpected) and strict:  # what would have paired them
         problems += _untraced(traces)
         problems += unread((lone_sources, lone_targets), traces)
     if problems:
         problems += _prefix(pairs, sources, targets)
-    for side, tree, layers in (
-        ("source", source, sources),
-        ("target", target, targets),
+    for side, tree, layers, stored in (
+        ("source", source, sources, tables[0]),
+        ("target", target, targets, tables[1]),
     ):
-        loose = [x.where for x in layers if x.kinds == (ARRAY,)]
+        loose = [x.where for x in layers if x.kinds == (ARRAY,) and id(x) not in stored]
         fix = hidden_wrappers(tree) if problems and loose else None
         if fix:
             problems.append(
@@ -628,21 +633,18 @@ def make_plan(
     return plan, problems
 
 
-def _tables(layers: list[Layer]) -> dict[int, tuple[Layer, str]]:
-    """`{id(layer): (layer, variant)}` for the unpaired `layers` that hold a
-    stored sinusoidal position table: one 2-D float array (concrete: a file's is
-    read) whose values are one of `bridge._families._sinusoid.VARIANTS`."""
-    out = {}
-    for x in layers:
-        if x.index is not None or len(x.leaves) != 1:
-            continue
-        (leaf,) = x.leaves.values()
-        if getattr(leaf, "ndim", None) != 2 or isinstance(leaf, jax.ShapeDtypeStruct):
-            continue
-        variant = sinusoid(materialise(leaf))
-        if variant is not None:
-            out[id(x)] = (x, variant)
-    return out
+def _absent(source: Tree, lone_targets: list[Layer]) -> list[str]:
+    """Where target `Dense` layers are missing, the source's arrays its adapter
+    says its files lack and nothing fills (`ties_of`: a Hugging Face folder
+    without `lm_head.weight` whose `config.json` does not tie it), and why."""
+    heads = [t.where for t in lone_targets if "Dense" in t.kinds]
+    if not heads:
+        return []
+    return [
+        _errors.HEAD_ABSENT.format(name=tie[0], why=tie[2], targets=", ".join(heads))
+        for tie in ties_of(source)
+        if len(tie) > 2 and not tie[1]
+    ]
 
 
 def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
@@ -650,11 +652,13 @@ def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
     side's `(name, same as)`): where they pair with several layers,
     `.shared.weight -> .encoder.embed_tokens, .decoder.embed_tokens` (one source
     array fills them) or `.a, .b -> .shared.weight` (one target array holds them:
-    their values must be equal); else `lm_head.weight = wte.weight`."""
+    their values must be equal); else `lm_head.weight = wte.weight`. A tie
+    inferred (a folder's `config.json`) says why: `(config.json: ...)`."""
     lines = []
     for side in (0, 1):
         ends = [(p.source, p.target)[:: 1 - 2 * side] for p in pairs]
         held = sorted({h for mine, _ in ends for h in mine.tied}, key=path_str)
+        why = {parse(t[1]): f" ({t[2]})" for t in ties[side] if len(t) > 2 and t[1]}
         shown = set()
         for h in held:
             others = [other.where for mine, other in ends if h in mine.tied]
@@ -662,13 +666,17 @@ def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
                 continue
             shown.add(h)
             if side == 0:
-                lines.append(f"{path_str(h)} -> {', '.join(others)}")
+                lines.append(f"{path_str(h)} -> {', '.join(others)}{why.get(h, '')}")
             else:
                 lines.append(
                     f"{', '.join(others)} -> {path_str(h)} (one array: their "
                     "values must be equal)"
                 )
-        lines += [f"{a} = {b}" for a, b in ties[side] if parse(b) not in shown]
+        lines += [
+            f"{t[0]} = {t[1]}{why.get(parse(t[1]), '')}"
+            for t in ties[side]
+            if t[1] and parse(t[1]) not in shown
+        ]
     return tuple(lines)
 
 
@@ -798,6 +806,7 @@ def _paired(
     )
     sources = with_ties(source, sources, ties[0], problems, views=True)
     targets = with_ties(target, targets, ties[1], problems, views=True)
+    with_heads((sources, targets), traces, problems)
     products((sources, targets), traces, problems)
     computed((sources, targets), traces, problems)
     for side, trace in ((sources, traces[0]), (targets, traces[1])):
@@ -818,7 +827,7 @@ def _paired(
 def _ties(tree: Tree) -> dict[Path, Path]:
     """`{leaf path of a tied name: the leaf path the Tree holds the array at}`
     that the Tree's adapter knows (a PyTorch module's or state dict's ties)."""
-    return {parse(name): parse(same) for name, same in ties_of(tree)}
+    return {parse(tie[0]): parse(tie[1]) for tie in ties_of(tree) if tie[1]}
 
 
 def _traced_ties(trace: Trace | None, known: dict[Path, Path]) -> dict[Path, Path]:

@@ -41,6 +41,10 @@ class Report:
       source computes: they keep their values. Both are recognised by their values
       (a learned table is `unexpected` or `missing`) and leave the port
       `complete`.
+    - `tied`: arrays held once under several names and how they were filled, as
+      `port_plan` lists them (`".model.embed_tokens.weight -> .model.embed_tokens,
+      .lm_head (config.json: tie_word_embeddings true, and no lm_head.weight in
+      the files)"`: a folder's head filled from its embedding).
     - `source`, `target`: what was ported into what, as the messages name them
       (`"the checkpoint at bert/"`, `"Classifier"`).
 
@@ -72,6 +76,7 @@ class Report:
     target: str = "the target"
     computed_by_target: tuple[str, ...] = ()
     computed_by_source: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -102,7 +107,7 @@ class Report:
 
     def notes(self) -> list[str]:
         """What was left out or kept on purpose, one line each: by rules, and the
-        stored position tables one side computes."""
+        stored position tables one side computes; and the ties."""
         said = []
         if self.dropped:
             said.append(f"Left out by rules: {list(self.dropped)}")
@@ -116,11 +121,15 @@ class Report:
                 "Computed by the source (stored sinusoidal position tables, kept "
                 f"as they are): {list(self.computed_by_source)}"
             )
+        if self.tied:
+            said.append(f"Tied (stored once): {list(self.tied)}")
         return said
 
     def __str__(self) -> str:
-        text = "\n".join(self.paragraphs() + self.notes())
-        return text or f"{self.target} was filled entirely from {self.source}."
+        said = self.paragraphs() + self.notes()
+        if not self.paragraphs() and len(said) == bool(self.tied):  # ties alone
+            said.insert(0, f"{self.target} was filled entirely from {self.source}.")
+        return "\n".join(said)
 
     def log(self) -> None:
         """Log it (logger `"bridge"`): the warnings (WARNING), and what was left
@@ -141,6 +150,7 @@ def report(plan: Any, source: str, target: Any) -> Report:
         dropped=tuple(plan.dropped),
         computed_by_target=tuple(plan.computed_by_target),
         computed_by_source=tuple(plan.computed_by_source),
+        tied=tuple(plan.tied),
         source=source,
         target=name(target),
     )

@@ -37,6 +37,10 @@ from . import _errors
 from ._compare import forward, model_of
 
 
+ATTEND = "attend"
+"""The last name of the layer that reads a looked-up table as a head's kernel
+(`Trace.heads`): `.wte.attend` for `.wte.embedding`, as `nn.Embed.attend` does."""
+
 ITER = -1
 """In a position, where a scan over a stack iterates (replaced by the layer index)."""
 
@@ -86,6 +90,7 @@ def first_uses(
     convolved: dict[Path, tuple[int, ...]] | None = None,
     classes: dict[Path, type] | None = None,
     program: list[tuple[Program, list[Path]]] | None = None,
+    attended: dict[Path, tuple[Position, Contraction]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -103,6 +108,10 @@ def first_uses(
     pass calls, where the framework records them only then (Linen's compact
     submodules: `Adapter.called`). With `program`, appends the traced program
     and the leaf paths its first inputs are (`_branches`: layers side by side).
+    With `attended`, fills it with `{leaf path:
+    (position, Contraction)}` for every leaf first used as the table of a `gather`
+    (an embedding looked up) that a later `dot_general` contracts (the same array
+    read as a head's kernel: `nn.Embed.attend`, a tied LM head).
 
     **Arguments:**
 
@@ -153,9 +162,11 @@ def first_uses(
     layer_axes: dict[int, int] = {}
     upstream: dict[int, int] = {}
     kernels: dict[int, tuple[int, ...]] = {}
+    later: dict[int, tuple[Position, Contraction]] = {}
+    gathered: set[int] = set()
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
-    records = (axes, layer_axes, upstream, kernels)
+    records = (axes, layer_axes, upstream, kernels, later, gathered)
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
     if program is not None:
@@ -168,6 +179,8 @@ def first_uses(
         contracted.update({paths[i]: a for i, a in axes.items()})
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
+    if attended is not None:
+        attended.update({paths[i]: later[i] for i in gathered if i in later})
     return {paths[i]: pos for i, pos in found.items()}
 
 
@@ -198,7 +211,12 @@ def _visit(
     found: dict[int, Position],
     stored: dict[Any, tuple[int, ...]],
     records: tuple[
-        dict[int, Contraction], dict[int, int], dict[int, int], dict[int, tuple]
+        dict[int, Contraction],
+        dict[int, int],
+        dict[int, int],
+        dict[int, tuple],
+        dict[int, tuple[Position, Contraction]],
+        set[int],
     ],
     taint: dict[Any, int],
     fed: set[Any],
@@ -211,10 +229,13 @@ def _visit(
     axis of each of its axes}`, through transposes and a scan's slicing); in
     `scanned`, the stored axis a `scan` first iterates over; in `upstream`, the
     leaves (a bit each) the other operands of a leaf's first use depend on
-    (`taint`: `{var: the leaves it depends on}`). `fed`: the variables computed
-    from the inputs (the others are computed from weights alone); `changed`: the
-    variables that are a weight changed element by element (`_changed`)."""
-    axes, scanned_axes, upstream, kernels = records
+    (`taint`: `{var: the leaves it depends on}`); in `later`, how a leaf is
+    contracted by the first `dot_general` after its first use, and where; in
+    `gathered`, the leaves first used as a `gather`'s table. `fed`: the
+    variables computed from the inputs (the others are computed from weights
+    alone); `changed`: the variables that are a weight changed element by
+    element (`_changed`)."""
+    axes, scanned_axes, upstream, kernels, later, gathered = records
     changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
@@ -249,11 +270,18 @@ def _visit(
         if name in _ELEMENTWISE and eqn.outvars[0] not in fed:
             _changed(eqn, used, stored, tracked, changed)
         if name == "dot_general":
-            for i, (leaf, _) in used:
+            for i, (leaf, prefix) in used:
                 known = stored.get(eqn.invars[i])
                 first = leaf not in found or eqn.invars[i] in changed
                 if first and known is not None and i < 2:
                     axes.setdefault(leaf, _contraction(jaxpr, n, i, known))
+                elif known is not None and i < 2 and leaf not in axes:
+                    read = _contraction(jaxpr, n, i, known)
+                    later.setdefault(leaf, (prefix + (n,), read))
+        if name == "gather":
+            gathered.update(
+                leaf for i, (leaf, _) in used if i == 0 and leaf not in found
+            )
         if name == "conv_general_dilated":
             for i, (leaf, _) in used:
                 known = stored.get(eqn.invars[i])
@@ -444,6 +472,7 @@ class Trace:
         """The traced program (`_branches` reads it), where JAX traced it here."""
         self.read: list[dict[Path, frozenset]] = []
         """`_branches.reads`' answer, once made."""
+        self.attended: dict[Path, Path] = {}
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -486,6 +515,16 @@ class Trace:
         self()
         return self.tied
 
+    def heads(self) -> Mapping[Path, Path]:
+        """`{leaf path of a head: the leaf path of the table it reads}` for each
+        array of a JAX model's Tree the pass looks up (a `gather`) and later
+        contracts (a `dot_general`): one array in two roles, an embedding and the
+        LM head tied to it (`nn.Embed.attend`, NNX's `embed.attend`, an Equinox
+        head reading `self.embed.weight`). The head's path is the table's module
+        and `ATTEND`; its position and `Contraction` are those of the product."""
+        self()
+        return self.attended
+
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
         does not record them (Linen's compact submodules)."""
@@ -507,8 +546,9 @@ class Trace:
             return None  # variables alone, a state dict): the order known decides
         if isinstance(model_of(native), Skeleton):  # a checkpoint read without its
             return None  # model's code: its recorded names and order decide
+        later: dict[Path, tuple[Position, Contraction]] = {}
         try:
-            return first_uses(
+            found = first_uses(
                 self.tree,
                 self.example.inputs,
                 self.example.kwargs[self.side],
@@ -518,10 +558,25 @@ class Trace:
                 self.convolved,
                 self.called,
                 self.program,
+                later,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)
             return None
+        for table, (position, read) in later.items():
+            head = table[:-1] + (ATTEND,)
+            if (
+                head in found
+                or read.batch
+                or read.inputs != (1,)
+                or read.outputs != (0,)
+            ):
+                continue  # a name of the Tree's own, or no head's product (the
+                # rows are the vocabulary: the features meet the input)
+            self.attended[head] = table
+            found[head] = position
+            self.contracted[head] = read
+        return found
 
     def _by(self, trace: Callable[..., Uses | None]) -> Mapping[Path, Position] | None:
         """The adapter's own trace (`Adapter.trace`), its records kept."""
