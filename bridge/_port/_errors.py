@@ -309,8 +309,14 @@ WEIGHT_NORM_AXES = (
 )
 TRANSPOSED_WEIGHT_NORM = (
     "unsupported: {where} is a weight-normed convolution that the forward pass "
-    "applies transposed (conv_transpose): a weight-normed ConvTranspose is not read "
-    "yet"
+    "applies transposed (conv_transpose), but nothing reads it as a ConvTranspose "
+    "(no nn.ConvTranspose class, and no `bias` spanning `v`'s second axis): pass "
+    "the torch module, whose class tells"
+)
+PLAIN_WEIGHT_NORM_TRANSPOSE = (
+    "unsupported: {where} is a weight-normed ConvTranspose whose weight the forward "
+    "pass convolves plainly (conv, not conv_transpose): its layout is not the "
+    "class's"
 )
 SETTINGS = {
     "conv1d": (

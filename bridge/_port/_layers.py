@@ -22,7 +22,18 @@ from .._paths import Path, at, path_str
 from .._shown import shown
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors, _shapes
-from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
+from ._codec import (
+    WRAPPERS,
+    WRITTEN,
+    Codec,
+    Leaves,
+    Wrapping,
+    codec_of,
+    codecs,
+    outer_class,
+    same,
+    same_as_like,
+)
 from ._general import with_views
 from ._weight_norm import with_folded
 from .codecs._dense import DENSE_LINEN, by_bias, open_square
@@ -141,6 +152,19 @@ def _auto_name(cls: Any, path: Path) -> str | None:
     return match.group(1) if match else None
 
 
+def _class_of(node: Tree) -> Any:
+    """The class of the module at `node` as codecs recognise it: a `Wrapping` for a
+    wrapper (`_codec.WRAPPERS`), naming the class of the layer it wraps."""
+    cls = kind(node)
+    if not isinstance(cls, type):
+        return cls
+    for wrapper, name in WRAPPERS.items():
+        if issubclass(cls, wrapper):
+            child = dict(items(node)).get(name)
+            return Wrapping(cls, kind(child) if isinstance(child, Tree) else None)
+    return cls
+
+
 def _inputs_first(adapter: Adapter, node: Any, path: Path) -> bool:
     """Whether a per-head kernel's input axes come first: its class is a
     `DenseGeneral` one (recorded, as NNX's `LinearGeneral`, or a Linen auto-name
@@ -167,7 +191,7 @@ def _recognise(
     otherwise (Linen) an auto-name (`Dense_0`) picks the codecs named for it, and
     failing that every codec that recognises the arrays is a candidate. `families`:
     the registered codecs by framework, read once per walk."""
-    owner = adapter_of_class(cls)
+    owner = adapter_of_class(outer_class(cls))
     if owner is not None and owner.name != adapter.name:
         adapter = owner
     family = families.get(adapter.name)
@@ -244,7 +268,7 @@ class _Walk:
         if got is None:
             leaves = self.leaves(path, axis)
             got = _recognise(
-                self.families, self.adapter, kind(self.nodes[path]), path, leaves
+                self.families, self.adapter, _class_of(self.nodes[path]), path, leaves
             )
             if axis is not None and by_bias(leaves):  # no evidence of a stack
                 got = (tuple(c for c in got[0] if c is not DENSE_LINEN), got[1])

@@ -1,9 +1,10 @@
 """A weight-normed layer seen as a plain one: `g * v / ||v||` pairs with a `weight`.
 
-A weight-normed `Conv` or `Dense` (kinds `WeightNormConv`, `WeightNormDense`:
-`codecs/_weight_norm.py`) pairs with another weight-normed layer by its own kind,
-`v` and `g` carried as they are (their layouts changed, no arithmetic: bit-exact).
-It is also a candidate of the plain kind, through a view (`folded`):
+A weight-normed `Conv`, `ConvTranspose` or `Dense` (kinds `WeightNormConv`,
+`WeightNormConvTranspose`, `WeightNormDense`: `codecs/_weight_norm.py`) pairs with
+another weight-normed layer by its own kind, `v` and `g` carried as they are (their
+layouts changed, no arithmetic: bit-exact). It is also a candidate of the plain kind,
+through a view (`folded`):
 
 - decoded, its kernel is `g * (v / ||v||)`, the norm over the axes where `g` has
   length 1, as `torch._weight_norm` computes it: the weight the layer computes with;
@@ -103,8 +104,9 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
     without them. Returns the layers told other axes than that (their shapes are to
     be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
     PyTorch's order and whose axes the pass does not tell is a problem; so is a
-    PyTorch layer read from a file whose weight the pass convolves transposed (a
-    weight-normed `ConvTranspose`): either loses its weight-norm kinds."""
+    PyTorch layer read as a convolution whose weight the pass convolves transposed
+    (or as a `ConvTranspose` whose weight it convolves plainly): either loses its
+    weight-norm kinds."""
     told = []
     for x in layers:
         codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
@@ -115,7 +117,13 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
         axes = _traced(x, trace, base + x.paths.get(v, (v,)), v)
         plain = axes is None or axes == tuple(range(len(axes)))
         if codec.framework == "torch":
-            if not plain:
+            if codec.kind == WEIGHT_NORM["ConvTranspose"]:  # (in, out, *k) read
+                if axes is not None and axes[:2] != (1, 0):
+                    problems.append(
+                        _errors.PLAIN_WEIGHT_NORM_TRANSPOSE.format(where=x.where)
+                    )
+                    _drop(x)
+            elif not plain:
                 problems.append(_errors.TRANSPOSED_WEIGHT_NORM.format(where=x.where))
                 _drop(x)
             continue
