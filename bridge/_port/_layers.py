@@ -61,6 +61,13 @@ def _loose(framework: str) -> Codec:
     return _LOOSE[framework]
 
 
+def loose_layer(path: Path, framework: str, leaf: Any) -> Layer:
+    """A one-array layer of kind `Array` (a loose array) at the leaf path `path`."""
+    layer = Layer(path, (_loose(framework),), {"array": leaf}, {"array": ()}, {})
+    read_specs(layer, [])
+    return layer
+
+
 @dataclass(eq=False)
 class Layer:
     """One recognised layer: its path, candidate codecs (several only for a Linen

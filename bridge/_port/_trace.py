@@ -85,6 +85,7 @@ def first_uses(
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
     classes: dict[Path, type] | None = None,
+    added: set[Path] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -100,7 +101,10 @@ def first_uses(
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
     With `classes`, fills it with `{module path: class}` for every submodule the
     pass calls, where the framework records them only then (Linen's compact
-    submodules: `Adapter.called`).
+    submodules: `Adapter.called`). With `added`, fills it with the leaves whose first
+    use adds them to a product's result (`dot_general`'s, only relaid out between):
+    a bias, whatever module holds it (a masked-LM head's `bias` after a product with
+    the tied embedding).
 
     **Arguments:**
 
@@ -153,7 +157,8 @@ def first_uses(
     kernels: dict[int, tuple[int, ...]] = {}
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
-    records = (axes, layer_axes, upstream, kernels)
+    biases: set[int] = set()
+    records = (axes, layer_axes, upstream, kernels, (set(), biases))
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
     if convolved is not None:
@@ -162,6 +167,8 @@ def first_uses(
         needs.update({p: (1 << i, upstream.get(i, 0)) for i, p in enumerate(paths)})
     if contracted is not None:
         contracted.update({paths[i]: a for i, a in axes.items()})
+    if added is not None:
+        added.update(paths[i] for i in biases)
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
@@ -186,7 +193,11 @@ def _visit(
     found: dict[int, Position],
     stored: dict[Any, tuple[int, ...]],
     records: tuple[
-        dict[int, Contraction], dict[int, int], dict[int, int], dict[int, tuple]
+        dict[int, Contraction],
+        dict[int, int],
+        dict[int, int],
+        dict[int, tuple],
+        tuple[set[Any], set[int]],
     ],
     taint: dict[Any, int],
     fed: set[Any],
@@ -201,8 +212,10 @@ def _visit(
     leaves (a bit each) the other operands of a leaf's first use depend on
     (`taint`: `{var: the leaves it depends on}`). `fed`: the variables computed
     from the inputs (the others are computed from weights alone); `changed`: the
-    variables that are a weight changed element by element (`_changed`)."""
-    axes, scanned_axes, upstream, kernels = records
+    variables that are a weight changed element by element (`_changed`). `records`
+    also holds the variables that hold a product's result (`dot_general`'s, only
+    relaid out since) and the leaves first used added to one (a bias)."""
+    axes, scanned_axes, upstream, kernels, (products, biases) = records
     changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
@@ -213,6 +226,12 @@ def _visit(
             taint[v] = every
         if any(not _literal(v) and v in fed for v in eqn.invars):
             fed.update(eqn.outvars)
+        name = eqn.primitive.name
+        if name == "dot_general" or (
+            name in _SEEN_THROUGH
+            and any(not _literal(v) and v in products for v in eqn.invars)
+        ):
+            products.update(eqn.outvars)
         used = [
             (i, tracked[v])
             for i, v in enumerate(eqn.invars)
@@ -220,7 +239,11 @@ def _visit(
         ]
         if not used:
             continue
-        name = eqn.primitive.name
+        if name == "add" and len(eqn.invars) == 2:
+            for i, (leaf, _) in used:
+                other = eqn.invars[1 - i]
+                if leaf not in found and not _literal(other) and other in products:
+                    biases.add(leaf)
         if name in _SEEN_THROUGH and len(eqn.outvars) == 1:
             others = [v for v in eqn.invars if not _literal(v)]
             if len(others) == 1:
@@ -289,6 +312,11 @@ def _visit(
                 for i, _ in used
                 if i >= skip and eqn.invars[i] in changed
             }
+            products.update(
+                sub.invars[j - skip]
+                for j in range(skip, len(eqn.invars))
+                if not _literal(eqn.invars[j]) and eqn.invars[j] in products
+            )
             _visit(
                 sub,
                 inner,
@@ -299,6 +327,12 @@ def _visit(
                 inner_fed,
                 inner_changed,
             )
+            if len(sub.outvars) == len(eqn.outvars):
+                products.update(
+                    v
+                    for v, w in zip(eqn.outvars, sub.outvars)
+                    if not _literal(w) and w in products
+                )
             if len(sub.outvars) == len(eqn.outvars) and s == 0:
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] = 0 if _literal(w) else inner_taint.get(w, 0)
@@ -427,6 +461,7 @@ class Trace:
         self.convolved: dict[Path, tuple[int, ...]] = {}
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
+        self.added: set[Path] = set()
         self.tied: dict[Path, Path] = {}
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
@@ -462,6 +497,13 @@ class Trace:
         scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
         self()
         return self.normalised
+
+    def biases(self) -> frozenset[Path]:
+        """The leaf paths an operation adds to a product's result (a bias: see
+        `first_uses`, `bridge._uses.Uses.added`), a tied name's as the path the
+        Tree holds it at."""
+        self()
+        return frozenset(self.tied.get(p, p) for p in self.added)
 
     def ties(self) -> Mapping[Path, Path]:
         """`{leaf path of a name the Tree holds once: the leaf path it holds it
@@ -501,6 +543,7 @@ class Trace:
                 self.needs,
                 self.convolved,
                 self.called,
+                self.added,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)
@@ -524,6 +567,7 @@ class Trace:
         self.needs.update(cast(dict[Path, tuple[int, int]], uses.needs))
         self.normalised.update(cast(dict[Path, str], uses.norms))
         self.tied.update(cast(dict[Path, Path], uses.tied))
+        self.added.update(cast(dict[Path, bool], uses.added))
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
