@@ -7,6 +7,7 @@ PyTorch's own forward pass."""
 import warnings
 
 import equinox as eqx
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -449,3 +450,45 @@ def test_flax_and_equinox_conv_transpose_into_a_weight_normed_one(n):
         {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
     )
     _close(_torch_out(target, x), jax.vmap(layer)(jnp.asarray(x)))
+
+
+class LinenWeightNormed(linen.Module):
+    """Linen's `nn.WeightNorm` around an `nn.Dense` or an `nn.Conv` taking `(N, C,
+    L)` as PyTorch does: the layer's kernel and bias where it is, its scale in the
+    wrapper's scope."""
+
+    conv: bool
+
+    @linen.compact
+    def __call__(self, x):
+        if not self.conv:
+            return linen.WeightNorm(linen.Dense(OUT))(x)
+        layer = linen.Conv(OUT, (K,), padding=1)
+        return linen.WeightNorm(layer)(x.transpose(0, 2, 1)).transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_linen_weight_norm_and_a_parametrized_torch_layer_both_ways(layer):
+    """Linen `nn.WeightNorm(nn.Dense / nn.Conv)` (default `feature_axes=-1`, per
+    output) and torch's `weight_norm` (`dim=0`): torch -> Linen carries `g` and
+    `v` bit-exact, Linen's outputs are torch's; Linen -> torch,
+    `load_state_dict(strict=True)` takes them and torch's outputs are Linen's."""
+    conv = layer == "conv"
+    source = _conv(0) if conv else _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+    x = _x() if conv else np.random.default_rng(1).normal(size=(5, IN))
+    x = x.astype(np.float32)
+    module = LinenWeightNormed(conv)
+    variables = module.init(jax.random.key(0), jnp.asarray(x))
+    _, ported = bridge.port(source, (module, variables))
+    _close(module.apply(ported, jnp.asarray(x)), _torch_out(source, x))
+    g = source.parametrizations.weight.original0.detach().numpy()
+    held = ported["params"]["WeightNorm_0"]
+    scale = held["Conv_0/kernel/scale" if conv else "Dense_0/kernel/scale"]
+    assert np.array_equal(np.asarray(scale), g.reshape(-1))
+    noisy = jax.tree.map(lambda a: a + 0.5, variables)  # the scale away from ones
+    target = _conv(0, seed=4) if conv else weight_norm(torch.nn.Linear(IN, OUT))
+    state = bridge.port((module, noisy), target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    _close(_torch_out(target, x), module.apply(noisy, jnp.asarray(x)))

@@ -4,6 +4,7 @@ layers; every port checked against the frameworks' own forward passes (PyTorch's
 in `test_torch_weight_norm.py`)."""
 
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,3 +109,92 @@ def test_an_nnx_weight_norm_that_is_no_g_v_pair_is_refused(kwargs):
         bridge.port(source, target)
     with pytest.raises(bridge.PortError, match="only a weight norm of the wrapped"):
         bridge.port(nnx.Linear(IN, OUT, rngs=nnx.Rngs(0)), source)
+
+
+class LinenNormed(nn.Module):
+    """A Linen `nn.WeightNorm` around a `Dense`: the `Dense`'s kernel and bias where
+    it is (`Dense_0`), its scale in the wrapper's scope
+    (`WeightNorm_0/'Dense_0/kernel/scale'`)."""
+
+    features: int = OUT
+    feature_axes: int = -1
+    variable_filter: tuple = ("kernel",)
+
+    @nn.compact
+    def __call__(self, x):
+        wrapper = nn.WeightNorm(
+            nn.Dense(self.features),
+            feature_axes=self.feature_axes,
+            variable_filter=set(self.variable_filter),
+        )
+        return wrapper(x)
+
+
+def _linen(seed=0, **kwargs):
+    module = LinenNormed(**kwargs)
+    variables = module.init(jax.random.key(seed), X)
+    noise = jax.random.normal(jax.random.key(seed + 1), (OUT,))
+    scale = variables["params"]["WeightNorm_0"]["Dense_0/kernel/scale"]
+    variables["params"]["WeightNorm_0"]["Dense_0/kernel/scale"] = scale + noise
+    return module, variables
+
+
+def test_linen_weight_norm_into_nnx_and_equinox_and_back():
+    """Linen's `nn.WeightNorm(nn.Dense)` is one `WeightNormDense` layer (its scale
+    read from the wrapper's scope): into `nnx.WeightNorm` and
+    `eqx.nn.WeightNorm` `g`, `v` are carried bit-exact and the outputs are Linen's
+    own; and back from NNX into Linen, the scale written where Linen keeps it."""
+    module, variables = _linen()
+    want = module.apply(variables, X)
+    params = variables["params"]
+    ported = bridge.port((module, variables), _wrapped(seed=4))
+    assert np.array_equal(
+        ported.layer_instance.kernel[...], params["Dense_0"]["kernel"]
+    )
+    scale = params["WeightNorm_0"]["Dense_0/kernel/scale"]
+    assert np.array_equal(ported.scales[("kernel",)][...], scale)
+    np.testing.assert_allclose(_out(ported, X), want, atol=1e-6)
+    layer = eqx.nn.Linear(IN, OUT, key=jax.random.key(4))
+    normed = bridge.port((module, variables), eqx.nn.WeightNorm(layer))
+    np.testing.assert_allclose(jax.vmap(normed)(X), want, atol=1e-6)
+    _, back = bridge.port(_wrapped(seed=8), _linen(seed=6))
+    source = _wrapped(seed=8)
+    got = back["params"]["WeightNorm_0"]["Dense_0/kernel/scale"]
+    assert np.array_equal(got, source.scales[("kernel",)][...])
+    np.testing.assert_allclose(module.apply(back, X), _out(source, X), atol=1e-6)
+
+
+def test_linen_weight_norm_into_a_plain_dense():
+    """Into a plain `nnx.Linear`: `kernel = g * v / ||v||`, Linen's outputs."""
+    module, variables = _linen()
+    plain = bridge.port((module, variables), nnx.Linear(IN, OUT, rngs=nnx.Rngs(5)))
+    np.testing.assert_allclose(plain(X), module.apply(variables, X), atol=1e-6)
+
+
+def test_linen_weight_norm_feature_axes_from_the_forward_pass():
+    """A square kernel: the scale's length fits both axes, so its `feature_axes`
+    is unknown from the arrays (refused, naming it); the forward pass on example
+    inputs shows the axis it is reshaped to (0 here): `nnx.WeightNorm` with the
+    same `feature_axes` gets it, and computes Linen's outputs; one with the default
+    (per output) has another `scale` shape: refused."""
+    x = jax.random.normal(jax.random.key(3), (2, OUT))
+    module = LinenNormed(feature_axes=0)
+    variables = module.init(jax.random.key(0), x)
+    inner = nnx.Linear(OUT, OUT, rngs=nnx.Rngs(0))
+    with pytest.raises(bridge.PortError, match="nothing tells which it scales"):
+        bridge.port((module, variables), nnx.WeightNorm(inner, rngs=nnx.Rngs(1)))
+    target = nnx.WeightNorm(inner, feature_axes=0, rngs=nnx.Rngs(1))
+    ported = bridge.port((module, variables), target, example=(x,))
+    np.testing.assert_allclose(_out(ported, x), module.apply(variables, x), atol=1e-6)
+    with pytest.raises(bridge.PortError, match=r"`scale` is \(5, 1\)"):
+        default = nnx.WeightNorm(inner, rngs=nnx.Rngs(1))
+        bridge.port((module, variables), default, example=(x,))
+
+
+def test_a_linen_weight_norm_of_the_bias_too_is_refused():
+    """`variable_filter={'kernel', 'bias'}` normalises the bias too: not a `g`, `v`
+    weight norm of the kernel; refused, never ported as a plain `Dense`."""
+    module = LinenNormed(variable_filter=("kernel", "bias"))
+    variables = module.init(jax.random.key(0), X)
+    with pytest.raises(bridge.PortError, match=r"normalises its \['bias', 'kernel'\]"):
+        bridge.port((module, variables), nnx.Linear(IN, OUT, rngs=nnx.Rngs(0)))

@@ -86,6 +86,7 @@ def first_uses(
     convolved: dict[Path, tuple[int, ...]] | None = None,
     classes: dict[Path, type] | None = None,
     added: set[Path] | None = None,
+    placed: dict[Path, int] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -104,7 +105,10 @@ def first_uses(
     submodules: `Adapter.called`). With `added`, fills it with the leaves whose first
     use adds them to a product's result (`dot_general`'s, only relaid out between):
     a bias, whatever module holds it (a masked-LM head's `bias` after a product with
-    the tied embedding).
+    the tied embedding). With `placed`, fills it with `{leaf path: axis}` for the
+    1-D leaves first used in a `mul` after a reshape that puts their one axis at
+    `axis` (the others of length 1): a scale over that axis of a weight (Linen
+    `nn.WeightNorm`'s `scale`, its `feature_axes`).
 
     **Arguments:**
 
@@ -158,7 +162,8 @@ def first_uses(
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
     biases: set[int] = set()
-    records = (axes, layer_axes, upstream, kernels, (set(), biases))
+    scales: dict[int, int] = {}
+    records = (axes, layer_axes, upstream, kernels, (set(), biases, {}, scales))
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
     if convolved is not None:
@@ -169,6 +174,8 @@ def first_uses(
         contracted.update({paths[i]: a for i, a in axes.items()})
     if added is not None:
         added.update(paths[i] for i in biases)
+    if placed is not None:
+        placed.update({paths[i]: a for i, a in scales.items()})
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     return {paths[i]: pos for i, pos in found.items()}
@@ -197,7 +204,7 @@ def _visit(
         dict[int, int],
         dict[int, int],
         dict[int, tuple],
-        tuple[set[Any], set[int]],
+        tuple[set[Any], set[int], dict[Any, int], dict[int, int]],
     ],
     taint: dict[Any, int],
     fed: set[Any],
@@ -214,8 +221,11 @@ def _visit(
     from the inputs (the others are computed from weights alone); `changed`: the
     variables that are a weight changed element by element (`_changed`). `records`
     also holds the variables that hold a product's result (`dot_general`'s, only
-    relaid out since) and the leaves first used added to one (a bias)."""
-    axes, scanned_axes, upstream, kernels, (products, biases) = records
+    relaid out since), the leaves first used added to one (a bias), the variables
+    that are a 1-D leaf reshaped to one axis (`{var: axis}`) and the leaves first
+    used so in a `mul` (`{leaf: axis}`)."""
+    axes, scanned_axes, upstream, kernels, sums = records
+    products, biases, placed, scales = sums
     changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
@@ -244,10 +254,15 @@ def _visit(
                 other = eqn.invars[1 - i]
                 if leaf not in found and not _literal(other) and other in products:
                     biases.add(leaf)
+        if name == "mul":
+            for i, (leaf, _) in used:
+                if leaf not in found and eqn.invars[i] in placed:
+                    scales.setdefault(leaf, placed[eqn.invars[i]])
         if name in _SEEN_THROUGH and len(eqn.outvars) == 1:
             others = [v for v in eqn.invars if not _literal(v)]
             if len(others) == 1:
                 tracked[eqn.outvars[0]] = used[0][1]
+                _place(eqn, stored.get(others[0]), placed)
                 known = stored.get(others[0])
                 if known is not None and name in _SAME_LAYOUT:
                     stored[eqn.outvars[0]] = known
@@ -346,6 +361,26 @@ def _visit(
                     others |= t if j != i and name not in _SIDE_BY_SIDE else 0
                 upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
+
+
+def _place(eqn: Any, known: tuple[int, ...] | None, placed: dict[Any, int]) -> None:
+    """Where a 1-D leaf (`known`: its stored axes, `(0,)`) is reshaped or broadcast
+    to one axis of the result (a `reshape` to `(1, .., n, .., 1)`,
+    `broadcast_in_dim`), `placed` records that axis for the result."""
+    (out,) = eqn.outvars
+    name = eqn.primitive.name
+    if name in _SAME_LAYOUT and eqn.invars[0] in placed:
+        placed[out] = placed[eqn.invars[0]]
+    if known != (0,):
+        return
+    shape = tuple(out.aval.shape)
+    if name == "broadcast_in_dim":
+        placed[out] = eqn.params["broadcast_dimensions"][0]
+    elif name == "reshape":
+        n = eqn.invars[0].aval.shape[0]
+        fits = [a for a, m in enumerate(shape) if m == n]
+        if len(fits) == 1 and all(m == 1 for a, m in enumerate(shape) if a != fits[0]):
+            placed[out] = fits[0]
 
 
 def _changed(
@@ -462,6 +497,7 @@ class Trace:
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
         self.added: set[Path] = set()
+        self.placed: dict[Path, int] = {}
         self.tied: dict[Path, Path] = {}
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
@@ -505,6 +541,12 @@ class Trace:
         self()
         return frozenset(self.tied.get(p, p) for p in self.added)
 
+    def scale_axes(self) -> Mapping[Path, int]:
+        """`{leaf path: axis}` of 1-D arrays the pass multiplies, reshaped to one
+        axis, with a weight (see `first_uses`)."""
+        self()
+        return self.placed
+
     def ties(self) -> Mapping[Path, Path]:
         """`{leaf path of a name the Tree holds once: the leaf path it holds it
         at}` that the traced model shows (a Hugging Face folder's tied embeddings,
@@ -544,6 +586,7 @@ class Trace:
                 self.convolved,
                 self.called,
                 self.added,
+                self.placed,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)

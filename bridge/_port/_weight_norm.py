@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from . import _errors, _shapes
 from ._codec import Codec, Leaves
-from .codecs._weight_norm import WEIGHT_NORM
+from .codecs._weight_norm import LINEN_SCALE, WEIGHT_NORM
 
 
 if TYPE_CHECKING:
@@ -100,6 +100,10 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
     convolution (or product) that the weight computed from `v` element by element
     feeds, as its stored axes `(out, in, *spatial)`.
 
+    A layer wrapped by Linen's `nn.WeightNorm` whose scale's length fits several
+    kernel axes takes its `feature_axes` from the axis the pass reshapes the scale
+    to (`Trace.scale_axes`), else stays unknown (refused).
+
     A Flax layer takes them (`hyper["axes"]`); it is read in PyTorch's order
     without them. Returns the layers told other axes than that (their shapes are to
     be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
@@ -109,6 +113,13 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
     weight-norm kinds."""
     told = []
     for x in layers:
+        if "feature_axes" in x.unknown.values() and LINEN_SCALE in x.held:
+            axis = None if trace is None or not trace() else trace.scale_axes()
+            axis = None if axis is None else axis.get(x.held[LINEN_SCALE])
+            if axis is not None:
+                x.hyper["feature_axes"] = (axis,)
+                told.append(x)
+            continue
         codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
         v = next((n for n in _V if n in x.leaves), None)
         if codec is None or v is None or codec.framework not in _FLAX + ("torch",):

@@ -26,6 +26,11 @@ must agree with it.
   axes as `(out, in, *spatial)`, `bridge._port._weight_norm.read_axes`); without
   one, PyTorch's order, whose names these are; a `bias` that does not fit it
   leaves the axes unknown, and the layer refused. (`Conv` and `Dense` only.)
+- Linen: `nn.WeightNorm(layer)` around a `Dense`, `Conv` or `ConvTranspose`: the
+  layer's `kernel` (`v`) and `bias` where the layer is, its scale (`g`, the lengths
+  of `feature_axes`) in the wrapper's scope (`_layers.linen_weight_norms` makes
+  the layer, entry `scale`); the feature axis is the one the scale's length fits,
+  else the one the forward pass reshapes it to (`hyper["feature_axes"]`).
 - NNX: `nnx.WeightNorm(layer)` around an `nnx.Linear`, `nnx.Conv` or
   `nnx.ConvTranspose` (`layer_instance.kernel` = `v` in Flax's layout, `scales`
   `{('kernel',): g}` holding only the lengths of `feature_axes`, reshaped as
@@ -313,6 +318,60 @@ def _flax_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leav
     return out
 
 
+# --- Linen: nn.WeightNorm, its scale in its own scope -------------------------------
+
+LINEN_SCALE = "scale"
+"""The entry of a Linen layer wrapped by `nn.WeightNorm` holding the scale, which the
+Linen variables keep at `<WeightNorm's path>/<layer name>/kernel/scale`
+(`_layers.linen_weight_norms` makes the layer, its scale `Layer.held` there)."""
+_LINEN_AXES = (
+    "a Linen nn.WeightNorm's scale {scale} for kernel {kernel}: its length fits "
+    "several axes, and nothing tells its `feature_axes`"
+)
+
+
+def _linen_feature_axes(kernel: Any, scale: Any, hyper: dict[str, Any]) -> tuple:
+    """The kernel axes `g` spans: as the forward pass reshapes the scale
+    (`hyper["feature_axes"]`), else the one axis its length fits; a scalar spans
+    none."""
+    if "feature_axes" in hyper:
+        return hyper["feature_axes"]
+    if not scale.shape:
+        return ()
+    fits = [a for a, n in enumerate(kernel.shape) if (n,) == tuple(scale.shape)]
+    if len(fits) != 1:
+        raise KeyError("feature_axes")  # the forward pass tells (`read_axes`)
+    return (fits[0],)
+
+
+def _linen_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    if "kernel" not in leaves:  # a module holding weight_v, weight_g
+        return _flax_decode(leaves, hyper)
+    kernel, scale = leaves["kernel"], leaves[LINEN_SCALE]
+    if scale.ndim > 1:
+        raise ValueError(
+            _LINEN_AXES.format(scale=tuple(scale.shape), kernel=tuple(kernel.shape))
+        )
+    axes = _linen_feature_axes(kernel, scale, hyper)
+    shape = tuple(n if a in axes else 1 for a, n in enumerate(kernel.shape))
+    out = {"kernel": kernel, "scale": jnp.reshape(scale, shape)}
+    if "bias" in leaves:
+        out["bias"] = leaves["bias"]
+    return out
+
+
+def _linen_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    if "kernel" not in like:
+        return _flax_encode(canonical, like, hyper)
+    out = {
+        "kernel": canonical["kernel"],
+        LINEN_SCALE: jnp.reshape(canonical["scale"], like[LINEN_SCALE].shape),
+    }
+    if "bias" in like and "bias" in canonical:
+        out["bias"] = canonical["bias"]
+    return out
+
+
 # --- NNX: nnx.WeightNorm around a Linear, Conv or ConvTranspose ----------------------
 
 _NNX_CLASSES = {
@@ -498,9 +557,9 @@ def _register(plain: str) -> tuple[Codec, ...]:
             kind,
             "linen",
             _flax_recognise(plain),
-            _flax_decode,
-            _flax_encode,
-            layout="weight_v (out,in,..) or as the forward pass reads it",
+            _linen_decode,
+            _linen_encode,
+            layout="nn.WeightNorm, or weight_v (out,in,..) as the pass reads it",
             defaults=_DEFAULTS,
         ),
         Codec(
