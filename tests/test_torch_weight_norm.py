@@ -492,3 +492,21 @@ def test_linen_weight_norm_and_a_parametrized_torch_layer_both_ways(layer):
         {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
     )
     _close(_torch_out(target, x), module.apply(noisy, jnp.asarray(x)))
+
+
+def test_an_equinox_weight_norm_file_into_torch(tmp_path):
+    """`eqx.nn.WeightNorm(ConvTranspose1d, axis=1)` saved by `bridge.save`, loaded
+    into a weight-normed torch `ConvTranspose1d`: the file's recorded classes say
+    which layer it wraps (read back without the model's code); torch's outputs are
+    Equinox's."""
+    layer = eqx.nn.ConvTranspose1d(IN, OUT, K, stride=2, key=jax.random.key(1))
+    source = eqx.nn.WeightNorm(layer, axis=1)
+    path = tmp_path / "normed.safetensors"
+    bridge.save(path, source)
+    target = _conv_transpose(1, seed=3)
+    state = bridge.load(path, like=target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    x = _images(1)
+    _close(_torch_out(target, x), jax.vmap(source)(jnp.asarray(x)))

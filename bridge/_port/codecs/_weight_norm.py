@@ -52,6 +52,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from flax import nnx
 
+from ..._adapters._skeleton import Skeleton
 from .._codec import WRAPPERS, Codec, Leaves, Wrapping, register_codec
 from ._conv import (
     _eqx_hyper,
@@ -512,7 +513,9 @@ _EQX_HYPER = {"Conv": _eqx_hyper, "ConvTranspose": _eqx_transpose_hyper}
 def _eqx_hyper_of(plain: str):
     def read(module: Any) -> dict[str, Any]:
         layer = module.layer
-        if module.weight_name != "weight" or not isinstance(layer, _EQX_CLASSES[plain]):
+        # a file read back (a Skeleton): the recorded class already chose the kind
+        fits = isinstance(layer, (Skeleton, _EQX_CLASSES[plain]))
+        if module.weight_name != "weight" or not fits:
             return {"wrapped": type(layer).__name__, "weight_name": module.weight_name}
         out = _EQX_HYPER[plain](layer) if plain in _EQX_HYPER else {}
         out["weight_norm_axis"] = module.axis
