@@ -198,3 +198,12 @@ def test_a_linen_weight_norm_of_the_bias_too_is_refused():
     variables = module.init(jax.random.key(0), X)
     with pytest.raises(bridge.PortError, match=r"normalises its \['bias', 'kernel'\]"):
         bridge.port((module, variables), nnx.Linear(IN, OUT, rngs=nnx.Rngs(0)))
+
+
+def test_an_nnx_weight_norm_around_another_layer_is_refused():
+    """`nnx.WeightNorm(nnx.LinearGeneral)`: no weight-normed kind reads it; refused,
+    naming the wrapped class (was a raw KeyError from the scales' tuple keys)."""
+    inner = nnx.LinearGeneral(IN, (2, OUT), rngs=nnx.Rngs(0))
+    source = nnx.WeightNorm(inner, rngs=nnx.Rngs(1))
+    with pytest.raises(bridge.PortError, match="nnx.WeightNorm wrapping LinearGeneral"):
+        bridge.port(source, nnx.Linear(IN, 2 * OUT, rngs=nnx.Rngs(2)))

@@ -399,7 +399,10 @@ def _nnx_recognise(plain: str):
     def recognise(cls: Any, leaves: Leaves) -> bool:
         if not _is_nnx_wrapper(cls):
             return flax(cls, leaves)
-        return _wraps(cls, _NNX_CLASSES[plain]) and _NNX_KERNEL in leaves
+        if _wraps(cls, _NNX_CLASSES[plain]):
+            return True
+        # around another layer: claimed (by one kind) to be refused, naming it
+        return plain == "Dense" and not _wraps(cls, tuple(_NNX_CLASSES.values()))
 
     return recognise
 
@@ -409,6 +412,8 @@ def _nnx_hyper_of(plain: str):
         if not isinstance(module, nnx.WeightNorm):
             return {}
         layer = module.layer_instance
+        if not isinstance(layer, _NNX_CLASSES[plain]):
+            return {"wrapped": type(layer).__name__}
         out = _NNX_HYPER.get(plain, lambda m: {"use_bias": m.use_bias})(layer)
         axes = module.feature_axes
         axes = () if axes is None else (axes,) if isinstance(axes, int) else axes
@@ -420,6 +425,11 @@ def _nnx_hyper_of(plain: str):
     return read
 
 
+_NNX_PARTS = ("layer_instance/", "scales/")
+_NNX_WRAPPED = (
+    "an nnx.WeightNorm wrapping {cls}: only an nnx.Linear, nnx.Conv or "
+    "nnx.ConvTranspose's `kernel` is read"
+)
 _NNX_ENTRIES = (
     "an nnx.WeightNorm holding {found}: only a weight norm of the wrapped layer's "
     "`kernel` (variable_filter matching `kernel` alone, use_scale=True) is read; "
@@ -446,7 +456,9 @@ def _nnx_feature_axes(leaves: Leaves, hyper: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _nnx_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
-    if _NNX_KERNEL not in leaves:  # a module holding weight_v, weight_g
+    if "wrapped" in hyper:
+        raise ValueError(_NNX_WRAPPED.format(cls=hyper["wrapped"]))
+    if not any(k.startswith(_NNX_PARTS) for k in leaves):  # weight_v, weight_g
         return _flax_decode(leaves, hyper)
     entries = set(leaves) - {_NNX_BIAS}
     if entries != {_NNX_KERNEL, _NNX_SCALE} or not hyper.get("use_scale", True):
