@@ -76,6 +76,9 @@ class Uses(NamedTuple):
       every operation), leaving out the arguments that operation applies after
       this one (a bias after the product): the layers upstream, an order of
       dependence.
+    - `added`: `{name: True}` for a parameter an operation adds to a product's
+      result (`F.linear`'s `bias`, `addmm`'s `input`; JAX's `add` onto a
+      `dot_general`'s result): a bias, whatever module holds it.
     - `unused`: names the forward pass never computes with (training-only arrays
       such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
       evaluation).
@@ -94,6 +97,7 @@ class Uses(NamedTuple):
     needs: dict[Where, tuple[int, int]]
     unused: tuple[Where, ...]
     tied: dict[Where, Where] = {}  # noqa: RUF012 - never mutated
+    added: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
 
 
 class Untraced(Exception):

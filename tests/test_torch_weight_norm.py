@@ -7,6 +7,7 @@ PyTorch's own forward pass."""
 import warnings
 
 import equinox as eqx
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +272,267 @@ def test_legacy_names_into_a_parametrized_module():
     )
     x = np.random.default_rng(6).normal(size=(5, IN)).astype(np.float32)
     _close(_torch_out(target, x), _torch_out(legacy, x))
+
+
+# --- nnx.WeightNorm, and weight-normed ConvTranspose ---------------------------------
+
+
+def _random(module, seed):
+    """`module` (torch) with every parameter random, in evaluation mode."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p))
+    return module.eval()
+
+
+def _nnx_out(module, x):
+    """`module(x)` on a copy: `nnx.WeightNorm`'s call writes the normalised kernel
+    into `layer_instance.kernel`."""
+    return np.asarray(nnx.clone(module)(jnp.asarray(x)))
+
+
+def _scale(module):
+    return np.asarray(module.scales[("kernel",)][...])
+
+
+def _set_scale(module, value):
+    """`nnx.WeightNorm`'s scale set: an array (flax 0.12.8) or an `nnx.Param`
+    (flax >= 0.12.9) keeps its type."""
+    if isinstance(module.scales[("kernel",)], nnx.Variable):
+        module.scales[("kernel",)][...] = value
+    else:
+        module.scales[("kernel",)] = value
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_parametrized_layer_into_nnx_weight_norm_and_back(layer):
+    """A weight-normed `nn.Linear`/`nn.Conv1d` (torch's default `dim=0`, per output)
+    into `nnx.WeightNorm` (its default `feature_axes=-1`, per output): `v` is the
+    wrapped layer's kernel, `g` its `scales`, both bit-exact; the outputs are
+    torch's; and back into a new torch module, bit-exact again."""
+    if layer == "linear":
+        source = _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+        inner = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+        x, nwc = np.random.default_rng(1).normal(size=(5, IN)).astype(np.float32), 0
+    else:
+        source = _conv(0)
+        inner = nnx.Conv(IN, OUT, (K,), padding=1, rngs=nnx.Rngs(0))
+        x, nwc = _x(), 1
+    target = nnx.WeightNorm(inner, rngs=nnx.Rngs(1))
+    ported = bridge.port(source, target)
+    v = source.parametrizations.weight.original1.detach().numpy()
+    g = source.parametrizations.weight.original0.detach().numpy()
+    kernel = v.T if layer == "linear" else v.transpose(2, 1, 0)
+    assert np.array_equal(np.asarray(ported.layer_instance.kernel[...]), kernel)
+    assert np.array_equal(_scale(ported), g.reshape(-1))
+    flax_x = x.transpose(0, 2, 1) if nwc else x
+    out = _nnx_out(ported, flax_x)
+    _close(out.transpose(0, 2, 1) if nwc else out, _torch_out(source, x))
+    fresh = weight_norm(torch.nn.Linear(IN, OUT) if layer == "linear" else _conv(0, 9))
+    back = bridge.port(ported, fresh)
+    assert np.array_equal(np.asarray(back["parametrizations.weight.original1"]), v)
+    assert np.array_equal(np.asarray(back["parametrizations.weight.original0"]), g)
+
+
+def test_nnx_weight_norm_into_a_plain_linear_and_from_one():
+    """Into a plain `nn.Linear`: `weight = g * v / ||v||`, torch's outputs are
+    `nnx.WeightNorm`'s own. From one: `v = w`, `g = ||w||` (the documented
+    re-parametrisation), `nnx.WeightNorm`'s outputs are torch's."""
+    x = np.random.default_rng(2).normal(size=(5, IN)).astype(np.float32)
+    source = nnx.WeightNorm(nnx.Linear(IN, OUT, rngs=nnx.Rngs(3)), rngs=nnx.Rngs(4))
+    _set_scale(source, jax.random.normal(jax.random.key(5), (OUT,)))
+    linear = torch.nn.Linear(IN, OUT).eval()
+    state = bridge.port(source, linear)
+    linear.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
+    )
+    _close(_torch_out(linear, x), _nnx_out(source, x))
+    plain = _random(torch.nn.Linear(IN, OUT), 6)
+    target = nnx.WeightNorm(nnx.Linear(IN, OUT, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+    ported = bridge.port(plain, target)
+    w = plain.weight.detach().numpy()
+    assert np.array_equal(np.asarray(ported.layer_instance.kernel[...]), w.T)
+    _close(_scale(ported), np.linalg.norm(w, axis=1))
+    _close(_nnx_out(ported, x), _torch_out(plain, x))
+
+
+def test_nnx_weight_norm_feature_axes_other_than_torchs_dim_is_refused():
+    """`nnx.WeightNorm(feature_axes=0)` normalises a Linear's kernel per input, torch's
+    `dim=0` per output: another function, refused by `scale`'s shape."""
+    source = _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+    inner = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
+    target = nnx.WeightNorm(inner, feature_axes=0, rngs=nnx.Rngs(1))
+    with pytest.raises(bridge.PortError, match=r"`scale` is \(1, 6\).*\(4, 1\)"):
+        bridge.port(source, target)
+
+
+def _conv_transpose(n, seed=0):
+    """A weight-normed `ConvTranspose{n}d(IN, OUT, K, stride=2)` under torch's
+    default `dim=0`, every array random."""
+    cls = {1: torch.nn.ConvTranspose1d, 2: torch.nn.ConvTranspose2d}[n]
+    return _random(weight_norm(cls(IN, OUT, K, stride=2)), seed)
+
+
+def _flax_transpose(n, seed):
+    """`nnx.ConvTranspose` computing what the torch one does (stride 2, "VALID":
+    torch's `padding=0`)."""
+    return nnx.ConvTranspose(
+        IN, OUT, (K,) * n, strides=2, padding="VALID", rngs=nnx.Rngs(seed)
+    )
+
+
+def _images(n, seed=7):
+    shape = (2, IN) + (5,) * n
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def _nhwc(x):
+    return np.moveaxis(x, 1, -1)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_weight_normed_conv_transpose_norms_per_input_channel(n):
+    """torch's own behaviour, asserted: `weight_norm`'s default `dim=0` on a
+    `ConvTranspose`, whose weight is `(in, out, *k)`, keeps `g` per input channel."""
+    source = _conv_transpose(n)
+    g = source.parametrizations.weight.original0
+    assert tuple(g.shape) == (IN,) + (1,) * (n + 1)
+    v = source.parametrizations.weight.original1.detach()
+    norms = v.reshape(IN, -1).norm(dim=1).reshape(g.shape)
+    with torch.no_grad():
+        assert torch.allclose(source.weight, g * v / norms)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_weight_normed_conv_transpose_into_flax_and_equinox(n):
+    """A weight-normed `ConvTranspose{1,2}d` into plain `nnx.ConvTranspose` and
+    `eqx.nn.ConvTranspose` (weight = `g * v / ||v||`, flipped), into
+    `nnx.WeightNorm(feature_axes=-2)` and `eqx.nn.WeightNorm(axis=1)` (g per input
+    channel, as torch's: `g`, `v` carried, bit-exact up to the layout): every output
+    is torch's (Equinox's weight is `(out, in, *k)`, applied unflipped). Its default
+    `axis=0` norms per output: refused."""
+    source, x = _conv_transpose(n), _images(n)
+    want = _torch_out(source, x)
+    flax = _flax_transpose(n, 0)
+    _close(np.moveaxis(_nnx_out(bridge.port(source, flax), _nhwc(x)), -1, 1), want)
+    wrapped = nnx.WeightNorm(flax, feature_axes=-2, rngs=nnx.Rngs(1))
+    ported = bridge.port(source, wrapped)
+    _close(np.moveaxis(_nnx_out(ported, _nhwc(x)), -1, 1), want)
+    g = source.parametrizations.weight.original0.detach().numpy()
+    assert np.array_equal(_scale(ported), g.reshape(-1))
+    layer = eqx.nn.ConvTranspose(n, IN, OUT, K, stride=2, key=jax.random.key(2))
+    _close(jax.vmap(bridge.port(source, layer))(jnp.asarray(x)), want)
+    normed = bridge.port(source, eqx.nn.WeightNorm(layer, axis=1))
+    v = source.parametrizations.weight.original1.detach().numpy()
+    flipped = np.flip(np.swapaxes(v, 0, 1), tuple(range(2, n + 2)))  # unflipped
+    assert np.array_equal(np.asarray(normed.layer.weight), flipped)
+    _close(jax.vmap(normed)(jnp.asarray(x)), want)
+    with pytest.raises(bridge.PortError, match="WeightNormConvTranspose"):
+        bridge.port(source, eqx.nn.WeightNorm(layer))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_flax_and_equinox_conv_transpose_into_a_weight_normed_one(n):
+    """Back: `nnx.WeightNorm(ConvTranspose)` into a weight-normed torch
+    `ConvTranspose{1,2}d` (g, v bit-exact), and a plain `eqx.nn.ConvTranspose` into
+    one (`v = w`, `g = ||w||` per input channel): `load_state_dict(strict=True)`
+    takes them, and torch's outputs are the source's."""
+    x = _images(n)
+    inner = _flax_transpose(n, 3)
+    source = nnx.WeightNorm(inner, feature_axes=-2, rngs=nnx.Rngs(4))
+    _set_scale(source, jax.random.normal(jax.random.key(5), (IN,)))
+    target = _conv_transpose(n, seed=8)
+    state = bridge.port(source, target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    want = np.moveaxis(_nnx_out(source, _nhwc(x)), -1, 1)
+    _close(_torch_out(target, x), want)
+    assert np.array_equal(
+        np.asarray(state["parametrizations.weight.original0"]).reshape(-1),
+        _scale(source),
+    )
+    layer = eqx.nn.ConvTranspose(n, IN, OUT, K, stride=2, key=jax.random.key(9))
+    state = bridge.port(layer, target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    _close(_torch_out(target, x), jax.vmap(layer)(jnp.asarray(x)))
+
+
+class LinenWeightNormed(linen.Module):
+    """Linen's `nn.WeightNorm` around an `nn.Dense` or an `nn.Conv` taking `(N, C,
+    L)` as PyTorch does: the layer's kernel and bias where it is, its scale in the
+    wrapper's scope."""
+
+    conv: bool
+
+    @linen.compact
+    def __call__(self, x):
+        if not self.conv:
+            return linen.WeightNorm(linen.Dense(OUT))(x)
+        layer = linen.Conv(OUT, (K,), padding=1)
+        return linen.WeightNorm(layer)(x.transpose(0, 2, 1)).transpose(0, 2, 1)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_linen_weight_norm_and_a_parametrized_torch_layer_both_ways(layer):
+    """Linen `nn.WeightNorm(nn.Dense / nn.Conv)` (default `feature_axes=-1`, per
+    output) and torch's `weight_norm` (`dim=0`): torch -> Linen carries `g` and
+    `v` bit-exact, Linen's outputs are torch's; Linen -> torch,
+    `load_state_dict(strict=True)` takes them and torch's outputs are Linen's."""
+    conv = layer == "conv"
+    source = _conv(0) if conv else _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+    x = _x() if conv else np.random.default_rng(1).normal(size=(5, IN))
+    x = x.astype(np.float32)
+    module = LinenWeightNormed(conv)
+    variables = module.init(jax.random.key(0), jnp.asarray(x))
+    _, ported = bridge.port(source, (module, variables))
+    _close(module.apply(ported, jnp.asarray(x)), _torch_out(source, x))
+    g = source.parametrizations.weight.original0.detach().numpy()
+    held = ported["params"]["WeightNorm_0"]
+    scale = held["Conv_0/kernel/scale" if conv else "Dense_0/kernel/scale"]
+    assert np.array_equal(np.asarray(scale), g.reshape(-1))
+    noisy = jax.tree.map(lambda a: a + 0.5, variables)  # the scale away from ones
+    target = _conv(0, seed=4) if conv else weight_norm(torch.nn.Linear(IN, OUT))
+    state = bridge.port((module, noisy), target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    _close(_torch_out(target, x), module.apply(noisy, jnp.asarray(x)))
+
+
+def test_an_equinox_weight_norm_file_into_torch(tmp_path):
+    """`eqx.nn.WeightNorm(ConvTranspose1d, axis=1)` saved by `bridge.save`, loaded
+    into a weight-normed torch `ConvTranspose1d`: the file's recorded classes say
+    which layer it wraps (read back without the model's code); torch's outputs are
+    Equinox's."""
+    layer = eqx.nn.ConvTranspose1d(IN, OUT, K, stride=2, key=jax.random.key(1))
+    source = eqx.nn.WeightNorm(layer, axis=1)
+    path = tmp_path / "normed.safetensors"
+    bridge.save(path, source)
+    target = _conv_transpose(1, seed=3)
+    state = bridge.load(path, like=target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )
+    x = _images(1)
+    _close(_torch_out(target, x), jax.vmap(source)(jnp.asarray(x)))
+
+
+def test_a_weight_normed_conv_transpose_state_dict_is_read_by_its_bias():
+    """No class (a state dict): `v` `(4, 6, 3)` with a `bias` of 6, its second axis
+    and not its first, is a `ConvTranspose`: into `nnx.ConvTranspose`, torch's
+    outputs. A square one (`(4, 4, 3)`) could be either: never read as a
+    `ConvTranspose` from its arrays alone (refused against one)."""
+    source, x = _conv_transpose(1), _images(1)
+    state = {k: v.detach().numpy() for k, v in source.state_dict().items()}
+    ported = bridge.port(state, _flax_transpose(1, 0))
+    got = np.moveaxis(_nnx_out(ported, _nhwc(x)), -1, 1)
+    _close(got, _torch_out(source, x))
+    square = _random(weight_norm(torch.nn.ConvTranspose1d(IN, IN, K)), 1)
+    state = {k: v.detach().numpy() for k, v in square.state_dict().items()}
+    target = nnx.ConvTranspose(IN, IN, (K,), padding="VALID", rngs=nnx.Rngs(0))
+    with pytest.raises(bridge.PortError, match="has no source layer"):
+        bridge.port(state, target)

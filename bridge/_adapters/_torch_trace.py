@@ -132,6 +132,9 @@ _STAGES = {
 things (a bias is added after the product): an argument's `needs` leave out those
 applied after it (the JAX side applies them in operations of their own)."""
 
+_ADDED = {"linear": "bias", "addmm": "input", "baddbmm": "input", "addbmm": "input"}
+"""The argument an operation adds to its product's result (a bias)."""
+
 _LATER = {"multi_head_attention_forward": {"out_proj_weight": 1, "out_proj_bias": 1}}
 """Arguments an operation applies in a later step of its own, counted as one more
 operation (attention's output projection after its input projection)."""
@@ -220,6 +223,7 @@ class _Recorder:
         self.contracted: dict[Any, Contraction] = {}
         self.convolved: dict[Any, tuple[int, ...]] = {}
         self.norms: dict[Any, str] = {}
+        self.added: dict[Any, bool] = {}
         self.weight_norm: list[tuple[int, int]] = []
 
     def key(self, index: int) -> Any:
@@ -363,6 +367,8 @@ class _Recorder:
         contracted axes."""
         if name in _NORMS and slot in ("weight", "bias"):
             self.norms.setdefault(key, _NORMS[name] + ("+1" if s.plus1 else ""))
+        if slot == _ADDED.get(name):
+            self.added.setdefault(key, True)
         if s.axes is None or None in s.axes:
             return
         axes = tuple(a for a in s.axes if a is not None)
@@ -914,7 +920,7 @@ def _weight_name(g: str, v: str) -> str:
     return v
 
 
-_PER_NAME = ("positions", "contracted", "convolved", "norms", "needs")
+_PER_NAME = ("positions", "contracted", "convolved", "norms", "needs", "added")
 """The fields of a `Uses` that map each name to a value."""
 
 

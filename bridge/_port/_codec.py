@@ -118,6 +118,33 @@ class Codec(NamedTuple):
 _REGISTRY: dict[tuple[str, str], Codec] = {}
 
 
+class Wrapping(NamedTuple):
+    """The class `recognise` receives for a module that wraps one layer (a class of
+    `WRAPPERS`: `nnx.WeightNorm`, `eqx.nn.WeightNorm`): what it computes depends on
+    the layer it wraps (a `Linear`, a `Conv` or a `ConvTranspose`), which its
+    arrays alone do not show.
+
+    **Fields:**
+
+    - `outer`: the wrapper's class.
+    - `inner`: the wrapped layer's class (None where the Tree does not record it).
+    """
+
+    outer: type
+    inner: Any
+
+
+WRAPPERS: dict[type, str] = {}
+"""`{wrapper class: the attribute holding the wrapped layer}` (filled by the codecs
+that read such wrappers): a module of one of these classes is recognised as a
+`Wrapping` of its class and its wrapped layer's."""
+
+
+def outer_class(cls: Any) -> Any:
+    """The class of a module as recognised (a `Wrapping`'s outer class)."""
+    return cls.outer if isinstance(cls, Wrapping) else cls
+
+
 WRITTEN = "weight (a module written by hand)"
 """The layout of a codec that reads only modules written by hand (the Flax codecs of
 Gemma's norms): no Flax layer of its own, so its shapes judge no stack."""

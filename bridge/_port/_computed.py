@@ -10,12 +10,19 @@ the class each Linen submodule is called as, the axes a product contracts, the
 kernel axes a convolution reads, whether a norm subtracts the mean. Only the
 candidates that computation allows are kept; where it says nothing, nothing
 changes (and `_plan._open_kinds` refuses what is still open).
+
+A module holding a `bias` alone reads as a norm without scale (`LayerNorm`,
+`GroupNorm`); where the forward pass adds that bias to a product's result (a
+masked-LM head's `bias` after the product with the tied embedding: transformers'
+`FlaxBertLMPredictionHead`), it is none of them: it is read as what it is, a loose
+array (`_layers.ARRAY`), as PyTorch's `BertLMPredictionHead.bias` is, and pairs
+with it.
 """
 
 from __future__ import annotations
 
 from ._general import reading_of
-from ._layers import Layer, read_specs
+from ._layers import Layer, loose_layer, read_specs
 from ._trace import Trace
 
 
@@ -42,6 +49,19 @@ def computed(
         for x in open_:
             _by_class(x, trace)
             _by_computation(x, trace, problems)
+        added = trace.biases()
+        layers[:] = [_as_bias(x, added) for x in layers]
+
+
+def _as_bias(x: Layer, added: frozenset) -> Layer:
+    """`x`, or where it holds a `bias` alone (read as a norm without scale) that
+    the forward pass adds to a product's result, that bias as a loose array."""
+    if x.index is not None or set(x.leaves) != {"bias"} or x.held:
+        return x
+    leaf = x.path + x.paths["bias"]
+    if leaf not in added:
+        return x
+    return loose_layer(leaf, x.codecs[0].framework, x.leaves["bias"])
 
 
 def _by_class(x: Layer, trace: Trace) -> None:

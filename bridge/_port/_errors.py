@@ -329,8 +329,19 @@ WEIGHT_NORM_AXES = (
 )
 TRANSPOSED_WEIGHT_NORM = (
     "unsupported: {where} is a weight-normed convolution that the forward pass "
-    "applies transposed (conv_transpose): a weight-normed ConvTranspose is not read "
-    "yet"
+    "applies transposed (conv_transpose), but nothing reads it as a ConvTranspose "
+    "(no nn.ConvTranspose class, and no `bias` spanning `v`'s second axis): pass "
+    "the torch module, whose class tells"
+)
+LINEN_WEIGHT_NORM = (
+    "unsupported: {where} is wrapped by a Linen nn.WeightNorm that normalises its "
+    "{names}: only a weight norm of the `kernel` alone is read (variable_filter="
+    "{{'kernel'}}, the default)"
+)
+PLAIN_WEIGHT_NORM_TRANSPOSE = (
+    "unsupported: {where} is a weight-normed ConvTranspose whose weight the forward "
+    "pass convolves plainly (conv, not conv_transpose): its layout is not the "
+    "class's"
 )
 SETTINGS = {
     "conv1d": (
@@ -348,6 +359,12 @@ SETTINGS = {
         "and nothing tells which. Give example inputs (example=(x,), as "
         "bridge.compare takes them) with the model: its forward pass says which "
         "axis the product contracts."
+    ),
+    "feature_axes": (
+        "layout: {where} is wrapped by a Linen nn.WeightNorm whose scale's length "
+        "fits several axes of its kernel {shape}, and nothing tells which it scales "
+        "(its `feature_axes`). Give example inputs (example=(x,)) with the model: "
+        "its forward pass shows the axis the scale is reshaped to."
     ),
 }
 """Messages of settings nothing told, where the setting decides a layout."""

@@ -22,10 +22,22 @@ from .._paths import Path, at, path_str
 from .._shown import shown
 from .._tree import Tree, framework, items, kind, roles, walk
 from . import _errors, _shapes
-from ._codec import WRITTEN, Codec, Leaves, codec_of, codecs, same, same_as_like
+from ._codec import (
+    WRAPPERS,
+    WRITTEN,
+    Codec,
+    Leaves,
+    Wrapping,
+    codec_of,
+    codecs,
+    outer_class,
+    same,
+    same_as_like,
+)
 from ._general import with_views
 from ._weight_norm import with_folded
 from .codecs._dense import DENSE_LINEN, by_bias, open_square
+from .codecs._weight_norm import LINEN_SCALE, WEIGHT_NORM
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -48,6 +60,13 @@ def _loose(framework: str) -> Codec:
             ARRAY, framework, lambda cls, leaves: False, same, same_as_like
         )
     return _LOOSE[framework]
+
+
+def loose_layer(path: Path, framework: str, leaf: Any) -> Layer:
+    """A one-array layer of kind `Array` (a loose array) at the leaf path `path`."""
+    layer = Layer(path, (_loose(framework),), {"array": leaf}, {"array": ()}, {})
+    read_specs(layer, [])
+    return layer
 
 
 @dataclass(eq=False)
@@ -141,6 +160,19 @@ def _auto_name(cls: Any, path: Path) -> str | None:
     return match.group(1) if match else None
 
 
+def _class_of(node: Tree) -> Any:
+    """The class of the module at `node` as codecs recognise it: a `Wrapping` for a
+    wrapper (`_codec.WRAPPERS`), naming the class of the layer it wraps."""
+    cls = kind(node)
+    if not isinstance(cls, type):
+        return cls
+    for wrapper, name in WRAPPERS.items():
+        if issubclass(cls, wrapper):
+            child = dict(items(node)).get(name)
+            return Wrapping(cls, kind(child) if isinstance(child, Tree) else None)
+    return cls
+
+
 def _inputs_first(adapter: Adapter, node: Any, path: Path) -> bool:
     """Whether a per-head kernel's input axes come first: its class is a
     `DenseGeneral` one (recorded, as NNX's `LinearGeneral`, or a Linen auto-name
@@ -167,7 +199,7 @@ def _recognise(
     otherwise (Linen) an auto-name (`Dense_0`) picks the codecs named for it, and
     failing that every codec that recognises the arrays is a candidate. `families`:
     the registered codecs by framework, read once per walk."""
-    owner = adapter_of_class(cls)
+    owner = adapter_of_class(outer_class(cls))
     if owner is not None and owner.name != adapter.name:
         adapter = owner
     family = families.get(adapter.name)
@@ -244,7 +276,7 @@ class _Walk:
         if got is None:
             leaves = self.leaves(path, axis)
             got = _recognise(
-                self.families, self.adapter, kind(self.nodes[path]), path, leaves
+                self.families, self.adapter, _class_of(self.nodes[path]), path, leaves
             )
             if axis is not None and by_bias(leaves):  # no evidence of a stack
                 got = (tuple(c for c in got[0] if c is not DENSE_LINEN), got[1])
@@ -406,11 +438,63 @@ def find_layers(
             )
         )
         taken.add(path)
+    if adapter.name == canonical_adapter().name:
+        linen_weight_norms(layers, problems)
     for layer in open_square(layers):  # square kernels of a FlaxConv1D's model
         read_specs(layer, problems)
     if not told:
         tell_settings((layers, []), problems)
     return layers
+
+
+_LINEN_SCALE_KEY = re.compile(r"^(.+)/([^/]+)/scale$")
+"""The key Linen's `nn.WeightNorm` keeps a wrapped layer's scale under, in its own
+scope: `<layer name>/<array path>/scale`."""
+
+
+def linen_weight_norms(layers: list[Layer], problems: list[str]) -> None:
+    """Linen layers wrapped by `nn.WeightNorm` made weight-normed layers, in place.
+
+    `nn.WeightNorm(nn.Dense(4))` keeps the `Dense`'s `kernel` (`v`) and `bias` where
+    the `Dense` is (`Dense_0`), and the scale (`g`) in its own scope, keyed by the
+    `Dense`'s name (`WeightNorm_0/'Dense_0/kernel/scale'`), a loose array by
+    itself. The sibling layer of that name becomes a `WeightNorm{Dense,Conv,
+    ConvTranspose}` (of its candidate kinds) holding the scale (`Layer.held`), and
+    the loose array goes. A wrapper normalising other arrays than the `kernel` (a
+    `variable_filter` matching the bias) is a problem; a scale whose layer is not
+    a sibling stays a loose array (unpaired: refused, never ported apart)."""
+    at_path = {x.path: x for x in layers if x.index is None}
+    scales: dict[Path, dict[str, Layer]] = {}
+    for x in layers:
+        match = _LINEN_SCALE_KEY.match(str(x.path[-1])) if x.path else None
+        if x.kinds != (ARRAY,) or x.index is not None or match is None:
+            continue
+        wrapped = x.path[:-2] + tuple(match.group(1).split("/"))
+        if wrapped in at_path:
+            scales.setdefault(wrapped, {})[match.group(2)] = x
+    for path, found in scales.items():
+        layer = at_path[path]
+        if set(found) != {"kernel"}:
+            problems.append(
+                _errors.LINEN_WEIGHT_NORM.format(where=layer.where, names=sorted(found))
+            )
+            continue
+        scale = found["kernel"]
+        kinds = [WEIGHT_NORM[k] for k in layer.kinds if k in WEIGHT_NORM]
+        wrapped_codecs = tuple(c for k in kinds if (c := codec_of(k, "linen")))
+        if not wrapped_codecs or "kernel" not in layer.leaves:
+            continue
+        new = Layer(
+            layer.path,
+            with_folded(wrapped_codecs),
+            {**layer.leaves, LINEN_SCALE: scale.leaves["array"]},
+            {**layer.paths, LINEN_SCALE: (LINEN_SCALE,)},
+            {},
+            held={LINEN_SCALE: scale.path},
+        )
+        read_specs(new, problems)
+        layers[layers.index(layer)] = new
+        layers.remove(scale)
 
 
 def with_ties(
@@ -613,6 +697,12 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
     return bool(flax.recognise(None, canonical))
 
 
+_OWN_SETTINGS = frozenset({"feature_axes"})
+"""Settings only the layer's own computation tells, never the other side's modules
+(a Linen `nn.WeightNorm`'s `feature_axes`: which axis of this kernel its scale
+spans; another model's says nothing of it)."""
+
+
 def tell_settings(
     sides: tuple[list[Layer], list[Layer]], problems: list[str]
 ) -> list[str]:
@@ -628,7 +718,9 @@ def tell_settings(
                 values = {  # a setting the other side lacks too tells nothing
                     repr(x.hyper[name]): x.hyper[name]
                     for x in other
-                    if kind_ in x.kinds and x.hyper.get(name) is not None
+                    if kind_ in x.kinds
+                    and x.hyper.get(name) is not None
+                    and name not in _OWN_SETTINGS
                 }
                 if len(values) == 1:
                     layer.hyper[name] = next(iter(values.values()))

@@ -17,7 +17,7 @@ from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._branches import Branch, reads, signatures
-from ._layers import Layer
+from ._layers import ARRAY, Layer
 from ._trace import Position, Trace, layer_position
 
 
@@ -167,8 +167,17 @@ class Order:
             self._uses = self._trace() or {}
         if not self._uses:
             return []
+        # a bias another name adds to a product (BERT's `cls.predictions.bias`,
+        # added as `decoder.bias`) is used: it pairs as the loose array it is
+        added = getattr(self._trace, "biases", frozenset)()
         used = [
-            x for x in tied if any(x.path + p in self._uses for p in x.paths.values())
+            x
+            for x in tied
+            if any(
+                x.path + p in self._uses
+                or (x.kinds == (ARRAY,) and x.path + p in added)
+                for p in x.paths.values()
+            )
         ]
         arrays = {h for x in used for h in x.tied}
         return [x for x in tied if x not in used and not x.tied - arrays]

@@ -91,6 +91,8 @@ def first_uses(
     classes: dict[Path, type] | None = None,
     program: list[tuple[Program, list[Path]]] | None = None,
     attended: dict[Path, tuple[Position, Contraction]] | None = None,
+    added: set[Path] | None = None,
+    placed: dict[Path, int] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -112,6 +114,13 @@ def first_uses(
     (position, Contraction)}` for every leaf first used as the table of a `gather`
     (an embedding looked up) that a later `dot_general` contracts (the same array
     read as a head's kernel: `nn.Embed.attend`, a tied LM head).
+    With `added`, fills it with the leaves whose first
+    use adds them to a product's result (`dot_general`'s, only relaid out between):
+    a bias, whatever module holds it (a masked-LM head's `bias` after a product with
+    the tied embedding). With `placed`, fills it with `{leaf path: axis}` for the
+    1-D leaves first used in a `mul` after a reshape that puts their one axis at
+    `axis` (the others of length 1): a scale over that axis of a weight (Linen
+    `nn.WeightNorm`'s `scale`, its `feature_axes`).
 
     **Arguments:**
 
@@ -166,7 +175,10 @@ def first_uses(
     gathered: set[int] = set()
     stored = {v: tuple(range(len(s.shape))) for v, s in zip(jaxpr.invars, structs)}
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
-    records = (axes, layer_axes, upstream, kernels, later, gathered)
+    biases: set[int] = set()
+    scales: dict[int, int] = {}
+    sums = (set(), biases, {}, scales)
+    records = (axes, layer_axes, upstream, kernels, later, gathered, sums)
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
     if program is not None:
@@ -177,6 +189,10 @@ def first_uses(
         needs.update({p: (1 << i, upstream.get(i, 0)) for i, p in enumerate(paths)})
     if contracted is not None:
         contracted.update({paths[i]: a for i, a in axes.items()})
+    if added is not None:
+        added.update(paths[i] for i in biases)
+    if placed is not None:
+        placed.update({paths[i]: a for i, a in scales.items()})
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     if attended is not None:
@@ -217,6 +233,7 @@ def _visit(
         dict[int, tuple],
         dict[int, tuple[Position, Contraction]],
         set[int],
+        tuple[set[Any], set[int], dict[Any, int], dict[int, int]],
     ],
     taint: dict[Any, int],
     fed: set[Any],
@@ -234,8 +251,12 @@ def _visit(
     `gathered`, the leaves first used as a `gather`'s table. `fed`: the
     variables computed from the inputs (the others are computed from weights
     alone); `changed`: the variables that are a weight changed element by
-    element (`_changed`)."""
-    axes, scanned_axes, upstream, kernels, later, gathered = records
+    element (`_changed`). `records` also holds the variables that hold a
+    product's result (`dot_general`'s, only relaid out since), the leaves first
+    used added to one (a bias), the variables that are a 1-D leaf reshaped to one
+    axis (`{var: axis}`) and the leaves first used so in a `mul` (`{leaf: axis}`)."""
+    axes, scanned_axes, upstream, kernels, later, gathered, sums = records
+    products, biases, placed, scales = sums
     changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
@@ -246,6 +267,12 @@ def _visit(
             taint[v] = every
         if any(not _literal(v) and v in fed for v in eqn.invars):
             fed.update(eqn.outvars)
+        name = eqn.primitive.name
+        if name == "dot_general" or (
+            name in _SEEN_THROUGH
+            and any(not _literal(v) and v in products for v in eqn.invars)
+        ):
+            products.update(eqn.outvars)
         used = [
             (i, tracked[v])
             for i, v in enumerate(eqn.invars)
@@ -253,11 +280,20 @@ def _visit(
         ]
         if not used:
             continue
-        name = eqn.primitive.name
+        if name == "add" and len(eqn.invars) == 2:
+            for i, (leaf, _) in used:
+                other = eqn.invars[1 - i]
+                if leaf not in found and not _literal(other) and other in products:
+                    biases.add(leaf)
+        if name == "mul":
+            for i, (leaf, _) in used:
+                if leaf not in found and eqn.invars[i] in placed:
+                    scales.setdefault(leaf, placed[eqn.invars[i]])
         if name in _SEEN_THROUGH and len(eqn.outvars) == 1:
             others = [v for v in eqn.invars if not _literal(v)]
             if len(others) == 1:
                 tracked[eqn.outvars[0]] = used[0][1]
+                _place(eqn, stored.get(others[0]), placed)
                 known = stored.get(others[0])
                 if known is not None and name in _SAME_LAYOUT:
                     stored[eqn.outvars[0]] = known
@@ -329,6 +365,11 @@ def _visit(
                 for i, _ in used
                 if i >= skip and eqn.invars[i] in changed
             }
+            products.update(
+                sub.invars[j - skip]
+                for j in range(skip, len(eqn.invars))
+                if not _literal(eqn.invars[j]) and eqn.invars[j] in products
+            )
             _visit(
                 sub,
                 inner,
@@ -339,6 +380,12 @@ def _visit(
                 inner_fed,
                 inner_changed,
             )
+            if len(sub.outvars) == len(eqn.outvars):
+                products.update(
+                    v
+                    for v, w in zip(eqn.outvars, sub.outvars)
+                    if not _literal(w) and w in products
+                )
             if len(sub.outvars) == len(eqn.outvars) and s == 0:
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] = 0 if _literal(w) else inner_taint.get(w, 0)
@@ -352,6 +399,26 @@ def _visit(
                     others |= t if j != i and name not in _SIDE_BY_SIDE else 0
                 upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
+
+
+def _place(eqn: Any, known: tuple[int, ...] | None, placed: dict[Any, int]) -> None:
+    """Where a 1-D leaf (`known`: its stored axes, `(0,)`) is reshaped or broadcast
+    to one axis of the result (a `reshape` to `(1, .., n, .., 1)`,
+    `broadcast_in_dim`), `placed` records that axis for the result."""
+    (out,) = eqn.outvars
+    name = eqn.primitive.name
+    if name in _SAME_LAYOUT and eqn.invars[0] in placed:
+        placed[out] = placed[eqn.invars[0]]
+    if known != (0,):
+        return
+    shape = tuple(out.aval.shape)
+    if name == "broadcast_in_dim":
+        placed[out] = eqn.params["broadcast_dimensions"][0]
+    elif name == "reshape":
+        n = eqn.invars[0].aval.shape[0]
+        fits = [a for a, m in enumerate(shape) if m == n]
+        if len(fits) == 1 and all(m == 1 for a, m in enumerate(shape) if a != fits[0]):
+            placed[out] = fits[0]
 
 
 def _changed(
@@ -467,6 +534,8 @@ class Trace:
         self.convolved: dict[Path, tuple[int, ...]] = {}
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
+        self.added: set[Path] = set()
+        self.placed: dict[Path, int] = {}
         self.tied: dict[Path, Path] = {}
         self.program: list[tuple[Program, list[Path]]] = []
         """The traced program (`_branches` reads it), where JAX traced it here."""
@@ -507,6 +576,19 @@ class Trace:
         scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
         self()
         return self.normalised
+
+    def biases(self) -> frozenset[Path]:
+        """The leaf paths an operation adds to a product's result (a bias: see
+        `first_uses`, `bridge._uses.Uses.added`), a tied name's as the path the
+        Tree holds it at."""
+        self()
+        return frozenset(self.tied.get(p, p) for p in self.added)
+
+    def scale_axes(self) -> Mapping[Path, int]:
+        """`{leaf path: axis}` of 1-D arrays the pass multiplies, reshaped to one
+        axis, with a weight (see `first_uses`)."""
+        self()
+        return self.placed
 
     def ties(self) -> Mapping[Path, Path]:
         """`{leaf path of a name the Tree holds once: the leaf path it holds it
@@ -559,6 +641,8 @@ class Trace:
                 self.called,
                 self.program,
                 later,
+                self.added,
+                self.placed,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)
@@ -596,6 +680,7 @@ class Trace:
         self.needs.update(cast(dict[Path, tuple[int, int]], uses.needs))
         self.normalised.update(cast(dict[Path, str], uses.norms))
         self.tied.update(cast(dict[Path, Path], uses.tied))
+        self.added.update(cast(dict[Path, bool], uses.added))
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:

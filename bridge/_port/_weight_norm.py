@@ -1,9 +1,10 @@
 """A weight-normed layer seen as a plain one: `g * v / ||v||` pairs with a `weight`.
 
-A weight-normed `Conv` or `Dense` (kinds `WeightNormConv`, `WeightNormDense`:
-`codecs/_weight_norm.py`) pairs with another weight-normed layer by its own kind,
-`v` and `g` carried as they are (their layouts changed, no arithmetic: bit-exact).
-It is also a candidate of the plain kind, through a view (`folded`):
+A weight-normed `Conv`, `ConvTranspose` or `Dense` (kinds `WeightNormConv`,
+`WeightNormConvTranspose`, `WeightNormDense`: `codecs/_weight_norm.py`) pairs with
+another weight-normed layer by its own kind, `v` and `g` carried as they are (their
+layouts changed, no arithmetic: bit-exact). It is also a candidate of the plain kind,
+through a view (`folded`):
 
 - decoded, its kernel is `g * (v / ||v||)`, the norm over the axes where `g` has
   length 1, as `torch._weight_norm` computes it: the weight the layer computes with;
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 
 from . import _errors, _shapes
 from ._codec import Codec, Leaves
-from .codecs._weight_norm import WEIGHT_NORM
+from .codecs._weight_norm import LINEN_SCALE, WEIGHT_NORM
 
 
 if TYPE_CHECKING:
@@ -99,14 +100,26 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
     convolution (or product) that the weight computed from `v` element by element
     feeds, as its stored axes `(out, in, *spatial)`.
 
+    A layer wrapped by Linen's `nn.WeightNorm` whose scale's length fits several
+    kernel axes takes its `feature_axes` from the axis the pass reshapes the scale
+    to (`Trace.scale_axes`), else stays unknown (refused).
+
     A Flax layer takes them (`hyper["axes"]`); it is read in PyTorch's order
     without them. Returns the layers told other axes than that (their shapes are to
     be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
     PyTorch's order and whose axes the pass does not tell is a problem; so is a
-    PyTorch layer read from a file whose weight the pass convolves transposed (a
-    weight-normed `ConvTranspose`): either loses its weight-norm kinds."""
+    PyTorch layer read as a convolution whose weight the pass convolves transposed
+    (or as a `ConvTranspose` whose weight it convolves plainly): either loses its
+    weight-norm kinds."""
     told = []
     for x in layers:
+        if "feature_axes" in x.unknown.values() and LINEN_SCALE in x.held:
+            axis = None if trace is None or not trace() else trace.scale_axes()
+            axis = None if axis is None else axis.get(x.held[LINEN_SCALE])
+            if axis is not None:
+                x.hyper["feature_axes"] = (axis,)
+                told.append(x)
+            continue
         codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
         v = next((n for n in _V if n in x.leaves), None)
         if codec is None or v is None or codec.framework not in _FLAX + ("torch",):
@@ -115,7 +128,13 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
         axes = _traced(x, trace, base + x.paths.get(v, (v,)), v)
         plain = axes is None or axes == tuple(range(len(axes)))
         if codec.framework == "torch":
-            if not plain:
+            if codec.kind == WEIGHT_NORM["ConvTranspose"]:  # (in, out, *k) read
+                if axes is not None and axes[:2] != (1, 0):
+                    problems.append(
+                        _errors.PLAIN_WEIGHT_NORM_TRANSPOSE.format(where=x.where)
+                    )
+                    _drop(x)
+            elif not plain:
                 problems.append(_errors.TRANSPOSED_WEIGHT_NORM.format(where=x.where))
                 _drop(x)
             continue

@@ -130,6 +130,7 @@ class Arch:
     config: dict
     inputs: str  # "text", "seq2seq", "image", "image16", "clip", "audio", "speech"
     variant: str = ""  # what sets a second case of one model type apart
+    head: str = ""  # "": the base model; "mlm": its masked-LM head (ForMaskedLM)
 
     @property
     def id(self) -> str:
@@ -142,6 +143,12 @@ ARCHS = (
     Arch("BERT", "roberta-prelayernorm", _TEXT, "text"),
     Arch("BERT", "xlm-roberta", _TEXT, "text"),
     Arch("BERT", "electra", dict(_TEXT, embedding_size=8), "text"),
+    # masked-LM heads: a loose `bias` added after the product with the tied
+    # embedding (transformers' `FlaxBertLMPredictionHead`, PyTorch's tied
+    # `decoder.bias`)
+    Arch("BERT", "bert", _TEXT, "text", "mlm", "mlm"),
+    Arch("BERT", "roberta", _TEXT, "text", "mlm", "mlm"),
+    Arch("BERT", "electra", dict(_TEXT, embedding_size=8), "text", "mlm", "mlm"),
     Arch("BERT", "albert", dict(_TEXT, embedding_size=8), "text"),
     Arch(
         "BERT",
@@ -456,7 +463,12 @@ def build(arch: Arch) -> Built:
         warnings.simplefilter("ignore")
         config_class = configuration_auto.CONFIG_MAPPING[arch.model_type]
         config = config_class(**arch.config)
-        flax_name = modeling_flax_auto.FLAX_MODEL_MAPPING_NAMES[arch.model_type]
+        mapping = (
+            modeling_flax_auto.FLAX_MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            if arch.head == "mlm"
+            else modeling_flax_auto.FLAX_MODEL_MAPPING_NAMES
+        )
+        flax_name = mapping[arch.model_type]
         flax_class = getattr(transformers, flax_name)
         torch_class = getattr(transformers, flax_name[len("Flax") :])
         flax_model = flax_class(config, seed=0)
