@@ -33,7 +33,8 @@ def folder_head(
     head and its files (`shapes`, `{name: shape}`) hold no `HEAD` and one table of
     the vocabulary's rows; `(HEAD, "", why)` where the head is absent and cannot be
     the embedding (the config says untied, or no single table fits); None where
-    the files hold the head.
+    the files hold the head, or hold `lm_head` as a module of its own (RoBERTa's
+    `lm_head.dense`, `lm_head.bias`: its decoder is another name).
 
     **Example:**
 
@@ -42,11 +43,14 @@ def folder_head(
     ('lm_head.weight', 'model.embed_tokens.weight')
     >>> folder_head({"vocab_size": 32, "tie_word_embeddings": False}, {})[1]
     ''
+    >>> folder_head({"vocab_size": 32}, {"lm_head.bias": (32,)}) is None
+    True
 
     ```
     """
-    if HEAD in shapes:
-        return None
+    module = HEAD.removesuffix("weight")
+    if HEAD in shapes or any(name.startswith(module) for name in shapes):
+        return None  # the head is there, or `lm_head` is a module (RoBERTa's)
     said = config.get("tie_word_embeddings")
     tied = DEFAULT if said is None else said
     setting = (

@@ -82,14 +82,16 @@ def _head_shape(table: Layer) -> tuple[int, ...]:
 
 
 def _dense_shapes(layers: list[Layer], shape: tuple[int, ...]) -> int:
-    """How many `Dense` layers of kernel `shape` hold an array of their own (one
-    whose arrays are all other layers', a tied head, is filled through those: a
-    masked-LM `decoder` whose bias is the head's loose `bias`)."""
+    """How many `Dense` layers of kernel `shape` hold an array of their own, not
+    shared: one whose arrays are other layers' (a tied head) is filled through
+    those, as a masked-LM `decoder` whose bias is the head's loose `bias`; a table
+    shared with such a head (a folder's embedding, `Embed` or `Dense` by its
+    shape) is no head."""
     return sum(
         1
         for x in layers
         if "Dense" in x.kinds
-        and set(x.paths) - set(x.held)
+        and {x.leaf(e) for e in x.paths if e not in x.held} - x.tied
         and "kernel" in x.specs.get("Dense", {})
         and tuple(x.specs["Dense"]["kernel"].shape) == shape
     )
