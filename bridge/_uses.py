@@ -79,6 +79,11 @@ class Uses(NamedTuple):
     - `added`: `{name: True}` for a parameter an operation adds to a product's
       result (`F.linear`'s `bias`, `addmm`'s `input`; JAX's `add` onto a
       `dot_general`'s result): a bias, whatever module holds it.
+    - `alone`: `{kernel name: bool}` for a parameter a product contracts: whether
+      that layer's output is changed by itself (an activation function, a norm,
+      not a relayout or a scaling) before it meets another layer's output (a
+      gated MLP's `gate` is, its `up` is not): what tells layers side by side
+      apart where a JAX side shows the same (`bridge._port._branches`).
     - `unused`: names the forward pass never computes with (training-only arrays
       such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
       evaluation).
@@ -98,6 +103,7 @@ class Uses(NamedTuple):
     unused: tuple[Where, ...]
     tied: dict[Where, Where] = {}  # noqa: RUF012 - never mutated
     added: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
+    alone: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
 
 
 class Untraced(Exception):

@@ -59,13 +59,17 @@ class _Seen:
     parameters alone (None for an activation), the parameters it depends on (a bit
     each), and a normalisation tag `(kind, mean subtracted)`."""
 
-    __slots__ = ("ref", "sources", "bits", "tag")
+    __slots__ = ("branch", "bits", "ref", "sources", "tag")
 
-    def __init__(self, tensor: Any, sources, bits: int, tag):
+    def __init__(self, tensor: Any, sources, bits: int, tag, branch: Any = None):
         self.ref = weakref.ref(tensor)
         self.sources = sources
         self.bits = bits
         self.tag = tag
+        self.branch = branch
+        """The key of the product's kernel this activation is computed from alone
+        (a layer's output, relaid out or changed by itself), `_MERGED` where it is
+        computed from several, or None."""
 
 
 _ARITH = frozenset(
@@ -147,6 +151,24 @@ _NORMS = {
     "rms_norm": "rms",
 }
 
+_PRODUCTS = frozenset({"linear", "addmm", "matmul", "mm", "bmm", "einsum"})
+"""Operations whose output starts a layer's branch where a kernel is contracted."""
+
+_RELAYOUTS = frozenset(
+    {
+        *("to", "float", "half", "double", "bfloat16", "type", "type_as"),
+        *("contiguous", "clone", "detach", "view", "reshape", "view_as"),
+        *("reshape_as", "unsqueeze", "squeeze", "permute", "transpose", "t", "T"),
+        *("expand", "expand_as", "flatten", "unflatten", "movedim", "dropout"),
+        *("split", "chunk", "narrow", "getitem", "select", "unbind"),
+    }
+)
+"""Operations that only move, cast or select an activation (no computation of its
+own, as `_branches` leaves them out on the JAX side)."""
+
+_MERGED = "merged"
+"""The branch of an activation computed from several layers' outputs."""
+
 _FIRST_ONLY = frozenset({"type_as", "to", "expand_as", "view_as", "reshape_as"})
 """Operations whose second tensor gives only a dtype, device or shape."""
 
@@ -224,6 +246,10 @@ class _Recorder:
         self.convolved: dict[Any, tuple[int, ...]] = {}
         self.norms: dict[Any, str] = {}
         self.added: dict[Any, bool] = {}
+        self.alone: dict[Any, bool] = {}
+        """`{kernel key: whether the layer's output is changed by itself (an
+        activation function, a norm) before it meets another layer's output}`."""
+        self.merged: set[Any] = set()
         self.weight_norm: list[tuple[int, int]] = []
 
     def key(self, index: int) -> Any:
@@ -277,11 +303,39 @@ class _Recorder:
         if derived:
             self.count += 1
             tag = self.use(name, args, operands, derived)
+        branch = self.branch(name, operands, derived) if outs else None
         for t in outs:
-            if bits or tag is not None:
-                self.seen[id(t)] = _Seen(t, None, bits, tag)
+            if bits or tag is not None or branch is not None:
+                self.seen[id(t)] = _Seen(t, None, bits, tag, branch)
             else:
                 self.seen.pop(id(t), None)
+
+    def branch(self, name: str, operands: list, derived: list) -> Any:
+        """The branch of an operation's output (`_Seen.branch`): a product's kernel
+        starts one; an operation on one branch's activations keeps it (and marks
+        it `alone` unless it only relays or scales it); one on several, or on an
+        activation computed from several, ends them (`_MERGED`)."""
+        kernels = [
+            self.key(e.sources[0].index)
+            for slot, _, e in derived
+            if slot in ("weight", "mat2", "other", 1) and e.sources[0].axes is not None
+        ]
+        if name in _PRODUCTS and len(derived) >= 1 and kernels:
+            self.alone.setdefault(kernels[0], False)
+            return kernels[0]
+        found = {
+            e.branch for _, _, e in operands if e is not None and e.branch is not None
+        }
+        if not found:
+            return None
+        if len(found) > 1 or _MERGED in found:
+            self.merged |= found
+            return _MERGED  # computed from several layers' outputs
+        (branch,) = found
+        scaling = name in ("mul", "div") and (len(operands) == 1 or derived)
+        if name not in _RELAYOUTS and not scaling and branch not in self.merged:
+            self.alone[branch] = True
+        return branch
 
     def operands(self, name: str, args: tuple, kwargs: dict) -> list:
         """`[(slot, tensor, what is known of it)]`: a slot is the argument's name
@@ -920,7 +974,9 @@ def _weight_name(g: str, v: str) -> str:
     return v
 
 
-_PER_NAME = ("positions", "contracted", "convolved", "norms", "needs", "added")
+_PER_NAME = (
+    *("positions", "contracted", "convolved", "norms", "needs", "added", "alone"),
+)
 """The fields of a `Uses` that map each name to a value."""
 
 

@@ -535,6 +535,8 @@ class Trace:
         self.called: dict[Path, type] = {}
         self.normalised: dict[Path, str] = {}
         self.added: set[Path] = set()
+        self.alone: dict[Path, bool] = {}
+        """PyTorch's `Uses.alone` (a JAX side has its program instead)."""
         self.placed: dict[Path, int] = {}
         self.tied: dict[Path, Path] = {}
         self.program: list[tuple[Program, list[Path]]] = []
@@ -681,6 +683,7 @@ class Trace:
         self.normalised.update(cast(dict[Path, str], uses.norms))
         self.tied.update(cast(dict[Path, Path], uses.tied))
         self.added.update(cast(dict[Path, bool], uses.added))
+        self.alone.update(cast(dict[Path, bool], uses.alone))
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
