@@ -332,7 +332,12 @@ class _Recorder:
             self.merged |= found
             return _MERGED  # computed from several layers' outputs
         (branch,) = found
-        scaling = name in ("mul", "div") and (len(operands) == 1 or derived)
+        others = [e for _, _, e in operands if e is None or e.branch != branch]
+        scaling = (
+            name in ("mul", "div")
+            and len(others) == len(operands) - 1
+            and all(e is None or e.sources for e in others)
+        )  # by a constant or a parameter, not by an activation (RoPE's cos) or itself
         if name not in _RELAYOUTS and not scaling and branch not in self.merged:
             self.alone[branch] = True
         return branch
