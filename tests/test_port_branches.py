@@ -13,18 +13,7 @@ from flax import nnx
 import bridge
 
 from .helpers import requires
-
-
-class _GatedNNX(nnx.Module):
-    """A gated MLP: `down(silu(gate(x)) * up(x))`, the gate computed first."""
-
-    def __init__(self, rngs):
-        self.gate = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+from .test_port_silent import _GatedSource as _GatedNNX  # gate computed first
 
 
 class _GatedLinen(nn.Module):

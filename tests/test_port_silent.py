@@ -243,6 +243,8 @@ def test_ambiguous_offers_no_guessed_rules(tmp_path):
 
 
 class _GatedSource(nnx.Module):
+    """A gated MLP: `down(silu(gate(x)) * up(x))`, the gate computed first."""
+
     def __init__(self, rngs):
         self.gate = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(4, 8, use_bias=False, rngs=rngs)

@@ -518,7 +518,14 @@ def test_an_equinox_weight_norm_file_into_torch(tmp_path):
         {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
     )
     x = _images(1)
-    _close(_torch_out(target, x), jax.vmap(source)(jnp.asarray(x)))
+    got, want = _torch_out(target, x), jax.vmap(source)(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # g and v carried as stored (no arithmetic): torch's g per input channel
+    g = {k: v for k, v in state.items() if k.endswith(("weight_g", "original0"))}
+    assert len(g) == 1
+    assert np.array_equal(
+        np.asarray(next(iter(g.values()))).reshape(-1), np.asarray(source.g).reshape(-1)
+    )
 
 
 def test_a_weight_normed_conv_transpose_state_dict_is_read_by_its_bias():
