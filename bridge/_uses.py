@@ -84,6 +84,13 @@ class Uses(NamedTuple):
       not a relayout or a scaling) before it meets another layer's output (a
       gated MLP's `gate` is, its `up` is not): what tells layers side by side
       apart where a JAX side shows the same (`bridge._port._branches`).
+    - `reads`: `{name: numbers}`: the activations the parameter's first use reads,
+      each numbered once however it is moved or cast (`x.view(...)`, `x.to(...)`):
+      equal for layers used side by side (one input).
+    - `merges`: the operations that take activations computed from different
+      parameters, in order, as `(JAX primitive name, ((place, bits), ...))`, and a
+      model's outputs as `("output", ((None, bits),))`; bits as in `needs`
+      (`bridge._adapters._torch_merges`): what tells layers side by side apart.
     - `unused`: names the forward pass never computes with (training-only arrays
       such as DINOv2's `mask_token`, BatchNorm's `num_batches_tracked` in
       evaluation).
@@ -104,6 +111,8 @@ class Uses(NamedTuple):
     tied: dict[Where, Where] = {}  # noqa: RUF012 - never mutated
     added: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
     alone: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
+    reads: dict[Where, frozenset[int]] = {}  # noqa: RUF012 - never mutated
+    merges: tuple[tuple[str, tuple[tuple[int | None, int], ...]], ...] = ()
 
 
 class Untraced(Exception):

@@ -42,6 +42,7 @@ import numpy as np
 
 from .._gc import paused
 from .._uses import Contraction, Uses
+from ._torch_merges import merges
 
 
 class _Source(NamedTuple):
@@ -59,9 +60,11 @@ class _Seen:
     parameters alone (None for an activation), the parameters it depends on (a bit
     each), and a normalisation tag `(kind, mean subtracted)`."""
 
-    __slots__ = ("branch", "bits", "ref", "sources", "tag")
+    __slots__ = ("branch", "bits", "ref", "root", "sources", "tag")
 
-    def __init__(self, tensor: Any, sources, bits: int, tag, branch: Any = None):
+    def __init__(
+        self, tensor: Any, sources, bits: int, tag, branch: Any = None, root=None
+    ):
         self.ref = weakref.ref(tensor)
         self.sources = sources
         self.bits = bits
@@ -70,6 +73,9 @@ class _Seen:
         """The key of the product's kernel this activation is computed from alone
         (a layer's output, relaid out or changed by itself), `_MERGED` where it is
         computed from several, or None."""
+        self.root = root
+        """The number of the activation this one is a move or cast of (`_MOVES`),
+        given when first asked for (`_Recorder.root`), or None."""
 
 
 _ARITH = frozenset(
@@ -166,6 +172,11 @@ _RELAYOUTS = frozenset(
 """Operations that only move, cast or select an activation (no computation of its
 own, as `_branches` leaves them out on the JAX side)."""
 
+_MOVES = _RELAYOUTS - {"split", "chunk", "narrow", "getitem", "select", "unbind"}
+"""Operations whose output holds the same values as their activation (moved, cast,
+broadcast): layers reading either read one input, as `_branches.inputs` sees
+JAX's `reshape` and `transpose` through."""
+
 _MERGED = "merged"
 """The branch of an activation computed from several layers' outputs."""
 
@@ -250,6 +261,11 @@ class _Recorder:
         """`{kernel key: whether the layer's output is changed by itself (an
         activation function, a norm) before it meets another layer's output}`."""
         self.merged: set[Any] = set()
+        self.reads: dict[Any, frozenset[int]] = {}
+        """`{key: the activations its first use reads}` (`_Recorder.root`)."""
+        self.merges: list = []
+        """Where activations of different parameters meet (`_torch_merges`)."""
+        self.roots = 0
         self.weight_norm: list[tuple[int, int]] = []
 
     def key(self, index: int) -> Any:
@@ -304,11 +320,36 @@ class _Recorder:
             self.count += 1
             tag = self.use(name, args, operands, derived)
         branch = self.branch(name, operands, derived) if outs else None
+        acts = [(s, k, t, e) for k, (s, t, e) in enumerate(operands) if not _held(e)]
+        self.merges += merges(
+            name, args, [(s, k, e.bits) for s, k, _, e in acts if e and e.bits]
+        )
+        root = None
+        if name in _MOVES and len(acts) == 1:
+            root = self.root(acts[0][2], acts[0][3])
         for t in outs:
-            if bits or tag is not None or branch is not None:
-                self.seen[id(t)] = _Seen(t, None, bits, tag, branch)
+            if bits or tag is not None or branch is not None or root is not None:
+                self.seen[id(t)] = _Seen(t, None, bits, tag, branch, root)
             else:
                 self.seen.pop(id(t), None)
+
+    def root(self, t: Any, e: _Seen | None) -> int:
+        """The number of the activation `t` holds the values of (through `_MOVES`:
+        two layers reading `x` and `x.view(...)` read one input)."""
+        e = e or self.entry(t)
+        if e is None:
+            e = self.seen[id(t)] = _Seen(t, None, 0, None)
+        if e.root is None:
+            self.roots += 1
+            e.root = self.roots
+        return e.root
+
+    def output(self, out: Any) -> None:
+        """The module's outputs: merges of one operand each (`_torch_merges`)."""
+        for t in _tensors_in(out, self.torch.Tensor):
+            e = self.entry(t)
+            if e is not None and e.bits and not _held(e):
+                self.merges.append(("output", ((None, e.bits),)))
 
     def branch(self, name: str, operands: list, derived: list) -> Any:
         """The branch of an operation's output (`_Seen.branch`): a product's kernel
@@ -411,6 +452,9 @@ class _Recorder:
                 if key not in self.positions:
                     self.positions[key] = (self.count + later.get(slot, 0),)
                     self.needs[key] = (1 << s.index, others)
+                    self.reads[key] = frozenset(
+                        self.root(t2, e2) for _, t2, e2 in operands if not _held(e2)
+                    )
                 self.roles(name, args, slot, s, operands, key)
                 kind = self.scaled(name, slot, operands, s, key)
                 if kind is not None:
@@ -505,6 +549,11 @@ class _Recorder:
         ):
             return first
         return None
+
+
+def _held(e: _Seen | None) -> bool:
+    """Whether a tensor is computed from parameters alone (a weight, `w.t()`)."""
+    return e is not None and bool(e.sources)
 
 
 def _tensors_in(x: Any, tensor: type) -> list:
@@ -930,14 +979,15 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
             stack.enter_context(fake)
         stack.enter_context(_mode_class(torch)(recorder))
         if swapped is None:
-            module(*args, **call)
+            recorder.output(module(*args, **call))
         else:  # and the non-persistent buffers (BERT's `position_ids`) likewise
             assert fake is not None  # swapped tensors are fake copies
             tensors = {n: swapped[i] for n, i in zip(names, of)}
             for n, t in module.named_buffers(remove_duplicate=False):
                 if n not in tensors:
                     tensors[n] = _fake_copy(fake, t)
-            torch.func.functional_call(module, tensors, args, call, strict=True)
+            out = torch.func.functional_call(module, tensors, args, call, strict=True)
+            recorder.output(out)
     return _uses(recorder, names, of)
 
 
@@ -981,6 +1031,7 @@ def _weight_name(g: str, v: str) -> str:
 
 _PER_NAME = (
     *("positions", "contracted", "convolved", "norms", "needs", "added", "alone"),
+    "reads",
 )
 """The fields of a `Uses` that map each name to a value."""
 
@@ -988,10 +1039,17 @@ _PER_NAME = (
 def _made(pick: Any, of: Any, weight_norm: dict, unused: tuple) -> Uses:
     """A `Uses` whose per-name fields are `pick` of `of`'s fields of that name."""
     fields = {f: pick(getattr(of, f)) for f in _PER_NAME}
-    return Uses(**fields, weight_norm=weight_norm, unused=unused)
+    return Uses(
+        **fields, weight_norm=weight_norm, unused=unused, merges=tuple(of.merges)
+    )
 
 
 def _uses(r: _Recorder, names: list[str], of: list[int]) -> Uses:
+    ranks: dict[int, int] = {}  # inputs numbered in the order first read
+    r.reads = {
+        k: frozenset(ranks.setdefault(x, len(ranks)) for x in sorted(v))
+        for k, v in r.reads.items()
+    }
     first: dict[int, str] = {}
     for name, i in zip(names, of):
         first.setdefault(i, name)

@@ -21,6 +21,11 @@ A `Branch` records that, per layer, from the abstract trace of the forward pass
   it; else the operand's index), and how many other layers of the group the other
   operands carry; a model's output it reaches with its group unmerged counts too.
 
+A PyTorch side keeps no program: its recorder notes where activations of
+different parameters meet (`Uses.merges`, in these terms: `_torch_merges`) and
+whether each layer's output is changed by itself first (`Uses.alone`);
+`recorded` reads the same `merges` from that record, and `alone` as that one bit.
+
 Signatures are compared only within one side's group; two sides pair by equal
 signatures (`_pairing._Pairing.side_by_side`), and where they cannot tell the
 layers apart the port is refused, never paired by order.
@@ -67,7 +72,8 @@ class Branch(NamedTuple):
 class _Value(NamedTuple):
     """What the walk knows of one variable of the program."""
 
-    root: Any  # the variable it is a relayout of (an identity token)
+    root: Any  # what it is a relayout of: an input variable, or a token per
+    # evaluation of the operation that computed it
     leaf: int | None  # the parameter it holds (through relayouts), or None
     fed: bool  # computed from the model's inputs
     mask: int  # the group layers (a bit each) it is computed from
@@ -127,23 +133,30 @@ def branches(program: Program, groups: Sequence[Sequence[frozenset[int]]]) -> li
     return out
 
 
+CHANGED = "changed by itself"
+"""A PyTorch layer's `Branch.alone` where `Uses.alone` says it is."""
+
+
 def reads(trace: Trace) -> Mapping[Path, frozenset] | None:
-    """`{leaf path: what its first use computes it with}` (`inputs`: equal for
-    layers that read one input) of a traced side, or None where JAX did not trace
-    it here (a PyTorch module, a file's recorded order)."""
-    if not trace() or not trace.program:
+    """`{leaf path: what its first use computes it with}` (`inputs`, or PyTorch's
+    `Uses.reads`: equal for layers that read one input) of a traced side, or None
+    where it was not traced here (a file's recorded order)."""
+    if not trace():
         return None
-    if not trace.read:
+    if not trace.read and trace.program:
         program, paths = trace.program[0]
         trace.read.append({paths[i]: x for i, x in inputs(program).items()})
-    return trace.read[0]
+    return trace.read[0] if trace.read else None
 
 
 def signatures(trace: Trace, groups: list[list[list[Path]]]) -> list | None:
     """For each group of layers side by side (each layer as its leaf paths), each
-    layer's `Branch` in `trace`'s program; None where JAX did not trace it here."""
-    if not trace() or not trace.program:
+    layer's `Branch` in `trace`'s program (or PyTorch's record: `recorded`); None
+    where it was not traced here."""
+    if not trace():
         return None
+    if not trace.program:
+        return recorded(trace, groups) if trace.merges else None
     program, paths = trace.program[0]
     index = {p: i for i, p in enumerate(paths)}
     sets = [
@@ -154,6 +167,56 @@ def signatures(trace: Trace, groups: list[list[list[Path]]]) -> list | None:
     unique = list(dict.fromkeys(sets))
     found = dict(zip(unique, branches(program, unique)))
     return [found[group] for group in sets]
+
+
+def recorded(trace: Trace, groups: list[list[list[Path]]]) -> list:
+    """`signatures` from a PyTorch side's record: per group, each layer's `Branch`,
+    its `merges` read from `Uses.merges` as `branches` reads them from a program
+    (an output without its index: which is which is each model's own order), its
+    `alone` `{CHANGED}` where `Uses.alone` says so."""
+    needs = trace.upstream()
+    out = []
+    for group in groups:
+        masks = [_mask(needs, layer) for layer in group]
+        whole = 0
+        for m in masks:
+            whole |= m
+        found: list[set] = [set() for _ in group]
+        for name, operands in trace.merges:
+            if not any(bits & whole for _, bits in operands):
+                continue
+            parts = [
+                frozenset(j for j, m in enumerate(masks) if bits & m)
+                for _, bits in operands
+            ]
+            met = frozenset().union(*parts)
+            if name == "output":
+                for j in met if len(met) < len(group) else ():
+                    found[j].add(("output", None, 0))
+                continue
+            for (place, _), part in zip(operands, parts):
+                if part and part != met:
+                    for j in part:
+                        found[j].add((name, place, len(met - part)))
+        out.append(
+            [
+                Branch(
+                    frozenset({CHANGED} if any(trace.alone.get(p) for p in x) else ()),
+                    frozenset(f),
+                )
+                for x, f in zip(group, found)
+            ]
+        )
+    return out
+
+
+def _mask(needs: Mapping[Path, tuple[int, int]], layer: list[Path]) -> int:
+    """The bits of a layer's parameters (`Uses.needs`)."""
+    mask = 0
+    for p in layer:
+        if p in needs:
+            mask |= needs[p][0]
+    return mask
 
 
 def _start(program: Program) -> dict[Any, _Value]:
@@ -213,8 +276,8 @@ class _Walk:
                 outs = list(found)
             else:  # another branch of a `cond`
                 outs = [
-                    _Value(v, None, a.fed or b.fed, a.mask | b.mask)
-                    for v, a, b in zip(eqn.outvars, outs, found)
+                    _Value(object(), None, a.fed or b.fed, a.mask | b.mask)
+                    for a, b in zip(outs, found)
                 ]
         return outs
 
@@ -245,7 +308,9 @@ class _Walk:
         mask |= self._own(ins)
         if mask and self.sets:
             self._record(jaxpr, n, eqn, ins, mask)
-        return [_Value(v, None, True, mask) for v in eqn.outvars]
+        # a token of its own per evaluation: a sub-computation called twice (one
+        # `jnp.take` for two embeddings) has the same variables both times
+        return [_Value(object(), None, True, mask) for _ in eqn.outvars]
 
     def _own(self, ins: list[_Value]) -> int:
         """The bits of the group layers whose parameters are operands."""

@@ -283,7 +283,7 @@ class Order:
         """Per layer, what its first use reads: `(stack index, the input's
         variables)`, equal for layers used side by side (`_branches`), None for a
         layer the pass does not use; None where the pass was not traced here (a
-        PyTorch module, a file's recorded order)."""
+        file's recorded order)."""
         if not isinstance(self._trace, Trace):
             return None
         read = reads(self._trace)
@@ -296,21 +296,6 @@ class Order:
             used = [x.leaf(e) for e in x.paths if x.leaf(e) in uses]
             got = read.get(min(used, key=lambda p: uses[p])) if used else None
             out.append((x.index, got) if got else None)
-        return out
-
-    def alone(self, layers: list[Layer]) -> list[bool | None] | None:
-        """Per layer, whether its output is changed by itself before it meets
-        another layer's (PyTorch's record, `Uses.alone`); None where the pass
-        recorded none (a JAX side keeps its program instead: `branches`)."""
-        if not isinstance(self._trace, Trace) or not self._trace():
-            return None
-        flags = self._trace.alone
-        if not flags:
-            return None
-        out: list[bool | None] = []
-        for x in layers:
-            known = [flags[x.leaf(e)] for e in x.paths if x.leaf(e) in flags]
-            out.append(known[0] if known else None)
         return out
 
     def branches(self, groups: list[list[Layer]]) -> list[list[Branch]] | None:
@@ -491,9 +476,7 @@ class _Pairing:
         happens to compute them."""
         pairs = list(zip(a, b))
         reads = [o.reads(x) for o, x in zip(self.orders, (a, b))]
-        if (reads[0] is None) != (reads[1] is None):
-            return self.one_program(a, b, reads), []
-        if reads[0] is None or reads[1] is None:
+        if reads[0] is None or reads[1] is None:  # a file's recorded order
             return pairs, []
         parts = [_parts(r, x) for r, x in zip(reads, (a, b))]
         groups, left, seen = [], [], set()
@@ -523,39 +506,6 @@ class _Pairing:
                     ),
                 )
         return left, [([a[j] for j in at], [b[j] for j in at]) for at in groups]
-
-    def one_program(
-        self, a: list[Layer], b: list[Layer], reads: list
-    ) -> list[tuple[Layer, Layer]]:
-        """`a[i]` with `b[i]`, except where one side's program (JAX) and the other
-        side's record (PyTorch's `Uses.alone`) both split layers used side by side
-        into those changed by themselves before they meet (a gated MLP's `gate`)
-        and the others, alike: then each with its like (in order of use within
-        each), whatever order each pass computes them in."""
-        pairs = list(zip(a, b))
-        known = 0 if reads[0] is not None else 1
-        layers = (a, b)
-        theirs_all = self.orders[1 - known].alone(layers[1 - known])
-        if theirs_all is None:
-            return pairs
-        parts = _parts(reads[known], layers[known])
-        groups = sorted({p for p in parts if len(p) > 1}, key=min)
-        found = self.orders[known].branches(
-            [[layers[known][j] for j in sorted(g)] for g in groups]
-        )
-        for g, branches in zip(groups, found or []):
-            at = sorted(g)
-            mine = [bool(x.alone) for x in branches]
-            theirs = [theirs_all[j] for j in at]
-            if None in theirs or len(set(mine)) < 2 or sorted(mine) != sorted(theirs):
-                continue  # alike, or not comparable: as the orders of use say
-            for flag in (False, True):
-                ks = [j for j, f in zip(at, mine) if f == flag]
-                os = [j for j, f in zip(at, theirs) if f == flag]
-                for k, o in zip(ks, os):
-                    x, y = layers[known][k], layers[1 - known][o]
-                    pairs[k] = (x, y) if known == 0 else (y, x)
-        return pairs
 
     def decide(
         self, groups: list[tuple[list[Layer], list[Layer]]]
@@ -863,17 +813,31 @@ def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int
     return out
 
 
+def _portable(b: Branch) -> frozenset:
+    """Where a layer meets the others, as two frameworks both show it: outputs left
+    out (which is which is each model's own order), `add_any` as `add`."""
+    return frozenset(
+        ("add" if name == "add_any" else name, at, n)
+        for name, at, n in b.merges
+        if name != "output"
+    )
+
+
 _VIEWS = (
     lambda b: b,
     lambda b: b.merges,
     lambda b: b.alone,
     lambda b: bool(b.alone),
+    lambda b: (_portable(b), bool(b.alone)),
+    _portable,
 )
 """What of a `Branch` may pair layers side by side, most first: all of it; where
 each meets the others (the same on both sides when what each applies alone is
 written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
 alone (a silu on the gate: the merge is the same product); whether it applies
-anything alone (a silu written `x / (1 + exp(-x))` on one side)."""
+anything alone (a silu written `x / (1 + exp(-x))` on one side, or a PyTorch
+side's one bit: `_branches.recorded`); then the same with where each meets the
+others as a PyTorch side records it too (`_portable`)."""
 
 
 def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:

@@ -537,12 +537,14 @@ class Trace:
         self.added: set[Path] = set()
         self.alone: dict[Path, bool] = {}
         """PyTorch's `Uses.alone` (a JAX side has its program instead)."""
+        self.merges: tuple = ()
+        """PyTorch's `Uses.merges` (a JAX side has its program instead)."""
         self.placed: dict[Path, int] = {}
         self.tied: dict[Path, Path] = {}
         self.program: list[tuple[Program, list[Path]]] = []
         """The traced program (`_branches` reads it), where JAX traced it here."""
-        self.read: list[dict[Path, frozenset]] = []
-        """`_branches.reads`' answer, once made."""
+        self.read: list[Mapping[Path, frozenset]] = []
+        """`_branches.reads`' answer, once made (PyTorch's `Uses.reads`)."""
         self.attended: dict[Path, Path] = {}
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
@@ -684,6 +686,9 @@ class Trace:
         self.tied.update(cast(dict[Path, Path], uses.tied))
         self.added.update(cast(dict[Path, bool], uses.added))
         self.alone.update(cast(dict[Path, bool], uses.alone))
+        self.merges = uses.merges
+        if uses.reads:
+            self.read.append(cast(dict[Path, frozenset], uses.reads))
         return cast(dict[Path, Position], uses.positions)
 
     def _failed(self, error: Exception) -> None:
