@@ -72,10 +72,10 @@ def eqx_call(module, x):
 
 class Layers(NamedTuple):
     """One framework's constructors, so that a model is written once for NNX and
-    Equinox: `node(**children)`, `seq(list)`, `linear(in, out)`, `norm(features,
-    eps)` (LayerNorm), `embed(num, features)`, `conv(in, out, kernel, stride)`
-    (VALID), `array(shape)` (a loose parameter), and `call(layer, x)` over leading
-    axes."""
+    Equinox: `node(**children)`, `seq(list)`, `linear(in, out, bias=True)`,
+    `norm(features, eps)` (LayerNorm), `embed(num, features)`, `conv(in, out, kernel,
+    stride)` (VALID), `array(shape)` (a loose parameter), `call(layer, x)` over
+    leading axes, and `rms(features, eps)` (RMSNorm, where given)."""
 
     node: Any
     seq: Any
@@ -85,6 +85,7 @@ class Layers(NamedTuple):
     conv: Any
     array: Any
     call: Any
+    rms: Any = None
 
 
 def nnx_layers() -> Layers:
@@ -92,7 +93,7 @@ def nnx_layers() -> Layers:
     return Layers(
         node=node,
         seq=nnx.List,
-        linear=lambda i, o: nnx.Linear(i, o, rngs=rngs),
+        linear=lambda i, o, bias=True: nnx.Linear(i, o, use_bias=bias, rngs=rngs),
         norm=lambda n, eps: nnx.LayerNorm(n, epsilon=eps, rngs=rngs),
         embed=lambda n, d: nnx.Embed(n, d, rngs=rngs),
         conv=lambda i, o, k, s: nnx.Conv(
@@ -100,6 +101,7 @@ def nnx_layers() -> Layers:
         ),
         array=lambda shape: nnx.Param(jax.random.normal(rngs.params(), shape)),
         call=nnx_call,
+        rms=lambda n, eps: nnx.RMSNorm(n, epsilon=eps, rngs=rngs),
     )
 
 
@@ -108,12 +110,15 @@ def eqx_layers() -> Layers:
     return Layers(
         node=eqx_node,
         seq=list,
-        linear=lambda i, o: eqx.nn.Linear(i, o, key=next(keys)),
+        linear=lambda i, o, bias=True: eqx.nn.Linear(
+            i, o, use_bias=bias, key=next(keys)
+        ),
         norm=lambda n, eps: eqx.nn.LayerNorm(n, eps=eps),
         embed=lambda n, d: eqx.nn.Embedding(n, d, key=next(keys)),
         conv=lambda i, o, k, s: eqx.nn.Conv2d(i, o, k, stride=s, key=next(keys)),
         array=lambda shape: jax.random.normal(next(keys), shape),
         call=eqx_call,
+        rms=lambda n, eps: eqx.nn.RMSNorm(n, eps=eps, use_bias=False),
     )
 
 
