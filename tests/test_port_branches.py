@@ -299,8 +299,9 @@ def test_norms_after_side_by_side_layers_pair_by_what_they_are_computed_from():
             lambda a, b, x: jnp.sin(b(x)) * jnp.exp(a(x)),
             r"differs between the two forward passes \(source \[\.a: tanh",
         ),
-        (  # the target reads them from two inputs
-            lambda a, b, x: jnp.tanh(b(x)) * a(x * 2.0),
+        (  # the target reads them from two inputs (one computed by a layer:
+            # `x * 2.0` would be one input, computed from `x` with no weight)
+            lambda a, b, x: jnp.tanh(b(x)) * a(b(x)[:, :4]),
             r"Only the source reads them from one input",
         ),
     ],

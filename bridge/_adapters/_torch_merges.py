@@ -60,11 +60,17 @@ def merges(name: str, args: tuple, operands: list[tuple[Any, int, int]]) -> list
 
     **Returns:**
 
-    A list of `Merge`s (two for an attention), empty where the operation's
-    activations are all computed from the same parameters.
+    A list of `Merge`s (two for an attention), empty where the operation takes
+    one activation, or several computed from the same parameters (but for a
+    product: `q @ k.T` after one norm, `_branches.Branch.product`).
     """
-    if len({bits for _, _, bits in operands}) < 2:
-        return []
+    product = name == "scaled_dot_product_attention" or _AS_JAX.get(name) == (
+        "dot_general"
+    )
+    if len(operands) < 2 or (
+        not product and len({bits for _, _, bits in operands}) < 2
+    ):
+        return []  # (a product of two values of one layer is its `Branch.product`)
     if name == "scaled_dot_product_attention":
         by = {_ATTENTION.get(slot, slot): bits for slot, _, bits in operands}
         q, k, v = (by.get(j, 0) for j in range(3))

@@ -74,8 +74,10 @@ class _Seen:
         (a layer's output, relaid out or changed by itself), `_MERGED` where it is
         computed from several, or None."""
         self.root = root
-        """The number of the activation this one is a move or cast of (`_MOVES`),
-        given when first asked for (`_Recorder.root`), or None."""
+        """The number of the model's input or activation this one is computed
+        from alone, with no parameter (`_Recorder.root`; given when first asked
+        for), or None: a tensor with a root or parameter bits is computed from the
+        model's inputs, one with neither is a constant (a causal mask)."""
 
 
 _ARITH = frozenset(
@@ -160,6 +162,9 @@ _NORMS = {
 _PRODUCTS = frozenset({"linear", "addmm", "matmul", "mm", "bmm", "einsum"})
 """Operations whose output starts a layer's branch where a kernel is contracted."""
 
+_STARTS = _PRODUCTS | {"embedding", "conv1d", "conv2d", "conv3d"}
+"""Operations whose output starts a layer's branch (`_Recorder.branch`)."""
+
 _RELAYOUTS = frozenset(
     {
         *("to", "float", "half", "double", "bfloat16", "type", "type_as"),
@@ -171,11 +176,6 @@ _RELAYOUTS = frozenset(
 )
 """Operations that only move, cast or select an activation (no computation of its
 own, as `_branches` leaves them out on the JAX side)."""
-
-_MOVES = _RELAYOUTS - {"split", "chunk", "narrow", "getitem", "select", "unbind"}
-"""Operations whose output holds the same values as their activation (moved, cast,
-broadcast): layers reading either read one input, as `_branches.inputs` sees
-JAX's `reshape` and `transpose` through."""
 
 _MERGED = "merged"
 """The branch of an activation computed from several layers' outputs."""
@@ -325,8 +325,13 @@ class _Recorder:
             name, args, [(s, k, e.bits) for s, k, _, e in acts if e and e.bits]
         )
         root = None
-        if name in _MOVES and len(acts) == 1:
-            root = self.root(acts[0][2], acts[0][3])
+        fed = [(t, e) for _, _, t, e in acts if e and (e.bits or e.root is not None)]
+        if fed and not derived:  # computed from inputs alone: one input (not
+            # indices: `(ids + 1) % n` looks up other rows, as on the JAX side)
+            roots = {self.root(t, e) for t, e in fed}
+            floating = all(t.dtype.is_floating_point for t in outs)
+            same = len(roots) == 1 and (floating or name in _PASS_TAG)
+            root = roots.pop() if same else self.new_root()
         for t in outs:
             if bits or tag is not None or branch is not None or root is not None:
                 self.seen[id(t)] = _Seen(t, None, bits, tag, branch, root)
@@ -334,15 +339,19 @@ class _Recorder:
                 self.seen.pop(id(t), None)
 
     def root(self, t: Any, e: _Seen | None) -> int:
-        """The number of the activation `t` holds the values of (through `_MOVES`:
-        two layers reading `x` and `x.view(...)` read one input)."""
+        """The number of the activation `t` is computed from alone, with no
+        parameter (two layers reading `x`, `x.view(...)` or a norm's
+        `(x - x.mean()) / x.std()` read one input: `_branches.inputs`)."""
         e = e or self.entry(t)
         if e is None:
             e = self.seen[id(t)] = _Seen(t, None, 0, None)
         if e.root is None:
-            self.roots += 1
-            e.root = self.roots
+            e.root = self.new_root()
         return e.root
+
+    def new_root(self) -> int:
+        self.roots += 1
+        return self.roots
 
     def output(self, out: Any) -> None:
         """The module's outputs: merges of one operand each (`_torch_merges`)."""
@@ -361,7 +370,7 @@ class _Recorder:
             for slot, _, e in derived
             if slot in ("weight", "mat2", "other", 1) and e.sources[0].axes is not None
         ]
-        if name in _PRODUCTS and len(derived) >= 1 and kernels:
+        if name in _STARTS and len(derived) >= 1 and kernels:
             self.alone.setdefault(kernels[0], False)
             return kernels[0]
         found = {
@@ -453,7 +462,11 @@ class _Recorder:
                     self.positions[key] = (self.count + later.get(slot, 0),)
                     self.needs[key] = (1 << s.index, others)
                     self.reads[key] = frozenset(
-                        self.root(t2, e2) for _, t2, e2 in operands if not _held(e2)
+                        self.root(t2, e2)
+                        for _, t2, e2 in operands
+                        if e2 is not None
+                        and (e2.bits or e2.root is not None)
+                        and not _held(e2)
                     )
                 self.roles(name, args, slot, s, operands, key)
                 kind = self.scaled(name, slot, operands, s, key)
@@ -971,6 +984,8 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
         for n, m in module.named_modules(remove_duplicate=False):
             owners.setdefault(id(m), []).append(n)
     recorder = _Recorder(torch, objects, tied, owners)
+    for t in _tensors_in((args, call), torch.Tensor):  # the model's inputs
+        recorder.root(t, recorder.entry(t))
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         if tied:

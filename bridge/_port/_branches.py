@@ -15,6 +15,9 @@ A `Branch` records that, per layer, from the abstract trace of the forward pass
   layer of its group (`logistic`, `mul`), leaving out relayouts (`reshape`,
   `transpose`, casts) and scalings by constants or weights (`q * d ** -0.5` here or
   on the scores is one computation);
+- `product`: whether two values computed from it alone are contracted together
+  (an attention's scores after one norm: the norm before an attention, not the
+  one before an MLP, when both read the residual stream);
 - `merges`: where it meets the others: the primitive, its place in it (none for
   `add`, `mul`, `max`, `min`; for a `dot_general`, whether its free axes come first
   in the result, after a transpose that directly follows, as `jnp.einsum` writes
@@ -37,6 +40,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
+
 from .._paths import Path
 from ._trace import _SEEN_THROUGH, Program, Trace, _literal, _subs
 
@@ -58,10 +63,16 @@ class Branch(NamedTuple):
 
     alone: frozenset[str]
     merges: frozenset[tuple[str, int | None, int]]
+    product: bool = False
+    """Whether two values computed from it alone are contracted together (an
+    attention's scores: what a norm before the attention feeds, not one before an
+    MLP), as both frameworks write it (`dot_general`, `matmul`, `sdpa`)."""
 
     def words(self) -> str:
         """The signature as a message says it: `logistic, mul, then mul`."""
         alone = ", ".join(sorted(self.alone)) or "nothing"
+        if self.product:
+            alone += " (two of its values contracted)"
         merges = sorted(
             f"{name}{'' if at is None else f' as operand {at}'} with {n} other(s)"
             for name, at, n in self.merges
@@ -72,8 +83,9 @@ class Branch(NamedTuple):
 class _Value(NamedTuple):
     """What the walk knows of one variable of the program."""
 
-    root: Any  # what it is a relayout of: an input variable, or a token per
-    # evaluation of the operation that computed it
+    root: Any  # the value it is computed from with no weight and no other
+    # value of the model's inputs (relaid out, `x - mean(x)`): an input variable,
+    # or a token per evaluation of the operation that computed it
     leaf: int | None  # the parameter it holds (through relayouts), or None
     fed: bool  # computed from the model's inputs
     mask: int  # the group layers (a bit each) it is computed from
@@ -85,7 +97,9 @@ _CONSTANT = _Value(None, None, False, 0)
 def inputs(program: Program) -> dict[int, frozenset]:
     """`{leaf index: the variables its first use computes it with}`: the inputs of
     the first operation on the model's inputs that reads the leaf, each seen back
-    through relayouts (two layers reading one `x` give the same set)."""
+    through what is computed from it alone, with no weight (relayouts, a norm's
+    `(x - mean(x)) * rsqrt(var(x) + eps)` before its scale): two layers reading
+    one `x` give the same set, and so do two norms of `x`."""
     walk = _Walk({}, [])
     walk.run(program.jaxpr, _start(program))
     return walk.first
@@ -126,7 +140,11 @@ def branches(program: Program, groups: Sequence[Sequence[frozenset[int]]]) -> li
         found = []
         for _ in group:
             found.append(
-                Branch(frozenset(walk.alone[bit]), frozenset(walk.merges[bit]))
+                Branch(
+                    frozenset(walk.alone[bit]),
+                    frozenset(walk.merges[bit]),
+                    bit in walk.products,
+                )
             )
             bit += 1
         out.append(found)
@@ -180,8 +198,12 @@ def recorded(trace: Trace, groups: list[list[list[Path]]]) -> list:
         masks = [_mask(needs, layer) for layer in group]
         whole = 0
         for m in masks:
+            if whole & m:  # one tensor for two of them (a tie): not told apart
+                masks = [0] * len(group)
+                break
             whole |= m
         found: list[set] = [set() for _ in group]
+        products: frozenset[int] = frozenset()
         for name, operands in trace.merges:
             if not any(bits & whole for _, bits in operands):
                 continue
@@ -190,6 +212,8 @@ def recorded(trace: Trace, groups: list[list[list[Path]]]) -> list:
                 for _, bits in operands
             ]
             met = frozenset().union(*parts)
+            if name == "dot_general" and len(met) == 1 and all(parts):
+                products |= met
             if name == "output":
                 for j in met if len(met) < len(group) else ():
                     found[j].add(("output", None, 0))
@@ -201,13 +225,18 @@ def recorded(trace: Trace, groups: list[list[list[Path]]]) -> list:
         out.append(
             [
                 Branch(
-                    frozenset({CHANGED} if any(trace.alone.get(p) for p in x) else ()),
+                    frozenset({CHANGED} if masks[j] and _changed(trace, x) else ()),
                     frozenset(f),
+                    j in products,
                 )
-                for x, f in zip(group, found)
+                for j, (x, f) in enumerate(zip(group, found))
             ]
         )
     return out
+
+
+def _changed(trace: Trace, layer: list[Path]) -> bool:
+    return any(trace.alone.get(p) for p in layer)
 
 
 def _mask(needs: Mapping[Path, tuple[int, int]], layer: list[Path]) -> int:
@@ -241,6 +270,7 @@ class _Walk:
         self.alone: dict[int, set[str]] = defaultdict(set)
         self.merges: dict[int, set[tuple[str, int | None, int]]] = defaultdict(set)
         self.single: dict[int, list[int]] = {}
+        self.products: set[int] = set()  # `Branch.product`'s layers
         self.group = {
             b: k for k, group in enumerate(sets) for b in _bits(group)
         }  # {bit: its group's index}
@@ -308,9 +338,14 @@ class _Walk:
         mask |= self._own(ins)
         if mask and self.sets:
             self._record(jaxpr, n, eqn, ins, mask)
-        # a token of its own per evaluation: a sub-computation called twice (one
-        # `jnp.take` for two embeddings) has the same variables both times
-        return [_Value(object(), None, True, mask) for _ in eqn.outvars]
+        # computed from one input alone (a norm's `x - mean(x)`, `x / 255`: not
+        # indices, `(ids + 1) % n` looks up other rows), that input; else a token
+        # of its own per evaluation (a sub-computation called twice, one
+        # `jnp.take` for two embeddings, has the same variables)
+        roots = {x.root for x in ins if x.fed}
+        same = len(roots) == 1 and not leaves and _floating(eqn)
+        root = next(iter(roots)) if same else object()
+        return [_Value(root, None, True, mask) for _ in eqn.outvars]
 
     def _own(self, ins: list[_Value]) -> int:
         """The bits of the group layers whose parameters are operands."""
@@ -328,6 +363,8 @@ class _Walk:
         name = eqn.primitive.name
         own = self._own(ins)
         masks = [x.mask for x in ins]
+        if name == "dot_general" and all(x.fed for x in ins):
+            self.products.update(_product(masks, self.sets))
         merged = 0
         if len({m for m in masks if m} | ({own} if own else set())) > 1:
             for group in self._groups(mask):
@@ -361,6 +398,25 @@ class _Walk:
             ]
             self.single[mask] = found
         return found
+
+
+def _floating(eqn: Any) -> bool:
+    return all(
+        jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating)
+        for v in eqn.outvars
+    )
+
+
+def _product(masks: list[int], groups: list[int]) -> list[int]:
+    """The layers whose values alone both operands of a product are (`q @ k.T`
+    after one norm: `Branch.product`), each operand's mask given per group."""
+    out = []
+    for group in groups:
+        parts = {m & group for m in masks}
+        (part,) = parts if len(parts) == 1 else (0,)
+        if part and part & (part - 1) == 0:
+            out.append(part.bit_length() - 1)
+    return out
 
 
 def _place(jaxpr: Any, n: int, j: int) -> int | None:

@@ -293,7 +293,7 @@ class Order:
             self._uses = self._trace() or {}
         uses, out = self._uses, []
         for x in layers:
-            used = [x.leaf(e) for e in x.paths if x.leaf(e) in uses]
+            used = [p for p in self._leaves(x) if p in uses]
             got = read.get(min(used, key=lambda p: uses[p])) if used else None
             out.append((x.index, got) if got else None)
         return out
@@ -303,9 +303,17 @@ class Order:
         into (`_branches.Branch`); None where the pass was not traced here."""
         if not isinstance(self._trace, Trace):
             return None
-        return signatures(
-            self._trace, [[[x.leaf(e) for e in x.paths] for x in g] for g in groups]
-        )
+        if self._uses is None:
+            self._uses = self._trace() or {}
+        return signatures(self._trace, [[self._leaves(x) for x in g] for g in groups])
+
+    def _leaves(self, x: Layer) -> list[Path]:
+        """The paths a trace knows `x`'s arrays by: the Tree's leaves, or where a
+        name of a tied tensor is a layer of its own (`Uses.tied`), that name's."""
+        own = [x.path + p for p in x.paths.values()]
+        if x.index is None and any(p in (self._uses or {}) for p in own):
+            return own
+        return [x.leaf(e) for e in x.paths]
 
     def sorted(self, layers: list[Layer]) -> list[Layer] | None:
         """`layers` in creation order, or None when that order is not known."""
@@ -828,27 +836,35 @@ _VIEWS = (
     lambda b: b.merges,
     lambda b: b.alone,
     lambda b: bool(b.alone),
-    lambda b: (_portable(b), bool(b.alone)),
+    lambda b: (_portable(b), bool(b.alone), b.product),
+    lambda b: (_portable(b), b.product),
     _portable,
+    lambda b: b.product,
 )
 """What of a `Branch` may pair layers side by side, most first: all of it; where
 each meets the others (the same on both sides when what each applies alone is
 written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
 alone (a silu on the gate: the merge is the same product); whether it applies
 anything alone (a silu written `x / (1 + exp(-x))` on one side, or a PyTorch
-side's one bit: `_branches.recorded`); then the same with where each meets the
-others as a PyTorch side records it too (`_portable`)."""
+side's one bit: `_branches.recorded`); then, as a PyTorch side records them too,
+where each meets the others (`_portable`) and whether two of its values are
+contracted (the norm before an attention, not the one before an MLP)."""
 
 
 def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
-    """`[(i, j)]` pairing `a[i]` with `b[j]` by the first view (`_VIEWS`) that
-    tells each layer from the others on both sides and takes the same values on
-    both; None where none does."""
+    """`[(i, j)]` pairing `a[i]` with `b[j]` by the views (`_VIEWS`) that tell each
+    layer from the others on both sides and take the same values on both; None
+    where none does, or two such views pair them otherwise (one side's facts
+    read otherwise than the other's: nothing is guessed)."""
+    found = None
     for view in _VIEWS:
         va, vb = [view(x) for x in a], [view(x) for x in b]
         if len(set(va)) == len(va) == len(set(vb)) and set(va) == set(vb):
-            return [(i, vb.index(v)) for i, v in enumerate(va)]
-    return None
+            pairs = [(i, vb.index(v)) for i, v in enumerate(va)]
+            if found is not None and pairs != found:
+                return None
+            found = pairs
+    return found
 
 
 def _described(layers: list[Layer], branches: list[Branch]) -> str:
