@@ -291,6 +291,49 @@ def test_strict_false_still_writes_the_reference_s_stored_table(tmp_path):
     )
 
 
+class _ConvNet(torch.nn.Module):
+    """A convolution, a BatchNorm and a head, taking images channel-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x.permute(0, 3, 1, 2))).mean((2, 3)))
+
+
+class _ConvRewrite(nnx.Module):
+    def __init__(self, rngs):
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, use_running_average=True, rngs=rngs)
+        self.features = nnx.Conv(3, 4, (3, 3), padding="VALID", rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.norm(self.features(x)).mean((1, 2)))
+
+
+def test_a_conv_net_with_batch_norm_takes_its_layouts_and_a_fresh_counter(tmp_path):
+    """OIHW convolution, running statistics, `num_batches_tracked` written fresh
+    (0, as a new module holds it: never ported); a setting that differs between
+    paired layers is warned of, as `bridge.port` warns."""
+    model = _ConvRewrite(nnx.Rngs(0))
+    model.norm.mean[...] = jnp.arange(4.0)
+    model.norm.var[...] = jnp.arange(1.0, 5.0)
+    x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+    path = tmp_path / "model.safetensors"
+    with pytest.warns(bridge.PortWarning, match=r"momentum is 0\.99 in the source"):
+        bridge.save(path, model, layout="torch", like=_ConvNet(), example=(x,))
+    written = safetensors.numpy.load_file(str(path))
+    assert written["bn.num_batches_tracked"] == 0
+    back = _ConvNet().eval()
+    back.load_state_dict({k: torch.tensor(v) for k, v in written.items()}, strict=True)
+    with torch.no_grad():
+        out = back(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(out, model(x), rtol=1e-5, atol=1e-6)
+
+
 class _SameNamesSwapped(nnx.Module):
     """Llama's MLP with Llama's names, but `up_proj` under SiLU: the names say
     the opposite of the computation."""

@@ -218,7 +218,8 @@ def save(
       `layout="torch"` (no metadata to record it in) the forward pass is traced
       only where the arrays leave a layout open, and decides it: a square kernel
       of a Linen model that stores its other kernels `(out, in)` (transformers'
-      `FlaxConv1D`), refused without; with `like`, it pairs the layers (above).
+      `FlaxConv1D`), refused without; with `like`, it pairs the layers (above),
+      `example_kwargs` as `bridge.port` takes them (a pair: the model's, `like`'s).
 
     **Returns:**
 

@@ -2,12 +2,14 @@
 example=inputs)`.
 
 The model is ported into the reference's layout as `bridge.port(model, module,
-example=inputs)` ports it (`bridge._port._plan.make_plan`, then `run`): the layers
-names do not pair are paired by the order in which the two forward passes use them
-and by what each computes, never by how alike their names look; the layouts are the
-reference module's own (its classes: GPT-2's `Conv1D`). The names written are then
-the reference's: a JAX rewrite with names of its own (`attn.query` for
-`self_attn.q_proj`) is written under the names its PyTorch model loads.
+example=inputs)` ports it (`bridge._port._plan.make_plan`, then `run`): layers of
+the same name on both sides (case and separators aside) pair by it, the others by
+the order in which the two forward passes use them and by what each computes, never
+by a name that only resembles another (`_torch_layout.fitted`) or by shape alone;
+the layouts are the reference module's own (its classes: GPT-2's `Conv1D`). The
+names written are then the reference's: a JAX rewrite with names of its own
+(`attn.query` for `self_attn.q_proj`) is written under the names its PyTorch model
+loads.
 
 The reference must have a forward pass to trace: a `torch.nn.Module` (its tensors
 on the `meta` device or not), or a Hugging Face folder (or a safetensors file) with
@@ -32,13 +34,13 @@ from .._adapters._native import placeholders, to_neutral
 from .._adapters._registry import adapter_for, ties_of
 from .._paths import parse, path_str
 from .._port._errors import CAST, PortError, PortWarning
-from .._port._layers import find_layers
+from .._port._layers import NOT_PORTED, find_layers
 from .._port._plan import make_plan
 from .._port._port import run
 from .._port._report import warn
 from .._port._reverse import reverse_rules
 from .._port._trace import Example
-from .._tree import Tree
+from .._tree import Tree, roles
 from ._config import CONFIG
 from ._model import file_tree
 from ._read import lazy, open_checkpoint
@@ -104,6 +106,19 @@ def _abstract(tree: Tree) -> Tree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
+def _fresh(tree: Tree) -> Tree:
+    """`tree` with its unfilled arrays of a role never ported (BatchNorm's
+    `num_batches_tracked`: a count of one model's steps) as a fresh module holds
+    them: zeros."""
+
+    def made(x: Any, role: str) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and role in NOT_PORTED:
+            return np.zeros(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(made, tree, roles(tree))
+
+
 def _port_rules(tree: Tree, rules: Mapping[str, str] | None) -> dict[str, str]:
     """`save`'s `rules` (import rules, read backwards: `bridge._port._reverse`) as
     `bridge.port`'s: each layer of `tree` a rule names, to the reference's layer of
@@ -133,8 +148,10 @@ def ported_state(
     """`tree` ported into `target` (`computed_target`) by the plan both forward
     passes on `example` decide, in `target`'s layout and names; the arrays keep
     `tree`'s dtypes (a bfloat16 model is written bfloat16 whatever the reference's
-    dtype). `rules`, the import rules `save` takes, are read backwards and pair
-    the layers they match first (`bridge._port._reverse`).
+    dtype). `example`'s keyword arguments go to both calls, as `bridge.port`'s do
+    (a PyTorch `forward` takes those it names), or a pair, one per side. `rules`,
+    the import rules `save` takes, are read backwards and pair the layers they
+    match first (`bridge._port._reverse`).
 
     Layers of `target` nothing fills are not written (the reference check lists
     them, or writes a stored table with `strict=False`).
@@ -164,7 +181,7 @@ def ported_state(
     if told:
         warn("Port warnings:\n  " + "\n  ".join(told), PortWarning)
     steps = tuple(dataclasses.replace(s, cast={}) for s in plan.steps)
-    filled = run(dataclasses.replace(plan, steps=steps))
+    filled = _fresh(run(dataclasses.replace(plan, steps=steps)))
     # a tie's second name left out, as `save_pretrained` leaves it out
     tied = {tie[0] for tie in ties_of(filled)}
     state = {
