@@ -57,7 +57,7 @@ def eqx_node(**children):
 def over_leading(fn, x):
     """An Equinox layer (one example) over the leading axes of `x` (all but the
     feature axis of a float array; all of an integer array of indices)."""
-    for _ in range(x.ndim - (1 if x.dtype.kind == "f" else 0)):
+    for _ in range(x.ndim - (1 if jnp.issubdtype(x.dtype, jnp.inexact) else 0)):
         fn = jax.vmap(fn)
     return fn(x)
 

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -315,6 +316,44 @@ def from_torch(
     else:
         raise TypeError(_NOT_A_STATE_DICT.format(what=type(obj).__name__))
     return _state_tree(state, kinds, module, prefix, checked)
+
+
+def _placeholders(target: Any) -> Any:
+    """A module whose tensors hold no data (built on the `meta` device or inside
+    `FakeTensorMode`: a model made from its config at no memory cost) as a Tree of
+    `jax.ShapeDtypeStruct`s recording the module (its classes, the forward pass a
+    trace runs), a tie (one tensor under several names) kept once; anything else as
+    it is (`from_torch` reads it)."""
+    if not is_module(target):
+        return target
+    state = target.state_dict(keep_vars=True)
+    if not any(_holds_nothing(t) for t in state.values()):
+        return target
+    shapes: dict[int, Any] = {}  # by object: a tied parameter is one object
+    abstract = {
+        name: shapes.setdefault(
+            id(t), jax.ShapeDtypeStruct(tuple(t.shape), _numpy_dtype(t))
+        )
+        for name, t in state.items()
+    }
+    kinds = {
+        (_split_name(name) if name else ()): type(sub)
+        for name, sub in target.named_modules()
+    }
+    return _state_tree(abstract, kinds, target, "", None)
+
+
+def _holds_nothing(tensor: Any) -> bool:
+    """A meta or fake tensor: a shape and a dtype, no values."""
+    return tensor.device.type == "meta" or type(tensor).__name__ == "FakeTensor"
+
+
+def _numpy_dtype(tensor: Any) -> Any:
+    """The numpy dtype `tensor_to_numpy` would give `tensor`, read without values."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _NUMPY_VIEW:
+        return np.dtype(_NUMPY_VIEW[name][1])
+    return _torch().empty((), dtype=tensor.dtype).numpy().dtype
 
 
 def _numeric(dtype: Any) -> bool:
@@ -894,6 +933,7 @@ ADAPTER = register_adapter(
         module_types=(),  # torch is optional: its classes are read by name
         layout="torch",
         like=lambda target, tree: to_torch(tree, tensors=wants_tensors(target)),
+        placeholders=_placeholders,
         rngs_hint="A state dict has no random streams: drop `rngs`.",
         modules=modules,
         records_classes=False,

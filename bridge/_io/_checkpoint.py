@@ -193,7 +193,10 @@ def save(
       `state_dict()`, or a PyTorch-layout checkpoint (a safetensors file or a Hugging
       Face folder). The names and shapes written must be exactly its own (a name it
       ties to another may be left out); otherwise a `ValueError` lists every
-      difference and nothing is written.
+      difference and nothing is written. With `example` and a `like` that runs (a
+      module, or a folder with its `config.json`), the model is ported into it as
+      `bridge.port(model, like, example=...)` ports: both forward passes pair the
+      layers (a rewrite with names of its own), and `like`'s names are written.
     - `progress`: with `True`, a progress display on stderr (the bytes written out
       of the model's total, array by array; an orbax or msgpack file fills its bar
       at the end), as `bridge convert` shows: only when stderr is a terminal, and
@@ -215,7 +218,8 @@ def save(
       `layout="torch"` (no metadata to record it in) the forward pass is traced
       only where the arrays leave a layout open, and decides it: a square kernel
       of a Linen model that stores its other kernels `(out, in)` (transformers'
-      `FlaxConv1D`), refused without.
+      `FlaxConv1D`), refused without; with `like`, it pairs the layers (above),
+      `example_kwargs` as `bridge.port` takes them (a pair: the model's, `like`'s).
 
     **Returns:**
 

@@ -510,20 +510,26 @@ def save_folder(
     packed_experts: str | None = None,
     reference: Reference | None = None,
     example: Any = None,
+    ported: Mapping[str, Any] | None = None,
 ) -> Written:
     """`tree` in PyTorch layout (`torch_layers`) as a Hugging Face model folder
     (`write_folder`), one layer converted at a time; with `packed_experts` (a model
     family, `"qwen2_moe"` or `"mixtral"`), that family's per-expert weights written
     packed (`_experts.packing`); with `reference`, only if the names and shapes are
     its own (`_reference.check`); `example` (a `_port._trace.Example`): the
-    model's inputs, whose forward pass decides the layouts its arrays leave open."""
+    model's inputs, whose forward pass decides the layouts its arrays leave open;
+    `ported`: the arrays already in PyTorch layout and names (`_ported`: `tree`
+    ported into the reference), written instead of `tree`'s layers."""
     configs = config_files(config, generation_config)
     family = None if packed_experts is None else _experts.family(packed_experts)
     known = None if reference is None else reference.shapes.keys()
     written = written_type(configs, path)
-    layers = torch_layers(
-        tree, rules, prefix, family=written, known=known, example=example
-    )
+    if ported is not None:
+        layers = [TorchLayer({}, lambda _: dict(ported))]
+    else:
+        layers = torch_layers(
+            tree, rules, prefix, family=written, known=known, example=example
+        )
     tensors = [t for layer in layers for t in _described(layer)]
     places: dict[str, Place] = {}
     if family is not None:

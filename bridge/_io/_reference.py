@@ -56,6 +56,22 @@ _TABLE = (
     "sinusoidal position table ({variant}), which the model computes (it has no "
     "array for it); {fix}"
 )
+_NAMES_APART = """\
+{n} name(s) the export would write are not the reference's but have the shape of a
+name of the reference that nothing is written under ({some}): shapes could pair
+them, but cannot tell which layer is which (two layers of one shape, a gate and an
+up projection, fit either way). {fix}"""
+EXAMPLE_FIX = """\
+Pass example= inputs of the model with like= the PyTorch module (on the `meta`
+device it costs no memory) or the Hugging Face folder: both forward passes then
+pair the layers and the reference's names are written, e.g.
+bridge.save(path, model, layout="torch", like=module, example=(input_ids,))."""
+NO_FORWARD_PASS = """\
+example= was given, but `like` here has no forward pass to pair the layers by (a
+state dict, or a file without the config.json of its model): pass the PyTorch
+module itself (built on the `meta` device it costs no memory) or the Hugging Face
+folder with its config.json, with example=."""
+
 STRICT_FIX = "pass strict=False to write the reference's table"
 """The fix `_TABLE` names, for `bridge.save` (`bridge convert` names another)."""
 
@@ -66,7 +82,9 @@ Values = Callable[[list[str]], dict[str, Any]]
 class Reference:
     """The names and shapes an export must have, the names it may leave out, and
     (`values`) the reference's arrays, read when asked; `strict`: whether its
-    stored sinusoidal tables the export lacks are errors (else written)."""
+    stored sinusoidal tables the export lacks are errors (else written);
+    `pairing`: what pairs layers whose names differ where shapes alone would
+    (said when the check finds some)."""
 
     def __init__(
         self,
@@ -83,6 +101,7 @@ class Reference:
         self.values = values
         self.strict = strict
         self.fix = fix
+        self.pairing = EXAMPLE_FIX
 
 
 def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Reference:
@@ -98,7 +117,7 @@ def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Refer
             shapes = {s.key: tuple(s.shape) for s in contents.tensors}
         values = _file_values(like)
         return Reference(shapes, {}, os.fspath(like), values, strict, fix)
-    state = like.state_dict() if callable(getattr(like, "state_dict", None)) else like
+    state = _state_dict(like) if callable(getattr(like, "state_dict", None)) else like
     if not isinstance(state, Mapping) or not all(
         isinstance(k, str) and hasattr(v, "shape") for k, v in state.items()
     ):
@@ -106,6 +125,16 @@ def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Refer
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     what = type(like).__name__ + ("" if state is like else ".state_dict()")
     return Reference(shapes, _ties(state), what, _state_values(state), strict, fix)
+
+
+def _state_dict(module: Any) -> Any:
+    """A module's state dict, its tensors as the module holds them where it can
+    (`keep_vars=True`: a tied parameter is one object under each of its names,
+    which tells the tie where the tensors hold no memory, on the `meta` device)."""
+    try:
+        return module.state_dict(keep_vars=True)
+    except TypeError:  # a `state_dict()` of another kind
+        return module.state_dict()
 
 
 def _file_values(path: Any) -> Values:
@@ -132,13 +161,16 @@ def _state_values(state: Mapping[str, Any]) -> Values:
 
 def _ties(state: Mapping[str, Any]) -> dict[str, set[str]]:
     """`{name: the other names of the same tensor}` (PyTorch tensors sharing their
-    storage, as tied weights do; tensors on the `meta` device hold none)."""
+    storage, as tied weights do; tensors on the `meta` device hold none: one
+    object under several names is a tie there)."""
     owners: dict[tuple, list[str]] = {}
     for name, value in state.items():
         pointer = getattr(value, "data_ptr", None)
         at = pointer() if callable(pointer) else 0
         if at:
             owners.setdefault((at, tuple(value.shape)), []).append(name)
+        elif getattr(getattr(value, "device", None), "type", None) == "meta":
+            owners.setdefault(("object", id(value)), []).append(name)
     return {n: set(names) - {n} for names in owners.values() for n in names}
 
 
@@ -184,6 +216,7 @@ def check(
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
             _MISMATCH.format(n=len(problems), reference=reference.what, problems=lines)
+            + _apart(out, lacking, reference)
         )
     if reference.strict or not tables:
         return {}
@@ -193,6 +226,22 @@ def check(
         sorted(tables),
     )
     return {name: array for name, (array, _) in tables.items()}
+
+
+def _apart(written: Shapes, lacking: Shapes, reference: Reference) -> str:
+    """`_NAMES_APART` (after a new line) where names written that the reference
+    lacks have the shapes of names of the reference nothing is written under:
+    shapes could pair them, names do not; else empty."""
+    free = set(lacking.values())
+    extra = [
+        f"{n} {s}"
+        for n, s in written.items()
+        if n not in reference.shapes and s in free
+    ]
+    if not extra:
+        return ""
+    some = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+    return "\n" + _NAMES_APART.format(n=len(extra), some=some, fix=reference.pairing)
 
 
 def _tables(lacking: Shapes, reference: Reference) -> dict[str, tuple[Any, str]]:

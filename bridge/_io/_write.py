@@ -20,8 +20,9 @@ from ._contents import Contents, Stored, is_key
 from ._format import format_named, format_of, formats
 from ._model import _NOT_STRINGS, both_str
 from ._plugins import quantizer
-from ._reference import check, reference_of
-from ._torch_layout import torch_state
+from ._ported import computed_target, ported_state
+from ._reference import NO_FORWARD_PASS, check, reference_of
+from ._torch_layout import _own, torch_state
 
 
 _DTYPES_NOT_STORED = """\
@@ -175,6 +176,23 @@ def save_layout(
             raise FileNotFoundError(
                 f"{path.parent}: no such directory to save {path.name} in."
             )
+    elif fmt.save_plain is None:
+        raise ValueError(
+            f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
+            "*.safetensors) or a Hugging Face folder (a path without a suffix)."
+        )
+    elif any(v is not None for v in folder.values()):
+        raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
+    # with example inputs and a reference that runs, both forward passes pair the
+    # layers and the reference names them (`_ported`); else the model's own names
+    ported = None
+    if example is not None and reference is not None and not _own(tree):
+        target = computed_target(like)
+        if target is not None:
+            ported = ported_state(tree, target, example, rules, prefix)
+        else:
+            reference.pairing = NO_FORWARD_PASS
+    if not fmt.suffixes:
         _hf_folder.save_folder(
             path,
             tree,
@@ -183,28 +201,26 @@ def save_layout(
             metadata=user,
             reference=reference,
             example=example,
+            ported=None if ported is None else ported.state,
             **folder,
         )
         return
-    if fmt.save_plain is None:
-        raise ValueError(
-            f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
-            "*.safetensors) or a Hugging Face folder (a path without a suffix)."
-        )
-    if any(v is not None for v in folder.values()):
-        raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
+    assert fmt.save_plain is not None  # checked above
     kinds: dict[str, str] = {}
     known = None if reference is None else reference.shapes.keys()
-    family = model_type(path)
-    state = torch_state(
-        tree,
-        rules,
-        prefix,
-        kinds=kinds,
-        family=family,
-        known=known,
-        example=example,
-    )
+    if ported is not None:
+        state = dict(ported.state)
+        kinds = {f"{name}.weight": "Dense" for name in ported.linear}
+    else:
+        state = torch_state(
+            tree,
+            rules,
+            prefix,
+            kinds=kinds,
+            family=model_type(path),
+            known=known,
+            example=example,
+        )
     if reference is not None:
         state.update(
             check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)

@@ -14,8 +14,8 @@ with the reference framework's:
   then `torch_model.load_state_dict(..., strict=True)`;
 - `flax->folder`: `bridge.save(folder, (flax_module, variables), layout="torch",
   config=config, like=torch_model, example=...)`, then
-  `TorchClass.from_pretrained(folder)` (the Flax module's forward pass is traced only
-  where its arrays leave a layout open: GPT-2's square `FlaxConv1D` kernels).
+  `TorchClass.from_pretrained(folder)` (both forward passes pair the layers, as in
+  `flax->torch`, and `torch_model`'s names are written).
 
 The example inputs are the arrays transformers' own wrapper passes to
 `module.apply` (recorded on one call), split into the leading positional arrays

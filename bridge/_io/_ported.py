@@ -1,0 +1,193 @@
+"""An export named by both computations: `save(..., layout="torch", like=module,
+example=inputs)`.
+
+The model is ported into the reference's layout as `bridge.port(model, module,
+example=inputs)` ports it (`bridge._port._plan.make_plan`, then `run`): layers of
+the same name on both sides (case and separators aside) pair by it, the others by
+the order in which the two forward passes use them and by what each computes, never
+by a name that only resembles another (`_torch_layout.fitted`) or by shape alone;
+the layouts are the reference module's own (its classes: GPT-2's `Conv1D`). The
+names written are then the reference's: a JAX rewrite with names of its own
+(`attn.query` for `self_attn.q_proj`) is written under the names its PyTorch model
+loads.
+
+The reference must have a forward pass to trace: a `torch.nn.Module` (its tensors
+on the `meta` device or not), or a Hugging Face folder (or a safetensors file) with
+its `config.json`, whose model is built from the config at no memory cost
+(`bridge._adapters._torch_trace.folder_module`). A state dict, or a file without a
+config, has none: the export is then named as without `example` (`_torch_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .._adapters._native import placeholders, to_neutral
+from .._adapters._registry import adapter_for, ties_of
+from .._paths import parse, path_str
+from .._port._errors import CAST, PortError, PortWarning
+from .._port._layers import NOT_PORTED, find_layers
+from .._port._plan import make_plan
+from .._port._port import run
+from .._port._report import warn
+from .._port._reverse import reverse_rules
+from .._port._trace import Example
+from .._tree import Tree, roles
+from ._config import CONFIG
+from ._model import file_tree
+from ._read import lazy, open_checkpoint
+from ._torch_layout import LAYOUT, _writer, dotted_torch
+
+
+class Ported(NamedTuple):
+    """A model in the reference's layout and names: `state`, `{name: array}` in the
+    reference's order (a name the reference ties to an earlier one left out, as
+    `save_pretrained` leaves it), and `linear`, the dotted names of its `Linear`
+    layers (what `quantize=` quantizes)."""
+
+    state: dict[str, np.ndarray]
+    linear: frozenset[str]
+
+
+_PREFIX = """\
+`prefix` ({prefix!r}) with `like` and `example`: the names written are `like`'s own
+(its layers paired with the model's by both forward passes), which a prefix would
+change. Leave `prefix` out (a head model's names already hold its
+`base_model_prefix`)."""
+
+_UNEXPECTED = (
+    "unexpected: {where} of the model pairs with no layer of `like`; give the "
+    "model `like`'s layers, or give `like` the model's"
+)
+_MISMATCHED = "shape: {line}"
+_HOW = """\
+(while pairing the model's layers with those of `like` by both forward passes, as
+bridge.port(model, like, example=...) does: bridge.port_plan(model, like,
+example=...) shows the pairing)"""
+
+
+def computed_target(like: Any) -> Tree | None:
+    """`like` as an abstract PyTorch-layout Tree (shapes and dtypes, no values) that
+    records a forward pass to trace: a `torch.nn.Module`'s own, or the model of a
+    Hugging Face folder's (or a safetensors file's) `config.json`, keyed by the
+    file's names. None where `like` has none (a state dict, a file without a
+    config, a checkpoint of another layout)."""
+    if isinstance(like, str | os.PathLike):
+        path = Path(like)
+        folder = path if path.is_dir() else path.parent
+        if not (folder / CONFIG).is_file():
+            return None
+        with open_checkpoint(path) as contents:
+            if contents.layout != LAYOUT:
+                return None
+            arrays = lazy(contents)
+            if arrays is None:
+                return None
+            return _abstract(file_tree(contents, arrays))
+    if isinstance(like, Mapping):
+        return None
+    adapter = adapter_for(like)
+    if adapter is None or adapter.layout != LAYOUT:
+        return None
+    return _abstract(to_neutral(placeholders(like)))
+
+
+def _abstract(tree: Tree) -> Tree:
+    """`tree` with shapes and dtypes for arrays: a layer the port leaves unfilled
+    keeps no value of the reference's, and nothing of a file is read."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _fresh(tree: Tree) -> Tree:
+    """`tree` with its unfilled arrays of a role never ported (BatchNorm's
+    `num_batches_tracked`: a count of one model's steps) as a fresh module holds
+    them: zeros."""
+
+    def made(x: Any, role: str) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and role in NOT_PORTED:
+            return np.zeros(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(made, tree, roles(tree))
+
+
+def _port_rules(tree: Tree, rules: Mapping[str, str] | None) -> dict[str, str]:
+    """`save`'s `rules` (import rules, read backwards: `bridge._port._reverse`) as
+    `bridge.port`'s: each layer of `tree` a rule names, to the reference's layer of
+    that name (`{its path: the reference's}`), as the export without `example`
+    names it (`_torch_layout._name`), a dotted name or a `keystr` path alike."""
+    if not rules:
+        return {}
+    backwards = reverse_rules(rules)
+    out = {}
+    for layer in find_layers(tree, []):  # problems: the plan's to report
+        for pattern, replacement in backwards.items():
+            match = re.fullmatch(pattern, layer.where)
+            if match:
+                name = dotted_torch(match.expand(replacement))
+                out[re.escape(layer.where)] = path_str(parse(name))
+                break
+    return out
+
+
+def ported_state(
+    tree: Tree,
+    target: Tree,
+    example: Example,
+    rules: Mapping[str, str] | None = None,
+    prefix: str = "",
+) -> Ported:
+    """`tree` ported into `target` (`computed_target`) by the plan both forward
+    passes on `example` decide, in `target`'s layout and names; the arrays keep
+    `tree`'s dtypes (a bfloat16 model is written bfloat16 whatever the reference's
+    dtype). `example`'s keyword arguments go to both calls, as `bridge.port`'s do
+    (a PyTorch `forward` takes those it names), or a pair, one per side. `rules`,
+    the import rules `save` takes, are read backwards and pair the layers they
+    match first (`bridge._port._reverse`).
+
+    Layers of `target` nothing fills are not written (the reference check lists
+    them, or writes a stored table with `strict=False`).
+
+    **Raises:**
+
+    `ValueError` for a `prefix`; `bridge.PortError` listing every problem of the
+    pairing, every layer of `tree` that pairs with none of `target`, every pair
+    whose shapes differ. A `bridge.PortWarning` lists the settings that differ
+    between paired layers (an epsilon), as `bridge.port` does.
+    """
+    if prefix:
+        raise ValueError(_PREFIX.format(prefix=prefix))
+    backwards = _port_rules(tree, rules)
+    # strict=False: a layer of the target left unfilled is the reference check's
+    # to report (or to write, a stored table); dtypes are not cast (below)
+    plan, problems = make_plan(tree, target, backwards, False, None, example)
+    lone = (*plan.unexpected, *plan.computed_by_target)
+    problems += [_UNEXPECTED.format(where=where) for where in lone]
+    problems += [_MISMATCHED.format(line=line) for line in plan.mismatched]
+    if problems:
+        error = PortError(problems)
+        error.add_note(_HOW)
+        raise error
+    cast = CAST.split("{", 1)[0]
+    told = [w for w in plan.warnings if not w.startswith(cast)]
+    if told:
+        warn("Port warnings:\n  " + "\n  ".join(told), PortWarning)
+    steps = tuple(dataclasses.replace(s, cast={}) for s in plan.steps)
+    filled = _fresh(run(dataclasses.replace(plan, steps=steps)))
+    # a tie's second name left out, as `save_pretrained` leaves it out
+    tied = {tie[0] for tie in ties_of(filled)}
+    state = {
+        name: np.asarray(array)
+        for name, array in _writer()[1].own(filled, "").items()
+        if name not in tied and array.dtype != object  # object: left unfilled
+    }
+    linear = frozenset(dotted_torch(s.target) for s in steps if s.kind == "Dense")
+    return Ported(state, linear)
