@@ -350,23 +350,22 @@ class _SameNamesSwapped(nnx.Module):
         return self.down_proj(jax.nn.silu(self.up_proj(x)) * self.gate_proj(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pairing precedence: identical paths pair before the traces are asked "
-    "(bridge._port._pairing); `_contradicted` checks feed-forward order only, not "
-    "side-by-side branches (Uses.alone)",
-)
-def test_identical_names_that_the_computation_contradicts_are_not_trusted(tmp_path):
-    """Names equal on both sides but the roles swapped: exact or refused, never
-    written silently wrong."""
+def test_identical_names_that_the_computation_contradicts_are_refused(tmp_path):
+    """Names equal on both sides but the roles swapped: refused, naming the
+    pairing the computation shows; with the rules it offers, exact."""
     model, target = _SameNamesSwapped(nnx.Rngs(0)), TorchGated().eval()
     path = tmp_path / "model.safetensors"
-    try:
+    with pytest.raises(bridge.PortError, match="side by side") as refused:
         bridge.save(path, model, layout="torch", like=target, example=(X_MLP,))
-    except ValueError:
-        return
+    assert not path.exists()
+    message = str(refused.value)
+    assert ".up_proj -> .gate_proj" in message and ".gate_proj -> .up_proj" in message
+    with pytest.raises(bridge.PortError, match="side by side"):  # and into JAX
+        bridge.port(target, _SameNamesSwapped(nnx.Rngs(1)), example=(X_MLP,))
+    rules = {r"\.up_proj": ".gate_proj", r"\.gate_proj": ".up_proj"}
+    bridge.save(path, model, layout="torch", like=target, example=(X_MLP,), rules=rules)
     state = safetensors.numpy.load_file(str(path))
-    target.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
+    target.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
     np.testing.assert_allclose(_torch_out(target), model(X_MLP), rtol=1e-5, atol=1e-6)
 
 

@@ -302,6 +302,14 @@ CONTRADICTED = (
     "correspond and say so with rules, e.g. rules={{r'{a_re}': '{tb}', r'{b_re}': "
     "'{ta}'}} if the computation is right."
 )
+CONTRADICTED_SIDE_BY_SIDE = (
+    "order: {pairs} were paired by {by}, but each side uses them side by side and "
+    "the forward passes on the example inputs pair them otherwise: {computed}, by "
+    "what each one's output flows into until they meet (source [{sources}], "
+    "target [{targets}]). The names do not say what the computation does. Check "
+    "which layers correspond and say so with rules, one per pair, e.g. "
+    "rules={rules} if the computation is right."
+)
 CONV_AXES = (
     "layout: {where} (Conv kernel {shape}) is read in Flax's layout (spatial axes, "
     "then in, then out), but the forward pass on the example inputs convolves it "

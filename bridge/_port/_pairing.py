@@ -515,6 +515,49 @@ class _Pairing:
                 )
         return left, [([a[j] for j in at], [b[j] for j in at]) for at in groups]
 
+    def named(self) -> None:
+        """Layers paired by their names (`names`) that both sides use side by side
+        (`side_by_side`): where what their outputs flow into pairs them otherwise
+        on both sides (`_matched`), a problem. Names are a model's word, the
+        computation is what it does (an NNX MLP naming its SiLU branch `up_proj`
+        against Llama's `gate_proj`)."""
+        named = [x for x in self.pairs if x.by in ("path", "name")]
+        a, b = [x.source for x in named], [x.target for x in named]
+        reads = [o.reads(x) for o, x in zip(self.orders, (a, b))]
+        if len(named) < 2 or reads[0] is None or reads[1] is None:
+            return
+        parts = [_parts(r, x) for r, x in zip(reads, (a, b))]
+        groups = sorted(
+            {g for i, g in enumerate(parts[0]) if len(g) > 1 and parts[1][i] == g},
+            key=min,
+        )
+        groups = [sorted(g) for g in groups if all(parts[1][i] == g for i in g)]
+        if not groups:
+            return
+        found = [
+            o.branches([[x[i] for i in g] for g in groups])
+            for o, x in zip(self.orders, (a, b))
+        ]
+        if found[0] is None or found[1] is None:
+            return
+        for g, ba, bb in zip(groups, found[0], found[1]):
+            matched = _matched(ba, bb)
+            if matched is None or all(i == j for i, j in matched):
+                continue
+            computed = [(a[g[i]].where, b[g[j]].where) for i, j in matched]
+            self.problems.append(
+                _errors.CONTRADICTED_SIDE_BY_SIDE.format(
+                    pairs=", ".join(f"{a[i].where} -> {b[i].where}" for i in g),
+                    by=", ".join(sorted({named[i].by for i in g})),
+                    computed=", ".join(f"{s} -> {t}" for s, t in computed),
+                    sources=_described([a[i] for i in g], ba),
+                    targets=_described([b[i] for i in g], bb),
+                    rules="{"
+                    + ", ".join(f"r'{re.escape(s)}': '{t}'" for s, t in computed)
+                    + "}",
+                )
+            )
+
     def decide(
         self, groups: list[tuple[list[Layer], list[Layer]]]
     ) -> list[tuple[Layer, Layer]]:
@@ -801,6 +844,7 @@ def pair(
     p.indexed()
     p.remainder()
     p.preceded()
+    p.named()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
     p.left = []  # unpaired: delivered through another name, or unexpected
