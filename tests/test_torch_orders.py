@@ -157,12 +157,6 @@ def _refused(why: str):
 # the order it computes them, unless "created>computed" says otherwise. Before the
 # PyTorch trace recorded where layers meet, every non-control case here but the
 # gate/up order was paired by order: silently wrong by 0.14 to 6.0.
-GQA_FOLDER = {
-    "folder": _refused(
-        "the folder's k_proj reads as Embed/Dense by its shape and 'could pair with"
-        " wk or nothing'; the module ports exactly"
-    )
-}
 CASES = {
     # controls: PyTorch's own order
     ("llama-gqa", "nnx", "qkvg"): {},
@@ -177,11 +171,11 @@ CASES = {
     ("llama", "nnx", "vkqu>qkvg"): {},
     ("bert", "equinox", "vkq>qkv"): {},
     # GQA: q is told by its shape, k from v by where each meets the others
-    ("llama-gqa", "nnx", "kqvu"): GQA_FOLDER,
-    ("llama-gqa", "nnx", "vqkg"): GQA_FOLDER,
-    ("llama-gqa", "equinox", "kqvu"): GQA_FOLDER,
-    ("llama-gqa", "equinox", "vqkg"): GQA_FOLDER,
-    ("llama-gqa", "linen", "kqvu"): GQA_FOLDER,
+    ("llama-gqa", "nnx", "kqvu"): {},
+    ("llama-gqa", "nnx", "vqkg"): {},
+    ("llama-gqa", "equinox", "kqvu"): {},
+    ("llama-gqa", "equinox", "vqkg"): {},
+    ("llama-gqa", "linen", "kqvu"): {},
     # q, k, v of one shape: the query's rows and the key's columns of the scores
     ("llama", "nnx", "kqvu"): {},
     ("llama", "nnx", "vqkg"): {},

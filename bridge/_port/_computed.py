@@ -6,10 +6,11 @@ convolution is a `Conv` or a `ConvTranspose`; a square weight under one of GPT-2
 names is an `nn.Linear` `(out, in)` or a `Conv1D` `(in, out)`; a 1-D `weight` alone
 scales a mean-subtracting norm, an RMS norm or `x * (1 + weight)`. The forward pass
 on example inputs (`_trace.Trace`: JAX's `make_jaxpr`, PyTorch's recorder) tells:
-the class each Linen submodule is called as, the axes a product contracts, the
-kernel axes a convolution reads, whether a norm subtracts the mean. Only the
-candidates that computation allows are kept; where it says nothing, nothing
-changes (and `_plan._open_kinds` refuses what is still open).
+the class each Linen submodule is called as, the axes a product contracts (a 2-D
+`weight` alone, an `Embed` or a `Dense` by its shape, that a product first uses is
+a `Dense`), the kernel axes a convolution reads, whether a norm subtracts the mean.
+Only the candidates that computation allows are kept; where it says nothing,
+nothing changes (and `_plan._open_kinds` refuses what is still open).
 
 A module holding a `bias` alone reads as a norm without scale (`LayerNorm`,
 `GroupNorm`); where the forward pass adds that bias to a product's result (a
@@ -21,6 +22,7 @@ with it.
 
 from __future__ import annotations
 
+from .._tree import Path
 from ._general import reading_of
 from ._layers import Layer, loose_layer, read_specs
 from ._trace import Trace
@@ -80,7 +82,8 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     """What the trace shows done with the layer's `weight`: a convolution's kernel
     axes (PyTorch's `conv` reads `(out, in, *k)`, `conv_transpose` `(in, out,
     *k)`), the axis a product contracts (`F.linear`: `(out, in)`; GPT-2's `addmm`:
-    `(in, out)`), the norm it scales."""
+    `(in, out)`) and whether a product, not a lookup, first uses it (a `Dense`,
+    not an `Embed`), the norm it scales."""
     if x.index is not None:  # a stack's layers: names decide
         return
     where = x.path + x.paths.get("weight", ("weight",))
@@ -90,6 +93,8 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
         kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get((spec[0], spec[1]))
         _keep(x, tuple(c for c in x.codecs if c.kind == kind or c not in torch))
     contraction = trace.contractions().get(where)
+    if contraction is not None and torch and _first_use_a_product(trace, where):
+        _keep(x, tuple(c for c in x.codecs if c.kind != "Embed" or c not in torch))
     kernel = x.paths.get("kernel")
     product = None if kernel is None else trace.contractions().get(x.path + kernel)
     if product is not None and _flax_dense(x) and product.inputs in ((0,), (1,)):
@@ -103,6 +108,17 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     if norm in _NORMS and torch:
         allowed = _NORMS[norm]
         _keep(x, tuple(c for c in x.codecs if c.kind in allowed or c not in torch))
+
+
+def _first_use_a_product(trace: Trace, where: Path) -> bool:
+    """Whether the array at `where`, which a product contracts, is first used by
+    one: its first use reads values computed from other weights (an activation),
+    where an embedding's lookup reads indices computed from none. A table looked
+    up and then contracted under one name (DeBERTa's LM head reads
+    `word_embeddings.weight` itself) stays an `Embed` candidate; so does a product
+    on the model's inputs alone, which the trace does not tell from a lookup."""
+    _, upstream = trace.upstream().get(where, (0, 0))
+    return upstream != 0
 
 
 def _flax_dense(x: Layer) -> bool:
