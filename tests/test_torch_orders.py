@@ -5,9 +5,9 @@ rewrite, a saved folder into it (`bridge.load`), and the rewrite back into the
 module. Each port is exact or refused, never silently wrong (issue 37). The oracle:
 each side's own forward pass, the whole output compared.
 
-A port refused although the computation decides is a strict xfail that asserts the
-exact outputs (it flips when fixed); a control case computing in PyTorch's own
-order shows that each rewrite computes what transformers does."""
+Two heads on one input, both returned, are refused: nothing in the computation says
+which output is which. A control case computing in PyTorch's own order shows that
+each rewrite computes what transformers does."""
 
 from typing import Any, NamedTuple
 
@@ -143,79 +143,67 @@ def _outputs(direction: str, name: str, fw: str, order: str, tmp_path):
 # --- the cases ------------------------------------------------------------------------
 
 
-def _refused(why: str):
-    return pytest.mark.xfail(
-        strict=True, raises=bridge.PortError, reason=f"refused, yet exact: {why}"
-    )
-
-
-# (model, framework, the rewrite's order): the directions refused although exact is
-# possible, else exact (within 5e-6). Orders: attention's projections as computed
-# ("kqv": the key first), then Llama's "u" (up before gate) or "g", Phi's "m" (the
-# MLP before the attention) or "a"; NeoX "m" (the MLP branch and its norm first);
-# heads "ba" (the second head computed first). Each rewrite creates its layers in
-# the order it computes them, unless "created>computed" says otherwise. Before the
-# PyTorch trace recorded where layers meet, every non-control case here but the
-# gate/up order was paired by order: silently wrong by 0.14 to 6.0.
-CASES = {
+# (model, framework, the rewrite's order), each exact (within 5e-6) in every
+# direction. Orders: attention's projections as computed ("kqv": the key first),
+# then Llama's "u" (up before gate) or "g", Phi's "m" (the MLP before the
+# attention) or "a"; NeoX "m" (the MLP branch and its norm first); heads "ba" (the
+# second head computed first). Each rewrite creates its layers in the order it
+# computes them, unless "created>computed" says otherwise. Before the PyTorch trace
+# recorded where layers meet, every non-control case here but the gate/up order
+# was paired by order: silently wrong by 0.14 to 6.0.
+CASES = [
     # controls: PyTorch's own order
-    ("llama-gqa", "nnx", "qkvg"): {},
-    ("llama", "nnx", "qkvg"): {},
-    ("qwen3", "nnx", "qkvg"): {},
-    ("phi", "nnx", "qkva"): {},
-    ("neox", "nnx", "a"): {},
-    ("bert", "nnx", "qkv"): {},
-    ("llama-gqa", "equinox", "qkvg"): {},
-    ("llama", "linen", "qkvg"): {},
+    ("llama-gqa", "nnx", "qkvg"),
+    ("llama", "nnx", "qkvg"),
+    ("qwen3", "nnx", "qkvg"),
+    ("phi", "nnx", "qkva"),
+    ("neox", "nnx", "a"),
+    ("bert", "nnx", "qkv"),
+    ("llama-gqa", "equinox", "qkvg"),
+    ("llama", "linen", "qkvg"),
     # created in another order, computed in PyTorch's: the computation decides
-    ("llama", "nnx", "vkqu>qkvg"): {},
-    ("bert", "equinox", "vkq>qkv"): {},
+    ("llama", "nnx", "vkqu>qkvg"),
+    ("bert", "equinox", "vkq>qkv"),
     # GQA: q is told by its shape, k from v by where each meets the others
-    ("llama-gqa", "nnx", "kqvu"): {},
-    ("llama-gqa", "nnx", "vqkg"): {},
-    ("llama-gqa", "equinox", "kqvu"): {},
-    ("llama-gqa", "equinox", "vqkg"): {},
-    ("llama-gqa", "linen", "kqvu"): {},
+    ("llama-gqa", "nnx", "kqvu"),
+    ("llama-gqa", "nnx", "vqkg"),
+    ("llama-gqa", "equinox", "kqvu"),
+    ("llama-gqa", "equinox", "vqkg"),
+    ("llama-gqa", "linen", "kqvu"),
     # q, k, v of one shape: the query's rows and the key's columns of the scores
-    ("llama", "nnx", "kqvu"): {},
-    ("llama", "nnx", "vqkg"): {},
-    ("llama-eager", "nnx", "kqvg"): {},
-    ("llama", "equinox", "kqvu"): {},
-    ("llama", "linen", "kqvu"): {},
-    ("qwen3", "nnx", "kqvg"): {},
+    ("llama", "nnx", "kqvu"),
+    ("llama", "nnx", "vqkg"),
+    ("llama-eager", "nnx", "kqvg"),
+    ("llama", "equinox", "kqvu"),
+    ("llama", "linen", "kqvu"),
+    ("qwen3", "nnx", "kqvg"),
     # Phi: partial rotary, attention and MLP in parallel on one norm
-    ("phi", "nnx", "kqvm"): {},
-    ("phi", "nnx", "vqka"): {},
+    ("phi", "nnx", "kqvm"),
+    ("phi", "nnx", "vqka"),
     # NeoX: two LayerNorms read the residual stream side by side; the one whose
     # values are contracted together (the scores) is the attention's
-    ("neox", "nnx", "m"): {},
+    ("neox", "nnx", "m"),
     # BERT: q, k, v alike (no rotation, no mask)
-    ("bert", "nnx", "kqv"): {},
-    ("bert-eager", "nnx", "kqv"): {},
-    ("bert", "nnx", "vqk"): {},
-    ("bert-eager", "nnx", "vqk"): {},
-    ("bert", "equinox", "kqv"): {},
+    ("bert", "nnx", "kqv"),
+    ("bert-eager", "nnx", "kqv"),
+    ("bert", "nnx", "vqk"),
+    ("bert-eager", "nnx", "vqk"),
+    ("bert", "equinox", "kqv"),
     # two heads on one input, the second computed first, merged: the merge's
     # operand places tell them
-    ("heads-concat", "nnx", "ba"): {},
-    ("heads-difference", "nnx", "ba"): {},
-}
+    ("heads-concat", "nnx", "ba"),
+    ("heads-difference", "nnx", "ba"),
+]
 
 
 def _params():
-    for (name, fw, order), marks in CASES.items():
+    for name, fw, order in CASES:
         directions = ["module", "folder", "back"]
         if not MODELS[name].folder:
             directions.remove("folder")
         for direction in directions:
-            mark = marks.get(direction, ())
             yield pytest.param(
-                direction,
-                name,
-                fw,
-                order,
-                marks=mark,
-                id=f"{name}-{fw}-{order}-{direction}",
+                direction, name, fw, order, id=f"{name}-{fw}-{order}-{direction}"
             )
 
 
