@@ -77,8 +77,8 @@ class Uses(NamedTuple):
       this one (a bias after the product): the layers upstream, an order of
       dependence.
     - `added`: `{name: True}` for a parameter an operation adds to a product's
-      result (`F.linear`'s `bias`, `addmm`'s `input`; JAX's `add` onto a
-      `dot_general`'s result): a bias, whatever module holds it.
+      result (`F.linear`'s `bias`, `addmm`'s `input`, `torch.matmul(x, w.t()) + b`;
+      JAX's `add` onto a `dot_general`'s result): a bias, whatever module holds it.
     - `alone`: `{kernel name: bool}` for a parameter a product contracts: whether
       that layer's output is changed by itself (an activation function, a norm,
       not a relayout or a scaling) before it meets another layer's output (a

@@ -204,3 +204,28 @@ def test_pairing_by_order_asks_about_n_log_n_pairs_not_every_pair(monkeypatch):
         ]
         counts[n] = len(asked)
     assert counts[128] < 6 * counts[32], counts  # every pair: 16x
+
+
+@requires("NNX")
+def test_two_alignments_that_tie_name_every_layer_either_pairs():
+    """Creation orders `[(4, 4), (4, 8)]` and `[(4, 8), (4, 4)]`: either pair is the
+    best order-preserving alignment, so both sources are ambiguous, and each has a
+    line of its own (the second alignment's source had none)."""
+    from bridge._port._layers import find_layers
+    from bridge._port._pairing import _align
+
+    def layers(*shapes):
+        class M(nnx.Module):
+            def __init__(self, rngs):
+                for k, (i, o) in enumerate(shapes):
+                    setattr(self, f"l{k}", nnx.Linear(i, o, rngs=rngs))
+
+        return find_layers(bridge.to_neutral(M(nnx.Rngs(0))), [])
+
+    problems: list[str] = []
+    ambiguous: set[int] = set()
+    sources, targets = layers((4, 4), (4, 8)), layers((4, 8), (4, 4))
+    assert _align(sources, targets, problems, ambiguous, "") == []
+    assert len(problems) == 2
+    assert "source layer .l0 (Dense) could pair with .l1 or nothing" in problems[0]
+    assert "source layer .l1 (Dense) could pair with .l0 or nothing" in problems[1]

@@ -266,6 +266,10 @@ class _Recorder:
         self.merges: list = []
         """Where activations of different parameters meet (`_torch_merges`)."""
         self.roots = 0
+        self.products: dict[int, Any] = {}
+        """`{id: weak reference}` of the outputs of products with a kernel and
+        no bias of their own (`x @ w.T`), as computed (`product`): what is added
+        to them is a bias, as JAX's `add` onto a `dot_general`'s result."""
         self.weight_norm: list[tuple[int, int]] = []
 
     def key(self, index: int) -> Any:
@@ -319,7 +323,7 @@ class _Recorder:
         if derived:
             self.count += 1
             tag = self.use(name, args, operands, derived)
-        branch = self.branch(name, operands, derived) if outs else None
+        branch = self.branch(name, operands, derived, outs) if outs else None
         acts = [(s, k, t, e) for k, (s, t, e) in enumerate(operands) if not _held(e)]
         self.merges += merges(
             name, args, [(s, k, e.bits) for s, k, _, e in acts if e and e.bits]
@@ -353,6 +357,11 @@ class _Recorder:
         self.roots += 1
         return self.roots
 
+    def product(self, t: Any) -> bool:
+        """Whether `t` is a product's output with a kernel, as computed."""
+        ref = self.products.get(id(t))
+        return ref is not None and ref() is t
+
     def output(self, out: Any) -> None:
         """The module's outputs: merges of one operand each (`_torch_merges`)."""
         for t in _tensors_in(out, self.torch.Tensor):
@@ -360,7 +369,7 @@ class _Recorder:
             if e is not None and e.bits and not _held(e):
                 self.merges.append(("output", ((None, e.bits),)))
 
-    def branch(self, name: str, operands: list, derived: list) -> Any:
+    def branch(self, name: str, operands: list, derived: list, outs: list) -> Any:
         """The branch of an operation's output (`_Seen.branch`): a product's kernel
         starts one; an operation on one branch's activations keeps it (and marks
         it `alone` unless it only relays or scales it); one on several, or on an
@@ -372,6 +381,9 @@ class _Recorder:
         ]
         if name in _STARTS and len(derived) >= 1 and kernels:
             self.alone.setdefault(kernels[0], False)
+            biased = any(slot == _ADDED.get(name) for slot, _, _ in operands)
+            if name in _PRODUCTS and not biased:  # `x @ w.T`, its bias not added
+                self.products.update((id(t), weakref.ref(t)) for t in outs)
             return kernels[0]
         found = {
             e.branch for _, _, e in operands if e is not None and e.branch is not None
@@ -483,7 +495,10 @@ class _Recorder:
         contracted axes."""
         if name in _NORMS and slot in ("weight", "bias"):
             self.norms.setdefault(key, _NORMS[name] + ("+1" if s.plus1 else ""))
-        if slot == _ADDED.get(name):
+        if slot == _ADDED.get(name) or (
+            name == "add"
+            and any(self.product(t) for sl, t, _ in operands if sl != slot)
+        ):  # a bias: `F.linear`'s, or added to a product's result (`x @ w.T + b`)
             self.added.setdefault(key, True)
         if s.axes is None or None in s.axes:
             return

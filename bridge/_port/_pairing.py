@@ -990,13 +990,14 @@ def _align(
     first = trace(prefer_pair=True)
     if count[0][0][0] > 1:
         second = set(trace(prefer_pair=False))
-        for i, j in set(first) ^ second:
+        differ = set(first) ^ second
+        for i, j in differ:
             ambiguous.update((id(sources[i]), id(targets[j])))
-        for i, j in first:
-            if (i, j) in second:
-                continue
-            others = [targets[b].where for a, b in second if a == i]
-            choices = [targets[j].where] + others
+        for i in sorted({a for a, _ in differ}):  # a line per source either pairs
+            choices = [targets[b].where for a, b in first if a == i]
+            choices += [
+                targets[b].where for a, b in sorted(second - set(first)) if a == i
+            ]
             if len(choices) == 1:
                 choices.append("nothing")
             s = sources[i]
