@@ -243,14 +243,11 @@ def test_equinox_attention_into_renamed_projections_is_exact():
     np.testing.assert_allclose(_run(back, x), _run(source, x), atol=1e-5)
 
 
-class _NormedNNX(nnx.Module):
+class _NormedNNX(_AttentionNNX):
     """Qwen3 style: a norm on the query's and on the key's heads."""
 
     def __init__(self, rngs):
-        self.q_proj = nnx.Linear(8, 8, rngs=rngs)
-        self.k_proj = nnx.Linear(8, 8, rngs=rngs)
-        self.v_proj = nnx.Linear(8, 8, rngs=rngs)
-        self.o_proj = nnx.Linear(8, 8, rngs=rngs)
+        super().__init__(rngs)
         self.q_norm = nnx.RMSNorm(4, rngs=rngs)
         self.k_norm = nnx.RMSNorm(4, rngs=rngs)
         self.q_norm.scale[...] = jnp.arange(1.0, 5.0)  # the two norms differ

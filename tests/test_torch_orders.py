@@ -113,12 +113,6 @@ def _torch(model: Model, seed: int):
     return perturb(model.make(torch, transformers), torch)
 
 
-def _close(got, want) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, **TOL)
-
-
 def _outputs(direction: str, name: str, fw: str, order: str, tmp_path):
     """`(ported model's outputs, source's outputs)`: `name` ported in `direction`
     into (or from) its rewrite computing in `order`, with `example=`, no rules."""
@@ -212,7 +206,10 @@ def test_port_is_exact(direction, name, fw, order, tmp_path):
     """`module`: `port(module, rewrite, example=)`; `folder`: `load(folder,
     like=rewrite, example=)`; `back`: `port(rewrite, module, example=)` into
     `load_state_dict(strict=True)`."""
-    _close(*_outputs(direction, name, fw, order, tmp_path))
+    got, want = _outputs(direction, name, fw, order, tmp_path)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, **TOL)
 
 
 # Two heads on one input, both returned: which output is which is each model's own
