@@ -2,6 +2,7 @@
 of a `jax.distributed` run on 127.0.0.1 (each process with 4 CPU devices, set by the
 worker before it imports jax)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,16 @@ from pathlib import Path
 import pytest
 
 import bridge
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports bridge from this
+    checkout: the checkout first on PYTHONPATH, the rest of PYTHONPATH kept (an
+    accelerator machine finds its JAX there), and JAX_PLATFORMS=cpu (this process
+    may hold the chip, which one process at a time can open)."""
+    root = str(Path(bridge.__file__).parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", **extra}
 
 
 def free_port() -> int:

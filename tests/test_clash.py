@@ -3,13 +3,11 @@ two a later import binds to `bridge`, the AttributeError of the hidden one's nam
 says what happened and gives the two-line fix. In a fresh process: bridge imported
 before Flax is the case to check (the guard is put on Flax's module when it loads)."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+from .processes import checkout_env
 
-ROOT = Path(__file__).parent.parent
 
 CODE = """
 def error(get):
@@ -29,9 +27,8 @@ print(error(lambda: bridge.nothing_here))
 
 
 def test_the_hidden_module_s_names_say_what_happened():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-c", CODE], capture_output=True, text=True, env=env
+        [sys.executable, "-c", CODE], capture_output=True, text=True, env=checkout_env()
     )
     flax_port, flax_other, ours_flax, ours_other = done.stdout.splitlines()
     fix = "from flax.nnx import bridge as nnx_bridge"

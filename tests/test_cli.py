@@ -18,6 +18,7 @@ from bridge._cli import main
 
 from . import models
 from .helpers import requires
+from .processes import checkout_env
 
 
 def run(*args, script=False):
@@ -272,7 +273,7 @@ def test_arguments_are_parsed_before_jax_is_imported():
         "        pass\n"
         "print([m for m in ('jax', 'flax', 'equinox', 'numpy') if m in sys.modules])"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    env = checkout_env()
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env
     )

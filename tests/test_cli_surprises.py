@@ -18,6 +18,7 @@ from bridge._cli import main
 
 from . import models
 from .helpers import requires
+from .processes import checkout_env
 
 
 ROOT = Path(__file__).parent.parent
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow  # each starts Python and JAX (test_cli.py: in-pro
 
 
 def run(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = checkout_env()
     env.pop("COLUMNS", None)
     return subprocess.run(
         [sys.executable, "-m", "bridge", *map(str, args)],

@@ -4,7 +4,6 @@ and of the getting started page runs."""
 
 import ast
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import bridge
 
 from .helpers import requires, run_markdown
+from .processes import checkout_env
 
 
 ROOT = Path(__file__).parent.parent
@@ -176,7 +176,7 @@ def run_pasted(path: Path, cwd: Path) -> list[str]:
         + f"print({_MARK!r}, end='')\n"
         for i, (kind, c, _) in enumerate(order)
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100")
+    env = checkout_env(COLUMNS="100")
     env.pop("XLA_FLAGS", None)  # as a reader's shell: the page sets what it needs
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -341,7 +341,7 @@ def test_the_version_is_one_and_the_changelog_lists_it():
         [sys.executable, "-m", "bridge", "--version"],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=checkout_env(),
     )
     assert done.stdout == f"bridge {bridge.__version__}\n"
 

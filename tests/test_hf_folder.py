@@ -5,7 +5,6 @@ ranges of array shards cut along any axis, atomic as a whole (a save killed with
 SIGKILL in the middle leaves the previous folder)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from bridge._io._hf_folder import plan_folder, runs, shard_size
 
 from .helpers import needs_devices, requires
 from .hf_common import node
+from .processes import checkout_env
 
 
 pytestmark = requires("NNX")
@@ -224,9 +224,8 @@ def test_a_save_killed_midway_leaves_the_previous_folder(tmp_path):
     bridge.save(out, MLP(), layout="torch", max_shard_size=300, config={"a": 1})
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     root = Path(bridge.__file__).parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root)}
     child = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SAVE, str(out)], env=env, cwd=root
+        [sys.executable, "-c", _SLOW_SAVE, str(out)], env=checkout_env(), cwd=root
     )
     tmp = tmp_path / ".out.bridge-tmp"
     deadline = time.monotonic() + 120
