@@ -67,7 +67,7 @@ from ._qarray import _DEQUANTIZE, Scheme, _unpack_awq, _unpack_ct, _unpack_gptq
 GROUP = 128
 _WORD_ROWS = GROUP // 8  # rows of int32 words that hold one group
 _MAX_TILE = 1536  # 5632 -> 1408 (11 groups)
-_MAX_BATCH_TILE = 1024  # the weight is read (and unpacked) once per batch tile
+_MAX_BATCH_TILE = 512  # the weight is read and unpacked once per batch tile
 _SCHEMES = ("gptq", "awq", "int-packed")
 
 
