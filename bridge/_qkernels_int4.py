@@ -145,14 +145,18 @@ def _pack_rows(values: jax.Array) -> jax.Array:
 
 
 def int4_matmul(
-    x: jax.Array, parts: dict[str, Any], scheme: Scheme, contract: str
+    x: jax.Array,
+    parts: dict[str, Any],
+    scheme: Scheme,
+    contract: str,
+    unpack: str | None = None,
 ) -> jax.Array:
     """`x @ w.T` (`contract="in"`) or `x @ w` (`contract="out"`) for the kept 4-bit
     weight `w` (stored `(out, in)`, from `parts` and `scheme`; `applies` holds), in
     `x`'s dtype (bfloat16).
 
     `x` has shape `(..., in)` or `(..., out)`; the result `(..., out)` or
-    `(..., in)`.
+    `(..., in)`. `unpack`: `"nibbles"` or `"pairs"` (default `UNPACK`).
 
     ```python
     >>> import jax.numpy as jnp
@@ -170,12 +174,12 @@ def int4_matmul(
     """
     g_idx = parts.get("g_idx")
     if g_idx is None:
-        return _kernel_product(x, kernel_form(parts, scheme), contract)
+        return _kernel_product(x, kernel_form(parts, scheme), contract, unpack)
     # activation order: the kernel where the index is the plain order, else XLA's
     plain = jnp.all(g_idx == jnp.arange(g_idx.shape[0]) // GROUP)
     return jax.lax.cond(
         plain,
-        lambda: _kernel_product(x, kernel_form(parts, scheme), contract),
+        lambda: _kernel_product(x, kernel_form(parts, scheme), contract, unpack),
         lambda: _dequantizing_product(x, parts, scheme, contract),
     )
 
@@ -189,8 +193,11 @@ def _dequantizing_product(
     return y.astype(x.dtype)
 
 
-def _kernel_product(x: jax.Array, form: Int4Form, contract: str) -> jax.Array:
+def _kernel_product(
+    x: jax.Array, form: Int4Form, contract: str, unpack: str | None = None
+) -> jax.Array:
     pl, pltpu = _qkernels._pallas()  # type: ignore[misc]
+    unpack = unpack or UNPACK
     words, scale, zero = form
     inputs, out = words.shape[0] * 8, words.shape[1]
     ti, to = _tile(inputs), _tile(out)
@@ -201,8 +208,9 @@ def _kernel_product(x: jax.Array, form: Int4Form, contract: str) -> jax.Array:
     padded = _round_up(batch, tb)
     if padded != batch:
         x2 = jnp.pad(x2, ((0, padded - batch), (0, 0)))
-    if contract == "in":  # the kernel's input order: nibble j of row r at 16 j + r
-        x2 = _to_kernel_order(x2)
+    order = _ORDERS[unpack]
+    if contract == "in":  # the inputs in the order of the kernel's rows
+        x2 = _reorder(x2, *order)
         grid = (padded // tb, out // to, inputs // ti)  # sum over in
         at = lambda b, o, k: (k, o)  # noqa: E731
         x_spec = pl.BlockSpec((tb, ti), lambda b, o, k: (b, k))
@@ -218,9 +226,9 @@ def _kernel_product(x: jax.Array, form: Int4Form, contract: str) -> jax.Array:
     group_spec = pl.BlockSpec(
         (ti // GROUP, 1, to), lambda b, i, k: (at(b, i, k)[0], 0, at(b, i, k)[1])
     )
-    kernel = (_forward_kernel if contract == "in" else _gradient_kernel)(
-        pl, ti // GROUP, x.dtype
-    )
+    unpack_tile = _UNPACKERS[unpack]
+    make = _forward_kernel if contract == "in" else _gradient_kernel
+    kernel = make(pl, pltpu, unpack_tile, ti // GROUP, x.dtype)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((padded, out_cols), x.dtype),
@@ -237,25 +245,24 @@ def _kernel_product(x: jax.Array, form: Int4Form, contract: str) -> jax.Array:
         ),
         interpret=_qkernels._interpret,
     )(x2, words, scale, zero)
-    if contract == "out":
-        y = _from_kernel_order(y)
+    if contract == "out":  # the kernel's rows back in the inputs' order
+        y = _reorder(y, *order[::-1])
     return y[:batch].reshape(*lead, out_cols)
 
 
-def _to_kernel_order(x: jax.Array) -> jax.Array:
-    """`x[:, 128 g + 8 r + j]` to position `128 g + 16 j + r`."""
+def _reorder(x: jax.Array, source: str, target: str) -> jax.Array:
+    """`x` `(b, n)`, each group of 128 columns laid out as the axes `source`
+    (letters of `_SIZES`), into the axes order `target`."""
     b, n = x.shape
-    return x.reshape(b, n // GROUP, _WORD_ROWS, 8).swapaxes(2, 3).reshape(b, n)
+    x = x.reshape(b, n // GROUP, *(_SIZES[c] for c in source))
+    x = jnp.transpose(x, (0, 1, *(2 + source.index(c) for c in target)))
+    return x.reshape(b, n)
 
 
-def _from_kernel_order(x: jax.Array) -> jax.Array:
-    b, n = x.shape
-    return x.reshape(b, n // GROUP, 8, _WORD_ROWS).swapaxes(2, 3).reshape(b, n)
-
-
-def _unpack_tile(w_ref: Any, q_ref: Any, groups: int, dtype: Any) -> None:
+def _unpack_nibbles(pltpu: Any, w_ref: Any, q_ref: Any, groups: int, dtype: Any):
     """The tile's words `(groups * 16, to)` -> its values `(groups * 128, to)` in
-    `q_ref`, nibble `j` of a group's word row `r` at the group's row `16 j + r`."""
+    `q_ref`, nibble `j` of a group's word row `r` (its input `8 r + j`) at the
+    group's row `16 j + r`."""
     for g in range(groups):
         words = w_ref[g * _WORD_ROWS : (g + 1) * _WORD_ROWS, :]
         for j in range(8):
@@ -266,7 +273,39 @@ def _unpack_tile(w_ref: Any, q_ref: Any, groups: int, dtype: Any) -> None:
             )
 
 
-def _forward_kernel(pl: Any, groups: int, dtype: Any):
+_PAIR_MASK = 0x000F000F
+_PAIR_BITS = 0x43004300  # bfloat16 128.0 in both halves: 128 + nibble, exact
+
+
+def _unpack_pairs(pltpu: Any, w_ref: Any, q_ref: Any, groups: int, dtype: Any):
+    """As `_unpack_nibbles`, two values an integer operation: nibbles `j` and `j +
+    4` of each word (bits `4 j` and `4 j + 16` after a shift) become the bfloat16
+    values `128 + q` in the low and high halves of a 32-bit lane, and
+    `pltpu.bitcast` makes them rows `2 r` and `2 r + 1` of a `(32, to)` bfloat16
+    slab: input `8 r + j + 4 t` of a group at its row `32 j + 2 r + t`. The 128 is
+    taken off with the zero point (`z + 128`)."""
+    for g in range(groups):
+        words = w_ref[g * _WORD_ROWS : (g + 1) * _WORD_ROWS, :]
+        for j in range(4):
+            bits = (jnp.right_shift(words, 4 * j) & _PAIR_MASK) | _PAIR_BITS
+            start = g * GROUP + j * 2 * _WORD_ROWS
+            q_ref[start : start + 2 * _WORD_ROWS, :] = pltpu.bitcast(bits, dtype)
+
+
+# a group's inputs as axes: `r` its word row, `j` a nibble (of 8, or of 4 with `t`
+# the half of a 32-bit lane); each unpacking's (input order, kernel's row order)
+_SIZES = {"r": 16, "j": 8, "t": 2, "J": 4}
+_ORDERS = {"nibbles": ("rj", "jr"), "pairs": ("rtJ", "Jrt")}
+_UNPACKERS = {"nibbles": _unpack_nibbles, "pairs": _unpack_pairs}
+_OFFSETS = {_unpack_nibbles: 0.0, _unpack_pairs: 128.0}
+UNPACK = "nibbles"
+"""Which unpacking the kernel uses: `"nibbles"` (one value an operation) or
+`"pairs"` (two, through `pltpu.bitcast`; see `benchmarks/int4_kernel.py`)."""
+
+
+def _forward_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: Any):
+    offset = _OFFSETS[unpack_tile]
+
     def kernel(x_ref, w_ref, s_ref, z_ref, o_ref, q_ref, acc_ref):
         k = pl.program_id(2)
 
@@ -274,7 +313,7 @@ def _forward_kernel(pl: Any, groups: int, dtype: Any):
         def _():
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        _unpack_tile(w_ref, q_ref, groups, dtype)
+        unpack_tile(pltpu, w_ref, q_ref, groups, dtype)
         for g in range(groups):
             cols = slice(g * GROUP, (g + 1) * GROUP)
             xg = x_ref[:, cols]
@@ -286,7 +325,7 @@ def _forward_kernel(pl: Any, groups: int, dtype: Any):
                 preferred_element_type=jnp.float32,
             )
             total = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)
-            acc_ref[...] += s_ref[g] * (partial - total * z_ref[g])
+            acc_ref[...] += s_ref[g] * (partial - total * (z_ref[g] + offset))
 
         @pl.when(k == pl.num_programs(2) - 1)
         def _():
@@ -295,7 +334,9 @@ def _forward_kernel(pl: Any, groups: int, dtype: Any):
     return kernel
 
 
-def _gradient_kernel(pl: Any, groups: int, dtype: Any):
+def _gradient_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: Any):
+    offset = _OFFSETS[unpack_tile]
+
     def kernel(g_ref, w_ref, s_ref, z_ref, o_ref, q_ref, acc_ref):
         k = pl.program_id(2)
 
@@ -303,7 +344,7 @@ def _gradient_kernel(pl: Any, groups: int, dtype: Any):
         def _():
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-        _unpack_tile(w_ref, q_ref, groups, dtype)
+        unpack_tile(pltpu, w_ref, q_ref, groups, dtype)
         grad = g_ref[...].astype(jnp.float32)
         for g in range(groups):
             rows = slice(g * GROUP, (g + 1) * GROUP)
@@ -316,7 +357,7 @@ def _gradient_kernel(pl: Any, groups: int, dtype: Any):
                 preferred_element_type=jnp.float32,
             )  # (tb, 128)
             shift = jnp.sum(
-                scaled.astype(jnp.float32) * z_ref[g], axis=1, keepdims=True
+                scaled.astype(jnp.float32) * (z_ref[g] + offset), axis=1, keepdims=True
             )
             acc_ref[:, rows] += partial - shift
 

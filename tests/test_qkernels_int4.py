@@ -106,13 +106,16 @@ def test_the_kernel_equals_the_dequantizing_path(kind, batch):
     close_in_bf16(got_dx, want_dx)
 
 
+@pytest.mark.parametrize("unpack", ["nibbles", "pairs"])
 @pytest.mark.parametrize("tile", [128, 1536], ids=["tiles-of-128", "one-tile"])
 @pytest.mark.parametrize("kind", ["gptq", "awq", "ct-zero"])
-def test_the_kernel_decodes_every_value_bit_for_bit(kind, tile, monkeypatch):
+def test_the_kernel_decodes_every_value_bit_for_bit(kind, tile, unpack, monkeypatch):
     """Products with the identity are the weight itself, both ways: with bfloat16
     scales, `s * (q - z)` rounded once, as `dequantize()` rounds it. Tiles of 128
-    sum over several grid steps."""
+    sum over several grid steps. Both ways of unpacking the values (one or two an
+    operation)."""
     monkeypatch.setattr(_qkernels_int4, "_MAX_TILE", tile)
+    monkeypatch.setattr(_qkernels_int4, "UNPACK", unpack)
     q = KINDS[kind](jnp.bfloat16)
     dense = np.asarray(q.dequantize(), np.float32)
     with _qkernels.interpreted():
