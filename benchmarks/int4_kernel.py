@@ -95,7 +95,7 @@ def check(
 ) -> dict[str, bool]:
     """The kernel (each way of unpacking) against the dequantizing path on this
     device; prints each. Returns whether each way is right."""
-    right = dict.fromkeys(UNPACKS, True)
+    right: dict[str, bool] = dict.fromkeys(UNPACKS, True)
     key = jax.random.key(0)
     kernel = jax.jit(_qkernels_int4.int4_matmul, static_argnums=(2, 3, 4))
     for kind in kinds:
@@ -212,7 +212,7 @@ def timing(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 layer; CPU: tiny")
     args = parser.parse_args()
     start = time.perf_counter()

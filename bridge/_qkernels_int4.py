@@ -116,13 +116,13 @@ def kernel_form(parts: dict[str, Any], scheme: Scheme) -> Int4Form:
     zero = parts.get("zero")
     if scheme.name == "gptq":
         words = parts["weight"]
-        z = _unpack_gptq(zero, 4, 1)[:, :out].astype(jnp.float32)
+        z = _unpack_gptq(parts["zero"], 4, 1)[:, :out].astype(jnp.float32)
         if scheme.setting("zero_plus_one"):
             z = z + 1
     elif scheme.name == "awq":
         values = _unpack_awq(parts["weight"]).astype(jnp.uint32)  # (in, out)
         words = _pack_rows(values)
-        z = _unpack_awq(zero).astype(jnp.float32)
+        z = _unpack_awq(parts["zero"]).astype(jnp.float32)
     else:  # compressed-tensors: signed values stored offset by 8, (out, groups)
         words = parts["weight"].T
         scale = scale.T
@@ -200,14 +200,10 @@ def _kernel_product(
     unpack = unpack or UNPACK
     words, scale, zero = form
     inputs, out = words.shape[0] * 8, words.shape[1]
-    ti, to = _tile(inputs), _tile(out)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    batch = x2.shape[0]
-    tb = min(_round_up(batch, 16), _MAX_BATCH_TILE)
-    padded = _round_up(batch, tb)
-    if padded != batch:
-        x2 = jnp.pad(x2, ((0, padded - batch), (0, 0)))
+    ti, to = _qkernels._tile(inputs, _MAX_TILE), _qkernels._tile(out, _MAX_TILE)
+    lead, batch = x.shape[:-1], x.size // x.shape[-1]
+    x2, tb = _qkernels.batch_rows(x, _MAX_BATCH_TILE)
+    padded = x2.shape[0]
     order = _ORDERS[unpack]
     if contract == "in":  # the inputs in the order of the kernel's rows
         x2 = _reorder(x2, *order)
@@ -229,22 +225,11 @@ def _kernel_product(
     unpack_tile = _UNPACKERS[unpack]
     make = _forward_kernel if contract == "in" else _gradient_kernel
     kernel = make(pl, pltpu, unpack_tile, ti // GROUP, x.dtype)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((padded, out_cols), x.dtype),
-        grid=grid,
-        in_specs=[x_spec, w_spec, group_spec, group_spec],
-        out_specs=out_spec,
-        scratch_shapes=[
-            pltpu.VMEM((ti, to), x.dtype),
-            pltpu.VMEM((tb, acc_cols), jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=64 * 2**20,
-        ),
-        interpret=_qkernels._interpret,
-    )(x2, words, scale, zero)
+    specs = [x_spec, w_spec, group_spec, group_spec]
+    call = _qkernels.tiled_call(
+        kernel, grid, specs, out_spec, (padded, out_cols), x.dtype
+    )
+    y = call((ti, to), (tb, acc_cols))(x2, words, scale, zero)
     if contract == "out":  # the kernel's rows back in the inputs' order
         y = _reorder(y, *order[::-1])
     return y[:batch].reshape(*lead, out_cols)
@@ -306,14 +291,7 @@ UNPACK = "nibbles"
 def _forward_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: Any):
     offset = _OFFSETS[unpack_tile]
 
-    def kernel(x_ref, w_ref, s_ref, z_ref, o_ref, q_ref, acc_ref):
-        k = pl.program_id(2)
-
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-        unpack_tile(pltpu, w_ref, q_ref, groups, dtype)
+    def body(x_ref, s_ref, z_ref, q_ref, acc_ref):
         for g in range(groups):
             cols = slice(g * GROUP, (g + 1) * GROUP)
             xg = x_ref[:, cols]
@@ -327,24 +305,13 @@ def _forward_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: A
             total = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)
             acc_ref[...] += s_ref[g] * (partial - total * (z_ref[g] + offset))
 
-        @pl.when(k == pl.num_programs(2) - 1)
-        def _():
-            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-    return kernel
+    return _accumulating(pl, pltpu, unpack_tile, groups, dtype, body)
 
 
 def _gradient_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: Any):
     offset = _OFFSETS[unpack_tile]
 
-    def kernel(g_ref, w_ref, s_ref, z_ref, o_ref, q_ref, acc_ref):
-        k = pl.program_id(2)
-
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-        unpack_tile(pltpu, w_ref, q_ref, groups, dtype)
+    def body(g_ref, s_ref, z_ref, q_ref, acc_ref):
         grad = g_ref[...].astype(jnp.float32)
         for g in range(groups):
             rows = slice(g * GROUP, (g + 1) * GROUP)
@@ -361,17 +328,28 @@ def _gradient_kernel(pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: 
             )
             acc_ref[:, rows] += partial - shift
 
+    return _accumulating(pl, pltpu, unpack_tile, groups, dtype, body)
+
+
+def _accumulating(
+    pl: Any, pltpu: Any, unpack_tile: Any, groups: int, dtype: Any, body: Any
+):
+    """The kernel: the float32 sums zeroed at the first step of the contraction,
+    the tile's values unpacked, `body` adding its products, the sums written out
+    at the last step."""
+
+    def kernel(x_ref, w_ref, s_ref, z_ref, o_ref, q_ref, acc_ref):
+        k = pl.program_id(2)
+
+        @pl.when(k == 0)
+        def _():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+        unpack_tile(pltpu, w_ref, q_ref, groups, dtype)
+        body(x_ref, s_ref, z_ref, q_ref, acc_ref)
+
         @pl.when(k == pl.num_programs(2) - 1)
         def _():
             o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
     return kernel
-
-
-def _tile(n: int) -> int:
-    """The largest multiple of 128 that divides `n` and is at most 1536."""
-    return max(t for t in range(GROUP, min(n, _MAX_TILE) + 1, GROUP) if n % t == 0)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
