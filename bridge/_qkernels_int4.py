@@ -36,6 +36,13 @@ float32 `(in / 128, 1, out)`.
 
   Repacking these two once at load time would make them as cheap as GPTQ.
 
+Unpacking is the kernel's vector work. `UNPACK = "nibbles"` (the default) takes one
+value an operation (shift, mask, convert); `"pairs"` takes two: nibbles `j` and `j +
+4` of a word land in the two 16-bit halves of a lane as the bfloat16 bits of `128 +
+q`, which `pltpu.bitcast` turns into two rows (the 128 is taken off with the zero
+point). `benchmarks/int4_kernel.py` checks both on the chip and times them: the
+faster one right there should be the default.
+
 `int4_matmul(x, parts, scheme, contract)`: `contract="in"`, `x` `(..., in)` ->
 `(..., out)`; `contract="out"`, `g` `(..., out)` -> `(..., in)`.
 
