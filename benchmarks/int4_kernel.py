@@ -17,7 +17,10 @@ ways to unpack the 4-bit values (`"nibbles"`: one a vector operation, the defaul
    line also gives the largest difference from the dequantizing path after all
    layers.
 3. The check of step 1 for the other kinds (GPTQ with a plain-order `g_idx`, AWQ,
-   compressed-tensors with and without zero points), until 80 s have passed.
+   compressed-tensors with and without zero points), until 72 s have passed.
+4. Until 80 s: the forward at batch 8 with the kernel ("pairs" where it is right)
+   on each format's own packing (GPTQ as stored; AWQ and compressed-tensors
+   repacked in every call), against dense.
 
     python benchmarks/int4_kernel.py           # on a TPU: < 90 s
     python benchmarks/int4_kernel.py --quick   # 1 layer (a TPU), or tiny shapes in
@@ -212,6 +215,50 @@ def timing(
     return ok
 
 
+def formats(n: int, layers: int, unpack: str, deadline: float) -> None:
+    """The forward at batch 8 with the kernel on each checkpoint format's own
+    packing (compressed-tensors' words are transposed and AWQ's repacked in every
+    call, see bridge/_qkernels_int4.py), as multiples of the dense time; prints it
+    unless `time.perf_counter()` is past `deadline`."""
+    if time.perf_counter() > deadline:
+        print("formats: skipped (the time is up)")
+        return
+    keys = jax.random.split(jax.random.key(4), layers)
+    x = jax.random.normal(jax.random.key(5), (8, n), jnp.bfloat16)
+    fns = {}
+    for kind in ("gptq", "awq", "ct zero"):
+        kept = [layer(k, n, n, kind) for k in keys]
+
+        def f(x, parts, scheme=kept[0].scheme):
+            for p in parts:
+                x = jnp.tanh(_qkernels_int4.int4_matmul(x, p, scheme, "in", unpack))
+            return x
+
+        fns[kind] = (jax.jit(f), [q.parts for q in kept])
+    dense = [jnp.ones((n, n), jnp.bfloat16) / n for _ in keys]
+    fns["dense"] = (jax.jit(lambda x, ws: _chain(x, ws)), dense)
+    try:
+        times = interleaved(
+            {
+                k: lambda f=f, w=w: jax.block_until_ready(f(x, w))
+                for k, (f, w) in fns.items()
+            },
+            10,
+        )
+    except Exception as e:
+        print(f"formats: {type(e).__name__}: {str(e)[:2000]}")
+        return
+    d = times.pop("dense")
+    shown = ", ".join(f"{k} {t / d:.2f}x" for k, t in times.items())
+    print(f"forward  batch    8, kernel ({unpack}) on each format: {shown}", flush=True)
+
+
+def _chain(x: jax.Array, weights: list[jax.Array]) -> jax.Array:
+    for w in weights:
+        x = jnp.tanh(_dense_product(x, w, "out"))
+    return x
+
+
 def _case(
     chosen: dict[str, Any],
     contract: str,
@@ -271,13 +318,16 @@ def main() -> int:
         if unpacks:
             ok &= timing(5632, layers, cases, 20, unpacks, start + 60)
         print(f"({time.perf_counter() - start:.0f} s) the other kinds:", flush=True)
-        more = check(2816, 5632, 33, KINDS[1:], start + 80)
+        more = check(2816, 5632, 33, KINDS[1:], start + 72)
         ok &= all(more.values())
+        if unpacks:
+            formats(5632, layers, unpacks[-1], start + 80)
     else:  # a smoke run: the kernel in Pallas's interpreter, tiny shapes
         with _qkernels.interpreted():
             right = check(256, 384, 9, ("gptq", "ct zero"))
             ok = all(right.values())
             ok &= timing(256, 1, (("in", 8),), 2, UNPACKS, start + 60)
+            formats(256, 1, "pairs", start + 60)
         print("(not a TPU: the kernel ran in Pallas's interpreter; times mean nothing)")
     took = time.perf_counter() - start
     print(f"{'all checks ok' if ok else 'A CHECK FAILED'} ({took:.0f} s)")
