@@ -88,9 +88,22 @@ def applies(x: jax.Array, parts: dict[str, Any], scheme: Any) -> bool:
     return (_interpret or jax.default_backend() == "tpu") and _pallas() is not None
 
 
-def _tile(n: int) -> int:
-    """The largest multiple of 128 that divides `n` and is at most 1152."""
-    return max(t for t in range(BLOCK, min(n, _MAX_TILE) + 1, BLOCK) if n % t == 0)
+def _tile(n: int, most: int = _MAX_TILE) -> int:
+    """The largest multiple of 128 that divides `n` and is at most `most`."""
+    return max(t for t in range(BLOCK, min(n, most) + 1, BLOCK) if n % t == 0)
+
+
+def batch_rows(x: jax.Array, most: int) -> tuple[jax.Array, int]:
+    """`x` `(..., n)` as rows `(padded, n)`, zeros added to fill the last batch tile,
+    and the batch tile: a multiple of 16 rows (bfloat16's sublane tile), at most
+    `most`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    batch = x2.shape[0]
+    tb = min(_round_up(batch, 16), most)
+    padded = _round_up(batch, tb)
+    if padded != batch:
+        x2 = jnp.pad(x2, ((0, padded - batch), (0, 0)))
+    return x2, tb
 
 
 def fp8_block_matmul(
@@ -105,13 +118,9 @@ def fp8_block_matmul(
     pl, pltpu = _pallas()  # type: ignore[misc]
     rows, cols = weight.shape
     tr, tc = _tile(rows), _tile(cols)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    batch = x2.shape[0]
-    tb = min(_round_up(batch, 16), _MAX_BATCH_TILE)
-    padded = _round_up(batch, tb)
-    if padded != batch:
-        x2 = jnp.pad(x2, ((0, padded - batch), (0, 0)))
+    lead, batch = x.shape[:-1], x.size // x.shape[-1]
+    x2, tb = batch_rows(x, _MAX_BATCH_TILE)
+    padded = x2.shape[0]
     # (rows/tr, cols/tc, tr/128, tc/128, 1, 1): a tile's block scales on leading
     # axes, so that the kernel reads each as an aligned (1, 1) block
     s = (scale.astype(jnp.float32) * _HALF).reshape(
@@ -137,23 +146,43 @@ def fp8_block_matmul(
         lambda b, i, k: (*at(b, i, k), 0, 0, 0, 0),
     )
     kernel = _fp8_kernel(pl, tr // BLOCK, tc // BLOCK, contract, x.dtype)
-    y = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((padded, out_cols), x.dtype),
-        grid=grid,
-        in_specs=[x_spec, w_spec, s_spec],
-        out_specs=out_spec,
-        scratch_shapes=[
-            pltpu.VMEM((tr, tc), x.dtype),
-            pltpu.VMEM((tb, acc_cols), jnp.float32),
-        ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=64 * 2**20,
-        ),
-        interpret=_interpret,
-    )(x2, w, s)
+    call = tiled_call(
+        kernel, grid, [x_spec, w_spec, s_spec], out_spec, (padded, out_cols), x.dtype
+    )
+    y = call((tr, tc), (tb, acc_cols))(x2, w, s)
     return y[:batch].reshape(*lead, out_cols)
+
+
+def tiled_call(
+    kernel: Any,
+    grid: tuple[int, int, int],
+    in_specs: list[Any],
+    out_spec: Any,
+    out_shape: tuple[int, int],
+    dtype: Any,
+) -> Any:
+    """`with_scratch(tile, acc)`: the `pallas_call` of `kernel` over `grid` (batch
+    tiles, output tiles, the contraction's tiles, the last one "arbitrary"), with a
+    VMEM scratch `tile` of `dtype` (the decoded weight tile) and a float32 one `acc`
+    (the sums); interpreted within `interpreted()`."""
+    pl, pltpu = _pallas()  # type: ignore[misc]
+
+    def with_scratch(tile: tuple[int, int], acc: tuple[int, int]) -> Any:
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM(tile, dtype), pltpu.VMEM(acc, jnp.float32)],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+                vmem_limit_bytes=64 * 2**20,
+            ),
+            interpret=_interpret,
+        )
+
+    return with_scratch
 
 
 def _fp8_kernel(pl: Any, blocks_r: int, blocks_c: int, contract: str, dtype: Any):

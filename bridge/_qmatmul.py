@@ -33,7 +33,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import Literal
 
-from . import _qkernels
+from . import _qkernels, _qkernels_int4
 from ._qarray import _DEQUANTIZE, QuantizedArray, Scheme, is_quantized
 
 
@@ -214,6 +214,8 @@ def _forward(x: jax.Array, parts: dict[str, Any], s: Scheme) -> jax.Array:
     parts, x = jax.lax.optimization_barrier((parts, x))
     if _qkernels.applies(x, parts, s):  # on a TPU: decoded in VMEM, see _qkernels
         return _qkernels.fp8_block_matmul(x, parts["weight"], parts["scale"], "in")
+    if _qkernels_int4.applies(x, parts, s):  # on a TPU: 4-bit values to the MXU
+        return _qkernels_int4.int4_matmul(x, parts, s, "in")
     scale = parts.get("scale")
     per_row = (
         s.name in ("int", "fp8")
@@ -243,6 +245,9 @@ def _backward_rule(scheme, parts, g):
     parts, g = jax.lax.optimization_barrier((parts, g))
     if _qkernels.applies(g, parts, scheme):
         dx = _qkernels.fp8_block_matmul(g, parts["weight"], parts["scale"], "out")
+        return dx, jtu.tree_map(_no_gradient, parts)
+    if _qkernels_int4.applies(g, parts, scheme):
+        dx = _qkernels_int4.int4_matmul(g, parts, scheme, "out")
         return dx, jtu.tree_map(_no_gradient, parts)
     w = _DEQUANTIZE[scheme.name](parts, scheme).astype(g.dtype)
     dx = jax.lax.dot_general(

@@ -15,8 +15,8 @@ The package is layered; a module imports only modules of its own layer or below:
     0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
        quantized), _families (model families' names), _gc (the collector paused),
        _uses (what a traced forward pass tells about each parameter), _version,
-       _qmatmul (products with kept weights, as stored), _qkernels (their TPU
-       kernels), _clash (the name clash with
+       _qmatmul (products with kept weights, as stored), _qkernels and
+       _qkernels_int4 (their TPU kernels), _clash (the name clash with
        flax.nnx.bridge), _sizes, _progress (the progress display of loads and saves),
        _shown (untrusted text in messages: escaped, bounded)
 
@@ -66,6 +66,7 @@ LAYERS = {
     "bridge._version": 0,
     "bridge._qmatmul": 0,
     "bridge._qkernels": 0,
+    "bridge._qkernels_int4": 0,
     "bridge._sizes": 0,
     "bridge._shown": 0,
     "bridge._clash": 0,

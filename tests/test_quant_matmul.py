@@ -142,12 +142,17 @@ def test_the_backward_pass_keeps_no_dense_weight():
 
 @pytest.mark.parametrize(
     "kind, dtype",
-    [("fp8-block", "float32"), ("int4", "float32"), ("fp8-block", "bfloat16")],
-    ids=["fp8-block", "int4", "fp8-block-kernel"],
+    [
+        ("fp8-block", "float32"),
+        ("int4", "float32"),
+        ("fp8-block", "bfloat16"),
+        ("gptq", "bfloat16"),
+    ],
+    ids=["fp8-block", "int4", "fp8-block-kernel", "gptq-int4-kernel"],
 )
 def test_a_lora_step_on_a_kept_base_gives_the_dense_gradients(kind, dtype):
-    """In bfloat16 the FP8 products (forward, and the input's gradient in the
-    backward) run in the TPU kernel (here in Pallas's interpreter)."""
+    """In bfloat16 the FP8 and 4-bit products (forward, and the input's gradient in
+    the backward) run in the TPU kernels (here in Pallas's interpreter)."""
     if dtype == "bfloat16":
         pytest.importorskip("jax.experimental.pallas.tpu")
     from bridge import _qkernels
@@ -256,7 +261,7 @@ def test_the_fp8_kernel_equals_the_dequantizing_path(shape, build):
 
 
 @pytest.mark.parametrize(
-    "why", ["float32 weight", "64x64 blocks", "int4", "rows not of 128"]
+    "why", ["float32 weight", "64x64 blocks", "int4 groups of 64", "rows not of 128"]
 )
 def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
     pytest.importorskip("jax.experimental.pallas.tpu")
@@ -271,8 +276,10 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
     elif why == "64x64 blocks":
         q = QuantizedArray(q.parts, q.scheme._replace(settings=(("block", (64, 64)),)))
         q.parts["scale"] = jnp.ones((OUT // 64, IN // 64), jnp.float32)
-    elif why == "int4":
+    elif why == "int4 groups of 64":  # the 4-bit kernel takes groups of 128
         q = int4_packed(layout=())
+        q.parts["scale"] = q.parts["scale"].repeat(2, axis=1)
+        q = QuantizedArray(q.parts, q.scheme._replace(settings=(("group_size", 64),)))
     else:
         parts = {"weight": q.parts["weight"][:200], "scale": q.parts["scale"]}
         q = QuantizedArray(parts, q.scheme._replace(stored=(200, IN)))
