@@ -64,7 +64,6 @@ def ct(scale_dtype=jnp.bfloat16, zero=None):
 
 KINDS = {
     "gptq": gptq,
-    "awq": awq,
     "ct": ct,
     "ct-zero": lambda *a: ct(*a, zero="int8"),
     "ct-packed-zero": lambda *a: ct(*a, zero="packed"),
@@ -108,7 +107,7 @@ def test_the_kernel_equals_the_dequantizing_path(kind, batch):
 
 @pytest.mark.parametrize("unpack", ["nibbles", "pairs"])
 @pytest.mark.parametrize("tile", [128, 1536], ids=["tiles-of-128", "one-tile"])
-@pytest.mark.parametrize("kind", ["gptq", "awq", "ct-zero"])
+@pytest.mark.parametrize("kind", ["gptq", "ct-zero"])
 def test_the_kernel_decodes_every_value_bit_for_bit(kind, tile, unpack, monkeypatch):
     """Products with the identity are the weight itself, both ways: with bfloat16
     scales, `s * (q - z)` rounded once, as `dequantize()` rounds it. Tiles of 128
@@ -157,7 +156,7 @@ def test_a_group_index_runs_the_kernel_only_in_the_plain_order(order):
 
 
 @pytest.mark.parametrize(
-    "why", ["groups of 64", "float32 weight", "8 bits", "out not of 128"]
+    "why", ["groups of 64", "float32 weight", "8 bits", "out not of 128", "AWQ"]
 )
 def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
     q, dtype = gptq(), jnp.bfloat16
@@ -172,6 +171,9 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
         q.parts["weight"] = words((IN // 4, OUT))
         q.parts["zero"] = words((IN // 128, OUT // 4))
         scheme = scheme._replace(bits=8)
+    elif why == "AWQ":  # repacked in every call it measured 86x dense on a v5e
+        q = awq()
+        scheme = q.scheme
     else:
         q = ct()
         q.parts = {"weight": q.parts["weight"][:64], "scale": q.parts["scale"][:64]}
