@@ -213,12 +213,17 @@ def _uses_the_kernel(f, *args):
     return "pallas_call" in str(jax.make_jaxpr(f)(*args))
 
 
-def test_the_fp8_kernel_decodes_every_code_bit_for_bit():
+@pytest.mark.parametrize("tile", [128, 1152], ids=["tiles-of-128", "one-tile"])
+def test_the_fp8_kernel_decodes_every_code_bit_for_bit(tile, monkeypatch):
     """Products with the identity are the weight itself: every FP8 code decoded,
-    scaled and rounded as `dequantize()` rounds it, both ways; subnormal codes (zero
-    exponent field) are flushed to zero (see bridge._qkernels)."""
+    scaled and rounded as `dequantize()` rounds it, both ways, its rows in place
+    (the kernel decodes them out of order); subnormal codes (zero exponent field)
+    are flushed to zero (see bridge._qkernels). Tiles of 128 sum over several grid
+    steps."""
     pytest.importorskip("jax.experimental.pallas.tpu")
     from bridge import _qkernels
+
+    monkeypatch.setattr(_qkernels, "_MAX_TILE", tile)
 
     q = fp8_block(layout=())
     w, s = q.parts["weight"], q.parts["scale"]
