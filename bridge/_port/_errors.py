@@ -346,6 +346,13 @@ LINEN_WEIGHT_NORM = (
     "{names}: only a weight norm of the `kernel` alone is read (variable_filter="
     "{{'kernel'}}, the default)"
 )
+REVERSED_WEIGHT_NORM = (
+    "unsupported: {where} is a weight-normed convolution that the forward pass "
+    "applies transposed, reversing its stored axes {axes} first, but its kernel "
+    "axes are {kernel}: only a reversal of every kernel axis (jax.lax."
+    "conv_transpose(..., transpose_kernel=True)) or of none (a stride-dilated "
+    "input, as nn.ConvTranspose) is read"
+)
 PLAIN_WEIGHT_NORM_TRANSPOSE = (
     "unsupported: {where} is a weight-normed ConvTranspose whose weight the forward "
     "pass convolves plainly (conv, not conv_transpose): its layout is not the "
