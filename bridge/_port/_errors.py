@@ -359,6 +359,13 @@ PLAIN_WEIGHT_NORM_TRANSPOSE = (
     "class's"
 )
 SETTINGS = {
+    "reduction_axes": (
+        "layout: {where} is a Linen {kind} whose `scale`/`bias` span several axes "
+        "{shape}, and Linen variables do not say which axes it normalises over "
+        "(`reduction_axes`): PyTorch's and Equinox's norms normalise over all the "
+        "axes they scale, a Linen norm may not. Give example inputs (example=(x,)): "
+        "the forward pass calls the module, whose settings tell."
+    ),
     "conv1d": (
         "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "
         "names: stored (in, out) as GPT-2's Conv1D, or (out, in) as an nn.Linear "

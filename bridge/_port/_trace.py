@@ -88,7 +88,7 @@ def first_uses(
     scanned: dict[Path, int] | None = None,
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
-    classes: dict[Path, type] | None = None,
+    classes: dict[Path, Any] | None = None,
     program: list[tuple[Program, list[Path]]] | None = None,
     attended: dict[Path, tuple[Position, Contraction]] | None = None,
     added: set[Path] | None = None,
@@ -107,7 +107,7 @@ def first_uses(
     operation: an order of dependence, which no two implementations of one model
     can disagree on). With `convolved`, fills it with `{leaf path: its stored axes
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
-    With `classes`, fills it with `{module path: class}` for every submodule the
+    With `classes`, fills it with `{module path: module}` for every submodule the
     pass calls, where the framework records them only then (Linen's compact
     submodules: `Adapter.called`). With `program`, appends the traced program
     and the leaf paths its first inputs are (`_branches`: layers side by side).
@@ -599,7 +599,9 @@ class Trace:
         self.needs: dict[Path, tuple[int, int]] = {}
         self.convolved: dict[Path, tuple[int, ...]] = {}
         self.turned: dict[Path, frozenset[int]] = {}
-        self.called: dict[Path, type] = {}
+        self.called: dict[Path, Any] = {}
+        """The module each path's call ran (`Adapter.called`: Linen's compact
+        submodules)."""
         self.normalised: dict[Path, str] = {}
         self.added: set[Path] = set()
         self.alone: dict[Path, bool] = {}
@@ -687,6 +689,12 @@ class Trace:
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
         does not record them (Linen's compact submodules)."""
+        return {p: type(m) for p, m in self.modules().items()}
+
+    def modules(self) -> Mapping[Path, Any]:
+        """`{module path: module}` of the submodules the pass calls, where the Tree
+        does not record them (Linen's compact submodules: their settings, which
+        the variables do not hold)."""
         self()
         return self.called
 
