@@ -199,6 +199,11 @@ SIDE_BY_SIDE_DIFFER = (
     "forward passes (source [{sources}], target [{targets}]), so the computation "
     "does not say which is which."
 )
+LOOSE_ALIKE = (
+    "Each is a loose array added to (or computed with) the same arrays as the "
+    "others, none from another (two heads' biases after products of one input "
+    "with one table), so the computation does not tell them apart either."
+)
 SIDE_BY_SIDE_ONE = (
     "Only the {side} reads them from one input (the {other} computes their inputs "
     "apart), so the computation does not say which is which."
