@@ -96,6 +96,23 @@ def test_a_norm_over_two_axes_torch_linen_and_equinox(rms):
     _close(_run(target), module.apply(variables, jnp.asarray(X)))
 
 
+def test_a_linen_norm_over_two_axes_and_equinox_both_ways():
+    """Linen <-> `eqx.nn.LayerNorm((A, B))` with example inputs whose examples are
+    `(A, B)` (Equinox's call takes one): each side's outputs are the other's; a
+    Linen norm normalising each row alone (`reduction_axes=-1`) is refused."""
+    x = X[0]  # 5 examples of (A, B)
+    module, variables = _linen(1)
+    into = bridge.port(
+        (module, variables), eqx.nn.LayerNorm((A, B), eps=1e-5), example=(x,)
+    )
+    _close(_eqx(into), module.apply(variables, jnp.asarray(X)))
+    _, back = bridge.port(into, (module, _linen(5)[1]), example=(x,))
+    _close(module.apply(back, jnp.asarray(X)), _eqx(into))
+    rows, row_variables = _linen(1, reduction=(-1,))
+    with pytest.raises(bridge.PortError, match=r"normalises over axes \(-1,\)"):
+        bridge.port((rows, row_variables), eqx.nn.LayerNorm((A, B)), example=(x,))
+
+
 def test_a_linen_norm_over_two_axes_without_a_forward_pass_is_refused():
     """Linen variables do not hold `reduction_axes`: a 2-D `scale` is refused
     without example inputs (it may normalise over one axis only), naming the fix."""
