@@ -872,8 +872,13 @@ class _Pairing:
 
 def _alike(a: tuple[int, int], b: tuple[int, int]) -> bool:
     """Whether two arrays (`dependence`'s `(bits, upstream bits)`), both used, are
-    computed with the same arrays and neither from the other."""
-    return bool(a[0] and b[0]) and a[1] == b[1] and not (a[0] & b[1] or b[0] & a[1])
+    computed with the same arrays (some: a token concatenated first, computed with
+    none, is left to the order of use) and neither from the other."""
+    return (
+        bool(a[0] and b[0] and a[1])
+        and a[1] == b[1]
+        and not (a[0] & b[1] or b[0] & a[1])
+    )
 
 
 def _untied(x: Layer) -> bool:
