@@ -345,16 +345,16 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise TypeError(_NO_MODULE)
 
 
-def _called(run: Callable[[], Any]) -> tuple[Any, dict[tuple, type]]:
-    """`run()` (a forward pass), with the class of every submodule it calls by its
-    path (`("conv",)`): Linen records the classes of compact submodules nowhere
-    else."""
-    seen: dict[tuple, type] = {}
+def _called(run: Callable[[], Any]) -> tuple[Any, dict[tuple, Any]]:
+    """`run()` (a forward pass), with every submodule it calls by its path
+    (`("conv",)`): Linen records the classes and settings of compact submodules
+    nowhere else."""
+    seen: dict[tuple, Any] = {}
 
     def record(method: Callable, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
         if module.scope is not None:
-            seen.setdefault(tuple(module.scope.path), type(module))
+            seen.setdefault(tuple(module.scope.path), module)
         return method(*args, **kwargs)
 
     with nn.intercept_methods(record):

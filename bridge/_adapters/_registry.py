@@ -73,9 +73,9 @@ class Adapter(NamedTuple):
     - `shape_hint`: what to try when one of this framework's models, run inside a
       wrapper of another framework, fails on the shapes of its arguments (Equinox:
       a model takes one example, not a batch); empty when there is nothing to add.
-    - `called`: optional, `called(run) -> (run(), {path: class})`: a forward pass
-      of this framework's model run with the class of every submodule it calls
-      recorded by path, for a framework whose Trees do not record them
+    - `called`: optional, `called(run) -> (run(), {path: module})`: a forward pass
+      of this framework's model run with every submodule it calls (its class and
+      settings) recorded by path, for a framework whose Trees do not record them
       (`records_classes` False: Linen's compact submodules); the port's trace uses
       it to tell layers whose arrays fit several kinds (a square `Conv` or
       `ConvTranspose`).
@@ -178,7 +178,7 @@ class Adapter(NamedTuple):
     shape_hint: str = ""
     modules: Callable[[Tree], Any] | None = None
     records_classes: bool = True
-    called: Callable[[Callable[[], Any]], tuple[Any, dict[tuple, type]]] | None = None
+    called: Callable[[Callable[[], Any]], tuple[Any, dict[tuple, Any]]] | None = None
     settings: Callable[[Any], dict[str, Any]] | None = None
     from_file: Callable[..., Tree] | None = None
     empty: Callable[[Tree], list[tuple[str, tuple[str | int, ...]]]] | None = None

@@ -50,6 +50,7 @@ def computed(
             continue
         for x in open_:
             _by_class(x, trace)
+            _by_module(x, trace, problems)
             _by_computation(x, trace, problems)
         added = trace.biases()
         layers[:] = [_as_bias(x, added) for x in layers]
@@ -76,6 +77,22 @@ def _by_class(x: Layer, trace: Trace) -> None:
         named += [c for c in x.codecs if reading_of(c) is not None]
     if named:
         _keep(x, tuple(c for c in x.codecs if c in named))
+
+
+def _by_module(x: Layer, trace: Trace, problems: list[str]) -> None:
+    """A layer lacking settings its arrays do not hold (a Linen norm's
+    `reduction_axes`, over several axes) reads them from the module the forward
+    pass called at its path (Linen's compact submodules)."""
+    if x.index is not None or "reduction_axes" not in x.unknown.values():
+        return
+    module = trace.modules().get(x.path)
+    if module is None:
+        return
+    for codec in x.codecs:
+        if x.unknown.get(codec.kind) == "reduction_axes":
+            for name, value in codec.hyperparameters(module).items():
+                x.hyper.setdefault(name, value)
+    read_specs(x, problems)
 
 
 def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:

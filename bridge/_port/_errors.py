@@ -199,6 +199,11 @@ SIDE_BY_SIDE_DIFFER = (
     "forward passes (source [{sources}], target [{targets}]), so the computation "
     "does not say which is which."
 )
+LOOSE_ALIKE = (
+    "Each is a loose array added to (or computed with) the same arrays as the "
+    "others, none from another (two heads' biases after products of one input "
+    "with one table), so the computation does not tell them apart either."
+)
 SIDE_BY_SIDE_ONE = (
     "Only the {side} reads them from one input (the {other} computes their inputs "
     "apart), so the computation does not say which is which."
@@ -346,12 +351,26 @@ LINEN_WEIGHT_NORM = (
     "{names}: only a weight norm of the `kernel` alone is read (variable_filter="
     "{{'kernel'}}, the default)"
 )
+REVERSED_WEIGHT_NORM = (
+    "unsupported: {where} is a weight-normed convolution that the forward pass "
+    "applies transposed, reversing its stored axes {axes} first, but its kernel "
+    "axes are {kernel}: only a reversal of every kernel axis (jax.lax."
+    "conv_transpose(..., transpose_kernel=True)) or of none (a stride-dilated "
+    "input, as nn.ConvTranspose) is read"
+)
 PLAIN_WEIGHT_NORM_TRANSPOSE = (
     "unsupported: {where} is a weight-normed ConvTranspose whose weight the forward "
     "pass convolves plainly (conv, not conv_transpose): its layout is not the "
     "class's"
 )
 SETTINGS = {
+    "reduction_axes": (
+        "layout: {where} is a Linen {kind} whose `scale`/`bias` span several axes "
+        "{shape}, and Linen variables do not say which axes it normalises over "
+        "(`reduction_axes`): PyTorch's and Equinox's norms normalise over all the "
+        "axes they scale, a Linen norm may not. Give example inputs (example=(x,)): "
+        "the forward pass calls the module, whose settings tell."
+    ),
     "conv1d": (
         "layout: {where} holds a square weight {shape} under one of GPT-2's Conv1D "
         "names: stored (in, out) as GPT-2's Conv1D, or (out, in) as an nn.Linear "

@@ -697,10 +697,10 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
     return bool(flax.recognise(None, canonical))
 
 
-_OWN_SETTINGS = frozenset({"feature_axes"})
+_OWN_SETTINGS = frozenset({"feature_axes", "reduction_axes"})
 """Settings only the layer's own computation tells, never the other side's modules
 (a Linen `nn.WeightNorm`'s `feature_axes`: which axis of this kernel its scale
-spans; another model's says nothing of it)."""
+spans; a Linen norm's `reduction_axes`; another model's say nothing of them)."""
 
 
 def tell_settings(
@@ -743,7 +743,7 @@ def tell_settings(
                         shape=next(
                             (
                                 tuple(layer.leaves[k].shape)
-                                for k in ("weight", "kernel")
+                                for k in ("weight", "kernel", "scale", "bias")
                                 if k in layer.leaves
                             ),
                             (),

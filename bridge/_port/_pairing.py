@@ -730,10 +730,12 @@ class _Pairing:
         """Re-pair layers that the orders of use paired against what each is
         computed from: where a source layer's input comes from the layers of some
         pairs and its partner's from others' (a query's norm paired with the key's,
-        when one side computes the key first), and exchanging partners within
-        their kind and shapes makes every such pair agree, one way only. Both
-        forward passes traced; stacks' layers (one array for every index) and ties
-        are left as they are."""
+        when one side computes the key first; a masked-LM head's loose `bias`
+        paired with another head's), and exchanging partners within their kind and
+        shapes makes every such pair agree, one way only. Both forward passes
+        traced; stacks' layers (one array for every index) and ties are left as
+        they are, but for a loose array held under several names (a bias tied to
+        its `decoder.bias`: one array, one use)."""
         traces = [o.tracer() for o in self.orders]
         if traces[0] is None or traces[1] is None:
             return
@@ -743,8 +745,8 @@ class _Pairing:
                 for k, p in enumerate(self.pairs)
                 if p.source.index is None
                 and p.target.index is None
-                and not p.source.tied
-                and not p.target.tied
+                and _untied(p.source)
+                and _untied(p.target)
             ]
             sides = [
                 dependence(t, [(p.source, p.target)[side] for p in self.pairs])
@@ -774,6 +776,64 @@ class _Pairing:
                     changed = True
             if not changed:
                 return
+
+    def loose_alike(self) -> None:
+        """Refuse loose arrays of one shape that the orders of use paired (names
+        differing) but that a forward pass computes alike: from the same arrays,
+        neither from the other (two masked-LM heads' loose biases, each added to a
+        product of one input with one table). Which it adds first is its own
+        choice, so their order of use does not pair them, and nothing else in the
+        computation does (`preceded` pairs those that it does)."""
+        traces = [o.tracer() for o in self.orders]
+        if traces[0] is None or traces[1] is None:
+            return
+        ks = [
+            k
+            for k, p in enumerate(self.pairs)
+            if p.by == "trace" and p.source.kinds == (ARRAY,) and p.source.index is None
+        ]
+        groups: dict[tuple, list[int]] = {}
+        for k in ks:
+            groups.setdefault(_signature(self.pairs[k].source), []).append(k)
+        gone: set[int] = set()
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            sides = [
+                dependence(
+                    t,
+                    [
+                        (self.pairs[k].source, self.pairs[k].target)[side]
+                        for k in members
+                    ],
+                )
+                for side, t in enumerate(traces)
+            ]
+            alike = [
+                i
+                for i in range(len(members))
+                if any(
+                    _alike(found[i], found[j])
+                    for found in sides
+                    for j in range(len(members))
+                    if j != i
+                )
+            ]
+            if len(alike) < 2:
+                continue
+            at = [members[i] for i in alike]
+            gone.update(at)
+            self._ambiguous(
+                [self.pairs[k].source for k in at],
+                [self.pairs[k].target for k in at],
+                _errors.SIDE_BY_SIDE,
+                why=_errors.LOOSE_ALIKE,
+            )
+        if gone:
+            for k in gone:
+                p = self.pairs[k]
+                self.paired.difference_update((id(p.source), id(p.target)))
+            self.pairs = [p for k, p in enumerate(self.pairs) if k not in gone]
 
     def remainder(self) -> None:
         """What names and equal-shape groups left: an alignment in creation order
@@ -810,16 +870,39 @@ class _Pairing:
                     self.add(s, t, "kind")
 
 
+def _alike(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two arrays (`dependence`'s `(bits, upstream bits)`), both used, are
+    computed with the same arrays (some: a token concatenated first, computed with
+    none, is left to the order of use) and neither from the other."""
+    return (
+        bool(a[0] and b[0] and a[1])
+        and a[1] == b[1]
+        and not (a[0] & b[1] or b[0] & a[1])
+    )
+
+
+def _untied(x: Layer) -> bool:
+    """Whether `x` is no tie, or a loose array held under several names (one array,
+    which its dependence reads under each: `dependence`)."""
+    return not x.tied or x.kinds == (ARRAY,)
+
+
 def dependence(trace: Any, layers: list[Layer]) -> list[tuple[int, int]]:
     """Per layer, `(its arrays' bits, the bits of the arrays its input is computed
-    from)` in one side's traced forward pass (`Trace.upstream`)."""
+    from)` in one side's traced forward pass (`Trace.upstream`), an array the Tree
+    holds once for several names (`Trace.ties`: BERT's `cls.predictions.bias`, used
+    as `decoder.bias`) read under the names the pass used."""
     needs = trace.upstream()
+    names: dict[Path, list[Path]] = {}
+    for name, held in trace.ties().items():
+        names.setdefault(held, []).append(name)
     out = []
     for x in layers:
         mine, fed = 0, 0
         for rel in x.paths.values():
-            bit, upstream = needs.get(x.path + rel, (0, 0))
-            mine, fed = mine | bit, fed | upstream
+            for path in [x.path + rel, *names.get(x.path + rel, ())]:
+                bit, upstream = needs.get(path, (0, 0))
+                mine, fed = mine | bit, fed | upstream
         out.append((mine, fed & ~mine))
     return out
 
@@ -844,6 +927,7 @@ def pair(
     p.indexed()
     p.remainder()
     p.preceded()
+    p.loose_alike()
     p.named()
     position = {id(t): i for i, t in enumerate(targets)}
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])

@@ -88,11 +88,12 @@ def first_uses(
     scanned: dict[Path, int] | None = None,
     needs: dict[Path, tuple[int, int]] | None = None,
     convolved: dict[Path, tuple[int, ...]] | None = None,
-    classes: dict[Path, type] | None = None,
+    classes: dict[Path, Any] | None = None,
     program: list[tuple[Program, list[Path]]] | None = None,
     attended: dict[Path, tuple[Position, Contraction]] | None = None,
     added: set[Path] | None = None,
     placed: dict[Path, int] | None = None,
+    turned: dict[Path, frozenset[int]] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -106,7 +107,7 @@ def first_uses(
     operation: an order of dependence, which no two implementations of one model
     can disagree on). With `convolved`, fills it with `{leaf path: its stored axes
     as (out, in, *spatial)}` for every leaf first used as a convolution's kernel.
-    With `classes`, fills it with `{module path: class}` for every submodule the
+    With `classes`, fills it with `{module path: module}` for every submodule the
     pass calls, where the framework records them only then (Linen's compact
     submodules: `Adapter.called`). With `program`, appends the traced program
     and the leaf paths its first inputs are (`_branches`: layers side by side).
@@ -120,7 +121,12 @@ def first_uses(
     the tied embedding). With `placed`, fills it with `{leaf path: axis}` for the
     1-D leaves first used in a `mul` after a reshape that puts their one axis at
     `axis` (the others of length 1): a scale over that axis of a weight (Linen
-    `nn.WeightNorm`'s `scale`, its `feature_axes`).
+    `nn.WeightNorm`'s `scale`, its `feature_axes`). With `turned`, fills it with
+    `{leaf path: the stored axes the pass reverses}` for every convolution kernel
+    it applies transposed: reversed (a `rev`) before the convolution (as
+    `jax.lax.conv_transpose(..., transpose_kernel=True)` does: PyTorch's
+    `ConvTranspose`), or over an input dilated by the strides (`lhs_dilation`, as
+    `nn.ConvTranspose` does: nothing reversed).
 
     **Arguments:**
 
@@ -177,7 +183,8 @@ def first_uses(
     taint = {v: 1 << i for i, v in enumerate(jaxpr.invars[: len(structs)])}
     biases: set[int] = set()
     scales: dict[int, int] = {}
-    sums = (set(), biases, {}, scales)
+    turns: dict[int, frozenset[int]] = {}
+    sums = (set(), biases, {}, scales, {}, turns)
     records = (axes, layer_axes, upstream, kernels, later, gathered, sums)
     fed = set(jaxpr.invars[len(structs) :])
     _visit(jaxpr, tracked, found, stored, records, taint, fed)
@@ -193,6 +200,8 @@ def first_uses(
         added.update(paths[i] for i in biases)
     if placed is not None:
         placed.update({paths[i]: a for i, a in scales.items()})
+    if turned is not None:
+        turned.update({paths[i]: a for i, a in turns.items()})
     if scanned is not None:
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     if attended is not None:
@@ -233,7 +242,14 @@ def _visit(
         dict[int, tuple],
         dict[int, tuple[Position, Contraction]],
         set[int],
-        tuple[set[Any], set[int], dict[Any, int], dict[int, int]],
+        tuple[
+            set[Any],
+            set[int],
+            dict[Any, int],
+            dict[int, int],
+            dict[Any, frozenset[int]],
+            dict[int, frozenset[int]],
+        ],
     ],
     taint: dict[Any, int],
     fed: set[Any],
@@ -254,9 +270,11 @@ def _visit(
     element (`_changed`). `records` also holds the variables that hold a
     product's result (`dot_general`'s, only relaid out since), the leaves first
     used added to one (a bias), the variables that are a 1-D leaf reshaped to one
-    axis (`{var: axis}`) and the leaves first used so in a `mul` (`{leaf: axis}`)."""
+    axis (`{var: axis}`), the leaves first used so in a `mul` (`{leaf: axis}`), the
+    variables that are a weight with some stored axes reversed (`{var: those
+    axes}`) and the kernels convolved transposed (`{leaf: stored axes reversed}`)."""
     axes, scanned_axes, upstream, kernels, later, gathered, sums = records
-    products, biases, placed, scales = sums
+    products, biases, placed, scales, flips, turns = sums
     changed = set() if changed is None else changed
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [0 if _literal(v) else taint.get(v, 0) for v in eqn.invars]
@@ -302,7 +320,19 @@ def _visit(
                     stored[eqn.outvars[0]] = tuple(known[a] for a in perm)
                 if eqn.invars[0] in changed:
                     changed.add(eqn.outvars[0])
+                if others[0] in flips:
+                    flips[eqn.outvars[0]] = flips[others[0]]
                 continue
+        if name == "rev" and used[0][0] == 0:  # a weight reversed, its axes kept
+            known = stored.get(eqn.invars[0])
+            tracked[eqn.outvars[0]] = used[0][1]
+            if known is not None:
+                stored[eqn.outvars[0]] = known
+                turn = frozenset(known[d] for d in eqn.params["dimensions"])
+                flips[eqn.outvars[0]] = flips.get(eqn.invars[0], frozenset()) ^ turn
+            if eqn.invars[0] in changed:
+                changed.add(eqn.outvars[0])
+            continue
         if name in _ELEMENTWISE and eqn.outvars[0] not in fed:
             _changed(eqn, used, stored, tracked, changed)
         if name == "dot_general":
@@ -325,6 +355,9 @@ def _visit(
                 if first and known is not None and i == 1:
                     spec = eqn.params["dimension_numbers"].rhs_spec
                     kernels.setdefault(leaf, tuple(known[a] for a in spec))
+                    turn = flips.get(eqn.invars[i], frozenset())
+                    if turn or any(d > 1 for d in eqn.params["lhs_dilation"]):
+                        turns.setdefault(leaf, turn)
         scanned = (
             eqn.params.get("num_consts", 0) + eqn.params.get("num_carry", 0)
             if name == "scan"
@@ -353,6 +386,8 @@ def _visit(
                         scanned_axes.setdefault(leaf, known[0])
                     known = None if known is None else known[1:]  # one slice
                 inner[sub.invars[j]] = (leaf, where)
+                if eqn.invars[i] in flips:
+                    flips[sub.invars[j]] = flips[eqn.invars[i]]
                 if known is not None:
                     inner_stored[sub.invars[j]] = known
             inner_taint = {
@@ -389,6 +424,16 @@ def _visit(
             if len(sub.outvars) == len(eqn.outvars) and s == 0:
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] = 0 if _literal(w) else inner_taint.get(w, 0)
+                    if not _literal(w) and w in flips and w in inner:
+                        _reversed_out(
+                            (v, w),
+                            inner,
+                            inner_stored.get(w),
+                            used,
+                            (tracked, stored, flips),
+                        )
+                        if w in inner_changed:
+                            changed.add(v)
             elif len(sub.outvars) == len(eqn.outvars):
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] |= 0 if _literal(w) else inner_taint.get(w, 0)
@@ -399,6 +444,27 @@ def _visit(
                     others |= t if j != i and name not in _SIDE_BY_SIDE else 0
                 upstream[leaf] = others
             found.setdefault(leaf, prefix + (n,))
+
+
+def _reversed_out(
+    out: tuple[Any, Any],
+    inner: dict[Any, tuple[int, Position]],
+    known: tuple[int, ...] | None,
+    used: list,
+    maps: tuple[dict, dict, dict],
+) -> None:
+    """A sub-computation's output `w` that is a weight reversed (`jnp.flip`, a
+    `jit` of a `rev`) is that weight outside too, as `v`: tracked, its layout and
+    reversed axes kept, so the convolution it feeds records them."""
+    (v, w), (tracked, stored, flips) = out, maps
+    leaf = inner[w][0]
+    prefix = next((p for _, (x, p) in used if x == leaf), None)
+    if prefix is None:
+        return
+    tracked[v] = (leaf, prefix)
+    flips[v] = flips[w]
+    if known is not None:
+        stored[v] = known
 
 
 def _place(eqn: Any, known: tuple[int, ...] | None, placed: dict[Any, int]) -> None:
@@ -532,7 +598,10 @@ class Trace:
         self.scanned: dict[Path, int] = {}
         self.needs: dict[Path, tuple[int, int]] = {}
         self.convolved: dict[Path, tuple[int, ...]] = {}
-        self.called: dict[Path, type] = {}
+        self.turned: dict[Path, frozenset[int]] = {}
+        self.called: dict[Path, Any] = {}
+        """The module each path's call ran (`Adapter.called`: Linen's compact
+        submodules)."""
         self.normalised: dict[Path, str] = {}
         self.added: set[Path] = set()
         self.alone: dict[Path, bool] = {}
@@ -575,6 +644,12 @@ class Trace:
         self()
         return self.convolved
 
+    def transposed(self) -> Mapping[Path, frozenset[int]]:
+        """`{leaf path: the stored axes reversed}` of the convolution kernels a JAX
+        pass applies transposed (see `first_uses`)."""
+        self()
+        return self.turned
+
     def norms(self) -> Mapping[Path, str]:
         """`{leaf path: "mean", "rms" or "rms+1"}` of the arrays a normalisation
         scales (see `bridge._uses.Uses`; PyTorch's trace records them)."""
@@ -614,6 +689,12 @@ class Trace:
     def classes(self) -> Mapping[Path, type]:
         """`{module path: class}` of the submodules the pass calls, where the Tree
         does not record them (Linen's compact submodules)."""
+        return {p: type(m) for p, m in self.modules().items()}
+
+    def modules(self) -> Mapping[Path, Any]:
+        """`{module path: module}` of the submodules the pass calls, where the Tree
+        does not record them (Linen's compact submodules: their settings, which
+        the variables do not hold)."""
         self()
         return self.called
 
@@ -647,6 +728,7 @@ class Trace:
                 later,
                 self.added,
                 self.placed,
+                self.turned,
             )
         except Exception as error:  # the model's own error on these inputs
             self._failed(error)

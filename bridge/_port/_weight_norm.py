@@ -28,7 +28,11 @@ import jax.numpy as jnp
 
 from . import _errors, _shapes
 from ._codec import Codec, Leaves
-from .codecs._weight_norm import LINEN_SCALE, WEIGHT_NORM
+from .codecs._weight_norm import (
+    LINEN_SCALE,
+    WEIGHT_NORM,
+    WEIGHT_NORM_CONV_TRANSPOSE,
+)
 
 
 if TYPE_CHECKING:
@@ -125,8 +129,15 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
         if codec is None or v is None or codec.framework not in _FLAX + ("torch",):
             continue
         base = x.real if x.index is not None else x.path
-        axes = _traced(x, trace, base + x.paths.get(v, (v,)), v)
+        path = base + x.paths.get(v, (v,))
+        axes = _traced(x, trace, path, v)
         plain = axes is None or axes == tuple(range(len(axes)))
+        if codec.framework in _FLAX:
+            if not _transposed(x, trace, path, axes, problems):
+                continue
+            if "turned" in x.hyper:  # read again as the pass reads it
+                told.append(x)
+                continue
         if codec.framework == "torch":
             if codec.kind == WEIGHT_NORM["ConvTranspose"]:  # (in, out, *k) read
                 if axes is not None and axes[:2] != (1, 0):
@@ -152,6 +163,54 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
             )
             _drop(x)
     return told
+
+
+def _transposed(
+    x: Layer, trace: Any, path: Any, axes: tuple[int, ...] | None, problems: list[str]
+) -> bool:
+    """Whether a Flax layer holding `weight_v` (recognised as a `Conv`) is still to
+    be read (its `v` axes): where the pass applies the weight transposed
+    (`Trace.transposed`), it becomes a `ConvTranspose` (`hyper["turned"]`: whether
+    the pass reverses its kernel axes first; `hyper["axes"]` as the pass reads
+    them). A pass that reverses some kernel axes and not others, or a channel
+    axis, is a problem."""
+    turned = None
+    if axes is not None and len(axes) >= 3:
+        turned = trace.transposed().get(path)
+    if turned is None:
+        return True
+    if x.index is not None:
+        turned = frozenset(a - (a > x.axis) for a in turned)
+    assert axes is not None
+    if turned and turned != set(axes[2:]):
+        problems.append(
+            _errors.REVERSED_WEIGHT_NORM.format(
+                where=x.where, axes=sorted(turned), kernel=axes[2:]
+            )
+        )
+        _drop(x)
+        return False
+    _as_transposed(x)
+    x.hyper["turned"] = bool(turned)
+    x.hyper["axes"] = axes
+    return True
+
+
+def _as_transposed(x: Layer) -> None:
+    """`x`'s weight-normed `Conv` codecs (and their view) replaced by its
+    framework's `ConvTranspose` ones."""
+    transposed = {c.framework: c for c in WEIGHT_NORM_CONV_TRANSPOSE}
+    codecs = []
+    for c in x.codecs:
+        if c.kind == WEIGHT_NORM["Conv"]:
+            c = transposed[c.framework]
+        elif is_folded(c) and c.kind == "Conv":
+            c = folded(transposed[c.framework])
+        codecs.append(c)
+    for kind in ("Conv", WEIGHT_NORM["Conv"]):
+        x.unknown.pop(kind, None)
+        x.specs.pop(kind, None)
+    x.codecs = tuple(codecs)
 
 
 def _drop(x: Layer) -> None:

@@ -7,6 +7,15 @@ coming from Flax, and porting to Flax refuses a non-zero one. Either side may la
 one must hold it. PyTorch (`nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm`, and
 Hugging Face's `...LayerNorm`/`...RMSNorm` classes except those computing `x * (1 +
 weight)`, Gemma's and its kin's): `weight` -> `scale`.
+
+A norm over several axes (PyTorch's `nn.LayerNorm((a, b))`, Equinox's
+`LayerNorm(shape=(a, b))`, Linen's `LayerNorm(reduction_axes=(-2, -1),
+feature_axes=(-2, -1))`) has a canonical `scale`/`bias` of shape `(a, b)`: it
+normalises over, and scales, the last `scale.ndim` axes, as PyTorch's and Equinox's
+do by construction. A Flax norm is read only where its `reduction_axes` and
+`feature_axes` are those axes: NNX's module says them; a Linen compact submodule
+says them to the forward pass on example inputs (`Trace.modules`), and without one a
+Linen `scale` of several axes is refused (one axis: Linen's defaults, `-1`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,50 @@ _RENAME = {"weight": "scale", "scale": "scale", "bias": "bias"}
 _BACK = {"scale": "weight", "bias": "bias"}
 
 
+def _axes(value: Any) -> tuple[int, ...]:
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+_FLAX_AXES = attributes(reduction_axes="reduction_axes", feature_axes="feature_axes")
+_OTHER_AXES = (
+    "normalises over axes {reduction} and scales over axes {features} (`scale`/"
+    "`bias` of shape {shape}): only a norm over, and scaling, its last {n} axes "
+    "{want} is read, as PyTorch's nn.LayerNorm/nn.RMSNorm{shape} and Equinox's "
+    "norms of shape {shape} compute (axes written from the end)"
+)
+
+
+def _over_features(decode):
+    """`decode` of a Flax norm, read only where it normalises over, and scales,
+    its last `scale.ndim` axes (`hyper["reduction_axes"]`, `["feature_axes"]`: the
+    module's). A `scale` of several axes without them is a setting to be told
+    (`KeyError`: the forward pass tells, `_computed`)."""
+
+    def run(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+        ref = next(iter(leaves.values()), None)
+        shape = tuple(getattr(ref, "shape", ()))
+        if "reduction_axes" not in hyper:
+            if len(shape) > 1:
+                raise KeyError("reduction_axes")
+            return decode(leaves, hyper)
+        reduction = _axes(hyper["reduction_axes"])
+        features = _axes(hyper.get("feature_axes", -1))
+        want = tuple(range(-len(shape), 0))
+        if sorted(reduction) != list(want) or sorted(features) != list(want):
+            raise ValueError(
+                _OTHER_AXES.format(
+                    reduction=reduction,
+                    features=features,
+                    shape=shape,
+                    n=len(shape),
+                    want=want,
+                )
+            )
+        return decode(leaves, hyper)
+
+    return run
+
+
 def _linen_affine(cls, leaves: Leaves) -> bool:
     return bool(leaves) and set(leaves) <= {"scale", "bias"}
 
@@ -73,7 +126,7 @@ def _flax(kind: str, framework: str, recognise, hyper=None, names=()) -> Codec:
             kind,
             framework,
             recognise,
-            same,
+            _over_features(same) if kind == "LayerNorm" else same,
             same_as_like,
             hyper or (lambda module: {}),
             names=names,
@@ -130,10 +183,18 @@ def _equinox(kind: str, cls: type, hyper, build) -> Codec:
     )
 
 
-_NNX_NORM = attributes(epsilon="epsilon", use_scale="use_scale", use_bias="use_bias")
+_NNX_NORM = attributes(
+    epsilon="epsilon",
+    use_scale="use_scale",
+    use_bias="use_bias",
+    reduction_axes="reduction_axes",
+    feature_axes="feature_axes",
+)
 _EQX_NORM = attributes(epsilon="eps", use_scale="use_weight", use_bias="use_bias")
 
-LAYER_NORM_LINEN = _flax("LayerNorm", "linen", _linen_affine, names=("LayerNorm",))
+LAYER_NORM_LINEN = _flax(
+    "LayerNorm", "linen", _linen_affine, _FLAX_AXES, names=("LayerNorm",)
+)
 LAYER_NORM_NNX = _flax("LayerNorm", "nnx", of_class(nnx.LayerNorm), _NNX_NORM)
 LAYER_NORM_EQUINOX = _equinox(
     "LayerNorm", eqx.nn.LayerNorm, _EQX_NORM, _build_layer_norm
@@ -197,8 +258,9 @@ RMS_NORM_LINEN = register_codec(
         "RMSNorm",
         "linen",
         _either(_linen_rms, _written_rms),
-        _eqx_decode,
+        _over_features(_eqx_decode),
         _named_like,
+        _FLAX_AXES,
         names=("RMSNorm",),
         defaults=_DEFAULTS,
     )
@@ -208,9 +270,13 @@ RMS_NORM_NNX = register_codec(
         "RMSNorm",
         "nnx",
         _either(of_class(nnx.RMSNorm), _written_rms),
-        _eqx_decode,
+        _over_features(_eqx_decode),
         _named_like,
-        attributes(epsilon="epsilon"),
+        attributes(
+            epsilon="epsilon",
+            reduction_axes="reduction_axes",
+            feature_axes="feature_axes",
+        ),
         defaults=_DEFAULTS,
     )
 )
@@ -263,13 +329,27 @@ GROUP_NORM_EQUINOX = _equinox(
 # --- PyTorch: nn.LayerNorm, nn.RMSNorm, nn.GroupNorm and Hugging Face's norms --------
 
 
-def _torch_affine(leaves: Leaves) -> bool:
+def _torch_affine(leaves: Leaves, axes: int = 1) -> bool:
+    """A `weight` and/or `bias` of `axes` axes (of one shape where both are)."""
     w, b = shape_of(leaves, "weight"), shape_of(leaves, "bias")
     return (
         has_entries(leaves, set(), {"weight", "bias"})
         and bool(leaves)
-        and all(s is None or len(s) == 1 for s in (w, b))
+        and all(s is None or len(s) == axes for s in (w, b))
+        and (w is None or b is None or w == b)
     )
+
+
+def _normalized_shape(cls: Any, leaves: Leaves) -> int:
+    """How many axes a norm's arrays may have: those of its `normalized_shape`
+    where it is PyTorch's own `nn.LayerNorm`/`nn.RMSNorm` (which normalises over
+    them all), else 1."""
+    own = any(
+        c.__name__ in ("LayerNorm", "RMSNorm") and c.__module__.startswith("torch.")
+        for c in getattr(cls, "__mro__", ())
+    )
+    shape = next((tuple(v.shape) for v in leaves.values()), ())
+    return max(len(shape), 1) if own else 1
 
 
 _torch_group_norm = by_class("GroupNorm")(_torch_affine)
@@ -289,7 +369,7 @@ def _torch_layer_norm(cls: Any, leaves: Leaves) -> bool:
         return False
     if cls is not None and subtracts_no_mean(cls):  # T5LayerNorm: an RMS norm
         return False
-    return _torch_affine(leaves)
+    return _torch_affine(leaves, _normalized_shape(cls, leaves))
 
 
 def _torch_rms_norm(cls: Any, leaves: Leaves) -> bool:
@@ -297,7 +377,8 @@ def _torch_rms_norm(cls: Any, leaves: Leaves) -> bool:
     if cls is not None and not (rms or _norm_class(cls, "RMSNorm")):
         return False
     w = shape_of(leaves, "weight")
-    return set(leaves) == {"weight"} and w is not None and len(w) == 1
+    axes = _normalized_shape(cls, leaves)
+    return set(leaves) == {"weight"} and w is not None and len(w) == axes
 
 
 def _torch_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:

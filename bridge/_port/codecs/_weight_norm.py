@@ -25,7 +25,12 @@ must agree with it.
   kernel's is read from the forward pass on example inputs (`axes`: `v`'s stored
   axes as `(out, in, *spatial)`, `bridge._port._weight_norm.read_axes`); without
   one, PyTorch's order, whose names these are; a `bias` that does not fit it
-  leaves the axes unknown, and the layer refused. (`Conv` and `Dense` only.)
+  leaves the axes unknown, and the layer refused. It is a `ConvTranspose` where
+  the pass applies the weight transposed (`hyper["turned"]`: reversed first, as
+  `jax.lax.conv_transpose(..., transpose_kernel=True)` does with PyTorch's `(in,
+  out, *k)`, or over a stride-dilated input, unreversed, as `nn.ConvTranspose`
+  does: `read_axes` changes its kind), a `Conv` otherwise; never a
+  `ConvTranspose` without a forward pass.
 - Linen: `nn.WeightNorm(layer)` around a `Dense`, `Conv` or `ConvTranspose`: the
   layer's `kernel` (`v`) and `bias` where the layer is, its scale (`g`, the lengths
   of `feature_axes`) in the wrapper's scope (`_layers.linen_weight_norms` makes
@@ -267,7 +272,7 @@ def _torch_encoder(plain: str):
 
 def _flax_recognise(plain: str):
     def recognise(cls: Any, leaves: Leaves) -> bool:
-        if plain == "ConvTranspose":
+        if plain == "ConvTranspose":  # read_axes makes one where the pass tells
             return False
         if not set(_FLAX_NAMES) <= set(leaves) <= {*_FLAX_NAMES, "bias"}:
             return False
@@ -317,6 +322,46 @@ def _flax_encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leav
     if "bias" in like and "bias" in canonical:
         out["bias"] = canonical["bias"]
     return out
+
+
+def _spatial_flip(x: Any) -> Any:
+    """A canonical `(*k, in, out)` array with its kernel axes reversed."""
+    return flip(x, tuple(range(x.ndim - 2)))
+
+
+def _turned_decode(decode: Any) -> Any:
+    """A `ConvTranspose`'s `decode`: a module holding `weight_v` is read only as the
+    forward pass applies it transposed (`hyper["turned"]`, set by
+    `bridge._port._weight_norm.read_axes`: whether it reverses the kernel axes
+    first), else its kind stays unknown (a `Conv`'s, whose layout is the same)."""
+
+    def run(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+        if _FLAX_NAMES[1] not in leaves:
+            return decode(leaves, hyper)
+        if "turned" not in hyper:
+            raise KeyError("turned")
+        out = decode(leaves, hyper)
+        if hyper["turned"]:
+            out["kernel"] = _spatial_flip(out["kernel"])
+            out["scale"] = _spatial_flip(out["scale"])
+        return out
+
+    return run
+
+
+def _turned_encode(encode: Any) -> Any:
+    """`_turned_decode`'s inverse."""
+
+    def run(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+        if _FLAX_NAMES[1] in like and hyper.get("turned"):
+            canonical = {
+                **canonical,
+                "kernel": _spatial_flip(canonical["kernel"]),
+                "scale": _spatial_flip(canonical["scale"]),
+            }
+        return encode(canonical, like, hyper)
+
+    return run
 
 
 # --- Linen: nn.WeightNorm, its scale in its own scope -------------------------------
@@ -567,13 +612,18 @@ _EQX_LAYOUT = {"Conv": "OIHW", "ConvTranspose": "OIHW", "Dense": "(out,in)"}
 
 def _register(plain: str) -> tuple[Codec, ...]:
     kind = WEIGHT_NORM[plain]
+    turned = plain == "ConvTranspose"
+    linen = (_linen_decode, _linen_encode)
+    nnx_ = (_nnx_decode, _nnx_encode)
+    if turned:
+        linen = (_turned_decode(_linen_decode), _turned_encode(_linen_encode))
+        nnx_ = (_turned_decode(_nnx_decode), _turned_encode(_nnx_encode))
     return register_codec(
         Codec(
             kind,
             "linen",
             _flax_recognise(plain),
-            _linen_decode,
-            _linen_encode,
+            *linen,
             layout="nn.WeightNorm, or weight_v (out,in,..) as the pass reads it",
             defaults=_DEFAULTS,
         ),
@@ -581,8 +631,7 @@ def _register(plain: str) -> tuple[Codec, ...]:
             kind,
             "nnx",
             _nnx_recognise(plain),
-            _nnx_decode,
-            _nnx_encode,
+            *nnx_,
             _nnx_hyper_of(plain),
             layout="nnx.WeightNorm, or weight_v (out,in,..) as the pass reads it",
             defaults=_DEFAULTS,
