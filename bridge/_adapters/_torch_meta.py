@@ -53,7 +53,7 @@ def _plain(t: Any, torch: Any) -> bool:
     """Whether `t` is a plain floating meta tensor."""
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.device.type == "meta"
+        and t.is_meta
         and t.dtype.is_floating_point
     )
 
