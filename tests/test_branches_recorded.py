@@ -3,6 +3,7 @@ each merge for the groups it can change only: the same signatures as reading
 every merge for every group, with work linear in the merges."""
 
 from types import SimpleNamespace
+from typing import Any
 
 from bridge._port import _branches
 
@@ -40,7 +41,9 @@ def _record(layers: int):
         ]
     merges.append(("output", ((None, stream),)))
     alone = {f"{i}.g": True for i in range(layers)}
-    trace = SimpleNamespace(upstream=lambda: needs, merges=tuple(merges), alone=alone)
+    trace: Any = SimpleNamespace(  # what `recorded` reads of a `Trace`
+        upstream=lambda: needs, merges=tuple(merges), alone=alone
+    )
     return trace, groups
 
 
