@@ -20,10 +20,13 @@ is computed. A meta module runs on meta tensors (about 3x cheaper than fake ones
 0.38 s against 1.15 s for a 1 GiB Llama, on a loaded machine) and, where its code
 reads a value (transformers' padding and packed-sequence checks call `.item()`),
 again on fake copies of its tensors, which such checks recognise and skip: the
-record is the same either way. `folder_module(folder)` builds such a module, of full
-size and with no memory, from a Hugging Face folder's `config.json` (transformers on
-the meta device, else inside `FakeTensorMode`, under `no_init_weights()`), so that a
-folder is read by its computation before a single weight is loaded.
+record is the same either way. On plain meta tensors the results of elementwise
+operations, `mean`, `cat`, `F.linear` and `matmul` are made without PyTorch's
+meta kernels (`_torch_meta`: most of them are Python reference implementations).
+`folder_module(folder)` builds such a module, of full size and with no memory, from
+a Hugging Face folder's `config.json` (transformers on the meta device, else inside
+`FakeTensorMode`, under `no_init_weights()`), so that a folder is read by its
+computation before a single weight is loaded.
 
 torch and transformers are imported here only, when called: without them,
 `folder_module` says why it built nothing.
@@ -43,6 +46,7 @@ import numpy as np
 from .._gc import paused
 from .._uses import Contraction, Uses
 from ._torch_merges import merges
+from ._torch_meta import on_meta
 
 
 class _Source(NamedTuple):
@@ -197,6 +201,12 @@ _PASS_TAG = frozenset(
 )
 """Operations on one activation that keep its normalisation tag."""
 
+_TAGGING = frozenset(
+    {"mean", "var", "var_mean", "std", "std_mean", "pow", "square", "mul"}
+)
+"""Operations that tag an output none of whose operands has a tag (`_Recorder.tag`:
+a mean, a variance, a square)."""
+
 
 def _name_of(func: Any, cache: dict) -> tuple[str, bool]:
     """An operation's short name (`F.linear` -> `linear`, `Tensor.__radd__` ->
@@ -301,41 +311,61 @@ class _Recorder:
         e = self.seen.get(id(t))
         return e if e is not None and e.ref() is t else None
 
-    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name, reflected = _name_of(func, self.names)
+    def record(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, named=None
+    ) -> None:
+        """Note what `func(*args, **kwargs)` made (`out`) from the tensors it
+        knows; `named`: `_name_of(func)`, where the caller has it."""
+        name, reflected = named or _name_of(func, self.names)
         if reflected and len(args) >= 2:
             args = (args[1], args[0], *args[2:])
         operands = self.operands(name, args, kwargs)
-        outs = _tensors_in(out, self.torch.Tensor)
         if not operands:
             return
-        derived = [(s, t, e) for s, t, e in operands if e is not None and e.sources]
+        tensor = self.torch.Tensor
+        outs = [out] if isinstance(out, tensor) else _tensors_in(out, tensor)
+        derived = [o for o in operands if o[2] is not None and o[2].sources]
         if name in _FIRST_ONLY:
             derived = [d for d in derived if d[0] == 0]
             operands = [o for o in operands if o[0] == 0]
         if derived and len(derived) == len(operands):
             self.relay(name, args, derived, outs)
             return
+        if not outs and len(operands) == 1:  # `x.shape`, `x.dtype`: no tensor
+            e = operands[0][2]  # made, no merge; numbered as `root` below does
+            if e is not None and e.bits and e.root is None:
+                e.root = self.new_root()
+            return
         bits = 0
         for _, _, e in operands:
-            bits |= 0 if e is None else e.bits
-        tag = self.tag(name, args, operands)
+            if e is not None:
+                bits |= e.bits
         if derived:
             self.count += 1
             tag = self.use(name, args, operands, derived)
+        else:
+            tag = self.tag(name, args, operands)
         branch = self.branch(name, operands, derived, outs) if outs else None
-        acts = [(s, k, t, e) for k, (s, t, e) in enumerate(operands) if not _held(e)]
-        self.merges += merges(
-            name, args, [(s, k, e.bits) for s, k, _, e in acts if e and e.bits]
-        )
+        acts = [
+            (s, k, t, e)
+            for k, (s, t, e) in enumerate(operands)
+            if e is None or not e.sources
+        ]
+        if len(acts) > 1:
+            found = [(s, k, e.bits) for s, k, _, e in acts if e and e.bits]
+            if len(found) > 1:  # activations of parameters meet
+                self.merges += merges(name, args, found)
         root = None
-        fed = [(t, e) for _, _, t, e in acts if e and (e.bits or e.root is not None)]
-        if fed and not derived:  # computed from inputs alone: one input (not
-            # indices: `(ids + 1) % n` looks up other rows, as on the JAX side)
-            roots = {self.root(t, e) for t, e in fed}
-            floating = all(t.dtype.is_floating_point for t in outs)
-            same = len(roots) == 1 and (floating or name in _PASS_TAG)
-            root = roots.pop() if same else self.new_root()
+        if not derived:
+            fed = [
+                (t, e) for _, _, t, e in acts if e and (e.bits or e.root is not None)
+            ]
+            if fed:  # computed from inputs alone: one input (not indices:
+                # `(ids + 1) % n` looks up other rows, as on the JAX side)
+                roots = {self.root(t, e) for t, e in fed}
+                floating = all(t.dtype.is_floating_point for t in outs)
+                same = len(roots) == 1 and (floating or name in _PASS_TAG)
+                root = roots.pop() if same else self.new_root()
         for t in outs:
             if bits or tag is not None or branch is not None or root is not None:
                 self.seen[id(t)] = _Seen(t, None, bits, tag, branch, root)
@@ -379,7 +409,7 @@ class _Recorder:
             for slot, _, e in derived
             if slot in ("weight", "mat2", "other", 1) and e.sources[0].axes is not None
         ]
-        if name in _STARTS and len(derived) >= 1 and kernels:
+        if kernels and name in _STARTS:
             self.alone.setdefault(kernels[0], False)
             biased = any(slot == _ADDED.get(name) for slot, _, _ in operands)
             if name in _PRODUCTS and not biased:  # `x @ w.T`, its bias not added
@@ -420,9 +450,16 @@ class _Recorder:
                 for k, t in enumerate(ops)
                 if isinstance(t, self.torch.Tensor)
             ]
+        tensor, seen = self.torch.Tensor, self.seen
         for i, a in enumerate(args):
             slot = signature[i] if i < len(signature) else i
-            for t in _tensors_in(a, self.torch.Tensor):
+            if isinstance(a, tensor):  # most arguments (inlined `entry`)
+                e = seen.get(id(a))
+                found.append((slot, a, e if e is not None and e.ref() is a else None))
+                continue
+            if a is None or type(a) in _NO_TENSORS:
+                continue
+            for t in _tensors_in(a, tensor):
                 found.append((slot, t, self.entry(t)))
         for key, a in kwargs.items():
             for t in _tensors_in(a, self.torch.Tensor):
@@ -532,6 +569,8 @@ class _Recorder:
         a centred value, a square, a variance, its inverse root, a normalised
         value (`x * rsqrt(var + eps)`)."""
         tags = [None if e is None else e.tag for _, _, e in operands]
+        if name not in _TAGGING and not any(tags):
+            return None  # (a shortcut: every case below needs a tag then)
         first = tags[0] if tags else None
         centred = bool(first and first[1])
         kinds = [t[0] if t else None for t in tags]
@@ -577,6 +616,10 @@ class _Recorder:
         ):
             return first
         return None
+
+
+_NO_TENSORS = frozenset({int, float, bool, str, slice, type(Ellipsis)})
+"""Types of arguments that hold no tensor (`_Recorder.operands` skips them)."""
 
 
 def _held(e: _Seen | None) -> bool:
@@ -725,21 +768,8 @@ def _einsum(equation: str, k: int, axes: tuple) -> Contraction | None:
     )
 
 
-_ELEMENTWISE = frozenset(
-    {
-        *("add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp"),
-        *("tanh", "sigmoid", "silu", "gelu", "relu", "reciprocal"),
-    }
-)
-"""Operations whose result on plain meta tensors is made here (the broadcast shape,
-the promoted dtype): PyTorch's meta kernels for them run its Python reference
-implementations, most of a meta forward pass's time."""
-
-
 def _mode_class(torch: Any) -> type:
     from torch.overrides import TorchFunctionMode
-
-    plain = (torch.Tensor, torch.nn.Parameter)
 
     class _Mode(TorchFunctionMode):
         def __init__(self, recorder: _Recorder):
@@ -748,85 +778,15 @@ def _mode_class(torch: Any) -> type:
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            out = _on_meta(func, args, kwargs, self.recorder, torch, plain)
+            recorder = self.recorder
+            named = recorder.names.get(func) or _name_of(func, recorder.names)
+            out = on_meta(named[0], func, args, kwargs, torch)
             if out is None:
                 out = func(*args, **kwargs)
-            self.recorder.record(func, args, kwargs, out)
+            recorder.record(func, args, kwargs, out, named)
             return out
 
     return _Mode
-
-
-def _on_meta(func, args, kwargs, recorder, torch, plain) -> Any:
-    """The result of an elementwise operation (`_ELEMENTWISE`, not in place) on
-    plain floating meta tensors and numbers, made without PyTorch's meta kernel;
-    None for any other operation."""
-    name, _ = _name_of(func, recorder.names)
-    if name == "mean":
-        return _mean_on_meta(args, kwargs, torch, plain)
-    if kwargs or not args or len(args) > 2:
-        return None
-    if name not in _ELEMENTWISE or getattr(func, "__name__", "").endswith("_"):
-        return None
-    if getattr(func, "__name__", "").startswith("__i"):  # x += y: in place
-        return None
-    tensors = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in plain or a.device.type != "meta":
-                return None
-            if not a.dtype.is_floating_point:
-                return None
-            tensors.append(a)
-        elif not isinstance(a, int | float) or isinstance(a, bool):
-            return None
-    if not tensors:
-        return None
-    shape = _broadcast([tuple(t.shape) for t in tensors])
-    if shape is None:
-        return None
-    dtype = torch.result_type(*args) if len(args) == 2 else tensors[0].dtype
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
-    """NumPy's broadcast of `shapes` (None where they do not broadcast: the
-    operation itself then raises as it would)."""
-    first = shapes[0]
-    if all(s == first for s in shapes):
-        return first
-    rank = max(len(s) for s in shapes)
-    out = [1] * rank
-    for s in shapes:
-        for i, n in enumerate(s, rank - len(s)):
-            if n != 1:
-                if out[i] not in (1, n):
-                    return None
-                out[i] = n
-    return tuple(out)
-
-
-def _mean_on_meta(args: tuple, kwargs: dict, torch: Any, plain: tuple) -> Any:
-    """`x.mean(dims, keepdim=...)` of a plain floating meta tensor (see `_on_meta`)."""
-    x: Any = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or type(x) not in plain:
-        return None
-    if x.device.type != "meta" or not x.dtype.is_floating_point:
-        return None
-    if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
-        return None
-    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-    if dims is None or not isinstance(keep, bool):
-        return None
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    if not all(isinstance(d, int) for d in dims) or not x.dim():
-        return None
-    axes = {d % x.dim() for d in dims}
-    shape = [1 if i in axes else n for i, n in enumerate(x.shape)]
-    if not keep:
-        shape = [n for i, n in enumerate(x.shape) if i not in axes]
-    return torch.empty(shape, dtype=x.dtype, device="meta")
 
 
 def _named_tensors(module: Any) -> tuple[list[str], list[Any], list[int]]:

@@ -191,48 +191,125 @@ def recorded(trace: Trace, groups: list[list[list[Path]]]) -> list:
     """`signatures` from a PyTorch side's record: per group, each layer's `Branch`,
     its `merges` read from `Uses.merges` as `branches` reads them from a program
     (an output without its index: which is which is each model's own order), its
-    `alone` `{CHANGED}` where `Uses.alone` says so."""
+    `alone` `{CHANGED}` where `Uses.alone` says so.
+
+    Each merge is read for the groups it can change, found by the parameter bits
+    that differ between its operands and between one product and the next
+    (`_Meets`), not for every group: linear in the merges, but for a model's
+    outputs (read for every group)."""
     needs = trace.upstream()
-    out = []
-    for group in groups:
-        masks = [_mask(needs, layer) for layer in group]
-        whole = 0
-        for m in masks:
-            if whole & m:  # one tensor for two of them (a tie): not told apart
-                masks = [0] * len(group)
-                break
-            whole |= m
-        found: list[set] = [set() for _ in group]
-        products: frozenset[int] = frozenset()
-        for name, operands in trace.merges:
-            if not any(bits & whole for _, bits in operands):
-                continue
-            parts = [
-                frozenset(j for j, m in enumerate(masks) if bits & m)
-                for _, bits in operands
-            ]
-            met = frozenset().union(*parts)
-            if name == "dot_general" and len(met) == 1 and all(parts):
-                products |= met
-            if name == "output":
-                for j in met if len(met) < len(group) else ():
-                    found[j].add(("output", None, 0))
-                continue
-            for (place, _), part in zip(operands, parts):
-                if part and part != met:
-                    for j in part:
-                        found[j].add((name, place, len(met - part)))
-        out.append(
-            [
-                Branch(
-                    frozenset({CHANGED} if masks[j] and _changed(trace, x) else ()),
-                    frozenset(f),
-                    j in products,
-                )
-                for j, (x, f) in enumerate(zip(group, found))
-            ]
+    meets = _Meets([[_mask(needs, layer) for layer in group] for group in groups])
+    for name, operands in trace.merges:
+        for k in meets.reached(name, operands):
+            meets.meet(k, name, operands)
+    return [
+        [
+            Branch(
+                frozenset({CHANGED} if masks[j] and _changed(trace, x) else ()),
+                frozenset(f),
+                j in products,
+            )
+            for j, (x, f) in enumerate(zip(group, found))
+        ]
+        for group, masks, found, products in zip(
+            groups, meets.masks, meets.found, meets.products
         )
-    return out
+    ]
+
+
+class _Meets:
+    """What `recorded` gathers per group of layers (each layer's parameter bits,
+    `masks`): each layer's merges (`found`) and product (`products`)."""
+
+    def __init__(self, masks: list[list[int]]):
+        self.whole: list[int] = []
+        self.owners: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        """`{parameter bit: (group, layer) for each layer holding it}`."""
+        for k, group in enumerate(masks):
+            whole = 0
+            for m in group:
+                if whole & m:  # one tensor for two of them (a tie): not told apart
+                    masks[k] = [0] * len(group)
+                    whole = 0
+                    break
+                whole |= m
+            self.whole.append(whole)
+            for j, m in enumerate(masks[k]):
+                for b in _set_bits(m):
+                    self.owners[b].append((k, j))
+        self.masks = masks
+        self.found: list[list[set]] = [[set() for _ in group] for group in masks]
+        self.products: list[set[int]] = [set() for _ in masks]
+        # the layers present in the last product's operands (`reached`): per
+        # layer its bits there, per group its layers there, and the groups with
+        # one layer there that is not yet its `Branch.product`
+        self.union = 0
+        self.bits = [[0] * len(group) for group in masks]
+        self.present = [0] * len(masks)
+        self.single: set[int] = set()
+
+    def reached(self, name: str, operands: tuple) -> set[int]:
+        """The groups that a merge can change: with a layer in some operands and
+        not in others; for a product, also with one layer in its operands (in
+        all: its `Branch.product`, once); for an output, all (they are few)."""
+        if name == "output":
+            return {k for k, whole in enumerate(self.whole) if whole}
+        union, common = 0, -1
+        for _, bits in operands:
+            union |= bits
+            common &= bits
+        reached = set()
+        for b in _set_bits(union & ~common):
+            reached.update(k for k, _ in self.owners.get(b, ()))
+        if name == "dot_general":
+            self._present(union)
+            reached |= self.single
+        return reached
+
+    def _present(self, union: int) -> None:
+        """Move `present` and `single` to a product whose operands hold `union`,
+        from the last one's (the bits that differ only: linear in the merges
+        where each product adds the layers since the last)."""
+        touched = set()
+        for b in _set_bits(union ^ self.union):
+            step = 1 if union >> b & 1 else -1
+            for k, j in self.owners.get(b, ()):
+                before = self.bits[k][j]
+                self.bits[k][j] += step
+                if not before or not self.bits[k][j]:
+                    self.present[k] += step
+                    touched.add(k)
+        self.union = union
+        for k in touched:
+            self._single(k)
+
+    def _single(self, k: int) -> None:
+        if self.present[k] == 1:
+            j = next(j for j, n in enumerate(self.bits[k]) if n)
+            if j not in self.products[k]:
+                self.single.add(k)
+                return
+        self.single.discard(k)
+
+    def meet(self, k: int, name: str, operands: tuple) -> None:
+        """Read one merge for group `k`, as `branches` reads a program."""
+        masks, found = self.masks[k], self.found[k]
+        parts = [
+            frozenset(j for j, m in enumerate(masks) if bits & m)
+            for _, bits in operands
+        ]
+        met = frozenset().union(*parts)
+        if name == "dot_general" and len(met) == 1 and all(parts):
+            self.products[k] |= met
+            self.single.discard(k)
+        if name == "output":
+            for j in met if len(met) < len(masks) else ():
+                found[j].add(("output", None, 0))
+            return
+        for (place, _), part in zip(operands, parts):
+            if part and part != met:
+                for j in part:
+                    found[j].add((name, place, len(met - part)))
 
 
 def _changed(trace: Trace, layer: list[Path]) -> bool:
@@ -257,6 +334,17 @@ def _start(program: Program) -> dict[Any, _Value]:
 
 def _bits(mask: int) -> list[int]:
     return [b for b in range(mask.bit_length()) if mask >> b & 1]
+
+
+def _set_bits(mask: int) -> list[int]:
+    """`_bits(mask)` in time proportional to the bits set (a mask of all the
+    parameters upstream has hundreds of bits, few set where it matters)."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
 
 class _Walk:
