@@ -470,6 +470,107 @@ def mamba2() -> Case:
     )
 
 
+def gemma3() -> Case:
+    """bonsai's `Gemma3Model` is Gemma 3 4B's multimodal model; with no image
+    (`pixel_values=None`) it runs only its text decoder and tied head, the function
+    of transformers' text-only `Gemma3ForCausalLM` (Gemma 3 1B's class). Its vision
+    tower and projector are dropped after building (their tiny config only makes
+    them buildable): no PyTorch counterpart holds them. Sizes exercise what the text
+    model computes: a sliding layer (window 3 < 7 tokens) and a full one, with
+    their RoPE bases (1e4; 1e6 with linear scaling 8), q/k RMS norms, `1 + w` norms,
+    `sqrt(hidden)` embedding scale (4: exact in bfloat16, as bonsai rounds it), the
+    tied head and the final logit softcapping; bonsai's KV cache is a kwarg."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import gemma3
+
+    text = gemma3.TextConfig(
+        attention_bias=False,
+        attention_dropout=0.0,
+        head_dim=8,
+        hidden_size=16,
+        intermediate_size=32,
+        layer_types=gemma3._set_attention_modes(2, 2),  # sliding, full
+        max_position_embeddings=64,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        rope_full_factor=8.0,
+        rope_full_theta=1e6,
+        rope_slide_factor=1.0,
+        rope_slide_theta=1e4,
+        sliding_window=3,
+        vocab_size=99,
+        norm_dtype=jnp.float32,
+    )
+    vision = gemma3.VisionConfig(
+        attention_dropout=0.0,
+        hidden_size=8,
+        image_size=8,
+        intermediate_size=16,
+        layer_norm_eps=1e-6,
+        num_attention_heads=2,
+        num_channels=3,
+        num_hidden_layers=1,
+        patch_size=4,
+        vision_use_head=False,
+    )
+    cfg = gemma3.ModelConfig(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=4,
+        dtype="float32",
+        final_logit_softcapping=30.0,
+    )
+    hf = transformers.Gemma3TextConfig(
+        vocab_size=99,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=8,  # bonsai scales by head_dim ** -0.5
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
+    ids = np.random.default_rng(0).integers(3, 99, (BATCH, 7)).astype(np.int32)
+
+    def kwargs():
+        cache = gemma3.init_cache(cfg, BATCH, ids.shape[1], 0, dtype=jnp.float32)
+        return {
+            "cache": cache,
+            "segment_ids": jnp.ones(ids.shape, jnp.int32),
+            "token_type_ids": jnp.zeros(ids.shape, jnp.int32),
+        }
+
+    def make_nnx():
+        model = gemma3.Gemma3Model(cfg, rngs=nnx.Rngs(0))
+        model.vision_tower = None  # text only: Gemma3ForCausalLM has none
+        model.multi_modal_projector = None
+        return model
+
+    return Case(
+        "gemma3",
+        make_nnx,
+        lambda: transformers.Gemma3ForCausalLM(hf),
+        lambda m: np.asarray(m(jnp.asarray(ids), None, **kwargs())),
+        lambda m: _torch_out(m, "logits", input_ids=ids),
+        (jnp.asarray(ids), None),  # PyTorch's second argument: attention_mask
+        kwargs(),
+        {},
+        config=cfg,
+    )
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "vit": vit,
     "resnet": resnet,
@@ -479,6 +580,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "whisper": whisper,
     "umt5": umt5,
     "mamba2": mamba2,
+    "gemma3": gemma3,
 }
 
 
