@@ -27,16 +27,10 @@ from .public.hf_flax import NotYet, SilentlyWrong  # noqa: E402
 _ROUTES = bonsai_models.ROUTES
 _UNTRACED = "the PyTorch side (module or file) is not traced"
 # (model, route): why it does not port exactly yet
-NOT_YET = {
-    ("qwen3", "folder->nnx"): "bridge.load's one example_kwargs dict (bonsai's "
-    "`cache`, `segment_ids`) is given to the folder's PyTorch model too, whose "
-    "`cache` is transformers' own argument: its trace fails, and the refusal says "
-    "so (with example_kwargs=(PyTorch's, like's) the port is exact, 4.2e-07)",
-    ("gemma3", "folder->nnx"): "as Qwen3's: bonsai's `cache`, `segment_ids`, "
-    "`token_type_ids` reach transformers' model too (with example_kwargs=(PyTorch's, "
-    "like's) it is refused as torch->nnx is, for `embed_scale`; exact under "
-    "strict=False, 2.0e-06)",
-}
+NOT_YET: dict[tuple[str, str], str] = {}
+# (Qwen3's and Gemma3's folder->nnx, before 2026-12-06: bonsai's `cache` reached
+# transformers' model, whose own `cache` argument it is not; the folder's model now
+# runs again without the example_kwargs given for both sides, with a PortWarning)
 # (model, route): a fragment of the problem a refusal must name. transformers'
 # UMT5 holds one `shared.weight` for its encoder's and decoder's embeddings and its
 # head; bonsai's three arrays differ here (each perturbed): one cannot hold them
@@ -50,6 +44,7 @@ REFUSED = {
     ("umt5", "nnx->torch"): "the target holds .shared.weight once for",
     ("gemma3", "torch->nnx"): "missing: target layer " + _EMBED_SCALE,
     ("gemma3", "nnx->torch"): "unexpected: source layer " + _EMBED_SCALE,
+    ("gemma3", "folder->nnx"): "missing: target layer " + _EMBED_SCALE,
 }
 WRONG: dict[tuple[str, str], str] = {
     # none. DINOv3 nnx->torch (2.5e-3 as bonsai computes) is bonsai's bfloat16 RoPE

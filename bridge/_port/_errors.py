@@ -266,6 +266,12 @@ PRODUCT_FAILED = (
     "loose arrays."
 )
 TRACE_CALLED = " The {side} was called with the keyword arguments {names}"
+TRACE_WITHOUT = (
+    "the {side}'s forward pass failed with the example_kwargs given for both sides "
+    "alike, {names} ({error}), and ran on the example inputs alone: its layers are "
+    "paired by that pass. To trace it with keyword arguments of its own, give a "
+    "pair, (source's, target's); bridge.load's are (the file's model's, like's)."
+)
 TRACE_SHARED = (
     ", the example_kwargs given for both sides alike (one dict): where the two "
     "models' calls take different ones (an NNX model's cache, a PyTorch model's "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
+from warnings import warn
 
 import jax
 import jax.extend.core
@@ -714,11 +715,12 @@ class Trace:
         if isinstance(model_of(native), Skeleton):  # a checkpoint read without its
             return None  # model's code: its recorded names and order decide
         later: dict[Path, tuple[Position, Contraction]] = {}
-        try:
-            found = first_uses(
+
+        def run(kwargs: Mapping[str, Any]) -> dict[Path, Position]:
+            return first_uses(
                 self.tree,
                 self.example.inputs,
-                self.example.kwargs[self.side],
+                kwargs,
                 self.contracted,
                 self.scanned,
                 self.needs,
@@ -730,8 +732,9 @@ class Trace:
                 self.placed,
                 self.turned,
             )
-        except Exception as error:  # the model's own error on these inputs
-            self._failed(error)
+
+        found = self._run(run)
+        if found is None:
             return None
         for table, (position, read) in later.items():
             head = table[:-1] + (ATTEND,)
@@ -751,12 +754,9 @@ class Trace:
     def _by(self, trace: Callable[..., Uses | None]) -> Mapping[Path, Position] | None:
         """The adapter's own trace (`Adapter.trace`), its records kept."""
         try:
-            uses = trace(self.tree, self.example.inputs, self.example.kwargs[self.side])
+            uses = self._run(lambda kw: trace(self.tree, self.example.inputs, kw))
         except Untraced as why:  # nothing to run: no trace, and the reason
             self.why = str(why)
-            return None
-        except Exception as error:  # the model's own error on these inputs
-            self._failed(error)
             return None
         if uses is None:
             return None
@@ -772,6 +772,34 @@ class Trace:
         if uses.reads:
             self.read.append(cast(dict[Path, frozenset], uses.reads))
         return cast(dict[Path, Position], uses.positions)
+
+    def _run(self, run: Callable[[Mapping[str, Any]], Any]) -> Any:
+        """`run(this side's example_kwargs)`, or None with the model's error a
+        problem. Where the kwargs were given for both sides alike (one dict) and
+        the pass fails with them, it runs once more without them: they may be the
+        other model's (an NNX model's `cache`, which transformers' models take as
+        their own `cache`), and a PortWarning says so."""
+        kwargs = self.example.kwargs[self.side]
+        try:
+            return run(kwargs)
+        except Untraced:
+            raise
+        except Exception as error:  # the model's own error on these inputs
+            if self.example.paired or not kwargs:
+                self._failed(error)
+                return None
+            try:
+                done = run({})
+            except Exception:  # not the kwargs' fault: the first error says why
+                self._failed(error)
+                return None
+            side = ("source", "target")[self.side]
+            why = f"{type(error).__name__}: {error}"
+            message = _errors.TRACE_WITHOUT.format(
+                side=side, names=sorted(kwargs), error=why
+            )
+            warn(message, _errors.PortWarning, stacklevel=2)
+            return done
 
     def _failed(self, error: Exception) -> None:
         side = ("source", "target")[self.side]
