@@ -38,8 +38,12 @@ trace37), the ranges over the runs, by the load average (3, 2 and 2 runs):
 | 3.1-3.7 | 122-127 ms | 84-96 ms | 0.72-0.84, 0.80-0.81 s | 0.151-0.170 | 0.106-0.118 |
 | 5.4-6.8 | 94 ms | 82-87 ms | 0.68-0.71, 0.68-0.78 s | 0.121-0.139 | 0.112-0.123 |
 
-Goal NOT met reliably: the worst ratio of a run was at most 0.10 in 2 of 7 runs
-after (0.095, 0.097: the quietest), in none before. The same run's trace took
+On main after the merge (2026-12-06 06:41, load average 0.5-1.8, nothing else
+running; two runs of 5 rounds): folder_module + trace_module 0.055 s and 0.057 s,
+loads 0.57-0.64 s, trace / load worst 0.096 and 0.092: **goal met on a quiet
+machine**. On the busy one (the helper's runs below) it was not reliably: the worst
+ratio of a run was at most 0.10 in 2 of 7 runs after (0.095, 0.097: the quietest),
+in none before. The same run's trace took
 7-31% less after (median 25%): the recorder's Python per
 operation (~1600 of them) and PyTorch's meta kernels of `F.linear`, `matmul`, `cat`
 and `x * y` (Python reference implementations), which `_torch_meta` now makes,
