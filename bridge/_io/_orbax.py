@@ -123,7 +123,11 @@ def _default_sharding() -> jax.sharding.Sharding:
     """Where an array the caller places nowhere goes: this process's first device, or,
     with several processes, every device (replicated), which each process can read."""
     if jax.process_count() == 1:
-        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        # jax 0.12.1 deprecates constructing the class; older ones lack the function
+        make = getattr(jax.sharding, "make_single_device_sharding", None)
+        if make is None:
+            return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return make(jax.local_devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
