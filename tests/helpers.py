@@ -285,3 +285,26 @@ def run_markdown(path) -> str:
     code = "\n".join(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
     exec(compile(code, str(path), "exec"), {"__name__": "page"})
     return code
+
+
+def randomized(module, seed: int):
+    """`module` (a torch module) with every parameter drawn from a normal
+    distribution (seeded), in evaluation mode: a port of it cannot be right by
+    chance."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p))
+    return module.eval()
+
+
+def load_strict(module, state) -> None:
+    """`module.load_state_dict(state, strict=True)` for a state of arrays (a
+    port's or export's, NumPy or JAX): every key taken, none left over."""
+    import torch
+
+    module.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
+    )

@@ -16,21 +16,13 @@ from flax import nnx
 
 import bridge
 
-from .helpers import requires
+from .helpers import load_strict, randomized, requires
 
 
 torch = pytest.importorskip("torch")
 pytestmark = requires("NNX")
 A, B = 3, 4
 X = np.random.default_rng(0).normal(size=(2, 5, A, B)).astype(np.float32)
-
-
-def _random(module, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p))
-    return module.eval()
 
 
 def _run(module):
@@ -40,12 +32,6 @@ def _run(module):
 
 def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-
-
-def _load(target, state):
-    target.load_state_dict(
-        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
-    )
 
 
 class Normed(linen.Module):
@@ -81,7 +67,7 @@ def test_a_norm_over_two_axes_torch_linen_and_equinox(rms):
     arrays carried as they are; Linen -> torch: `load_state_dict(strict=True)`
     takes them, torch's outputs are Linen's."""
     cls = torch.nn.RMSNorm if rms else torch.nn.LayerNorm
-    source = _random(cls((A, B), eps=1e-5), 0)
+    source = randomized(cls((A, B), eps=1e-5), 0)
     module, variables = _linen(1, rms=rms)
     _, ported = bridge.port(source, (module, variables), example=(X,))
     _close(module.apply(ported, jnp.asarray(X)), _run(source))
@@ -92,7 +78,7 @@ def test_a_norm_over_two_axes_torch_linen_and_equinox(rms):
     into = bridge.port(source, eqx_cls((A, B), eps=1e-5, **kwargs))
     _close(_eqx(into), _run(source))
     target = cls((A, B), eps=1e-5)
-    _load(target, bridge.port((module, variables), target, example=(X,)))
+    load_strict(target, bridge.port((module, variables), target, example=(X,)))
     _close(_run(target), module.apply(variables, jnp.asarray(X)))
 
 
@@ -120,7 +106,7 @@ def test_a_linen_norm_over_two_axes_without_a_forward_pass_is_refused():
     with pytest.raises(bridge.PortError, match=r"LayerNorm_0 is a Linen LayerNorm"):
         bridge.port((module, variables), eqx.nn.LayerNorm((A, B), eps=1e-5))
     with pytest.raises(bridge.PortError, match=r"Give example inputs"):
-        bridge.port(_random(torch.nn.LayerNorm((A, B)), 0), (module, variables))
+        bridge.port(randomized(torch.nn.LayerNorm((A, B)), 0), (module, variables))
 
 
 def test_a_linen_norm_scaling_two_axes_over_one_is_refused():
@@ -137,7 +123,7 @@ def test_an_nnx_norm_over_more_axes_than_it_scales_is_refused():
     """`nnx.LayerNorm(B, reduction_axes=(-2, -1))` normalises over two axes and
     scales the last: not torch's `nn.LayerNorm(B)` though the shapes agree (ported
     before, with other outputs); `nnx.LayerNorm(B)` (its defaults) still ports."""
-    source = _random(torch.nn.LayerNorm(B, eps=1e-5), 0)
+    source = randomized(torch.nn.LayerNorm(B, eps=1e-5), 0)
     wide = nnx.LayerNorm(B, epsilon=1e-5, reduction_axes=(-2, -1), rngs=nnx.Rngs(0))
     with pytest.raises(bridge.PortError, match=r"normalises over axes \(-2, -1\)"):
         bridge.port(source, wide)

@@ -16,7 +16,7 @@ from flax import nnx
 
 import bridge
 
-from .helpers import requires
+from .helpers import load_strict, randomized, requires
 
 
 torch = pytest.importorskip("torch")
@@ -26,14 +26,6 @@ weight_norm = torch.nn.utils.parametrizations.weight_norm
 IN, OUT, K = 4, 6, 3
 
 
-def _random(module, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p))
-    return module.eval()
-
-
 def _torch(n, seed=0, stride=2, legacy=False):
     """A weight-normed `ConvTranspose{n}d(IN, OUT, K, stride)` (torch's default
     `dim=0`: `g` per input channel), every array random; `legacy`: the old hook's
@@ -41,10 +33,10 @@ def _torch(n, seed=0, stride=2, legacy=False):
     cls = {1: torch.nn.ConvTranspose1d, 2: torch.nn.ConvTranspose2d}[n]
     layer = cls(IN, OUT, K, stride=stride)
     if not legacy:
-        return _random(weight_norm(layer), seed)
+        return randomized(weight_norm(layer), seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # deprecated, still written
-        return _random(torch.nn.utils.weight_norm(layer), seed)
+        return randomized(torch.nn.utils.weight_norm(layer), seed)
 
 
 def _norm(v, g, axes):
@@ -122,12 +114,6 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def _load(target, state):
-    target.load_state_dict(
-        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True
-    )
-
-
 @pytest.mark.parametrize("stride", [2, 1])
 @pytest.mark.parametrize("n", [1, 2])
 def test_nnx_torch_ordered_weight_norm_conv_transpose_both_ways(n, stride):
@@ -144,7 +130,7 @@ def test_nnx_torch_ordered_weight_norm_conv_transpose_both_ways(n, stride):
     _close(ported(jnp.asarray(x)), _run(source, x))
     flax = TorchOrdered(n, stride, seed=5)
     target = _torch(n, seed=9, stride=stride)
-    _load(target, bridge.port(flax, target, example=(x,)))
+    load_strict(target, bridge.port(flax, target, example=(x,)))
     _close(_run(target, x), flax(jnp.asarray(x)))
 
 
@@ -164,7 +150,7 @@ def test_linen_flax_ordered_weight_norm_conv_transpose_and_the_old_hook(n):
     assert np.array_equal(np.asarray(ported["params"]["weight_v"]), want_v)
     target = _torch(n, seed=4, legacy=True)
     state = bridge.port((module, variables), target, example=(x,))
-    _load(target, state)
+    load_strict(target, state)
     _close(_run(target, x), module.apply(variables, jnp.asarray(x)))
 
 

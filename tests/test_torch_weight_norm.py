@@ -16,7 +16,7 @@ from flax import nnx
 
 import bridge
 
-from .helpers import requires
+from .helpers import randomized, requires
 
 
 torch = pytest.importorskip("torch")
@@ -277,15 +277,6 @@ def test_legacy_names_into_a_parametrized_module():
 # --- nnx.WeightNorm, and weight-normed ConvTranspose ---------------------------------
 
 
-def _random(module, seed):
-    """`module` (torch) with every parameter random, in evaluation mode."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p))
-    return module.eval()
-
-
 def _nnx_out(module, x):
     """`module(x)` on a copy: `nnx.WeightNorm`'s call writes the normalised kernel
     into `layer_instance.kernel`."""
@@ -312,7 +303,7 @@ def test_parametrized_layer_into_nnx_weight_norm_and_back(layer):
     wrapped layer's kernel, `g` its `scales`, both bit-exact; the outputs are
     torch's; and back into a new torch module, bit-exact again."""
     if layer == "linear":
-        source = _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+        source = randomized(weight_norm(torch.nn.Linear(IN, OUT)), 0)
         inner = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
         x, nwc = np.random.default_rng(1).normal(size=(5, IN)).astype(np.float32), 0
     else:
@@ -348,7 +339,7 @@ def test_nnx_weight_norm_into_a_plain_linear_and_from_one():
         {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
     )
     _close(_torch_out(linear, x), _nnx_out(source, x))
-    plain = _random(torch.nn.Linear(IN, OUT), 6)
+    plain = randomized(torch.nn.Linear(IN, OUT), 6)
     target = nnx.WeightNorm(nnx.Linear(IN, OUT, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
     ported = bridge.port(plain, target)
     w = plain.weight.detach().numpy()
@@ -360,7 +351,7 @@ def test_nnx_weight_norm_into_a_plain_linear_and_from_one():
 def test_nnx_weight_norm_feature_axes_other_than_torchs_dim_is_refused():
     """`nnx.WeightNorm(feature_axes=0)` normalises a Linear's kernel per input, torch's
     `dim=0` per output: another function, refused by `scale`'s shape."""
-    source = _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+    source = randomized(weight_norm(torch.nn.Linear(IN, OUT)), 0)
     inner = nnx.Linear(IN, OUT, rngs=nnx.Rngs(0))
     target = nnx.WeightNorm(inner, feature_axes=0, rngs=nnx.Rngs(1))
     with pytest.raises(bridge.PortError, match=r"`scale` is \(1, 6\).*\(4, 1\)"):
@@ -371,7 +362,7 @@ def _conv_transpose(n, seed=0):
     """A weight-normed `ConvTranspose{n}d(IN, OUT, K, stride=2)` under torch's
     default `dim=0`, every array random."""
     cls = {1: torch.nn.ConvTranspose1d, 2: torch.nn.ConvTranspose2d}[n]
-    return _random(weight_norm(cls(IN, OUT, K, stride=2)), seed)
+    return randomized(weight_norm(cls(IN, OUT, K, stride=2)), seed)
 
 
 def _flax_transpose(n, seed):
@@ -483,7 +474,7 @@ def test_linen_weight_norm_and_a_parametrized_torch_layer_both_ways(layer):
     `v` bit-exact, Linen's outputs are torch's; Linen -> torch,
     `load_state_dict(strict=True)` takes them and torch's outputs are Linen's."""
     conv = layer == "conv"
-    source = _conv(0) if conv else _random(weight_norm(torch.nn.Linear(IN, OUT)), 0)
+    source = _conv(0) if conv else randomized(weight_norm(torch.nn.Linear(IN, OUT)), 0)
     x = _x() if conv else np.random.default_rng(1).normal(size=(5, IN))
     x = x.astype(np.float32)
     module = LinenWeightNormed(conv)
@@ -538,7 +529,7 @@ def test_a_weight_normed_conv_transpose_state_dict_is_read_by_its_bias():
     ported = bridge.port(state, _flax_transpose(1, 0))
     got = np.moveaxis(_nnx_out(ported, _nhwc(x)), -1, 1)
     _close(got, _torch_out(source, x))
-    square = _random(weight_norm(torch.nn.ConvTranspose1d(IN, IN, K)), 1)
+    square = randomized(weight_norm(torch.nn.ConvTranspose1d(IN, IN, K)), 1)
     state = {k: v.detach().numpy() for k, v in square.state_dict().items()}
     target = nnx.ConvTranspose(IN, IN, (K,), padding="VALID", rngs=nnx.Rngs(0))
     with pytest.raises(bridge.PortError, match="has no source layer"):
