@@ -257,7 +257,9 @@ def _unpermute(y: jax.Array) -> jax.Array:
     b = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
     moves = (b == ((a & 31) << 2) + (a >> 5)).astype(y.dtype)
     dims = (((1,), (0,)), ((), ()))
-    out = jax.lax.dot_general(y, moves, dims, preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(
+        y, moves, dims, jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32
+    )  # (Mosaic refuses a bfloat16 operand at "highest", a float32 program's setting)
     return out.astype(y.dtype)
 
 

@@ -294,3 +294,45 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
         assert not _uses_the_kernel(stored_form(f), q, x)
         got = stored_form(f)(q, x)
     close_in_bf16(got, f(q.dequantize(), x))
+
+
+def _products(jaxpr):
+    """The `dot_general`s of `jaxpr` and of every jaxpr inside it (a kernel's body)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else [param]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, `cond`'s
+                if hasattr(inner, "eqns"):
+                    yield from _products(inner)
+
+
+@pytest.mark.parametrize("contract", ["in", "out"])
+@pytest.mark.parametrize("kind", ["fp8-block", "int4"])
+def test_the_kernels_set_the_precision_of_their_products(kind, contract):
+    """Every product in a kernel's body says its precision: a float32 program's
+    `jax.default_matmul_precision("highest")` (the tests' own on an accelerator)
+    would reach a bfloat16 product there, which Mosaic refuses on a TPU ("Bad lhs
+    type")."""
+    pytest.importorskip("jax.experimental.pallas.tpu")
+    from bridge import _qkernels, _qkernels_int4
+
+    q = fp8_block(layout=()) if kind == "fp8-block" else int4_packed(layout=())
+    x = jnp.ones((8, IN if contract == "in" else OUT), jnp.bfloat16)
+    if kind == "fp8-block":
+        w, s = q.parts["weight"], q.parts["scale"]
+        kernel = lambda x: _qkernels.fp8_block_matmul(x, w, s, contract)  # noqa: E731
+    else:
+        kernel = lambda x: _qkernels_int4.int4_matmul(  # noqa: E731
+            x, q.parts, q.scheme, contract
+        )
+    with _qkernels.interpreted(), jax.default_matmul_precision("highest"):
+        jaxpr = jax.make_jaxpr(kernel)(x)
+    (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    products = list(_products(call.params["jaxpr"]))
+    assert products
+    default = (jax.lax.Precision.DEFAULT,) * 2
+    assert [tuple(e.params["precision"] or ()) for e in products] == [default] * len(
+        products
+    )
