@@ -3,6 +3,8 @@ interpreter on this backend: GPTQ, AWQ and compressed-tensors weights give the
 dequantizing path's products, forward and input gradient, through `kept_matmul`.
 The oracle: the same product with `QuantizedArray.dequantize()`'s dense weight."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,6 +86,14 @@ def close_in_bf16(a, b):
     np.testing.assert_allclose(a, b, rtol=0, atol=4 * 2**-8 * np.abs(b).max())
 
 
+def compiled_on_a_tpu():
+    """The kernel as it runs on a TPU; elsewhere, in Pallas's interpreter. (On a TPU
+    the interpreter itself is off for GPTQ's float16 scales: 1.8e-2 where the
+    compiled kernel is within 3.4e-3 of a float64 product.)"""
+    on_tpu = jax.default_backend() == "tpu"
+    return contextlib.nullcontext() if on_tpu else _qkernels.interpreted()
+
+
 def uses_the_kernel(f, *args):
     return "pallas_call" in str(jax.make_jaxpr(f)(*args))
 
@@ -93,7 +103,7 @@ def uses_the_kernel(f, *args):
 def test_the_kernel_equals_the_dequantizing_path(kind, batch):
     q = KINDS[kind]()
     x = jnp.asarray(RNG.standard_normal((batch, IN)), jnp.bfloat16)
-    with _qkernels.interpreted():
+    with compiled_on_a_tpu():
         assert uses_the_kernel(stored_form(product), q, x)
         got = jax.jit(stored_form(product))(q, x)
         got_dx = jax.jit(jax.grad(loss(stored_form(product), q)))(x)
@@ -117,7 +127,7 @@ def test_the_kernel_decodes_every_value_bit_for_bit(kind, tile, unpack, monkeypa
     monkeypatch.setattr(_qkernels_int4, "UNPACK", unpack)
     q = KINDS[kind](jnp.bfloat16)
     dense = np.asarray(q.dequantize(), np.float32)
-    with _qkernels.interpreted():
+    with compiled_on_a_tpu():
         forward = _qkernels_int4.int4_matmul(
             jnp.eye(IN, dtype=jnp.bfloat16), q.parts, q.scheme, "in"
         )
@@ -141,7 +151,7 @@ def test_a_group_index_runs_the_kernel_only_in_the_plain_order(order):
         g_idx = RNG.permutation(g_idx)
     q.parts["g_idx"] = jnp.asarray(g_idx, jnp.int32)
     x = jnp.asarray(RNG.standard_normal((8, IN)), jnp.bfloat16)
-    with _qkernels.interpreted():
+    with compiled_on_a_tpu():
         got = jax.jit(stored_form(product))(q, x)
         got_dx = jax.jit(jax.grad(loss(stored_form(product), q)))(x)
         kernel = _qkernels_int4._kernel_product(
@@ -180,7 +190,7 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
         scheme = q.scheme._replace(stored=(64, IN))
     q = QuantizedArray(q.parts, scheme)
     x = jnp.asarray(RNG.standard_normal((8, IN)), dtype)
-    with _qkernels.interpreted():
+    with compiled_on_a_tpu():
         assert not _qkernels_int4.applies(x, q.parts, q.scheme)
         assert not uses_the_kernel(stored_form(product), q, x)
         got = stored_form(product)(q, x)
