@@ -139,6 +139,15 @@ on_the_cpu = pytest.mark.skipif(
 )
 
 
+# A child process runs on the CPU (tests/conftest.py); orbax refuses a checkpoint saved
+# on another topology, whichever side saved it
+child_reads_orbax = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="orbax refuses a checkpoint saved on another topology: the command "
+    f"runs on the CPU, this process on {jax.default_backend()}",
+)
+
+
 def installed(package: str) -> tuple[int, ...]:
     """The installed version of `package`, as numbers: `(0, 12, 8)`."""
     version = importlib.metadata.version(package)

@@ -17,7 +17,7 @@ import bridge
 from bridge._cli import main
 
 from . import models
-from .helpers import requires
+from .helpers import child_reads_orbax, requires
 from .processes import checkout_env
 
 
@@ -62,6 +62,7 @@ def test_inspect_subprocess(tmp_path):
 # runs the same command through `main` by default; test_error_subprocess_is_one_line and
 # test_inspect_subprocess run the command as a process.
 @pytest.mark.slow
+@child_reads_orbax
 def test_convert_subprocess_keeps_roles(tmp_path, cnn_file):
     done = run("convert", cnn_file, tmp_path / "ckpt")
     assert done.returncode == 0, done.stderr

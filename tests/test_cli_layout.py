@@ -20,7 +20,7 @@ from bridge._io._read import open_checkpoint, read
 from bridge._io._relayout import relayout
 
 from . import models
-from .helpers import requires
+from .helpers import child_reads_orbax, requires
 from .test_cli import run
 
 
@@ -117,9 +117,8 @@ def test_flax_to_equinox_loads_directly(framework, architecture, tmp_path, monke
 
 
 @requires("eqx.nn.BatchNorm(mode=...)")
+@child_reads_orbax
 def test_subprocess_nnx_cnn_from_orbax_batch_norm_ema(tmp_path, monkeypatch):
-    if jax.default_backend() != "cpu":  # the command runs on the CPU (conftest)
-        pytest.skip("orbax refuses a checkpoint saved on another topology")
     source, saved = _source("nnx", "cnn")
     bridge.save(tmp_path / "src", saved)  # an orbax directory
     dst = tmp_path / "e.safetensors"
