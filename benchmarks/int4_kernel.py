@@ -8,17 +8,17 @@ through `pltpu.bitcast`, the default).
    batch 33, forward `x @ w.T` and input gradient `g @ w`, each way of unpacking
    against the dequantizing path (`dequantize` then one bfloat16 product); it prints
    the largest difference over the largest output. A way that fails is not timed.
-2. The timing, until 60 s have passed: LAYERS layers `Linear(5632, 5632)` (GPTQ
-   weights, groups of 128, zero points) with a `tanh` between them; forward and
-   input gradient at batch 8, 64 and 1024, each of: dense bfloat16 weights
-   (`x @ w`, w `(in, out)`), the kernel, XLA's dequantizing path; medians of 20
-   interleaved runs, as multiples of the dense time (FACTS: an int4 kernel measured
-   elsewhere at 0.61-0.63x dense at batch 8; XLA's int4 with zero points 3.4x). Each
-   line also gives the largest difference from the dequantizing path after all
-   layers.
+2. The timing, until 60 s (`--seconds`) have passed: LAYERS layers
+   `Linear(5632, 5632)` (GPTQ weights, groups of 128, zero points) with a `tanh`
+   between them; forward and input gradient at batch 8, 64 and 1024, each of: dense
+   bfloat16 weights (`x @ w`, w `(in, out)`), the kernel, XLA's dequantizing path;
+   medians of 20 interleaved runs, as multiples of the dense time (FACTS: an int4
+   kernel measured elsewhere at 0.61-0.63x dense at batch 8; XLA's int4 with zero
+   points 3.4x). Each line also gives the largest difference from the dequantizing
+   path after all layers.
 3. The check of step 1 for the other kinds (GPTQ with a plain-order `g_idx`,
-   compressed-tensors with and without zero points), until 72 s have passed.
-4. Until 80 s: the forward at batch 8 with the kernel ("pairs" where it is right)
+   compressed-tensors with and without zero points), for 12 s more.
+4. For 8 s more: the forward at batch 8 with the kernel ("pairs" where it is right)
    on each format's own packing (GPTQ as stored; compressed-tensors transposed in
    every call), against dense.
 
@@ -298,6 +298,9 @@ def _case(
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 layer; CPU: tiny")
+    parser.add_argument(
+        "--seconds", type=float, default=60, help="the timing's budget (step 2)"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     print(f"{backend()}, JAX {jax.__version__}", flush=True)
@@ -315,12 +318,12 @@ def main() -> int:
         layers = 1 if args.quick else 16
         ok = all(right.values())
         if unpacks:
-            ok &= timing(5632, layers, cases, 20, unpacks, start + 60)
+            ok &= timing(5632, layers, cases, 20, unpacks, start + args.seconds)
         print(f"({time.perf_counter() - start:.0f} s) the other kinds:", flush=True)
-        more = check(2816, 5632, 33, KINDS[1:], start + 72)
+        more = check(2816, 5632, 33, KINDS[1:], start + args.seconds + 12)
         ok &= all(more.values())
         if unpacks:
-            formats(5632, layers, unpacks[-1], start + 80)
+            formats(5632, layers, unpacks[-1], start + args.seconds + 20)
     else:  # a smoke run: the kernel in Pallas's interpreter, tiny shapes
         with _qkernels.interpreted():
             right = check(256, 384, 9, ("gptq", "ct zero"))
