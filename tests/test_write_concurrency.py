@@ -103,12 +103,21 @@ def _concurrent(tmp_path, target, save, seconds, most, like=False):
     return seen
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two renames"])
 @pytest.mark.parametrize("target, save", CASES)
-def test_loads_during_saves_give_one_whole_version(tmp_path, target, save):
+def test_loads_during_saves_give_one_whole_version(
+    tmp_path, target, save, exchange, monkeypatch
+):
     """Plain loads and `like=` loads, a few seconds each while a thread saves
-    versions 1 and 2 alternately: every load is one whole version (or refused as
-    replaced, never a mix). Before: 12 of 863 plain loads and 14 of 66 `like=`
-    loads of a folder were mixed."""
+    versions 1 and 2 alternately: every load is one whole version (never a mix,
+    never refused). Before: 12 of 863 plain loads and 14 of 66 `like=` loads of a
+    folder were mixed. Where the filesystem cannot exchange two directories (the
+    TPU machine's), a save renames the old folder aside and removes it after the
+    new one is in: a load reading it meanwhile was refused as missing or replaced
+    (seen on the TPU machine, 1 of ~1,000 loads; here with `_exchange` off, within
+    a second)."""
+    if not exchange:
+        monkeypatch.setattr(writes._atomic, "_exchange", lambda a, b: False)
     plain = _concurrent(tmp_path, target, save, seconds=1.0, most=1000)
     like = _concurrent(tmp_path, target, save, seconds=1.0, most=1000, like=True)
     assert set(plain) | set(like) <= {1.0, 2.0}, (plain, like)  # whole versions

@@ -64,26 +64,39 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     readable checkpoint (also a `FileNotFoundError` for a missing path and a
     `PermissionError` for one this user may not read).
     """
-    given = Path(path)
-    path = reachable(given)  # a folder swap a killed save left half done
-    if path.suffix in PICKLE_SUFFIXES:
-        raise _pickle(path)
-    if not path.is_dir():
-        return format_of(path).metadata(path)
-    for _ in range(_PROBES):  # a Hugging Face save_pretrained directory, or orbax
+    given, found = Path(path), None
+    for attempt in range(_PROBES):
+        path = reachable(given)  # a folder swap a killed save left half done
+        if path.suffix in PICKLE_SUFFIXES:
+            raise _pickle(path)
         before = inode(path)
-        for fmt in probing():
-            found = fmt.probe(path) if fmt.probe is not None else None
-            if found is not None:
-                return fmt.metadata(found)
-        if (path / "pytorch_model.bin").is_file():  # a Hugging Face folder of v4
-            raise _pickle(path / "pytorch_model.bin")
-        if inode(path) == before:
+        try:
+            found = _probe(path) if path.is_dir() else format_of(path).metadata(path)
+        except CheckpointError:
+            if attempt == _PROBES - 1 or (path == given and inode(path) == before):
+                raise
+            # gone while it was read: where the filesystem cannot exchange two
+            # directories, a save moves the old one aside (`reachable` gives it while
+            # nothing is at `given`) and removes it once the new one is in place
+            continue
+        if found is not None or inode(path) == before:
             break
-        # a save swapped the directory while it was probed (by two renames, where
-        # the filesystem cannot exchange them): probe the one there now
-        path = reachable(given)
+        # a save swapped the directory while it was probed: probe the one there now
+    if found is not None:
+        return found
     return next(f for f in formats() if not f.suffixes).metadata(path)
+
+
+def _probe(directory: Path) -> Contents | None:
+    """The contents of a Hugging Face `save_pretrained` directory or an orbax one,
+    found by each format's probe; None where no probe knows it."""
+    for fmt in probing():
+        found = fmt.probe(directory) if fmt.probe is not None else None
+        if found is not None:
+            return fmt.metadata(found)
+    if (directory / "pytorch_model.bin").is_file():  # a Hugging Face folder of v4
+        raise _pickle(directory / "pytorch_model.bin")
+    return None
 
 
 _PROBES = 5
