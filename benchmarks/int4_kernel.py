@@ -23,13 +23,14 @@ through `pltpu.bitcast`, the default).
    every call), against dense.
 
 Measured on one v5e (JAX 0.10.2, 2026-12-06; 16 layers, medians of 20 interleaved
-runs): batch 8 forward 0.72x dense ("pairs"), 0.76x ("nibbles"), XLA's dequantize
-4.02x; input gradient 0.78x both ways, XLA 3.96x; compressed-tensors with zero
-points 0.78x; every check on the chip within 5.0e-3 of the largest output. Batch 64
-and 1024 were not reached in that call's 90 s. AWQ repacked in every call measured
-86x, so AWQ takes XLA's path in bridge.
+runs; two calls): batch 8 forward 0.71-0.72x dense ("pairs"), 0.75-0.76x
+("nibbles"), XLA's dequantize 4.0x; input gradient 0.78x ("pairs"), XLA 4.0x; batch
+64 forward 0.78x ("pairs"), 0.81x ("nibbles"), XLA 3.9x; compressed-tensors with
+zero points 0.75-0.78x; every check on the chip within 5.0e-3 of the largest
+output. Batch 1024 was not reached (each line takes ~25 s there). AWQ repacked in
+every call measured 86x, so AWQ takes XLA's path in bridge.
 
-    python benchmarks/int4_kernel.py           # on a TPU: < 90 s
+    python benchmarks/int4_kernel.py           # on a TPU: < 90 s (--seconds 60)
     python benchmarks/int4_kernel.py --quick   # 1 layer (a TPU), or tiny shapes in
                                                # Pallas's interpreter (a CPU smoke run)
 
