@@ -66,6 +66,9 @@ class Case:
     torch_kwargs: dict
     tolerance: float = 1e-4
     config: Any = None  # the bonsai model's config (for its own loader, params.py)
+    # the folder route gives `(torch_kwargs, nnx_kwargs)`, not `nnx_kwargs` alone:
+    # for inputs each side takes in its own layout (V-JEPA 2's video)
+    folder_pair: bool = False
 
 
 def _torch_inputs(**arrays):
@@ -571,6 +574,273 @@ def gemma3() -> Case:
     )
 
 
+def efficientnet() -> Case:
+    """bonsai's `EfficientNet` with TensorFlow's "SAME" padding (its B5-B7 blocks,
+    here at every size) is the function of transformers' `EfficientNet` (Keras's,
+    whose stride-2 convolutions pad (0, 1) by hand): three stages, the second of
+    two blocks (its second one with a residual), squeeze-excitation in each, at
+    width 0.5 (8 to 24 channels, a 640-wide head). transformers adds a residual to
+    no stage's first block: bonsai's does where in == out and stride 1, which no
+    first block here has. All BatchNorms at epsilon 1e-5 (bonsai's head uses
+    flax's default whatever the config says)."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import efficientnet
+
+    stages = [(32, 16, 3, 1, 1, 1), (16, 24, 3, 2, 6, 2), (24, 40, 5, 1, 6, 2)]
+    blocks = efficientnet.BlockConfigs(
+        [efficientnet.BlockConfig(*s, 0.25, "SAME") for s in stages]
+    )
+    cfg = efficientnet.ModelConfig(
+        0.5, 1.0, 16, 0.0, "SAME", 0.99, 1e-5, blocks, num_classes=3
+    )
+    hf = transformers.EfficientNetConfig(
+        width_coefficient=0.5,
+        depth_coefficient=1.0,
+        image_size=16,
+        in_channels=[s[0] for s in stages],
+        out_channels=[s[1] for s in stages],
+        kernel_sizes=[s[2] for s in stages],
+        num_block_repeats=[s[3] for s in stages],
+        expand_ratios=[s[4] for s in stages],
+        strides=[s[5] for s in stages],
+        depthwise_padding=[],
+        squeeze_expansion_ratio=0.25,
+        hidden_dim=640,
+        batch_norm_eps=1e-5,
+        num_labels=3,
+    )
+    nchw = _images(16)
+    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
+    return Case(
+        "efficientnet",
+        lambda: efficientnet.EfficientNet(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.EfficientNetForImageClassification(hf),
+        lambda m: np.asarray(m(nhwc)),
+        lambda m: _torch_out(m, "logits", pixel_values=nchw),
+        (nhwc,),
+        {},
+        _torch_inputs(pixel_values=nchw),
+        config=cfg,
+    )
+
+
+def _vjepa2_configs():
+    import transformers
+
+    from .bonsai import vjepa2
+
+    sizes = dict(
+        patch_size=4,
+        tubelet_size=2,
+        crop_size=8,
+        frames_per_clip=4,
+        hidden_size=24,  # head_dim 12: RoPE over frames, rows, columns, 4 each
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        mlp_ratio=4.0,  # transformers' pooler MLPs are 4x whatever the config says
+        pred_hidden_size=16,
+        pred_num_attention_heads=2,
+        pred_num_hidden_layers=2,
+        pred_num_mask_tokens=3,
+        pred_mlp_ratio=2.0,
+        num_pooler_layers=1,
+    )
+    cfg = vjepa2.ModelConfig(**sizes, num_labels=3)
+    hf = transformers.VJEPA2Config(
+        **sizes, in_chans=3, num_labels=3, pred_zero_init_mask_tokens=True
+    )
+    rng = np.random.default_rng(0)
+    video = rng.normal(size=(BATCH, 4, 3, 8, 8)).astype(np.float32)  # (B, T, C, H, W)
+    return cfg, hf, video
+
+
+def vjepa2() -> Case:
+    """bonsai's `VJEPA2Model` / transformers' `VJEPA2Model`: the encoder (3D patch
+    conv, RoPE over frames, rows and columns) and the predictor with the default
+    masks (every token both context and target); compared: the encoder's output
+    and the predictor's, side by side."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import vjepa2 as module
+
+    cfg, hf, video = _vjepa2_configs()
+    thwc = jnp.asarray(video.transpose(0, 1, 3, 4, 2))
+
+    def nnx_call(m):
+        out = m(thwc)
+        return np.concatenate(
+            [
+                np.ravel(out["last_hidden_state"]),
+                np.ravel(out["predictor_last_hidden_state"]),
+            ]
+        )
+
+    def both(out):
+        import torch
+
+        return torch.cat(
+            [
+                out.last_hidden_state.ravel(),
+                out.predictor_output.last_hidden_state.ravel(),
+            ]
+        )
+
+    return Case(
+        "vjepa2",
+        lambda: module.VJEPA2Model(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.VJEPA2Model(hf),
+        nnx_call,
+        lambda m: _torch_out(m, both, pixel_values_videos=video),
+        (),  # the video by keyword: (B, T, C, H, W) for PyTorch, (B, T, H, W, C) here
+        {"pixel_values_videos": thwc},
+        _torch_inputs(pixel_values_videos=video),
+        config=cfg,
+        folder_pair=True,
+    )
+
+
+def vjepa2_classifier() -> Case:
+    """bonsai's `VJEPA2ForVideoClassification` / transformers' twin: the encoder,
+    the attentive pooler (self- then cross-attention) and the linear head. Its
+    forward skips the predictor, whose layers both models still hold: no pass
+    traces them (they pair by name, their layouts by layer kind). Compared: the
+    logits, and the inner `VJEPA2Model`'s predictor output (run eagerly), so that
+    the untraced layers are judged too."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import vjepa2 as module
+
+    cfg, hf, video = _vjepa2_configs()
+    thwc = jnp.asarray(video.transpose(0, 1, 3, 4, 2))
+    videos = {"pixel_values_videos": video}
+
+    def nnx_predictor(m):  # run eagerly: bonsai's predictor cannot be traced
+        return np.ravel(m.vjepa2(thwc)["predictor_last_hidden_state"])
+
+    def torch_predictor(m):
+        def predicted(out):
+            return out.predictor_output.last_hidden_state
+
+        return _torch_out(m.vjepa2, predicted, **videos).ravel()
+
+    return Case(
+        "vjepa2-cls",
+        lambda: module.VJEPA2ForVideoClassification(cfg, rngs=nnx.Rngs(0)),
+        lambda: transformers.VJEPA2ForVideoClassification(hf),
+        lambda m: np.concatenate([np.ravel(m(thwc)["logits"]), nnx_predictor(m)]),
+        lambda m: np.concatenate(
+            [_torch_out(m, "logits", **videos).ravel(), torch_predictor(m)]
+        ),
+        (),
+        {"pixel_values_videos": thwc},
+        _torch_inputs(pixel_values_videos=video),
+        config=cfg,
+        folder_pair=True,
+    )
+
+
+def qwen3_vl(vision_tower: bool = True) -> Case:
+    """bonsai's `Qwen3VLForConditionalGeneration` / transformers' twin, text only
+    (no image: the vision tower, a depth-1 tiny one, is held by both and run by
+    neither, so no pass traces it; with `vision_tower=False` both models drop
+    it after building). bonsai's text RoPE is one-dimensional, the function of
+    transformers' multimodal RoPE when the three position axes are equal, as they
+    are for text. bonsai's KV cache is a kwarg."""
+    import transformers
+    from flax import nnx
+
+    from .bonsai import qwen3_vl
+
+    vision = qwen3_vl.Qwen3VLVisionConfig(
+        depth=1,
+        hidden_size=8,
+        intermediate_size=16,
+        num_heads=2,
+        patch_size=2,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=16,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=(0,),
+    )
+    text = qwen3_vl.Qwen3VLTextConfig(
+        vocab_size=99,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        rope_theta=5_000_000,
+        mrope_section=(2, 1, 1),
+        tie_word_embeddings=False,
+    )
+    cfg = qwen3_vl.ModelConfig(vision_config=vision, text_config=text)
+    hf = transformers.Qwen3VLConfig(
+        vision_config=dict(
+            depth=1,
+            hidden_size=8,
+            intermediate_size=16,
+            num_heads=2,
+            patch_size=2,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=16,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        ),
+        text_config=dict(
+            vocab_size=99,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+        tie_word_embeddings=False,
+    )
+    ids = np.random.default_rng(0).integers(3, 99, (BATCH, 7)).astype(np.int32)
+
+    def kwargs():
+        return {"cache": qwen3_vl.init_cache(cfg, BATCH, 7, 0, dtype=jnp.float32)}
+
+    def make_nnx():
+        model = qwen3_vl.Qwen3VLForConditionalGeneration(cfg, rngs=nnx.Rngs(0))
+        if not vision_tower:
+            model.model.visual = None
+        return model
+
+    def make_torch():
+        model = transformers.Qwen3VLForConditionalGeneration(hf)
+        if not vision_tower:
+            model.model.visual = None  # a text-only pass never calls it
+        return model
+
+    return Case(
+        "qwen3_vl" if vision_tower else "qwen3_vl-text",
+        make_nnx,
+        make_torch,
+        lambda m: np.asarray(m(jnp.asarray(ids), **kwargs()), np.float32),
+        lambda m: _torch_out(m, "logits", input_ids=ids),
+        (jnp.asarray(ids),),
+        kwargs(),
+        {},
+        config=cfg,
+    )
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "vit": vit,
     "resnet": resnet,
@@ -581,6 +851,11 @@ CASES: dict[str, Callable[[], Case]] = {
     "umt5": umt5,
     "mamba2": mamba2,
     "gemma3": gemma3,
+    "efficientnet": efficientnet,
+    "vjepa2": vjepa2,
+    "vjepa2-cls": vjepa2_classifier,
+    "qwen3_vl": qwen3_vl,
+    "qwen3_vl-text": lambda: qwen3_vl(vision_tower=False),
 }
 
 
@@ -630,7 +905,9 @@ def _folder_to_nnx(case: Case):
             folder,
             like=case.make_nnx(),
             example=case.example,
-            example_kwargs=case.nnx_kwargs,
+            example_kwargs=(case.torch_kwargs, case.nnx_kwargs)
+            if case.folder_pair
+            else case.nnx_kwargs,
         )
     return case.nnx_call(ported), want
 
