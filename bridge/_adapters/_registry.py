@@ -148,6 +148,13 @@ class Adapter(NamedTuple):
       it records). None when the Tree holds nothing to run (a bare state dict).
       Without it, a framework whose forward pass `jax.make_jaxpr` cannot trace has
       no trace.
+    - `constants`: optional, `constants(tree) -> {path: numpy array}`: the
+      constants the native model computes at build and keeps out of its state
+      (PyTorch's non-persistent buffers: transformers' Gemma 3
+      `embed_tokens.embed_scale`), by the path they would have in the Tree, with
+      their values; empty where the Tree holds no model (a state dict, a file). The
+      port compares them with the other side's unpaired loose arrays
+      (`bridge._port._constants`).
     - `with_config`: optional, `with_config(tree, folder) -> Tree`: the same Tree
       read from the files of a Hugging Face folder, recording that folder, whose
       `config.json` `trace` builds the model from (the PyTorch adapter's).
@@ -196,6 +203,7 @@ class Adapter(NamedTuple):
     writer: LayoutWriter | None = None
     trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
     with_config: Callable[[Tree, Any], Tree] | None = None
+    constants: Callable[[Tree], Mapping[Path, Any]] | None = None
 
 
 class LayoutWriter(NamedTuple):
@@ -370,6 +378,16 @@ def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
     src = tree._info.source
     adapter = None if src is None else registered(src.framework)
     return () if adapter is None or adapter.ties is None else adapter.ties(tree)
+
+
+def constants_of(tree: Tree) -> Mapping[Path, Any]:
+    """The constants a Tree's native model keeps out of its state, from its adapter
+    (`Adapter.constants`; empty for a framework without them)."""
+    src = tree._info.source
+    adapter = None if src is None else registered(src.framework)
+    return (
+        {} if adapter is None or adapter.constants is None else adapter.constants(tree)
+    )
 
 
 APART = "apart"

@@ -696,6 +696,35 @@ def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
     return record.ties if head is None else (*record.ties, head)
 
 
+def constants(tree: Tree) -> dict[Path, np.ndarray]:
+    """The non-persistent buffers of the module a Tree holds (transformers' Gemma 3
+    `embed_tokens.embed_scale`, `sqrt(hidden)`: in no state dict, no file), by the
+    path their name has in the Tree, with their values (floats in float64); empty
+    for a state dict, a folder's Tree (its module is built on the meta device:
+    no values) and any other Tree.
+
+    Example: `{("model", "embed_tokens", "embed_scale"): array(4.)}`.
+    """
+    src = tree._info.source
+    if src is None or src.framework != "torch":
+        return {}
+    record = src.record
+    module = record.module.value
+    if not is_module(module):
+        return {}
+    out = {}
+    for name, sub in module.named_modules():
+        for key in sorted(getattr(sub, "_non_persistent_buffers_set", ())):
+            buffer = sub._buffers.get(key)
+            if buffer is None or buffer.is_meta:
+                continue
+            value = buffer.detach().cpu()
+            value = value.double() if value.is_floating_point() else value
+            full = f"{name}.{key}" if name else key
+            out[_split_name(_strip(full, record.prefix))] = value.numpy()
+    return out
+
+
 class TorchNode(Mapping):
     """A node of a PyTorch-layout Tree as the codecs' `hyperparameters` see it: the
     `torch.nn.Module` at this path (None for a state dict, a file, or a split part),
@@ -945,5 +974,6 @@ ADAPTER = register_adapter(
         trace=trace,
         with_config=with_config,
         creation_order=_creation_order,
+        constants=constants,
     )
 )

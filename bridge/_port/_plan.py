@@ -22,6 +22,7 @@ from .._tree import Tree, framework
 from . import _errors, _shapes
 from ._codec import Codec, same
 from ._computed import computed
+from ._constants import constants as _constants
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._heads import with_heads
 from ._layers import (
@@ -121,6 +122,11 @@ class Plan:
     - `computed_by_source`: target layers without a source layer whose values are
       such a table, which the source computes: they keep their values (only with
       `strict=False`, else an error).
+    - `constants`: loose arrays of either side without a counterpart that equal a
+      constant the other side's model keeps out of its state, beside the layer
+      theirs is paired with (PyTorch's non-persistent buffers: Gemma 3's
+      `embed_scale`): computed alike by both, a target's keeps its value, a
+      source's is not written (`bridge._port._constants`).
     """
 
     steps: tuple[PlanRow, ...]
@@ -135,6 +141,7 @@ class Plan:
     dropped: tuple[str, ...] = ()
     computed_by_target: tuple[str, ...] = ()
     computed_by_source: tuple[str, ...] = ()
+    constants: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         """The table (`table`), folded to the terminal's width (`$COLUMNS`, else
@@ -192,6 +199,7 @@ class Plan:
                 self.computed_by_target,
             ),
             ("computed by the source (stored tables, kept)", self.computed_by_source),
+            ("constants both models compute (not moved)", self.constants),
             ("warnings", self.warnings),
             ("tied (stored once)", self.tied),
             ("problems (bridge.port raises)", self.problems),
@@ -570,6 +578,9 @@ def make_plan(
     tables = (_tables(lone_sources, sources), _tables(lone_targets, targets))
     lone_sources = [s for s in lone_sources if id(s) not in tables[0]]
     lone_targets = [t for t in lone_targets if id(t) not in tables[1]]
+    alike = _constants(pairs, (lone_sources, lone_targets), (source, target))
+    lone_sources = [s for s in lone_sources if id(s) not in alike]
+    lone_targets = [t for t in lone_targets if id(t) not in alike]
     computed_tables = [
         text.format(where=x.where, kind="/".join(x.kinds), shapes=x.shapes(), variant=v)
         for text, found in zip(
@@ -629,6 +640,7 @@ def make_plan(
         tuple(s.where for s in dropped),
         tuple(x.where for x, _ in tables[0].values()),
         tuple(x.where for x, _ in tables[1].values()),
+        tuple(x.where for x in alike.values()),
     )
     return plan, problems
 
