@@ -17,6 +17,7 @@ differs, a name found nowhere, or several candidates leave the array `missing` o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -51,7 +52,9 @@ def constants(
     return out
 
 
-def _is_constant(x: Layer, pairs: list[Pair], side: int, held: dict[Path, Any]) -> bool:
+def _is_constant(
+    x: Layer, pairs: list[Pair], side: int, held: Mapping[Path, Any]
+) -> bool:
     if x.kinds != (ARRAY,) or x.index is not None or len(x.path) < 2:
         return False
     (leaf,) = x.leaves.values()
