@@ -236,3 +236,25 @@ def test_inspect_clips_a_long_string(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "(200,004 characters; --json shows all)" in shown
     assert len(shown) < 5_000 and "\x1b" not in shown
+
+
+@pytest.mark.parametrize(
+    "qtype, dims", [("Q8_0", (0, 3)), ("Q4_K", (0,)), ("Q4_K", (256, 0))]
+)
+def test_a_quantized_tensor_with_a_dimension_of_0_is_empty(tmp_path, qtype, dims):
+    """A quantized tensor with a dimension of 0 (llama.cpp allows it) was
+    `gguf.quants.dequantize`'s raw `ValueError: cannot reshape array of size 0`:
+    it is an empty float32 array of the declared shape (dims innermost first),
+    the other tensors as written."""
+    content = hostile.gguf_bytes(
+        [], [hostile.T("a.weight", (8,)), hostile.T("b.weight", dims, Q[qtype])]
+    )
+    path = tmp_path / "m.gguf"
+    path.write_bytes(content)
+    tree = bridge.load(path)
+    empty = np.asarray(tree["b"]["weight"])
+    assert empty.shape == dims[::-1] and empty.dtype == np.float32
+    assert np.array_equal(np.asarray(tree["a"]["weight"]), np.arange(8.0))
+    with open_checkpoint(path) as contents:
+        shapes = {s.key: s.shape for s in contents.tensors}
+    assert shapes == {"a.weight": (8,), "b.weight": dims[::-1]}

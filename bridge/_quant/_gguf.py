@@ -169,6 +169,8 @@ def read_one(contents: Contents, name: str) -> np.ndarray:
     if tensor.type in _DENSE:
         array = data.view(_NUMPY[tensor.type]).reshape(tensor.shape)
     else:
+        if not tensor.nbytes:  # a dimension of 0: gguf's dequantize cannot reshape
+            return np.zeros(tensor.shape, np.float32)
         gguf = _gguf(contents.path)
         qtype = gguf.GGMLQuantizationType[tensor.type]
         blocks = gguf.quants.quant_shape_to_byte_shape(tensor.shape, qtype)
