@@ -8,6 +8,7 @@ refused with a `CheckpointError` naming the tensor, by the dequantizing load and
 """
 
 import json
+import re
 
 import jax
 import ml_dtypes
@@ -393,4 +394,42 @@ def test_weight_shape_of_no_weight_is_refused(tmp_path, shape, packed):
     folder = _folder(tmp_path, state, _ct_packed(["Linear"]))
     for like in (None, _like()):
         with pytest.raises(_schemes.QuantizationError, match="fc.weight_shape: "):
+            bridge.load(folder, like=like)
+
+
+@pytest.mark.parametrize(
+    "weight_shape",
+    [
+        np.array([[200, 256]], np.int64),
+        np.array(200, np.int64),
+        np.array([200.0, 256.0], np.float32),
+    ],
+    ids=["(1, 2)", "0-d", "float32"],
+)
+def test_weight_shape_that_is_not_two_integers_is_refused(tmp_path, weight_shape):
+    """A `weight_shape` of shape (1, 2) or a 0-d one was a raw TypeError (`only
+    0-dimensional arrays can be converted`, `iteration over a 0-d array`)."""
+    state = _packed_int4()
+    state["fc.weight_shape"] = weight_shape
+    folder = _folder(tmp_path, state, _ct_packed(["Linear"]))
+    for like in (None, _like()):
+        with pytest.raises(
+            _schemes.QuantizationError,
+            match=rf"fc\.weight_shape: {weight_shape.dtype} of shape "
+            + re.escape(str(weight_shape.shape))
+            + ", expected 2 integers",
+        ):
+            bridge.load(folder, like=like)
+
+
+@pytest.mark.parametrize("fmt", [["nvfp4-pack-quantized"], {"a": 1}])
+def test_a_format_that_is_no_string_is_refused(tmp_path, fmt):
+    """compressed-tensors' `format` as a list or an object was a raw `TypeError:
+    unhashable type` on uint8 packed weights."""
+    folder = _folder(tmp_path, nvfp4(), {**NVFP4, "format": fmt})
+    for like in (None, _like()):
+        with pytest.raises(
+            _schemes.QuantizationError,
+            match=r"fc\.weight_packed: uint8 packing of format .* is not supported",
+        ):
             bridge.load(folder, like=like)

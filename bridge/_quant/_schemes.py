@@ -487,9 +487,16 @@ def _packed_weight(
     bits = args.get("num_bits")
     if not _integer(bits) or not 1 <= bits <= 8:
         return f"{packed}: num_bits {bits!r} is not 1 to 8"
+    stored_shape, stored_dtype = tensors[parts["weight_shape"]]
+    if tuple(stored_shape) != (2,) or not stored_dtype.startswith(("int", "uint")):
+        return (
+            f"{parts['weight_shape']}: {stored_dtype} of shape {tuple(stored_shape)}, "
+            "expected 2 integers (the weight's rows and columns, as compressed-tensors "
+            "writes them): the file is not a pack-quantized checkpoint"
+        )
     shape = tuple(int(v) for v in np.asarray(read_small(parts["weight_shape"])))
     packed_shape = tensors[packed][0]
-    if len(shape) != 2 or min(shape) <= 0:
+    if min(shape) <= 0:
         return f"{parts['weight_shape']}: {shape[:4]} is not two positive sizes"
     if tuple(packed_shape) != (
         shape[0],
@@ -538,7 +545,7 @@ def _fp4_weight(
     if isinstance(args, str):
         return f"{packed}: uint8 packed values (FP4?), but {args}"
     fmt = args.get("format")
-    if fmt not in _FP4:
+    if not isinstance(fmt, str) or fmt not in _FP4:  # a list is unhashable
         known = ", ".join(_FP4)
         return (
             f"{packed}: uint8 packing of format {fmt!r} is not supported ({known} are)"
