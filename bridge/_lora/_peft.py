@@ -446,7 +446,8 @@ def load_peft(
     if wrong:  # nothing below can read such a config
         n = len(problems) + len(wrong)
         lines = _listing(problems + wrong)
-        raise ValueError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
+        # a file that is not a PEFT config (a ValueError, as every problem here)
+        raise CheckpointError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
     named = names(tree, frame.targets(tree), rules, prefix)
     by_name = {n: (t, i) for n, t, i in named}
     modules = {k.removeprefix(MODEL).rsplit(".lora_", 1)[0] for k in tensors}
@@ -592,8 +593,17 @@ def _number(value: Any) -> bool:
     )
 
 
+_MOST_RANK = 2**31 - 1
+"""The largest rank read: `r: 2**62` made even the zero-strided views that compare
+shapes overflow (NumPy's raw 'iterator is too large'); real ranks are below 10**4."""
+
+
+def _rank(value: Any) -> bool:
+    return type(value) is int and 0 < value <= _MOST_RANK
+
+
 _TYPES: dict[str, tuple[str, Any]] = {
-    "r": ("a positive integer", lambda v: type(v) is int and v > 0),
+    "r": ("a positive integer below 2**31", _rank),
     "lora_alpha": ("a finite number", _number),
     "use_rslora": ("true or false", lambda v: isinstance(v, bool)),
     "lora_dropout": ("a number from 0 to 1", lambda v: _number(v) and 0 <= v < 1),
@@ -606,14 +616,8 @@ _TYPES: dict[str, tuple[str, Any]] = {
         ),
     ),
     "rank_pattern": (
-        "a map of names to positive integers",
-        lambda v: (
-            v is None
-            or (
-                isinstance(v, dict)
-                and all(type(x) is int and x > 0 for x in v.values())
-            )
-        ),
+        "a map of names to positive integers below 2**31",
+        lambda v: v is None or (isinstance(v, dict) and all(map(_rank, v.values()))),
     ),
     "alpha_pattern": (
         "a map of names to finite numbers",
