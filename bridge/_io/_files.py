@@ -31,11 +31,25 @@ from .._buffers import Pool
 from ._errors import CheckpointError, unreadable
 
 
-class MissingCheckpoint(CheckpointError, FileNotFoundError):
+class _OSCheckpointError(CheckpointError):
+    """A `CheckpointError` that is also an `OSError`, made as one:
+    `(errno, message)`. `ValueError` comes first in its classes, so `OSError`'s own
+    constructor never ran: `errno` and `strerror` were None and `str()` the tuple
+    `(2, '...')`; here they are the code and the message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code, message)
+        self.errno, self.strerror = code, message  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        return str(self.args[-1])
+
+
+class MissingCheckpoint(_OSCheckpointError, FileNotFoundError):
     """No file or directory at the path (also a `FileNotFoundError`)."""
 
 
-class DeniedCheckpoint(CheckpointError, PermissionError):
+class DeniedCheckpoint(_OSCheckpointError, PermissionError):
     """The checkpoint exists but may not be read (also a `PermissionError`)."""
 
 
