@@ -3,6 +3,7 @@
 no hang, nothing imported, nothing written; the CLI prints one line and exits 1."""
 
 import contextlib
+import errno
 import json
 import os
 import resource
@@ -279,3 +280,63 @@ def test_equinox_metadata_naming_another_class_is_a_checkpoint_error(tmp_path):
         r"'bias'\): the checkpoint's metadata does not describe its arrays",
     ):
         bridge.load(path, like=nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+
+
+def test_a_missing_shard_is_named_not_blamed_on_a_save(tmp_path, capsys):
+    """A shard the index names but the folder lacks (a download that stopped) was
+    read five times, then blamed on a concurrent save ('it was replaced 5 times
+    while it was read'). It is a `FileNotFoundError` naming the shard and the
+    names it holds, read once; `str()` is the message (it was the tuple `(2,
+    '...')`, and `errno` None)."""
+    path = corpus.sharded_cases()[-2].make(tmp_path)
+    assert not (tmp_path / "gone.safetensors").exists()
+    for where in (tmp_path, path):
+        with pytest.raises(FileNotFoundError) as info:
+            bridge.load(where)
+        assert isinstance(info.value, bridge.CheckpointError)
+        assert info.value.errno == errno.ENOENT
+        assert str(info.value) == (
+            f"{path}: shard 'gone.safetensors' is missing (the index maps 1 name(s) "
+            "to it: 'b'); the folder is incomplete, e.g. a download that stopped: "
+            "download the shard, or save the checkpoint again."
+        )
+    assert _cli.main(["inspect", str(tmp_path)]) == 1
+    assert "shard 'gone.safetensors' is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "case", ["a shard's array the index lacks", "one name in two shards"]
+)
+def test_arrays_of_a_shard_the_index_does_not_map_are_refused(tmp_path, case):
+    """Hugging Face reads every array of each shard; bridge read only those the
+    index maps to it: `b` (or a second `a`) was dropped without a word."""
+    make = next(c.make for c in corpus.sharded_cases() if c.name == case)
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"holds 1 array\(s\) the index does not map to it: 'a'|"
+        r"holds 1 array\(s\) the index does not map to it: 'b'",
+    ):
+        bridge.load(make(tmp_path))
+
+
+def test_missing_and_denied_read_as_their_os_errors(tmp_path, monkeypatch):
+    """`str()` of a missing or unreadable checkpoint was the tuple `(2, '...')` and
+    its `errno` and `strerror` None (`ValueError` comes first in its classes, so
+    `OSError`'s constructor never ran): they are the message and the code."""
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(FileNotFoundError) as info:
+        bridge.load(path)
+    assert (
+        str(info.value) == info.value.strerror == f"{path}: no such file or directory."
+    )
+    assert info.value.errno == errno.ENOENT
+    bridge.save(path, {"params": {"a": np.ones(2, np.float32)}})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", denied)  # root reads every file: simulate
+    with pytest.raises(PermissionError) as info:
+        bridge.load(path)
+    assert str(info.value).startswith(f"{path}: permission denied: ")
+    assert info.value.errno == errno.EACCES and info.value.strerror == str(info.value)

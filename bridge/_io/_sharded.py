@@ -24,6 +24,7 @@ names. Saves of the directory take turns (`_atomic.turn`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -61,6 +62,24 @@ _NOT_IN_SHARD = (
     "the index maps {count} name(s) to {shard}, which does not hold them: {names}"
 )
 _TWICE = "the index maps {names} more than once"
+_NOT_MAPPED = (
+    "{shard} holds {count} array(s) the index does not map to it: {names} "
+    "(Hugging Face reads every array of a shard; bridge reads what the index maps, "
+    "so the two would load different models): write the index again with every "
+    "array of each shard, e.g. by saving the checkpoint again"
+)
+_NO_SHARD = (
+    "{index}: shard {shard} is missing (the index maps {count} name(s) to it: "
+    "{names}); the folder is incomplete, e.g. a download that stopped: download "
+    "the shard, or save the checkpoint again."
+)
+
+
+class _MissingShard(MissingCheckpoint):
+    """A shard the index names is not in its folder, and the index was not replaced
+    while it was read: final, not read again."""
+
+
 _TOO_BIG = "the index is {size} bytes, more than the {limit} an index may have"
 
 
@@ -174,8 +193,9 @@ def metadata(path: Path) -> Contents:
             return _metadata(path)
         except _Replaced:
             continue
-        except MissingCheckpoint:  # the folder opened was swapped away and emptied
-            if not path.exists():  # meanwhile: read the one there now; else missing
+        except MissingCheckpoint as e:  # the folder opened was swapped away and
+            # emptied meanwhile: read the one there now; else missing
+            if isinstance(e, _MissingShard) or not path.exists():
                 raise
     raise unreadable(path, NAME, _REPLACED.format(n=ATTEMPTS))
 
@@ -189,7 +209,21 @@ def _metadata(path: Path) -> Contents:
         meta: dict[str, str] | None = None
         shapes: dict[str, tuple[tuple[int, ...], str]] = {}
         for shard, names in weight_map.items():
-            contents = _safetensors.metadata(shard, files)
+            try:
+                contents = _safetensors.metadata(shard, files)
+            except MissingCheckpoint:
+                assert files.directory is not None
+                if not _same(files.directory, path, ident):
+                    raise _Replaced from None  # a shard of the old version, gone
+                raise _MissingShard(
+                    errno.ENOENT,
+                    _NO_SHARD.format(
+                        index=path,
+                        shard=shown(shard.name),
+                        count=len(names),
+                        names=some(names),
+                    ),
+                ) from None
             opened.append((contents, tuple(names)))
             held = {s.key: s for s in contents.tensors}
             missing = [n for n in names if n not in held]
@@ -197,6 +231,14 @@ def _metadata(path: Path) -> Contents:
                 raise Malformed(
                     _NOT_IN_SHARD.format(
                         count=len(missing), shard=shard.name, names=some(missing)
+                    )
+                )
+            mapped = set(names)
+            unmapped = [k for k in held if k not in mapped]
+            if unmapped:
+                raise Malformed(
+                    _NOT_MAPPED.format(
+                        shard=shard.name, count=len(unmapped), names=some(unmapped)
                     )
                 )
             if meta is None:

@@ -822,6 +822,19 @@ def _weight_map(mapping: dict[str, str]):
     return _index(json.dumps({"metadata": {}, "weight_map": mapping}))
 
 
+def _shards(mapping: dict[str, str], held: dict[str, list[str]]):
+    """An index of `mapping` next to shards holding the names `held` says."""
+
+    def make(directory: Path) -> Path:
+        for name, names in held.items():
+            (directory / name).write_bytes(_shard_bytes(names))
+        path = directory / INDEX
+        path.write_text(json.dumps({"metadata": {}, "weight_map": mapping}))
+        return path
+
+    return make
+
+
 def _index_over_limit(directory: Path) -> Path:
     path = directory / INDEX
     with open(path, "wb") as f:  # sparse: no disk used
@@ -866,4 +879,26 @@ def sharded_cases() -> list[Case]:
             _weight_map({"a": "s.safetensors", **many}),
         ),
         Case("sharded", "a name its shard lacks", _weight_map({"b": "s.safetensors"})),
+        Case(
+            "sharded",
+            "a shard's array the index lacks",
+            _shards({"a": "s.safetensors"}, {"s.safetensors": ["a", "b"]}),
+        ),
+        Case(
+            "sharded",
+            "one name in two shards",
+            _shards(
+                {"a": "s.safetensors", "b": "t.safetensors"},
+                {"s.safetensors": ["a"], "t.safetensors": ["a", "b"]},
+            ),
+        ),
+        Case(
+            "sharded",
+            "a shard missing",
+            _shards(
+                {"a": "s.safetensors", "b": "gone.safetensors"},
+                {"s.safetensors": ["a"]},
+            ),
+        ),
+        Case("sharded", "backslashes in a shard name", _weight_map({"a": "..\\s"})),
     ]
