@@ -119,3 +119,58 @@ def test_control_characters_are_escaped(tmp_path):
     message = str(info.value)
     assert "\\x1b[2J\\x07" in message
     assert not any(ord(c) < 32 and c != "\n" for c in message)
+
+
+class Two(nnx.Module):
+    def __init__(self):
+        self.fc = nnx.Linear(4, 6, rngs=nnx.Rngs(0))
+        self.g = nnx.Linear(6, 3, rngs=nnx.Rngs(1))
+
+
+_PAIR = {
+    "base_model.model.fc.lora_A.weight": np.ones((2, 4), np.float32),
+    "base_model.model.fc.lora_B.weight": np.ones((6, 2), np.float32),
+}
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            {"base_model.model.fc.lora_magnitude_vector": np.ones(6, np.float32)},
+            r"fc\.lora_magnitude_vector: not a tensor of a LoRA adapter \(the layer's "
+            r"adapter is base_model\.model\.fc\.lora_A\.weight and "
+            r"base_model\.model\.fc\.lora_B\.weight; DoRA's",
+        ),
+        (
+            {"base_model.model.fc.lora_A.default.weight": np.ones((2, 4), np.float32)},
+            r"fc\.lora_A\.default\.weight: not a tensor of a LoRA adapter",
+        ),
+        (
+            {
+                "base_model.model.g.lora_A.weight": np.ones((2, 6), np.float32),
+                "base_model.model.g.lora_B.weight": np.ones((3, 2), np.float32),
+            },
+            r"g\.lora_A\.weight: target_modules \['fc'\] leave out 'g', so its "
+            r"adapter would be dropped: add it to target_modules",
+        ),
+    ],
+    ids=["DoRA magnitude", "adapter name", "layer left out"],
+)
+def test_tensors_the_adapter_would_drop_are_refused(tmp_path, extra, match):
+    """Tensors of a model's layer that the LoRA config does not read (DoRA's
+    magnitude with use_dora false, PEFT's in-memory `.default` names, a layer that
+    target_modules leaves out) were dropped without a word: the adapter loaded
+    as if the file held only its lora_A and lora_B."""
+    skip_unless("NNX")
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["fc"]}
+    folder = _adapter(tmp_path, json.dumps(config), {**_PAIR, **extra})
+    with pytest.raises(ValueError, match=match) as info:
+        bridge.load_peft(folder, Two())
+    assert "1 problem(s)" in str(info.value) or "2 problem(s)" in str(info.value)
+    (tmp_path / "ok").mkdir()  # without the extra tensors: loads
+    loaded = bridge.to_neutral(
+        bridge.load_peft(_adapter(tmp_path / "ok", json.dumps(config)), Two())
+    )
+    assert np.array_equal(np.asarray(loaded.fc.lora_a), np.ones((4, 2)))
+    assert np.array_equal(np.asarray(loaded.fc.lora_b), np.ones((2, 6)))

@@ -75,6 +75,7 @@ _DEFAULTS = {
     "use_qalora": False, "use_bdlora": None, "bias": "none",
 }  # fmt: skip
 
+_UNREAD = "DoRA's lora_magnitude_vector and other methods' tensors are not read"
 _CANNOT_LOAD = """\
 bridge.load_peft cannot apply {dir}: {n} problem(s), nothing was applied.
 {problems}"""
@@ -515,6 +516,19 @@ def load_peft(
         module = key.removeprefix(MODEL).rsplit(".lora_", 1)[0]
         if module not in units:
             problems.append(f"{key}: no layer of the model is named {module!r}")
+        elif module not in chosen:
+            problems.append(
+                f"{key}: target_modules {shown(target_modules)} leave out "
+                f"{module!r}, so its adapter would be dropped: add it to "
+                f"target_modules in {CONFIG}, or remove the tensor"
+            )
+        else:
+            ka, kb = _keys(module, chosen[module][0][1])
+            problems.append(
+                f"{key}: not a tensor of a LoRA adapter (the layer's adapter is "
+                f"{ka} and {kb}; {_UNREAD}), so it would be dropped: remove it, or "
+                "load the adapter with PEFT"
+            )
     if isinstance(target_modules, list):
         for t in target_modules:
             if not any(_targeted(n, [t]) for n in modules | set(units)) or not any(
