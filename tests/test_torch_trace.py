@@ -5,6 +5,7 @@ and on tiny transformers models built from configs; the fake-tensor build of eac
 config (no memory) must read exactly as the real model does. Skipped without torch
 and transformers (`nox -s tests_torch`)."""
 
+import time
 import warnings
 
 import numpy as np
@@ -715,3 +716,51 @@ def test_no_architectures_builds_the_base_model_and_shapes_as_inputs():
     uses = trace_module(built.module, (ids,))
     assert uses.contracted["encoder.layer.1.output.dense.weight"] == LINEAR
     assert uses.unused == ()
+
+
+def test_a_config_declaring_more_layers_than_the_folder_holds_is_not_built():
+    """A `config.json` of 2,000 layers beside 4 tensors (a hostile or a wrong config:
+    the trace builds the model from it when a load has example inputs): building it
+    took ~10 s and 300 MB, 100,000 layers minutes and gigabytes, and Qwen2's
+    `num_hidden_layers: 10**8` never finished (its config lists each layer's type).
+    Nothing is built: the reason names the field and the folder's count."""
+    keys = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
+    hostile = [
+        ({**CONFIGS["gpt2"], "n_layer": 2_000}, "n_layer 2000"),
+        (
+            {"model_type": "qwen2", "num_hidden_layers": 10**8, "hidden_size": 8},
+            "num_hidden_layers 100000000",
+        ),
+        (
+            {"model_type": "t5", "d_model": 8, "text": {"num_layers": 50}},
+            "num_layers 50",
+        ),
+    ]
+    for config, declared in hostile:
+        start = time.perf_counter()
+        built = folder_module(config, keys=keys)
+        assert time.perf_counter() - start < 5
+        assert built.module is None
+        assert built.reason.startswith(
+            f"its config.json declares {declared}, but the folder holds 4 tensors"
+        ), built.reason
+    assert folder_module({**CONFIGS["gpt2"], "n_layer": 4}, keys=keys).module
+
+
+def test_a_config_whose_model_registers_too_many_parameters_is_not_built(
+    monkeypatch,
+):
+    """The construction stops once the model registers more parameters than the
+    folder's tensors allow (a count that fields such as an expert count multiply)."""
+    from bridge._adapters import _torch_trace
+
+    monkeypatch.setattr(_torch_trace, "_MOST_PARTS", 10)
+    keys = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
+    built = folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys)
+    assert built.module is None
+    assert built.reason.startswith(
+        "its config.json declares a model of more than 26 parameters, but the "
+        "folder holds 4 tensors"
+    ), built.reason
+    monkeypatch.setattr(_torch_trace, "_MOST_PARTS", 10_000)
+    assert folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys).module

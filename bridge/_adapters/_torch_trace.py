@@ -38,7 +38,7 @@ import contextlib
 import importlib
 import inspect
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -1088,6 +1088,69 @@ _UNKNOWN_CLASS = (
 )
 
 
+_TOO_BIG = (
+    "its config.json declares {what}, but the folder holds {keys} tensors: the "
+    "config does not describe these weights (building it would take minutes and "
+    "gigabytes); use the config.json the weights were saved with"
+)
+_LAYER_COUNTS = frozenset(
+    {
+        "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
+        "decoder_layers", "num_decoder_layers", "num_encoder_layers",
+    }
+)  # fmt: skip
+_MOST_PARTS = 10_000
+"""Without the folder's tensor names, the most layers a config may declare and the
+most parameters a model built from it may register beyond them."""
+
+
+class _TooBig(Exception):
+    """A model from a config declaring far more than its folder holds."""
+
+
+def _too_many_layers(raw: Any, keys: int | None) -> str | None:
+    """A layer count in `raw` (or its nested configs) above the folder's number of
+    tensors: a config of 100,000 layers took minutes and gigabytes to build, and
+    one of 10**8 never finished (transformers lists each layer's type)."""
+    most = keys if keys is not None else _MOST_PARTS
+    todo = [raw]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, Mapping):
+            continue
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                todo.append(value)
+            elif (
+                key in _LAYER_COUNTS
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+                and value > most
+            ):
+                return f"{key} {value}"
+    return None
+
+
+@contextlib.contextmanager
+def _at_most_parameters(torch: Any, most: int) -> Iterator[None]:
+    """Abort a model's construction once it registers more than `most`
+    parameters (a count its config's fields such as expert counts multiply)."""
+    count = 0
+
+    def registered(module: Any, name: str, param: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > most:
+            raise _TooBig(f"more than {most} parameters")
+
+    hooks = torch.nn.modules.module
+    handle = hooks.register_module_parameter_registration_hook(registered)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _import(name: str) -> Any:
     try:
         return importlib.import_module(name)
@@ -1106,8 +1169,9 @@ def _no_init_weights(transformers: Any) -> Any:
     raise ImportError("transformers has no no_init_weights")
 
 
-def _config(transformers: Any, given: Any) -> tuple[Any, dict]:
-    """The transformers config of a folder (its `config.json`) or of a dict."""
+def _config(transformers: Any, given: Any, keys: int | None = None) -> tuple[Any, dict]:
+    """The transformers config of a folder (its `config.json`) or of a dict, whose
+    layer counts are at most `keys` (the folder's number of tensors) when given."""
     import json
     from pathlib import Path
 
@@ -1115,6 +1179,10 @@ def _config(transformers: Any, given: Any) -> tuple[Any, dict]:
         raw = dict(given)
     else:
         raw = json.loads((Path(given) / "config.json").read_text())
+    declared = _too_many_layers(raw, keys)
+    if declared is not None:
+        shown = "an unknown number of" if keys is None else keys
+        raise _TooBig(_TOO_BIG.format(what=declared, keys=shown))
     rest = {k: v for k, v in raw.items() if k != "model_type"}
     config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
     return config, raw
@@ -1153,8 +1221,13 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     fake_tensor = _import("torch._subclasses.fake_tensor")
     if fake_tensor is None:
         return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+    if keys is None and not isinstance(folder, Mapping):
+        keys = _folder_keys(folder)
+    count = None if keys is None else len(keys)
     try:
-        config, raw = _config(transformers, folder)
+        config, raw = _config(transformers, folder, count)
+    except _TooBig as e:
+        return FolderModule(None, str(e), {}, ())
     except (ValueError, KeyError, OSError) as e:
         return FolderModule(
             None, f"its config.json is not read by transformers: {e}", {}, ()
@@ -1177,10 +1250,16 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
         lambda: torch.device("meta"),
         lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
     ):
+        most = _MOST_PARTS + 4 * (count or 0)
         try:
             with context(), _no_init_weights(transformers):
-                module = _construct(cls, config, torch)
+                with _at_most_parameters(torch, most):
+                    module = _construct(cls, config, torch)
                 module.tie_weights()
+        except _TooBig as e:
+            what = f"a model of {e}"
+            shown = "an unknown number of" if count is None else count
+            return FolderModule(None, _TOO_BIG.format(what=what, keys=shown), {}, ())
         except Exception as e:  # the model's own code: report, do not crash the port
             built = (
                 built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
@@ -1190,8 +1269,6 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     else:
         return FolderModule(None, built or "", {}, ())
     module.eval()
-    if keys is None and not isinstance(folder, Mapping):
-        keys = _folder_keys(folder)
     found, unmatched = _file_names(module, keys, transformers)
     return FolderModule(module, "", found, unmatched)
 
