@@ -64,7 +64,8 @@ def open_checkpoint(path: str | os.PathLike) -> Contents:
     readable checkpoint (also a `FileNotFoundError` for a missing path and a
     `PermissionError` for one this user may not read).
     """
-    given, found = Path(path), None
+    path = given = Path(path)
+    found = None
     for attempt in range(_PROBES):
         path = reachable(given)  # a folder swap a killed save left half done
         if path.suffix in PICKLE_SUFFIXES:
