@@ -237,6 +237,23 @@ def test_the_page_runner_reads_a_page_as_a_reader_does(tmp_path):
     assert steps(page)[1][2] == "hi\n"
 
 
+def test_shown_outputs_are_text_blocks():
+    """What a ```python block prints is shown in a ```text block, the one the page
+    runner compares: a bare ``` block after it is never checked (two went stale so)."""
+    bare = []
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        found = list(_FENCE.finditer(text))
+        for m, after in zip(found, found[1:]):
+            between = text[m.end() : after.start()]
+            if m[1] == "python" and after[1] == "" and between.count("\n\n") <= 2:
+                bare.append(f"{page}:{text[: after.start()].count(chr(10)) + 1}")
+    assert not bare, (
+        f"outputs shown in bare ``` blocks, which the page runner never compares: "
+        f"{bare}; write ```text"
+    )
+
+
 def test_fragments_are_marked():
     """A code block the runner does not run (```py) says it is a fragment."""
     unmarked = [
