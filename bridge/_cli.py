@@ -347,6 +347,13 @@ _ONTO_SOURCE = (
     "write to another path, then move it"
 )
 
+_MSGPACK_LOSES = (
+    "{dst}: a msgpack file holds Flax variables and keeps no metadata, so the "
+    "PyTorch layout of the arrays would be lost: the file would load into no model "
+    "and convert to no layout (nothing was written). Add --to-layout flax to store "
+    "Flax's names and shapes, or write {stem}.safetensors or an orbax directory, "
+    "which keep the layout (as bridge.save refuses layout='torch' in a msgpack file)"
+)
 _NEEDS_LAYOUT = (
     "{flags} {verb} nothing without --to-layout (they choose how layers are "
     "stored in the converted layout): add --to-layout, or leave {them} out"
@@ -447,6 +454,10 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
     dst = Path(args.dst)
     with Display(Console(stderr=True)) as slow:
         with open_checkpoint(args.src) as contents:
+            layout = args.to_layout or contents.layout
+            if format_of(dst).name == "msgpack" and layout == "torch":
+                stem = dst.name.removesuffix(dst.suffix)
+                raise ValueError(_MSGPACK_LOSES.format(dst=dst, stem=stem))
             total = sum(s.nbytes for s in contents.tensors)
             name = f"reading {contents.path.name} ({human(total)})"
             with slow.phase(name, total):

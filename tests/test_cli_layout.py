@@ -342,3 +342,62 @@ def test_trained_equinox_batch_norm_round_trip(tmp_path):
     loaded = bridge.load(back, like=models.equinox_cnn(1))
     assert loaded[1].get(loaded[0].bn.batch_counter) == 2**30
     assert bridge.compare((model, state), loaded, models.cnn_input()) <= 1e-5
+
+
+def _torch_file(path):
+    """A PyTorch-layout `nn.Linear(4, 4)`, `nn.Linear(4, 2)` state dict, as numpy."""
+    import safetensors.numpy
+
+    rng = np.random.default_rng(0)
+    state = {
+        "a.weight": rng.normal(size=(4, 4)).astype("float32"),
+        "a.bias": rng.normal(size=4).astype("float32"),
+        "b.weight": rng.normal(size=(2, 4)).astype("float32"),
+        "b.bias": rng.normal(size=2).astype("float32"),
+    }
+    safetensors.numpy.save_file(state, path, metadata={"format": "pt"})
+
+
+class _TwoLinears(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+        self.b = nnx.Linear(4, 2, rngs=rngs)
+
+
+@requires("NNX")
+def test_msgpack_of_the_torch_layout_is_refused(tmp_path, capsys):
+    """A msgpack file holds Flax variables and keeps no metadata: a PyTorch-layout
+    checkpoint written to one read back as variables of unknown layout, which
+    `bridge.load(like=...)` paired with no layer and no --to-layout converted.
+    Refused, nothing written (as `bridge.save(..., layout="torch")` refuses it);
+    with --to-layout flax it is written and loads as its source does."""
+    src = tmp_path / "src.safetensors"
+    _torch_file(src)
+    dst = tmp_path / "out.msgpack"
+    for extra in ([], ["--to-layout", "torch"]):
+        assert main(["convert", str(src), str(dst), *extra]) == 1
+        err = capsys.readouterr().err
+        assert not dst.exists()
+        assert "PyTorch layout" in err and "--to-layout flax" in err
+        assert "out.safetensors" in err  # the other fix: a format keeping the layout
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert main(["convert", str(src), str(dst), "--to-layout", "flax"]) == 0
+    expected = bridge.load(src, like=_TwoLinears(nnx.Rngs(1)))
+    loaded = bridge.load(dst, like=_TwoLinears(nnx.Rngs(1)))
+    for layer in ("a", "b"):
+        for leaf in ("kernel", "bias"):
+            np.testing.assert_array_equal(
+                getattr(getattr(loaded, layer), leaf)[...],
+                getattr(getattr(expected, layer), leaf)[...],
+            )
+
+
+def test_msgpack_of_the_equinox_layout_still_loads_into_equinox(tmp_path):
+    """An Equinox checkpoint in a msgpack file loads back into its model by names,
+    as `bridge.save(path.msgpack, equinox_model)` does: not refused."""
+    src, dst = tmp_path / "src.safetensors", tmp_path / "out.msgpack"
+    model = models.equinox_mlp(0)
+    bridge.save(src, model)
+    assert main(["convert", str(src), str(dst)]) == 0
+    loaded = bridge.load(dst, like=models.equinox_mlp(1))
+    assert bridge.compare(model, loaded, models.mlp_input()) == 0
