@@ -359,7 +359,7 @@ _NEEDS_LAYOUT = (
     "stored in the converted layout): add --to-layout, or leave {them} out"
 )
 _FOLDER_ONLY = (
-    "{flags} apply only to a Hugging Face folder: pass --to-layout torch and a "
+    "{flags} {verb} only to a Hugging Face folder: pass --to-layout torch and a "
     "folder DST (no file suffix)"
 )
 _BN_MODE_EQUINOX = "--batch-norm-mode applies only with --to-layout equinox"
@@ -401,7 +401,8 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
     folder = [("--max-shard-size", args.max_shard_size), ("--config", args.config)]
     given = [f for f, v in folder if v is not None]
     if given and (args.to_layout != "torch" or fmt.suffixes):
-        usage.error(_FOLDER_ONLY.format(flags=" and ".join(given)))
+        verb = "applies" if len(given) == 1 else "apply"
+        usage.error(_FOLDER_ONLY.format(flags=" and ".join(given), verb=verb))
     writable = [x for f in formats() if f.dtypes != frozenset() for x in f.suffixes]
     writable = ", ".join(writable[:-1]) + " or " + writable[-1] + " files"
     if fmt.suffixes and fmt.dtypes == frozenset():  # stores no dtype: read only
@@ -572,7 +573,7 @@ def parser() -> argparse.ArgumentParser:
         help="print the listing as JSON (name, role, shape, dtype, bytes, elements, "
         "shard per array; totals; metadata) for other programs",
     )
-    p.set_defaults(run=_inspect, check=_check_inspect)
+    p.set_defaults(run=_inspect, check=_check_inspect, usage=p)
     p = sub.add_parser(
         "convert",
         help="convert between formats (safetensors, msgpack, orbax, Hugging Face "
@@ -647,7 +648,7 @@ def parser() -> argparse.ArgumentParser:
         "(default; the statistics as they are with batch_counter 2**30, so inference "
         "uses them unchanged) or 'ema'",
     )
-    p.set_defaults(run=_convert, check=_check_convert)
+    p.set_defaults(run=_convert, check=_check_convert, usage=p)
     p = sub.add_parser(
         "demo",
         help="train, freeze, port across frameworks, save and reload a small model",
@@ -661,7 +662,7 @@ def parser() -> argparse.ArgumentParser:
         type=_directory,
         help="directory to keep the checkpoint in (default: a temporary one)",
     )
-    p.set_defaults(run=_demo, check=_check_demo)
+    p.set_defaults(run=_demo, check=_check_demo, usage=p)
     return top
 
 
@@ -670,7 +671,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     1: one line, or a line and one line per problem). The arguments are parsed
     before JAX is imported: `--help`, `--version` and usage errors answer at once."""
     top = parser()
-    args = top.parse_args(argv)
+    args, unknown = top.parse_known_args(argv)
+    if unknown:  # said by the subcommand, whose --help lists the options it means
+        args.usage.error("unrecognized arguments: " + " ".join(unknown))
     from . import _load  # now JAX: every adapter, codec and format registered
 
     _load()
@@ -679,7 +682,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not console.is_terminal:
         console = Console(highlight=False, width=100_000)
     try:
-        args.check(args, top)
+        args.check(args, args.usage)
         args.run(args, console)
     except BrokenPipeError:  # `bridge inspect big | head`: the reader has had enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -328,6 +328,8 @@ def test_convert_to_flax_layout(tmp_path, dst, capsys):
         (["--to_layout", "flax"], 2, ["--to_layout (did you mean --to-layout?)"]),
         (["--rename", "a=b"], 2, ["--rename does nothing without --to-layout"]),
         (["--to-layout", "torch", "--batch-norm-mode", "ema"], 2, ["equinox"]),
+        (["--config", "config.json"], 2, ["--config applies only to a Hugging"]),
+        (["--overwrite", "--to-layot", "torch"], 2, ["(did you mean --to-layout?)"]),
     ],
 )
 def test_convert_usage_checked_first(tmp_path, cnn_file, capsys, argv, code, words):
@@ -337,6 +339,10 @@ def test_convert_usage_checked_first(tmp_path, cnn_file, capsys, argv, code, wor
     assert exit_.value.code == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
+    # the subcommand's name and help, where the option it means is listed (`bridge
+    # --help` lists none of convert's)
+    assert err.startswith("bridge convert: error: "), err
+    assert err.endswith(" (see bridge convert --help)\n"), err
     assert not out.exists()
 
 
