@@ -354,6 +354,21 @@ _MSGPACK_LOSES = (
     "Flax's names and shapes, or write {stem}.safetensors or an orbax directory, "
     "which keep the layout (as bridge.save refuses layout='torch' in a msgpack file)"
 )
+_NO_CONFIG = (
+    "note: {dst} holds no config.json, which from_pretrained needs to build the "
+    "model: convert again with --overwrite --config {config}"
+)
+
+
+def _config_source(src: Path) -> str:
+    """What to pass as --config: the folder `src` is or lies in, where it holds a
+    config.json (the Hugging Face folder the weights came from), else a placeholder."""
+    folder = src if src.is_dir() else src.parent
+    if (folder / "config.json").is_file():
+        return str(folder)
+    return "PATH (the model's config.json, or the folder holding it)"
+
+
 _NEEDS_LAYOUT = (
     "{flags} {verb} nothing without --to-layout (they choose how layers are "
     "stored in the converted layout): add --to-layout, or leave {them} out"
@@ -503,6 +518,9 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
         ),
         soft_wrap=True,
     )
+    if folder and not (dst / "config.json").is_file():
+        note = _NO_CONFIG.format(dst=dst, config=_config_source(Path(args.src)))
+        console.print(printable(note), soft_wrap=True)
 
 
 def _demo(args: argparse.Namespace, console: Console) -> None:
@@ -632,7 +650,8 @@ def parser() -> argparse.ArgumentParser:
         "--config",
         metavar="PATH",
         help="with --to-layout torch and a folder DST: the config.json to write "
-        "there (a file, or the folder holding it and generation_config.json)",
+        "there (a file, or the folder holding it and generation_config.json); "
+        "from_pretrained needs it, and the command says when DST has none",
     )
     p.add_argument(
         "--like",

@@ -268,6 +268,30 @@ def test_convert_writes_a_folder(tmp_path, capsys):
     assert "apply only to a Hugging Face folder" in capsys.readouterr().err
 
 
+def test_convert_to_a_folder_without_config_says_how_to_add_it(tmp_path, capsys):
+    """A folder without config.json is one `from_pretrained` cannot open ("Should
+    have a `model_type` key in its config.json"): the command says so, and names
+    the folder the weights came from as the --config to pass."""
+    from bridge._cli import main
+
+    hub = tmp_path / "hub"  # a save_pretrained folder
+    bridge.save(hub, MLP(), layout="torch", config={"model_type": "mlp"})
+    out = tmp_path / "out"
+    assert main(["convert", str(hub), str(out), "--to-layout", "torch"]) == 0
+    assert not (out / "config.json").exists()
+    said = capsys.readouterr().out
+    assert "no config.json" in said and "from_pretrained" in said
+    assert f"--config {hub}" in said and "--overwrite" in said
+    assert len(said.strip().splitlines()) == 2  # the summary and the note
+    argv = ["convert", str(hub), str(out), "--to-layout", "torch", "--overwrite"]
+    assert main([*argv, "--config", str(hub)]) == 0
+    assert "config.json" not in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "mlp"}
+    arrays, _ = _folder(out)
+    expected = _expected(MLP())
+    assert all(np.array_equal(arrays[k], expected[k]) for k in expected)
+
+
 class Expert(nnx.Module):
     def __init__(self, rngs):
         self.gate_proj = nnx.Linear(8, 4, use_bias=False, rngs=rngs)
