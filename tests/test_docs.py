@@ -254,6 +254,24 @@ def test_shown_outputs_are_text_blocks():
     )
 
 
+def test_bridge_commands_are_console_blocks():
+    """A `bridge inspect` or `bridge convert` a page shows is in a ```console block,
+    which the page runner runs where the page's code made its files: a ```sh block
+    is never run (pytorch.md's converted a seq.safetensors nobody made)."""
+    unrun = [
+        f"{page}:{text[: m.start()].count(chr(10)) + 1}"
+        for page in PAGES
+        for text in [(ROOT / page).read_text()]
+        for m in _FENCE.finditer(text)
+        if m[1] != "console"
+        and re.search(r"^(\$ )?bridge (inspect|convert)\b", m[3], re.M)
+    ]
+    assert not unrun, (
+        f"bridge commands outside ```console blocks: {unrun}; show them as "
+        "`$ bridge ...` lines of a ```console block, with what they print"
+    )
+
+
 def test_fragments_are_marked():
     """A code block the runner does not run (```py) says it is a fragment."""
     unmarked = [
@@ -342,6 +360,29 @@ def test_the_pages_import_what_tests_slow_installs():
         f"pages import what `nox -s tests_slow` does not install: {missing}; add "
         "them to GUIDE_PACKAGES in noxfile.py, or show that code in a ```py block"
     )
+
+
+def test_install_lines_name_extras_pyproject_defines():
+    """Each `pip install` of the README and the docs that names extras of this
+    checkout (`./bridge[torch]`, `-e ".[test]"`) names extras that pyproject.toml
+    defines: pip only warns about an unknown extra, and installs without it."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    defined = set(pyproject["project"]["optional-dependencies"])
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]
+    named, unknown = 0, []
+    for page in pages:
+        for line in re.findall(r"pip install [^\n`]*", page.read_text()):
+            for extras in re.findall(r"(?:\./bridge|\.)\[([\w,-]+)\]", line):
+                named += 1
+                unknown += [
+                    f"{page.relative_to(ROOT)}: {line.strip()} ({extra})"
+                    for extra in extras.split(",")
+                    if extra not in defined
+                ]
+    assert named >= 4  # the README's, getting started's, the torch guide's
+    assert not unknown, f"install lines naming extras pyproject lacks: {unknown}"
 
 
 def test_the_version_is_one_and_the_changelog_lists_it():
