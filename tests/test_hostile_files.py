@@ -340,3 +340,28 @@ def test_missing_and_denied_read_as_their_os_errors(tmp_path, monkeypatch):
         bridge.load(path)
     assert str(info.value).startswith(f"{path}: permission denied: ")
     assert info.value.errno == errno.EACCES and info.value.strerror == str(info.value)
+
+
+_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+    "size 90864\n"
+)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "flax_model.msgpack"])
+def test_a_git_lfs_pointer_says_to_fetch_the_weights(tmp_path, name, capsys):
+    """A hub repository cloned without Git LFS holds ~130-byte pointer files in place
+    of its weights: the error says so and how to fetch them, not that the header
+    claims 2e18 bytes and to 'save it again from the model'."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / name).write_text(_POINTER)
+    target = tmp_path if name.endswith(".safetensors") else tmp_path / name
+    with pytest.raises(bridge.CheckpointError) as refused:
+        bridge.load(target)
+    said = str(refused.value)
+    assert f"{tmp_path / name} is a Git LFS pointer" in said
+    assert "git lfs pull" in said and "save it again" not in said
+    assert _cli.main(["inspect", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert "Git LFS pointer" in err and len(err.strip().splitlines()) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -20,7 +21,26 @@ class CheckpointError(ValueError):
     """
 
 
-def unreadable(path: Path, format: str, reason: str) -> CheckpointError:
+_LFS = b"version https://git-lfs.github.com/spec/"
+_LFS_POINTER = """\
+{path} is a Git LFS pointer ({size}), not the checkpoint: the repository was \
+cloned without Git LFS, which leaves a small text file in place of each large one. \
+Fetch the files: run `git lfs install` and then `git lfs pull` in the clone, or \
+download the model with huggingface_hub (`hf download REPO_ID`)."""
+
+
+def unreadable(
+    path: Path, format: str, reason: str, head: bytes = b""
+) -> CheckpointError:
     """The error for a `format` checkpoint at `path` that cannot be read because of
-    `reason` (a short phrase, no final period)."""
+    `reason` (a short phrase, no final period). `head`, the file's first bytes where
+    they are at hand, tells a Git LFS pointer (a hub repository cloned without Git
+    LFS), whose fix is to fetch the file, not to save it again."""
+    if head.startswith(_LFS):
+        text = head.decode("ascii", "replace")
+        stood = re.search(r"^size (\d+)$", text, re.M)
+        size = f"{len(head)} bytes"
+        if stood:
+            size += f" in place of a file of {int(stood[1]):,} bytes"
+        return CheckpointError(_LFS_POINTER.format(path=path, size=size))
     return CheckpointError(_UNREADABLE.format(path=path, format=format, reason=reason))

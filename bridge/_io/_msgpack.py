@@ -166,6 +166,7 @@ def metadata(path: Path) -> Contents:
     """The `Contents` of the file: it is read and decoded whole (msgpack has no
     header); the arrays wait in `Contents.source`."""
     fd = open_regular(path, NAME)
+    data = b""
     try:
         data = read_whole(fd, path, NAME)
         variables = msgpack.unpackb(
@@ -173,10 +174,11 @@ def metadata(path: Path) -> Contents:
         )
         return _contents(path, variables)
     except (Malformed, EOFError) as e:
-        raise unreadable(path, NAME, str(e)) from None
+        raise unreadable(path, NAME, str(e), data[:200]) from None
     except (msgpack.UnpackException, ValueError) as e:  # msgpack's decoding errors
         reason = "nested too deeply" if isinstance(e, msgpack.StackError) else str(e)
-        raise unreadable(path, NAME, f"not msgpack ({reason or type(e).__name__})")
+        reason = f"not msgpack ({reason or type(e).__name__})"
+        raise unreadable(path, NAME, reason, data[:200]) from None
     finally:
         os.close(fd)
 

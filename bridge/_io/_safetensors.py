@@ -263,6 +263,9 @@ def _header(fd: int) -> tuple[dict[str, str], dict[str, Entry], int]:
     return meta, entries, 8 + length
 
 
+_POINTER_SIZE = 200  # a Git LFS pointer's bytes, ~130
+
+
 def metadata(path: Path, files: Files | None = None) -> Contents:
     """The `Contents` of the file at `path`, from its header (the file is held in
     `Contents.source` for `restore`: by `files`, when given, else by its own)."""
@@ -274,8 +277,13 @@ def metadata(path: Path, files: Files | None = None) -> Contents:
         meta, entries, start = _header(fd)
         key = files.add(path, NAME, fd, ident)  # `files` closes it from here on
     except (Malformed, EOFError) as e:
-        os.close(fd)
-        raise unreadable(path, NAME, str(e)) from None
+        try:
+            head = read_at(fd, 0, min(size(fd), _POINTER_SIZE))
+        except EOFError:  # it shrank meanwhile
+            head = b""
+        finally:
+            os.close(fd)
+        raise unreadable(path, NAME, str(e), head) from None
     except BaseException:
         os.close(fd)
         raise
