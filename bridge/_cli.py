@@ -369,6 +369,10 @@ def _config_source(src: Path) -> str:
     return "PATH (the model's config.json, or the folder holding it)"
 
 
+_DEMO_EXISTS = (
+    "{checkpoint} exists: pass --overwrite to replace it, or another --out "
+    "(nothing was run)"
+)
 _NEEDS_LAYOUT = (
     "{flags} {verb} nothing without --to-layout (they choose how layers are "
     "stored in the converted layout): add --to-layout, or leave {them} out"
@@ -390,7 +394,10 @@ def _check_inspect(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
 
 
 def _check_demo(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
-    pass
+    """Refuse, before any work, to replace a checkpoint in --out without --overwrite."""
+    checkpoint = None if args.out is None else args.out / "demo.safetensors"
+    if checkpoint is not None and checkpoint.exists() and not args.overwrite:
+        raise FileExistsError(_DEMO_EXISTS.format(checkpoint=checkpoint))
 
 
 def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
@@ -679,7 +686,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         type=_directory,
-        help="directory to keep the checkpoint in (default: a temporary one)",
+        help="directory to keep the checkpoint in (default: a temporary one); "
+        "its demo.safetensors is replaced only with --overwrite",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the demo.safetensors of --out if it exists",
     )
     p.set_defaults(run=_demo, check=_check_demo, usage=p)
     return top

@@ -169,6 +169,28 @@ def test_demo_out_a_file_or_under_one_is_one_line(tmp_path, out, words):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_demo_out_never_replaces_a_checkpoint_silently(tmp_path, capsys):
+    """`--out DIR` holding a demo.safetensors (the last run's, or a file of the
+    user's): refused before any work, naming --overwrite, as convert refuses."""
+    (tmp_path / "demo.safetensors").write_text("mine")
+    assert main(["demo", "--steps", "1", "--out", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "training" not in out and "Traceback" not in err
+    assert err.count("\n") == 1 and "demo.safetensors exists" in err, err
+    assert "--overwrite" in err
+    assert (tmp_path / "demo.safetensors").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_demo_out_with_overwrite_replaces_it(tmp_path, capsys):
+    (tmp_path / "demo.safetensors").write_text("mine")
+    argv = ["demo", "--steps", "1", "--out", str(tmp_path), "--overwrite"]
+    assert main(argv) == 0
+    assert "checkpoint demo.safetensors" in capsys.readouterr().out
+    loaded = bridge.load(tmp_path / "demo.safetensors")
+    assert bridge.roles(loaded).head.kernel == "params"
+
+
 def test_demo_out_a_directory_it_cannot_write_is_one_line(
     tmp_path, monkeypatch, capsys
 ):
