@@ -96,6 +96,35 @@ def _images(size: int, rng=None):
     return rng.normal(size=(BATCH, 3, size, size)).astype(np.float32)
 
 
+def _image_classifier(
+    name: str,
+    make_nnx: Callable[[], Any],
+    make_torch: Callable[[], Any],
+    size: int,
+    config: Any,
+    nnx_kwargs: dict | None = None,
+    tolerance: float = 1e-4,
+) -> Case:
+    """A bonsai image classifier (channels last, `nnx_kwargs` beside the images)
+    against its transformers twin (`pixel_values` channels first), on the same
+    random `size` x `size` images, the logits compared."""
+    nchw = _images(size)
+    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
+    kwargs = nnx_kwargs or {}
+    return Case(
+        name,
+        make_nnx,
+        make_torch,
+        lambda m: np.asarray(m(nhwc, **kwargs)),
+        lambda m: _torch_out(m, "logits", pixel_values=nchw),
+        (nhwc,),
+        kwargs,
+        _torch_inputs(pixel_values=nchw),
+        tolerance=tolerance,
+        config=config,
+    )
+
+
 def vit() -> Case:
     import transformers
     from flax import nnx
@@ -125,19 +154,14 @@ def vit() -> Case:
         num_labels=3,
         layer_norm_eps=1e-12,
     )
-    nchw = _images(8)
-    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
-    return Case(
+    return _image_classifier(
         "vit",
         lambda: vit.ViTClassificationModel(cfg, rngs=nnx.Rngs(0)),
         lambda: transformers.ViTForImageClassification(hf),
-        lambda m: np.asarray(m(nhwc, rngs=None)),
-        lambda m: _torch_out(m, "logits", pixel_values=nchw),
-        (nhwc,),
+        8,
+        cfg,
         {"rngs": None},
-        _torch_inputs(pixel_values=nchw),
         tolerance=1e-3,  # tanh GELU (transformers: exact); bonsai's own loader: 4e-5
-        config=cfg,
     )
 
 
@@ -155,18 +179,12 @@ def resnet() -> Case:
         layer_type="bottleneck",
         num_labels=3,
     )
-    nchw = _images(32)
-    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
-    return Case(
+    return _image_classifier(
         "resnet",
         lambda: resnet.ResNet(cfg, rngs=nnx.Rngs(0)),
         lambda: transformers.ResNetForImageClassification(hf),
-        lambda m: np.asarray(m(nhwc)),
-        lambda m: _torch_out(m, "logits", pixel_values=nchw),
-        (nhwc,),
-        {},
-        _torch_inputs(pixel_values=nchw),
-        config=cfg,
+        32,
+        cfg,
     )
 
 
@@ -182,18 +200,13 @@ def convnext() -> Case:
     hf = transformers.ConvNextConfig(
         num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3
     )
-    nchw = _images(16)
-    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
-    return Case(
+    return _image_classifier(
         "convnext",
         lambda: convnext.ConvNeXt(cfg, rngs=nnx.Rngs(0)),
         lambda: transformers.ConvNextForImageClassification(hf),
-        lambda m: np.asarray(m(nhwc, rngs=None)),
-        lambda m: _torch_out(m, "logits", pixel_values=nchw),
-        (nhwc,),
+        16,
+        cfg,
         {"rngs": None},
-        _torch_inputs(pixel_values=nchw),
-        config=cfg,
     )
 
 
@@ -611,18 +624,12 @@ def efficientnet() -> Case:
         batch_norm_eps=1e-5,
         num_labels=3,
     )
-    nchw = _images(16)
-    nhwc = jnp.asarray(nchw.transpose(0, 2, 3, 1))
-    return Case(
+    return _image_classifier(
         "efficientnet",
         lambda: efficientnet.EfficientNet(cfg, rngs=nnx.Rngs(0)),
         lambda: transformers.EfficientNetForImageClassification(hf),
-        lambda m: np.asarray(m(nhwc)),
-        lambda m: _torch_out(m, "logits", pixel_values=nchw),
-        (nhwc,),
-        {},
-        _torch_inputs(pixel_values=nchw),
-        config=cfg,
+        16,
+        cfg,
     )
 
 
