@@ -762,7 +762,7 @@ def qwen3_vl(vision_tower: bool = True) -> Case:
 
     from .bonsai import qwen3_vl
 
-    vision = qwen3_vl.Qwen3VLVisionConfig(
+    tower = dict(  # the same sizes on both sides
         depth=1,
         hidden_size=8,
         intermediate_size=16,
@@ -772,9 +772,8 @@ def qwen3_vl(vision_tower: bool = True) -> Case:
         spatial_merge_size=2,
         out_hidden_size=16,
         num_position_embeddings=16,
-        deepstack_visual_indexes=(0,),
     )
-    text = qwen3_vl.Qwen3VLTextConfig(
+    words = dict(
         vocab_size=99,
         hidden_size=16,
         intermediate_size=32,
@@ -782,32 +781,22 @@ def qwen3_vl(vision_tower: bool = True) -> Case:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=8,
-        rope_theta=5_000_000,
-        mrope_section=(2, 1, 1),
-        tie_word_embeddings=False,
     )
-    cfg = qwen3_vl.ModelConfig(vision_config=vision, text_config=text)
-    hf = transformers.Qwen3VLConfig(
-        vision_config=dict(
-            depth=1,
-            hidden_size=8,
-            intermediate_size=16,
-            num_heads=2,
-            patch_size=2,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            out_hidden_size=16,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
+    cfg = qwen3_vl.ModelConfig(
+        vision_config=qwen3_vl.Qwen3VLVisionConfig(
+            **tower, deepstack_visual_indexes=(0,)
         ),
+        text_config=qwen3_vl.Qwen3VLTextConfig(
+            **words,
+            rope_theta=5_000_000,
+            mrope_section=(2, 1, 1),
+            tie_word_embeddings=False,
+        ),
+    )
+    hf = transformers.Qwen3VLConfig(
+        vision_config=dict(**tower, deepstack_visual_indexes=[0]),
         text_config=dict(
-            vocab_size=99,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
+            **words,
             rms_norm_eps=1e-6,
             rope_parameters={
                 "rope_type": "default",
