@@ -91,6 +91,18 @@ def _torch_out(model, field, **inputs):
     return value.detach().float().numpy()
 
 
+# transformers' config fields of the tiny decoders (Qwen3, Gemma3, Qwen3-VL's text)
+TINY_DECODER = dict(
+    vocab_size=99,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+)
+
+
 def _images(size: int, rng=None):
     rng = rng or np.random.default_rng(0)
     return rng.normal(size=(BATCH, 3, size, size)).astype(np.float32)
@@ -318,13 +330,7 @@ def qwen3() -> Case:
         tie_word_embeddings=False,
     )
     hf = transformers.Qwen3Config(
-        vocab_size=99,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
+        **TINY_DECODER,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_theta=1_000_000,  # bonsai's `_generate_pos_embeddings` default
@@ -541,13 +547,7 @@ def gemma3() -> Case:
         final_logit_softcapping=30.0,
     )
     hf = transformers.Gemma3TextConfig(
-        vocab_size=99,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
+        **TINY_DECODER,
         rms_norm_eps=1e-6,
         query_pre_attn_scalar=8,  # bonsai scales by head_dim ** -0.5
         sliding_window=3,
@@ -773,21 +773,12 @@ def qwen3_vl(vision_tower: bool = True) -> Case:
         out_hidden_size=16,
         num_position_embeddings=16,
     )
-    words = dict(
-        vocab_size=99,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-    )
     cfg = qwen3_vl.ModelConfig(
         vision_config=qwen3_vl.Qwen3VLVisionConfig(
             **tower, deepstack_visual_indexes=(0,)
         ),
         text_config=qwen3_vl.Qwen3VLTextConfig(
-            **words,
+            **TINY_DECODER,
             rope_theta=5_000_000,
             mrope_section=(2, 1, 1),
             tie_word_embeddings=False,
@@ -796,7 +787,7 @@ def qwen3_vl(vision_tower: bool = True) -> Case:
     hf = transformers.Qwen3VLConfig(
         vision_config=dict(**tower, deepstack_visual_indexes=[0]),
         text_config=dict(
-            **words,
+            **TINY_DECODER,
             rms_norm_eps=1e-6,
             rope_parameters={
                 "rope_type": "default",
