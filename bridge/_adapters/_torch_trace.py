@@ -35,6 +35,7 @@ torch and transformers are imported here only, when called: without them,
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import weakref
@@ -44,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._gc import paused
+from .._shown import shown
 from .._uses import Contraction, Uses
 from ._torch_merges import merges
 from ._torch_meta import on_meta
@@ -1088,6 +1090,16 @@ _UNKNOWN_CLASS = (
 )
 
 
+_CUSTOM_CODE = (
+    "its config.json names code of its own ({what}), which bridge never imports or "
+    "runs: its PyTorch model is not built, so its forward pass is not traced; pass "
+    "the torch module itself as the source, or leave example= out to pair by names"
+)
+# The fields through which a config.json asks transformers (or another library) to
+# import a file of the folder or of a hub repository
+_CODE_FIELDS = ("auto_map", "trust_remote_code", "custom_pipelines")
+
+
 _TOO_BIG = (
     "its config.json declares {what}, but the folder holds {keys} tensors: the "
     "config does not describe these weights (building it would take minutes and "
@@ -1106,6 +1118,25 @@ most parameters a model built from it may register beyond them."""
 
 class _TooBig(Exception):
     """A model from a config declaring far more than its folder holds."""
+
+
+class _CustomCode(Exception):
+    """A config naming code of its own folder or of a hub repository."""
+
+
+def _custom_code(raw: Mapping) -> str | None:
+    """What in `raw` (or its nested configs) names code to import (`auto_map`,
+    `trust_remote_code`, `custom_pipelines`), shown shortly; None when nothing does.
+    transformers' auto classes import such code, after asking on stdin."""
+    todo = [raw]
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            if key in _CODE_FIELDS and value not in (None, False, {}, []):
+                return f"{key}: {shown(value)}"
+            if isinstance(value, Mapping):
+                todo.append(value)
+    return None
 
 
 def _too_many_layers(raw: Any, keys: int | None) -> str | None:
@@ -1179,10 +1210,15 @@ def _config(transformers: Any, given: Any, keys: int | None = None) -> tuple[Any
         raw = dict(given)
     else:
         raw = json.loads((Path(given) / "config.json").read_text())
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config.json holds a {type(raw).__name__}, not an object")
+    code = _custom_code(raw)
+    if code is not None:
+        raise _CustomCode(_CUSTOM_CODE.format(what=code))
     declared = _too_many_layers(raw, keys)
     if declared is not None:
-        shown = "an unknown number of" if keys is None else keys
-        raise _TooBig(_TOO_BIG.format(what=declared, keys=shown))
+        held = "an unknown number of" if keys is None else keys
+        raise _TooBig(_TOO_BIG.format(what=declared, keys=held))
     rest = {k: v for k, v in raw.items() if k != "model_type"}
     config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
     return config, raw
@@ -1226,17 +1262,21 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     count = None if keys is None else len(keys)
     try:
         config, raw = _config(transformers, folder, count)
-    except _TooBig as e:
+    except (_TooBig, _CustomCode) as e:
         return FolderModule(None, str(e), {}, ())
     except (ValueError, KeyError, OSError) as e:
         return FolderModule(
             None, f"its config.json is not read by transformers: {e}", {}, ()
         )
-    names = list(raw.get("architectures") or [])
-    cls = getattr(transformers, names[0], None) if names else None
+    cls = _model_class(transformers, raw.get("architectures"))
     if cls is None:
+        names = raw.get("architectures") or []
         cls = transformers.AutoModel
-        what = f"{names[0]!r}" if names else f"model_type {raw.get('model_type')!r}"
+        what = (
+            shown(names[0])
+            if isinstance(names, list) and names
+            else f"model_type {shown(raw.get('model_type'))}"
+        )
         if config.__class__ not in getattr(
             transformers.AutoModel, "_model_mapping", {}
         ):
@@ -1258,8 +1298,8 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
                 module.tie_weights()
         except _TooBig as e:
             what = f"a model of {e}"
-            shown = "an unknown number of" if count is None else count
-            return FolderModule(None, _TOO_BIG.format(what=what, keys=shown), {}, ())
+            held = "an unknown number of" if count is None else count
+            return FolderModule(None, _TOO_BIG.format(what=what, keys=held), {}, ())
         except Exception as e:  # the model's own code: report, do not crash the port
             built = (
                 built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
@@ -1278,8 +1318,30 @@ def module_from_folder(folder: Any) -> Any:
     return folder_module(folder).module
 
 
+def _model_class(transformers: Any, architectures: Any) -> Any:
+    """The model class `config["architectures"][0]` names, if it is one of
+    transformers' own model classes (a `PreTrainedModel` subclass it exports; never
+    an auto class, which may import code a config names); else None."""
+    if not isinstance(architectures, list) or not architectures:
+        return None
+    name = architectures[0]
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("Auto"):
+        return None
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # transformers' lazy module failing to import one of its own
+        return None
+    base = transformers.PreTrainedModel
+    return cls if isinstance(cls, type) and issubclass(cls, base) else None
+
+
 def _construct(cls: Any, config: Any, torch: Any) -> Any:
-    build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
+    """`cls` built from `config`; an auto class with `trust_remote_code=False`, so
+    that no file a config names is imported, and no question is asked on stdin."""
+    if cls.__name__.startswith("Auto"):
+        build = functools.partial(cls.from_config, trust_remote_code=False)
+    else:
+        build = cls._from_config
     for dtype in ("dtype", "torch_dtype"):  # transformers 5.x, 4.x
         try:
             return build(config, attn_implementation="eager", **{dtype: torch.float32})
