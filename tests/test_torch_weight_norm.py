@@ -534,3 +534,114 @@ def test_a_weight_normed_conv_transpose_state_dict_is_read_by_its_bias():
     target = nnx.ConvTranspose(IN, IN, (K,), padding="VALID", rngs=nnx.Rngs(0))
     with pytest.raises(bridge.PortError, match="has no source layer"):
         bridge.port(state, target)
+
+
+def _zero_rows(w, rows):
+    """`w` with the output rows `rows` (first axis) set to zero."""
+    return w.at[jnp.asarray(rows)].set(0.0)
+
+
+@pytest.mark.parametrize("api", ["parametrizations", "legacy"])
+@pytest.mark.parametrize("dim", [0, None])
+def test_a_plain_layer_with_zero_rows_into_a_weight_norm_computes_zero(api, dim):
+    """A plain `Linear` whose output rows 1 and 4 are all zero (a pruned unit), or
+    whose whole weight is zero, into a weight-normed torch `Linear`: `||w|| = 0`
+    there, and `v = w` would make torch compute `0 * 0 / 0` = NaN. Torch's own
+    forward after `load_state_dict` computes the plain layer's output, zeros where
+    it has them, no NaN; `v = w` where the norm is not zero."""
+    source = eqx.nn.Linear(IN, OUT, key=jax.random.key(2))
+    rows = [1, 4] if dim == 0 else list(range(OUT))
+    source = eqx.tree_at(lambda m: m.weight, source, _zero_rows(source.weight, rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old hook is deprecated
+        wrap = weight_norm if api == "parametrizations" else torch.nn.utils.weight_norm
+        target = wrap(torch.nn.Linear(IN, OUT), dim=dim).eval()
+    state = bridge.port(source, target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
+    )
+    x = np.random.default_rng(6).normal(size=(5, IN)).astype(np.float32)
+    out = _torch_out(target, x)
+    assert np.isfinite(out).all()
+    _close(out, jax.vmap(source)(jnp.asarray(x)))
+    v = "parametrizations.weight.original1" if api == "parametrizations" else "weight_v"
+    kept = [r for r in range(OUT) if r not in rows]
+    w = np.asarray(source.weight)
+    assert np.array_equal(np.asarray(state[v])[kept], w[kept])
+
+
+def test_a_plain_conv_with_a_zero_channel_into_a_weight_norm_computes_zero():
+    """The same for a `Conv1d`'s all-zero output channel (torch's `dim=0`)."""
+    x = _x()
+    source = eqx.nn.Conv1d(IN, OUT, K, padding=1, key=jax.random.key(4))
+    source = eqx.tree_at(lambda m: m.weight, source, _zero_rows(source.weight, [2]))
+    target = _conv(0, seed=5)
+    state = bridge.port(source, target)
+    target.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}
+    )
+    out = _torch_out(target, x)
+    assert np.isfinite(out).all()
+    _close(out, jax.vmap(source)(jnp.asarray(x)))
+
+
+def _g_like_v_file(path, g_shape):
+    """A file holding `fc.weight_v` (3, 4) (PyTorch's `(out, in)`), `fc.bias` and
+    a `fc.weight_g` of `g_shape`."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    save_file(
+        {
+            "fc.weight_g": rng.normal(size=g_shape).astype(np.float32),
+            "fc.weight_v": rng.normal(size=(3, 4)).astype(np.float32),
+            "fc.bias": np.zeros(3, np.float32),
+        },
+        path,
+    )
+    return path
+
+
+class _Fc(nnx.Module):
+    def __init__(self):
+        self.fc = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+
+def test_a_g_shaped_like_v_is_refused_naming_the_arrays(tmp_path):
+    """`fc.weight_g` shaped like `fc.weight_v` (3, 4): no `dim` of torch's weight
+    norm gives that `g` (it keeps one axis, `(3, 1)` for `dim=0`, or none). Into a
+    plain `Linear(4, 3)` (torch's, NNX's) it is refused, naming both arrays, their
+    shapes and the fix; it loaded silently (`g * v / |v|` element by element).
+    A `(3, 1)` `g` loads and computes `g * v / ||v||` as torch does."""
+    bad = _g_like_v_file(str(tmp_path / "bad.safetensors"), (3, 4))
+    torch_fc = torch.nn.Sequential()
+    torch_fc.add_module("fc", torch.nn.Linear(4, 3))
+    message = (
+        r"`weight_g` has shape \(3, 4\) for `weight_v` \(3, 4\): no axis of "
+        r"PyTorch's weight norm explains it.*Save `g` as torch's weight_norm"
+    )
+    for like in (torch_fc, _Fc()):
+        with pytest.raises(bridge.PortError, match=message):
+            bridge.load(bad, like=like)
+    good = _g_like_v_file(str(tmp_path / "good.safetensors"), (3, 1))
+    from safetensors.numpy import load_file
+
+    arrays = load_file(good)
+    legacy = _legacy_linear_of(arrays)
+    x = np.random.default_rng(6).normal(size=(5, 4)).astype(np.float32)
+    loaded = bridge.load(good, like=torch_fc)
+    torch_fc.load_state_dict(
+        {k: torch.as_tensor(np.asarray(v)) for k, v in loaded.items()}
+    )
+    _close(_torch_out(torch_fc, x), _torch_out(legacy, x))
+
+
+def _legacy_linear_of(arrays):
+    """A `Linear(4, 3)` under the old hook holding `arrays` (`fc.` entries)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        linear = torch.nn.utils.weight_norm(torch.nn.Linear(4, 3), dim=0)
+    linear.load_state_dict(
+        {k[3:]: torch.as_tensor(v) for k, v in arrays.items()}, strict=True
+    )
+    return linear.eval()

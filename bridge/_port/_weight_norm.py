@@ -10,7 +10,9 @@ through a view (`folded`):
   length 1, as `torch._weight_norm` computes it: the weight the layer computes with;
 - encoded from a plain kernel `w`, `v = w` and `g = ||w||` over the same axes: the
   standard decomposition, a re-parametrisation (the layer computes `w` again, up to
-  rounding), never a copy of arrays the source does not have.
+  rounding), never a copy of arrays the source does not have. Where `||w|| = 0` (an
+  all-zero output row), `v` is ones and `g = 0`: the layer computes the zeros
+  (`v = 0` would make it compute `0 * 0 / 0`, NaN).
 
 Flax modules holding `weight_v`/`weight_g` store `v` in the axis order their code
 reads it in (transformers' `FlaxConvWithWeightNorm`: `(out, in, k)`, transposed before
@@ -65,8 +67,12 @@ def folded(codec: Codec) -> Codec:
     def encode(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
         spec = _shapes.decoded(codec, like, hyper)
         w = jnp.asarray(canonical["kernel"])
-        g = _norm(w, tuple(spec["scale"].shape)).astype(spec["scale"].dtype)
-        return codec.encode({**canonical, "scale": g}, like, hyper)
+        norm = _norm(w, tuple(spec["scale"].shape))
+        # where ||w|| = 0, `v = w` would compute 0 * 0 / 0 = NaN: any nonzero `v`
+        # with `g = 0` computes the zeros
+        v = jnp.where(norm == 0, jnp.ones_like(w), w)
+        g = norm.astype(spec["scale"].dtype)
+        return codec.encode({**canonical, "kernel": v, "scale": g}, like, hyper)
 
     view = Codec(
         _PLAIN[codec.kind],

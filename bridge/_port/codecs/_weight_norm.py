@@ -18,8 +18,10 @@ must agree with it.
   = `g`, `original1` = `v`) or the old `torch.nn.utils.weight_norm` (`weight_g`,
   `weight_v`); `v` in the layer's own layout (`(O, I/groups, *k)`, a transposed
   convolution's `(I, O, *k)` applied flipped, `(out, in)`), `g` of the same rank (a
-  scalar for `dim=None`). Without a class (a file), a `ConvTranspose` is read only
-  where its `bias` spans `v`'s second axis and not its first.
+  scalar for `dim=None`). A `g` that no `dim` gives (shaped like `v`: a norm over
+  no axis) is refused, here and in a Flax module holding `weight_g`. Without a
+  class (a file), a `ConvTranspose` is read only where its `bias` spans `v`'s
+  second axis and not its first.
 - Flax (Linen, NNX): a module holding `weight_v`, `weight_g` (and `bias`) used as
   `v * g / ||v||` (transformers' `FlaxConvWithWeightNorm`). Which axes of `v` are the
   kernel's is read from the forward pass on example inputs (`axes`: `v`'s stored
@@ -218,6 +220,32 @@ _DIM = (
     "its weight norm keeps axis {dim} (the module's `dim`), but `g` has shape "
     "{g} for `v` {v}: the stored arrays do not belong to this module"
 )
+_NO_DIM = (
+    "`{g}` has shape {g_shape} for `{v}` {v_shape}: no axis of PyTorch's weight "
+    "norm explains it (its `dim` keeps one axis of `v` and norms the others, `g` "
+    "{dim0} for dim=0, or none: a scalar), so `g * v / ||v||` is not defined by "
+    "these arrays. Save `g` as torch's weight_norm makes it (`||v||` over every "
+    "axis but `dim`, kept as axes of length 1)"
+)
+
+
+def _check_dim(names: tuple[str, str], g: Any, v: Any) -> None:
+    """Refuses a `g` whose shape is not one PyTorch's weight norm gives `v`: `v`'s
+    with every axis but one (`dim`) of length 1, or all of them (a scalar,
+    `dim=None`). A `g` shaped like `v` would norm over no axis at all."""
+    if _broadcasts(g.shape, v.shape) and sum(n != 1 for n in g.shape) <= 1:
+        return
+    raise ValueError(
+        _NO_DIM.format(
+            g=names[0],
+            g_shape=tuple(g.shape),
+            v=names[1],
+            v_shape=tuple(v.shape),
+            dim0=(v.shape[0],) + (1,) * (v.ndim - 1),
+        )
+    )
+
+
 _GROUPED_TRANSPOSE = (
     "a grouped ConvTranspose (groups={groups}) has no Flax counterpart (Flax's "
     "ConvTranspose has no feature groups)"
@@ -244,6 +272,8 @@ def _torch_decoder(plain: str):
                 raise ValueError(
                     _DIM.format(dim=dim, g=tuple(g.shape), v=tuple(v.shape))
                 )
+        else:
+            _check_dim(names, g, v)
         perm = _to_canonical(v.ndim, transposed)
         return _decode(v, g, leaves.get("bias"), perm, transposed)
 
@@ -299,6 +329,7 @@ _BIAS = (
 
 def _flax_decode(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
     v, g, bias = leaves["weight_v"], leaves["weight_g"], leaves.get("bias")
+    _check_dim(_FLAX_NAMES, g, v)
     perm = _flax_perm(hyper, v.ndim)
     if bias is not None and tuple(bias.shape) != (v.shape[perm[-1]],):
         if "axes" not in hyper:  # not PyTorch's order: the forward pass tells
