@@ -82,6 +82,36 @@ def test_other_arrays_are_no_table():
     assert sinusoid(jax.ShapeDtypeStruct(TABLE.shape, jnp.float32)) is None
 
 
+def _spoiled(table, how):
+    """`table` with NaN everywhere, NaN from row 5 on (past the rows read first),
+    one NaN row, or one +inf or -inf row."""
+    out = np.array(table)
+    if how == "all nan":
+        out[:] = np.nan
+    elif how == "nan from row 5":
+        out[5:] = np.nan
+    elif how == "one nan row":
+        out[6] = np.nan
+    elif how == "one nan":
+        out[2, 1] = np.nan
+    else:
+        out[3] = {"inf row": np.inf, "-inf row": -np.inf}[how]
+    return out
+
+
+SPOILED = ["all nan", "nan from row 5", "one nan row", "one nan", "inf row", "-inf row"]
+
+
+@pytest.mark.parametrize("how", SPOILED)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_or_inf_is_no_table(how, dtype):
+    """A comparison with NaN is false: a NaN "missed" no row of the formula and a
+    table of NaN was one. Only finite values equal to the formula are a table."""
+    table = jnp.asarray(_spoiled(VARIANTS["halves"](64, 16), how), dtype)
+    assert sinusoid(table) is None
+    assert sinusoid(np.asarray(table)) is None
+
+
 # --- JAX models: one stores the table, the other computes it -------------------
 
 
@@ -173,6 +203,20 @@ def test_a_learned_table_is_never_dropped_as_computed():
         _computed(), Stored(learned, nnx.Rngs(2)), strict=False, report=True
     )
     assert report.missing == (".embed_positions",) and report.computed_by_source == ()
+
+
+@requires("NNX")
+@pytest.mark.parametrize("how", SPOILED)
+def test_a_nan_table_is_never_dropped_nor_called_computed(how):
+    """A stored table of NaN (or inf) where the target computes one: unexpected
+    (refused, or reported as unused with `strict=False`), never "computed by the
+    target" and left out."""
+    source = Stored(_spoiled(TABLE, how), nnx.Rngs(0))
+    with pytest.raises(bridge.PortError, match=r"unexpected: source layer \.embed_p"):
+        bridge.port(source, _computed())
+    _, report = bridge.port(source, _computed(), strict=False, report=True)
+    assert report.unexpected == (".embed_positions",)
+    assert report.computed_by_target == () and not report.complete
 
 
 @requires("NNX")

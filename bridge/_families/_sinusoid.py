@@ -82,10 +82,10 @@ def sinusoid(array: Any) -> str | None:
 
     **Returns:**
 
-    The variant's name when every value equals the formula's within the rounding of
-    the array's dtype (plus float32 arithmetic on the angles, which grows with the
-    position: `2 eps(dtype) + 8 eps(float32) (p + 1)` at row `p`), one row of zeros
-    allowed; else None.
+    The variant's name when every value is finite and equals the formula's within
+    the rounding of the array's dtype (plus float32 arithmetic on the angles, which
+    grows with the position: `2 eps(dtype) + 8 eps(float32) (p + 1)` at row `p`),
+    one row of zeros allowed; else None (NaN and inf never equal the formula).
 
     **Example:**
 
@@ -133,6 +133,7 @@ table is then touched only there)."""
 def _misses(values: Any, want: Any, tolerance: Any) -> int:
     """How many rows of `values` the formula's `want` misses where each is a row
     of zeros; more than there are rows where one is not."""
-    off = (np.abs(values - want) > tolerance[: len(want), None]).any(axis=1)
+    # `<=` is false for NaN: a NaN misses (`>` would let it match anything)
+    off = ~(np.abs(values - want) <= tolerance[: len(want), None]).all(axis=1)
     zero = ~values.any(axis=1)
     return int(off.sum()) if zero[off].all() else len(want) + 1

@@ -1,7 +1,8 @@
 """Stored sinusoidal position tables among a port's unpaired layers, told by their
 values (`bridge._families._sinusoid`), alone or in a stack of layers.
 
-A table is one 2-D float array whose values are one of the variants. In a stack
+A table is one 2-D float array whose values are one of the variants (finite: an
+array holding NaN or inf is none). In a stack
 (`nn.scan`, a layer axis), it is read per slice: a stack's layer (`Layer.index`)
 holds its slice; a loose array of the module a stack's layers are in
 (`.blocks.positions` beside `.blocks.proj[i]`, `(layers, positions, dim)`) is a
