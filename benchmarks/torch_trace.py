@@ -76,7 +76,9 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from hf_load import QUICK, Size, eqx_llama, nnx_llama, write_folder
@@ -105,7 +107,8 @@ def main() -> None:
     import jax
 
     import bridge
-    from bridge._adapters._torch_trace import folder_module, trace_module
+    from bridge._adapters._torch_folder import folder_module
+    from bridge._adapters._torch_trace import trace_module
 
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as other:
         folder = Path(tmp)
@@ -177,12 +180,20 @@ def main() -> None:
     print(f"goal trace / load <= {GOAL}: {verdict} (worst {worst:.3f})")
 
 
-def _against(checkout: Path, into: Path):
-    """`checkout`'s `bridge/_adapters/_torch_trace.py`, imported from a copy of its
-    `bridge` package under another name (`bridge_against`), next to this one."""
+def _against(checkout: Path, into: Path) -> Any:
+    """`checkout`'s `folder_module` and `trace_module`, imported from a copy of its
+    `bridge` package under another name (`bridge_against`), next to this one
+    (`folder_module` from `_torch_folder`, or `_torch_trace` before the split)."""
     shutil.copytree(checkout / "bridge", into / "bridge_against")
     sys.path.append(str(into))
-    return importlib.import_module("bridge_against._adapters._torch_trace")
+    trace = importlib.import_module("bridge_against._adapters._torch_trace")
+    try:
+        folder = importlib.import_module("bridge_against._adapters._torch_folder")
+    except ImportError:
+        folder = trace
+    return types.SimpleNamespace(
+        folder_module=folder.folder_module, trace_module=trace.trace_module
+    )
 
 
 if __name__ == "__main__":

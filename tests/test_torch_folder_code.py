@@ -1,7 +1,7 @@
 """A downloaded folder never runs its own code nor asks a question: a `config.json`
 naming code of its own (`auto_map`, `trust_remote_code`, `custom_pipelines`), or an
 `architectures` entry that is not one of transformers' model classes, is not built
-(`_torch_trace.folder_module`), and the load that would trace it goes on without the
+(`_torch_folder.folder_module`), and the load that would trace it goes on without the
 trace, saying why in one line. transformers' auto classes would print "Do you wish to
 run the custom code? [y/N]", read stdin and, on "y", import the folder's Python file.
 Each load runs in a child Python whose stdin says "y": the folder's file must not be
@@ -19,7 +19,7 @@ from tests.processes import checkout_env
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from bridge._adapters._torch_trace import folder_module  # noqa: E402
+from bridge._adapters._torch_folder import folder_module  # noqa: E402
 
 
 SMALL = dict(

@@ -17,11 +17,11 @@ from bridge._uses import Contraction, Untraced
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from bridge._adapters._torch_trace import (  # noqa: E402
+from bridge._adapters._torch_folder import (  # noqa: E402
     folder_module,
     module_from_folder,
-    trace_module,
 )
+from bridge._adapters._torch_trace import trace_module  # noqa: E402
 
 
 LINEAR = Contraction(inputs=(1,), outputs=(0,), batch=())  # (out, in)
@@ -584,13 +584,13 @@ def test_folder_names_follow_transformers_renames(tmp_path):
 
 
 def test_folder_module_says_why_it_built_nothing(monkeypatch):
-    from bridge._adapters import _torch_trace
+    from bridge._adapters import _torch_folder
 
     built = folder_module({"model_type": "no-such-model", "architectures": ["X"]})
     assert built.module is None and "config.json" in built.reason
-    real = _torch_trace._import
+    real = _torch_folder._import
     monkeypatch.setattr(
-        _torch_trace, "_import", lambda n: None if n == "transformers" else real(n)
+        _torch_folder, "_import", lambda n: None if n == "transformers" else real(n)
     )
     assert module_from_folder(CONFIGS["bert"]) is None
     assert folder_module(CONFIGS["bert"]).reason.startswith(
@@ -752,9 +752,9 @@ def test_a_config_whose_model_registers_too_many_parameters_is_not_built(
 ):
     """The construction stops once the model registers more parameters than the
     folder's tensors allow (a count that fields such as an expert count multiply)."""
-    from bridge._adapters import _torch_trace
+    from bridge._adapters import _torch_folder
 
-    monkeypatch.setattr(_torch_trace, "_MOST_PARTS", 10)
+    monkeypatch.setattr(_torch_folder, "_MOST_PARTS", 10)
     keys = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
     built = folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys)
     assert built.module is None
@@ -762,5 +762,5 @@ def test_a_config_whose_model_registers_too_many_parameters_is_not_built(
         "its config.json declares a model of more than 26 parameters, but the "
         "folder holds 4 tensors"
     ), built.reason
-    monkeypatch.setattr(_torch_trace, "_MOST_PARTS", 10_000)
+    monkeypatch.setattr(_torch_folder, "_MOST_PARTS", 10_000)
     assert folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys).module

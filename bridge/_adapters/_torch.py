@@ -33,7 +33,7 @@ from .._paths import Path, parse
 from .._shown import shown
 from .._tree import Held, Key, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
-from . import _torch_trace
+from . import _torch_folder, _torch_trace
 from ._build import build, native_leaves, source_of
 from ._registry import APART, Adapter, LayoutWriter, register_adapter
 
@@ -857,7 +857,7 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
     if not is_module(module) and record.config.value is not None:
         files = [_unstrip(n, record) for n in record.names]
         files += [_unstrip(a, record) for a, _ in record.ties]
-        built = _torch_trace.folder_module(record.config.value, keys=files)
+        built = _torch_folder.folder_module(record.config.value, keys=files)
         if built.module is None:
             raise Untraced(_NOT_BUILT.format(reason=built.reason))
         module, renamed = built.module, built.keys

@@ -14,7 +14,7 @@ loads.
 The reference must have a forward pass to trace: a `torch.nn.Module` (its tensors
 on the `meta` device or not), or a Hugging Face folder (or a safetensors file) with
 its `config.json`, whose model is built from the config at no memory cost
-(`bridge._adapters._torch_trace.folder_module`). A state dict, or a file without a
+(`bridge._adapters._torch_folder.folder_module`). A state dict, or a file without a
 config, has none: the export is then named as without `example` (`_torch_layout`).
 """
 

@@ -1,0 +1,412 @@
+"""The PyTorch model a Hugging Face folder holds weights for, built from its
+`config.json` alone: full size, no weights in memory, so that `trace_module`
+(`_torch_trace`) reads the folder's computation before a single weight is loaded.
+
+`folder_module(folder)` builds it with transformers on the `meta` device, else inside
+`FakeTensorMode`, under `no_init_weights()`, and relates the module's names to the
+folder's keys as transformers renames them on load. A downloaded folder is hostile
+input: a config naming code of its own is never built (nothing it names is
+imported, no question is asked), and a config declaring far more than its folder
+holds is refused before it costs minutes and gigabytes.
+
+torch and transformers are imported here only, when called: without them,
+`folder_module` says why it built nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+from .._gc import paused
+from .._shown import shown
+
+
+class FolderModule(NamedTuple):
+    """A Hugging Face model built from a folder's `config.json`, with no weights.
+
+    - `module`: the `torch.nn.Module` (full size, eval mode, its tensors on the
+      `meta` device, or fake where it cannot be built there), or None.
+    - `reason`: why there is no module (empty when there is one).
+    - `keys`: `{state-dict name: the folder's key}` where they differ (transformers
+      renames some on load: ViT's `layers.0.attention.q_proj` is the file's
+      `vit.encoder.layer.0.attention.attention.query`; a base model's names lack
+      the `base_model_prefix` of a head model's file).
+    - `unmatched`: the module's names that no key of the folder gives (a weight
+      transformers makes from several keys, a key renamed in a way not read here):
+      their uses cannot be told by the file's names.
+    """
+
+    module: Any
+    reason: str
+    keys: dict[str, str]
+    unmatched: tuple[str, ...]
+
+
+_NO_PACKAGE = (
+    "{name} is not installed: the PyTorch side cannot be built from config.json"
+)
+_UNKNOWN_CLASS = (
+    "transformers {version} has no model class for {what}: the PyTorch side "
+    "cannot be built from config.json"
+)
+
+
+_CUSTOM_CODE = (
+    "its config.json names code of its own ({what}), which bridge never imports or "
+    "runs: its PyTorch model is not built, so its forward pass is not traced; pass "
+    "the torch module itself as the source, or leave example= out to pair by names"
+)
+# The fields through which a config.json asks transformers (or another library) to
+# import a file of the folder or of a hub repository
+_CODE_FIELDS = ("auto_map", "trust_remote_code", "custom_pipelines")
+
+
+_TOO_BIG = (
+    "its config.json declares {what}, but the folder holds {keys} tensors: the "
+    "config does not describe these weights (building it would take minutes and "
+    "gigabytes); use the config.json the weights were saved with"
+)
+_LAYER_COUNTS = frozenset(
+    {
+        "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
+        "decoder_layers", "num_decoder_layers", "num_encoder_layers",
+    }
+)  # fmt: skip
+_MOST_PARTS = 10_000
+"""Without the folder's tensor names, the most layers a config may declare and the
+most parameters a model built from it may register beyond them."""
+
+
+class _TooBig(Exception):
+    """A model from a config declaring far more than its folder holds."""
+
+
+class _CustomCode(Exception):
+    """A config naming code of its own folder or of a hub repository."""
+
+
+def _custom_code(raw: Mapping) -> str | None:
+    """What in `raw` (or its nested configs) names code to import (`auto_map`,
+    `trust_remote_code`, `custom_pipelines`), shown shortly; None when nothing does.
+    transformers' auto classes import such code, after asking on stdin."""
+    todo = [raw]
+    while todo:
+        node = todo.pop()
+        for key, value in node.items():
+            if key in _CODE_FIELDS and value not in (None, False, {}, []):
+                return f"{key}: {shown(value)}"
+            if isinstance(value, Mapping):
+                todo.append(value)
+    return None
+
+
+def _too_many_layers(raw: Any, keys: int | None) -> str | None:
+    """A layer count in `raw` (or its nested configs) above the folder's number of
+    tensors: a config of 100,000 layers took minutes and gigabytes to build, and
+    one of 10**8 never finished (transformers lists each layer's type)."""
+    most = keys if keys is not None else _MOST_PARTS
+    todo = [raw]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, Mapping):
+            continue
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                todo.append(value)
+            elif (
+                key in _LAYER_COUNTS
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+                and value > most
+            ):
+                return f"{key} {value}"
+    return None
+
+
+@contextlib.contextmanager
+def _at_most_parameters(torch: Any, most: int) -> Iterator[None]:
+    """Abort a model's construction once it registers more than `most`
+    parameters (a count its config's fields such as expert counts multiply)."""
+    count = 0
+
+    def registered(module: Any, name: str, param: Any) -> None:
+        nonlocal count
+        count += 1
+        if count > most:
+            raise _TooBig(f"more than {most} parameters")
+
+    hooks = torch.nn.modules.module
+    handle = hooks.register_module_parameter_registration_hook(registered)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _no_init_weights(transformers: Any) -> Any:
+    """transformers' context that skips weight initialisation (private: its module
+    moved between 4.x and 5.x)."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        module = _import(where)
+        found = getattr(module, "no_init_weights", None)
+        if found is not None:
+            return found()
+    raise ImportError("transformers has no no_init_weights")
+
+
+def _config(transformers: Any, given: Any, keys: int | None = None) -> tuple[Any, dict]:
+    """The transformers config of a folder (its `config.json`) or of a dict, whose
+    layer counts are at most `keys` (the folder's number of tensors) when given."""
+    import json
+    from pathlib import Path
+
+    if isinstance(given, Mapping):
+        raw = dict(given)
+    else:
+        raw = json.loads((Path(given) / "config.json").read_text())
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"config.json holds a {type(raw).__name__}, not an object")
+    code = _custom_code(raw)
+    if code is not None:
+        raise _CustomCode(_CUSTOM_CODE.format(what=code))
+    declared = _too_many_layers(raw, keys)
+    if declared is not None:
+        held = "an unknown number of" if keys is None else keys
+        raise _TooBig(_TOO_BIG.format(what=declared, keys=held))
+    rest = {k: v for k, v in raw.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
+    return config, raw
+
+
+@paused()
+def folder_module(folder: Any, keys: Any = None) -> FolderModule:
+    """Build the PyTorch model a Hugging Face folder holds weights for, from its
+    `config.json` alone, at no memory cost: meta (or fake) tensors of full size.
+
+    The class is `config["architectures"][0]` (else `transformers.AutoModel`),
+    built on the `meta` device (else inside
+    `torch._subclasses.fake_tensor.FakeTensorMode`) under transformers'
+    `no_init_weights()`, with `attn_implementation="eager"`, `use_cache=False` and
+    float32 parameters, then `tie_weights()` (skipping the initialisation also
+    skips the tying) and `eval()`. `trace_module` runs it on meta or fake inputs.
+
+    **Arguments:**
+
+    - `folder`: a folder with a `config.json`, or the config as a dict.
+    - `keys`: optional, the folder's tensor names; by default read from its
+      `model.safetensors.index.json` or `*.safetensors` headers (none for a dict).
+
+    **Returns:**
+
+    A `FolderModule`: the module or the reason there is none (torch or
+    transformers missing, an unknown class, a failing constructor), and how the
+    module's names relate to the folder's keys.
+    """
+    torch = _import("torch")
+    if torch is None:
+        return FolderModule(None, _NO_PACKAGE.format(name="torch"), {}, ())
+    transformers = _import("transformers")
+    if transformers is None:
+        return FolderModule(None, _NO_PACKAGE.format(name="transformers"), {}, ())
+    fake_tensor = _import("torch._subclasses.fake_tensor")
+    if fake_tensor is None:
+        return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+    if keys is None and not isinstance(folder, Mapping):
+        keys = _folder_keys(folder)
+    count = None if keys is None else len(keys)
+    try:
+        config, raw = _config(transformers, folder, count)
+    except (_TooBig, _CustomCode) as e:
+        return FolderModule(None, str(e), {}, ())
+    except (ValueError, KeyError, OSError) as e:
+        return FolderModule(
+            None, f"its config.json is not read by transformers: {e}", {}, ()
+        )
+    cls = _model_class(transformers, raw.get("architectures"))
+    if cls is None:
+        names = raw.get("architectures") or []
+        cls = transformers.AutoModel
+        what = (
+            shown(names[0])
+            if isinstance(names, list) and names
+            else f"model_type {shown(raw.get('model_type'))}"
+        )
+        if config.__class__ not in getattr(
+            transformers.AutoModel, "_model_mapping", {}
+        ):
+            version = transformers.__version__
+            return FolderModule(
+                None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
+            )
+    config.use_cache = False
+    built = None
+    for context in (  # the meta device where it builds, else fake tensors
+        lambda: torch.device("meta"),
+        lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
+    ):
+        most = _MOST_PARTS + 4 * (count or 0)
+        try:
+            with context(), _no_init_weights(transformers):
+                with _at_most_parameters(torch, most):
+                    module = _construct(cls, config, torch)
+                module.tie_weights()
+        except _TooBig as e:
+            what = f"a model of {e}"
+            held = "an unknown number of" if count is None else count
+            return FolderModule(None, _TOO_BIG.format(what=what, keys=held), {}, ())
+        except Exception as e:  # the model's own code: report, do not crash the port
+            built = (
+                built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
+            )
+            continue
+        break
+    else:
+        return FolderModule(None, built or "", {}, ())
+    module.eval()
+    found, unmatched = _file_names(module, keys, transformers)
+    return FolderModule(module, "", found, unmatched)
+
+
+def module_from_folder(folder: Any) -> Any:
+    """`folder_module(folder).module`: the fake-tensor model, or None."""
+    return folder_module(folder).module
+
+
+def _model_class(transformers: Any, architectures: Any) -> Any:
+    """The model class `config["architectures"][0]` names, if it is one of
+    transformers' own model classes (a `PreTrainedModel` subclass it exports; never
+    an auto class, which may import code a config names); else None."""
+    if not isinstance(architectures, list) or not architectures:
+        return None
+    name = architectures[0]
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("Auto"):
+        return None
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # transformers' lazy module failing to import one of its own
+        return None
+    base = transformers.PreTrainedModel
+    return cls if isinstance(cls, type) and issubclass(cls, base) else None
+
+
+def _construct(cls: Any, config: Any, torch: Any) -> Any:
+    """`cls` built from `config`; an auto class with `trust_remote_code=False`, so
+    that no file a config names is imported, and no question is asked on stdin."""
+    if cls.__name__.startswith("Auto"):
+        build = functools.partial(cls.from_config, trust_remote_code=False)
+    else:
+        build = cls._from_config
+    for dtype in ("dtype", "torch_dtype"):  # transformers 5.x, 4.x
+        try:
+            return build(config, attn_implementation="eager", **{dtype: torch.float32})
+        except TypeError as e:
+            if dtype not in str(e):
+                raise
+    return build(config, attn_implementation="eager")
+
+
+def _folder_keys(folder: Any) -> list[str] | None:
+    """The tensor names of a folder's safetensors files (their headers only)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names: list[str] = []
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        names += [k for k in header if k != "__metadata__"]
+    return names or None
+
+
+def _file_names(
+    module: Any, keys: Any, transformers: Any
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`{module name: file key}` where they differ, and the module names no key
+    gives, renaming the keys as transformers does on load (its conversion mapping
+    and `base_model_prefix`)."""
+    state = module.state_dict(keep_vars=True)
+    names = list(state)
+    if keys is None:
+        return {}, ()
+    given: dict[str, list[str]] = {}
+    for key, name in _renamed(module, transformers, names, list(keys)).items():
+        given.setdefault(name, []).append(key)
+    by_tensor: dict[int, str] = {}  # a tied name: the key of the name the file has
+    for name in names:
+        if len(given.get(name, ())) == 1:
+            by_tensor.setdefault(id(state[name]), given[name][0])
+    found: dict[str, str] = {}
+    unmatched = []
+    for name in names:
+        sources = given.get(name, [])
+        key = sources[0] if len(sources) == 1 else by_tensor.get(id(state[name]))
+        if key is None:
+            unmatched.append(name)
+        elif key != name:
+            found[name] = key
+    return found, tuple(unmatched)
+
+
+def _renamed(
+    module: Any, transformers: Any, names: list[str], keys: list[str]
+) -> dict[str, str]:
+    """`{file key: its name in module}`, as transformers renames keys on load: 5.x
+    its conversion mapping, 4.x `_get_key_renaming_mapping` (legacy names such as
+    `weight_g`, `gamma`, and the `base_model_prefix`)."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    known = set(names)
+
+    def with_prefix(key: str) -> str:
+        if key in known or not prefix:
+            return key
+        if f"{prefix}.{key}" in known:
+            return f"{prefix}.{key}"
+        if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in known:
+            return key[len(prefix) + 1 :]
+        return key
+
+    loading = _import("transformers.core_model_loading")
+    mapping = _import("transformers.conversion_mapping")
+    if (
+        loading is not None
+        and mapping is not None
+        and hasattr(loading, "rename_source_key")
+    ):
+        transforms = mapping.get_model_conversion_mapping(module)
+        renamings = [t for t in transforms if isinstance(t, loading.WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, loading.WeightConverter)]
+        return {
+            k: with_prefix(loading.rename_source_key(k, renamings, converters)[0])
+            for k in keys
+        }
+    rename = getattr(module, "_get_key_renaming_mapping", None)
+    if rename is not None:  # transformers 4.x, as its from_pretrained calls it
+        has_prefix = bool(prefix) and any(k.startswith(prefix + ".") for k in keys)
+        expects = bool(prefix) and hasattr(module, prefix)
+        try:
+            got = rename(
+                keys,
+                getattr(module, "_checkpoint_conversion_mapping", None) or None,
+                loading_base_model_from_task_state_dict=has_prefix and not expects,
+                loading_task_model_from_base_state_dict=expects and not has_prefix,
+            )
+        except TypeError:  # another signature: names and prefix only
+            got = {}
+        return {k: with_prefix(got.get(k, k)) for k in keys}
+    return {k: with_prefix(k) for k in keys}
