@@ -321,23 +321,6 @@ _TABLE_FIX = (
     "a converted file cannot take it from --like: save the model with "
     "bridge.save(path, model, layout='torch', like=REFERENCE, strict=False)"
 )
-_NOT_A_FORMAT = """\
-{dst}: bridge writes no {suffix} files ({what}). It writes {writable}, and an orbax
-directory for a name without a suffix (a Hugging Face folder with --to-layout torch)."""
-_READ_ONLY = """\
-{dst}: bridge reads {name} files ({suffix}) but writes none. It writes {writable}, and
-an orbax directory for a name without a suffix (a Hugging Face folder with --to-layout
-torch)."""
-_WHAT = {
-    ".bin": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
-    ".pt": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
-    ".pth": "a PyTorch pickle: bridge neither writes nor unpickles pickles",
-    ".ckpt": "a pickle: bridge neither writes nor unpickles pickles",
-    ".pkl": "a pickle: bridge neither writes nor unpickles pickles",
-    ".pickle": "a pickle: bridge neither writes nor unpickles pickles",
-    ".json": "JSON holds no arrays; a sharded checkpoint's index is "
-    "*.safetensors.index.json",
-}
 _EXISTS = (
     "{dst} exists: pass --overwrite to replace it (nothing was written; the "
     "replacement is atomic, the old one stays until the new one is complete)"
@@ -403,7 +386,8 @@ def _check_demo(args: argparse.Namespace, usage: argparse.ArgumentParser) -> Non
 def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> None:
     """Refuse, before any work, what convert would ignore, write wrongly or destroy
     (an existing file without --overwrite, its own source ever)."""
-    from ._io._format import format_of, formats
+    from ._io._format import format_of
+    from ._io._write import check_destination
 
     flags = [f for f, v in (("--rename", args.rename),) if v]
     flags += ["--batch-norm-mode"] if args.batch_norm_mode else []
@@ -425,21 +409,7 @@ def _check_convert(args: argparse.Namespace, usage: argparse.ArgumentParser) -> 
     if given and (args.to_layout != "torch" or fmt.suffixes):
         verb = "applies" if len(given) == 1 else "apply"
         usage.error(_FOLDER_ONLY.format(flags=" and ".join(given), verb=verb))
-    writable = [x for f in formats() if f.dtypes != frozenset() for x in f.suffixes]
-    writable = ", ".join(writable[:-1]) + " or " + writable[-1] + " files"
-    if fmt.suffixes and fmt.dtypes == frozenset():  # stores no dtype: read only
-        suffix = " or ".join(fmt.suffixes)
-        text = _READ_ONLY.format(
-            dst=dst, name=fmt.name, suffix=suffix, writable=writable
-        )
-        raise ValueError(text)
-    if not fmt.suffixes and dst.suffix and not dst.is_dir():
-        what = _WHAT.get(dst.suffix.lower(), "not a checkpoint format bridge knows")
-        raise ValueError(
-            _NOT_A_FORMAT.format(
-                dst=dst, suffix=dst.suffix, what=what, writable=writable
-            )
-        )
+    check_destination(dst, " (a Hugging Face folder with --to-layout torch)")
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"{dst.parent}: no such directory to write {dst.name}")
     # realpath: a symlink loop is the reader's error to report, not a crash here

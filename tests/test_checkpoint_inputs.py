@@ -2,6 +2,8 @@
 """Bad API inputs (TypeError / ValueError naming the argument), dtypes a format cannot
 store, and structures that must save: empty Linen sub-dicts, Equinox dicts of layers."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -155,3 +157,43 @@ def test_equinox_model_holding_a_dict_of_layers(tmp_path, name):
     np.testing.assert_array_equal(back(x), model(x))
     tree = bridge.load(tmp_path / name)
     assert tree.layers["a"].weight.shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("model.pt", "a PyTorch pickle"),
+        ("model.bin", "a PyTorch pickle"),
+        ("model.pth", "a PyTorch pickle"),
+        ("model.ckpt", "a pickle"),
+        ("model.npz", "numpy's archive"),
+        ("model.h5", "HDF5"),
+        ("model.safetensor", "did you mean model.safetensors?"),
+        ("model.gguf", "reads gguf files (.gguf) but writes none"),
+    ],
+)
+def test_save_refuses_a_suffix_it_would_write_as_a_directory(tmp_path, name, words):
+    """`bridge.save("model.pt", model)` wrote an orbax directory named model.pt, which
+    `bridge.load` then refused as a pickle: refused before anything is written, as
+    `bridge convert` refuses it, naming what bridge writes."""
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s){name}: bridge .*{re.escape(words)}.*orbax directory for a name without a suffix",
+    ):
+        bridge.save(tmp_path / name, VARIABLES)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_takes_a_directory_name_with_a_number_after_a_dot(tmp_path):
+    """`runs/lr0.001` names a directory, not a kind of file."""
+    bridge.save(tmp_path / "lr0.001", VARIABLES)
+    assert bridge.load(tmp_path / "lr0.001").a.shape == (2,)
+
+
+@pytest.mark.parametrize("strict", ["false", 0, None])
+def test_load_refuses_a_strict_that_is_not_a_bool(tmp_path, strict):
+    """`strict="false"` was taken as True, and the error then said 'pass
+    strict=False'."""
+    bridge.save(tmp_path / "m.safetensors", VARIABLES)
+    with pytest.raises(TypeError, match="`strict` must be True or False"):
+        bridge.load(tmp_path / "m.safetensors", like=VARIABLES, strict=strict)

@@ -189,6 +189,19 @@ def test_compare_errors():
         bridge.compare((module, variables), other, models.mlp_input())
 
 
+def test_compare_without_inputs_says_how_to_pass_them():
+    """It raised Python's 'missing 1 required positional argument: inputs' from
+    the model's own call."""
+    module, variables = models.linen_mlp()
+    with pytest.raises(
+        TypeError,
+        match=r"(?s)none were\ngiven: pass them after.*bridge\.compare\(a, b, x\)",
+    ):
+        bridge.compare((module, variables), (module, variables))
+    with pytest.raises(TypeError, match="none were"):
+        bridge.compare((module, variables), (module, variables), per_side=({}, {}))
+
+
 def _notes(error: pytest.ExceptionInfo) -> str:
     return "\n".join(getattr(error.value, "__notes__", []))
 

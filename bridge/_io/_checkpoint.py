@@ -73,7 +73,7 @@ from ._read import (
     read_all,
     without_prefix,
 )
-from ._write import FOLDER_OPTIONS, given, save_layout, write
+from ._write import FOLDER_OPTIONS, check_destination, given, save_layout, write
 
 
 _PORTING = """\
@@ -240,6 +240,7 @@ def save(
     """
     # 1. the arguments checked
     path = _path(path)
+    check_destination(path, ' (a Hugging Face folder with layout="torch")')
     check_str(layout, "layout", optional=True)
     check_rules(rules)
     check_str(prefix, "prefix")
@@ -548,6 +549,8 @@ def _checked(request: Request) -> Request:
     if example is not None and like is None:
         raise TypeError("`example` needs `like`, the model whose inputs they are.")
     check_bool(request.keep_quantized, "keep_quantized")
+    check_bool(request.strict, "strict")
+    check_str(request.prefix, "prefix")
     for plugin in asked(request):
         if plugin.check is not None:
             plugin.check(request)

@@ -4,6 +4,7 @@ and the plain PyTorch-layout file (`save(..., layout="torch")`)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,64 @@ model are sharded over the devices of {processes} processes (this process cannot
 their other shards): {names}. Save to an orbax checkpoint directory (a path without a
 file suffix), which every process writes its own shards to, e.g.
 `bridge.save("ckpt/step_100", model)` called in every process."""
+
+
+_NOT_A_FORMAT = """\
+{path}: bridge writes no {suffix} files ({what}).
+It writes {writable}, and an orbax directory for a name without a suffix{folder}."""
+_READ_ONLY = """\
+{path}: bridge reads {name} files ({suffix}) but writes none.
+It writes {writable}, and an orbax directory for a name without a suffix{folder}."""
+_PICKLE = "a PyTorch pickle: bridge neither writes nor unpickles pickles"
+_WHAT = {
+    **dict.fromkeys((".bin", ".pt", ".pth"), _PICKLE),
+    **dict.fromkeys(
+        (".ckpt", ".pkl", ".pickle"),
+        "a pickle: bridge neither writes nor unpickles pickles",
+    ),
+    ".json": "JSON holds no arrays; a sharded checkpoint's index is "
+    "*.safetensors.index.json",
+    ".npz": "numpy's archive, which keeps no roles or layout",
+    ".npy": "one numpy array",
+    ".h5": "HDF5, Keras 2's format",
+    ".keras": "Keras 3's own format",
+}
+
+
+def check_destination(path: Path, folder: str) -> None:
+    """Refuse, before anything is read or written, a `path` whose suffix names a
+    kind of file bridge does not write (a pickle's `.pt`, `.npz`, a typo of a
+    format's suffix such as `.safetensor`), which would otherwise be written as an
+    orbax directory of that name; `folder`: what a name without a suffix is besides
+    (`" (a Hugging Face folder with layout='torch')"`). A suffix of digits
+    (`runs/lr0.001`) names no kind of file; an existing directory is a checkpoint
+    directory whatever its name."""
+    fmt = format_of(path)
+    writable = [x for f in formats() if f.dtypes != frozenset() for x in f.suffixes]
+    listed = ", ".join(writable[:-1]) + " or " + writable[-1] + " files"
+    if fmt.suffixes and fmt.dtypes == frozenset():  # stores no dtype: read only
+        suffix = " or ".join(fmt.suffixes)
+        raise ValueError(
+            _READ_ONLY.format(
+                path=path, name=fmt.name, suffix=suffix, writable=listed, folder=folder
+            )
+        )
+    suffix = path.suffix
+    if fmt.suffixes or not suffix[1:2].isalpha() or path.is_dir():
+        return
+    what = _WHAT.get(suffix.lower())
+    if what is None:
+        close = difflib.get_close_matches(suffix.lower(), writable, n=1, cutoff=0.8)
+        what = (
+            f"did you mean {path.stem}{close[0]}?"
+            if close
+            else "not a checkpoint format bridge knows"
+        )
+    raise ValueError(
+        _NOT_A_FORMAT.format(
+            path=path, suffix=suffix, what=what, writable=listed, folder=folder
+        )
+    )
 
 
 def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:

@@ -23,6 +23,12 @@ Both models get the same batched, channel-last inputs, as Flax takes them.{hint}
 If the models take different arguments, give each its own: per_side=({{...}}, {{...}})
 for keyword arguments."""
 
+_NO_INPUTS = """\
+bridge.compare(a, b, *inputs) runs both models on the same inputs, and none were
+given: pass them after the two models, batched and channel-last as Flax takes them,
+e.g. bridge.compare(a, b, x), or as keyword arguments (bridge.compare(a, b,
+input_ids=ids))."""
+
 _CHANNELS = """
 If model `{side}` takes channels first (an Equinox or PyTorch-style convolution, `(C,
 H, W)` per example), say so: channel_first={pair}, or a class attribute
@@ -100,6 +106,8 @@ def compare(
     check_model(b, "b")
     check_pair(channel_first, "channel_first", "a pair (for a, for b)", check_bool)
     check_pair(per_side, "per_side", "a pair of dicts (for a, for b)", check_mapping)
+    if not inputs and not call_kwargs and not any(per_side or ()):
+        raise TypeError(_NO_INPUTS)
     leaves_a, leaves_b = outputs(a, b, inputs, channel_first, per_side, call_kwargs)
     return largest_difference(leaves_a, leaves_b)
 
