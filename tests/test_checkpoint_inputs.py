@@ -197,3 +197,23 @@ def test_load_refuses_a_strict_that_is_not_a_bool(tmp_path, strict):
     bridge.save(tmp_path / "m.safetensors", VARIABLES)
     with pytest.raises(TypeError, match="`strict` must be True or False"):
         bridge.load(tmp_path / "m.safetensors", like=VARIABLES, strict=strict)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize(
+    "variables, where",
+    [
+        ({"params": {"": {}}}, r"'params' \[''\]"),
+        ({"params": {"a": {}, "": np.ones(2, np.float32)}}, r"'params' \[''\]"),
+        ({"params": {"a": {"": np.ones(2, np.float32)}}}, r"'params' \['a', ''\]"),
+        ({"": {"a": np.ones(2, np.float32)}}, r"'' \['a'\]"),
+    ],
+)
+def test_an_empty_key_is_refused_at_save_naming_it(tmp_path, name, variables, where):
+    """What `save` writes, `load` reads: a Linen dict with an empty-string key (a
+    collection, a module, an array) was saved and then refused by `load` ("a dict
+    key '' is not a name"). `save` refuses it, naming the role and path, and
+    writes nothing."""
+    with pytest.raises(ValueError, match=rf"(?s)these \(role, path\) are not: {where}"):
+        bridge.save(tmp_path / name, variables)
+    assert list(tmp_path.iterdir()) == []

@@ -166,3 +166,25 @@ def test_a_torch_file_with_01_and_1_is_a_checkpoint_error(tmp_path):
         r"name the same array",
     ):
         bridge.load(path)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "folder"])
+@pytest.mark.parametrize(
+    "variables, bad",
+    [
+        ({"params": {"a": {"": np.ones((2, 2), np.float32)}}}, "'a.'"),
+        ({"params": {"": np.ones((2, 2), np.float32)}}, "''"),
+    ],
+)
+def test_an_empty_key_is_refused_before_writing_a_torch_file(
+    tmp_path, name, variables, bad
+):
+    """An empty key makes a name with an empty segment (`'a.'`, `''`): it was
+    written, and every reader (bridge's `load` included) refused the file."""
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s){name}: a PyTorch-layout checkpoint names each array by dotted "
+        rf"names, none empty.*these names\nare not: {bad}\. Rename",
+    ):
+        bridge.save(tmp_path / name, variables, layout="torch")
+    assert list(tmp_path.iterdir()) == []

@@ -190,6 +190,25 @@ def _is_path(value: Any) -> bool:
     )
 
 
+def plain_name(name: str) -> bool:
+    """Whether a file without bridge metadata may name an array `name`: dotted
+    names, none empty, at most `MAX_DEPTH` of them (`decode` reads no other)."""
+    return _is_path(name.split("."))
+
+
+def unreadable(contents: Contents) -> list[str]:
+    """What `decode` would refuse in the metadata of `contents` (the checks a save
+    makes before writing, so that what `save` writes `load` reads): each array's
+    and each empty mapping's role and path, as `'params' ['a', '']`."""
+    where = [(s.role, s.path) for s in contents.tensors]
+    where += [(role, path) for role, path in contents.empty if path]
+    return [
+        f"{shown(role)} {shown(list(path))}"
+        for role, path in where
+        if not (isinstance(role, str) and role and _is_path(list(path)))
+    ]
+
+
 def _is_shape(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
@@ -242,13 +261,12 @@ def _plain_paths(names: list[str]) -> dict[str, TreePath]:
     `layers.1`), names otherwise (`l.0` next to `l.x` stays `'0'`)."""
     split_names = {}
     for name in names:
-        parts = name.split(".")
-        if not _is_path(parts):
+        if not plain_name(name):
             raise Malformed(
                 f"tensor name {shown(name)} is not a dotted path (empty segments, or "
                 f"over {MAX_DEPTH} of them)"
             )
-        split_names[name] = tuple(parts)
+        split_names[name] = tuple(name.split("."))
     children: dict[tuple[str, ...], set[str]] = {}
     for parts in split_names.values():
         for n in range(len(parts)):

@@ -42,6 +42,7 @@ from ._atomic import _barrier, atomic_dir
 from ._config import written_type
 from ._reference import Reference, check
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
+from ._save_checks import check_plain_names
 from ._sharded import INDEX_SUFFIX
 from ._torch_layout import TorchLayer, torch_layers
 
@@ -430,6 +431,7 @@ def write_folder(
     places = places or {}
     if os.path.lexists(path) and not (path.is_dir() and is_model_folder(path)):
         raise FileExistsError(_NOT_A_FOLDER.format(path=path))
+    check_plain_names(path, (name for name, _, _ in tensors))
     plan = plan_folder(tensors, max_shard_size, metadata)
     primary = jax.process_index() == 0
     written = 0

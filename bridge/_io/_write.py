@@ -23,6 +23,7 @@ from ._model import _NOT_STRINGS, both_str
 from ._plugins import quantizer
 from ._ported import computed_target, ported_state
 from ._reference import NO_FORWARD_PASS, check, reference_of
+from ._save_checks import check_names, check_plain_names
 from ._torch_layout import _own, torch_state
 
 
@@ -112,6 +113,7 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     fmt = format_of(path)
     if contents.training and not fmt.training:
         raise ValueError(_TRAINING_NO_METADATA.format(path=path, format=fmt.name))
+    check_names(path, contents)
     if not path.parent.is_dir():
         raise FileNotFoundError(
             f"{path.parent}: no such directory to save {path.name} in."
@@ -287,6 +289,7 @@ def save_layout(
     if scheme is not None:
         linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
         state = scheme.state(state, linear)
+    check_plain_names(path, state)
     tensors = tuple(
         Stored(k, (k,), "params", tuple(np.shape(v)), str(v.dtype))
         for k, v in state.items()
