@@ -121,7 +121,10 @@ def test_without_a_trace_the_refusal_says_which_side(tmp_path):
     config.write_text(text.replace('"llama"', '"no_such_type"'))
     with pytest.raises(bridge.PortError) as refused:
         bridge.load(tmp_path / "hf", like=Decoder(nnx.Rngs(0)), example=(tokens(),))
-    assert "the source has no forward pass to trace" in str(refused.value)
+    assert refused.value.problems[0].startswith(
+        "The PyTorch side of this Tree could not be traced: its config.json is not "
+    )  # the reason first, in one line
+    assert "Without the source's trace, example= cannot pair" in str(refused.value)
     assert "Give example inputs" not in str(refused.value)
 
 

@@ -47,7 +47,8 @@ class FolderModule(NamedTuple):
 
 
 _NO_PACKAGE = (
-    "{name} is not installed: the PyTorch side cannot be built from config.json"
+    "{name} is not installed (pip install torch transformers): the PyTorch side "
+    "cannot be built from config.json"
 )
 _UNKNOWN_CLASS = (
     "transformers {version} has no model class for {what}: the PyTorch side "

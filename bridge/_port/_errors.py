@@ -220,6 +220,12 @@ UNTRACED = (
     "installed), or from a file saved with bridge.save(path, model, example=(x,)), "
     "which records the order its model's forward pass uses its layers."
 )
+NOT_TRACED = (
+    "{why} Without the {side}'s trace, example= cannot pair its layers whose names "
+    "differ."
+)
+"""The one problem in place of those a side's trace would have decided, where the
+side cannot be traced for a reason its adapter gives (torch not installed)."""
 TRACED_ALIKE = (
     "Both forward passes were traced on the example inputs and use these layers "
     "alike (in parallel, or not at all): inputs that reach every layer would decide."

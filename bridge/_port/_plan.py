@@ -627,6 +627,7 @@ def make_plan(
             problems.append(
                 _errors.HIDDEN_WRAPPER.format(side=side, loose=loose, fix=fix)
             )
+    problems[:] = _untraced_first(problems, traces)
     plan = Plan(
         tuple(steps),
         tuple(t.where for t in lone_targets),
@@ -873,6 +874,31 @@ def _untraced(traces: tuple[Trace | None, Trace | None]) -> list[str]:
     why = " ".join(w for _, w in sides if w)
     why = why if len(why) <= 300 else why[:300] + " ..."  # transformers lists all
     return [_errors.UNTRACED.format(sides=text) + (f" ({why})" if why else "")]
+
+
+def _untraced_first(
+    problems: list[str], traces: tuple[Trace | None, Trace | None]
+) -> list[str]:
+    """`problems` where a side given example inputs cannot be traced for a reason
+    its adapter gives (`Trace.why`: torch not installed): the problems its trace
+    would have decided (the ambiguous pairings that say it is missing, `_untraced`'s
+    line) are one line leading with that reason; the others as they are."""
+    why = [
+        (side, trace.why)
+        for side, trace in zip(("source", "target"), traces)
+        if trace is not None and trace.why and not trace()
+    ]
+    markers = (_errors.UNTRACED.split("{", 1)[0], "forward pass was traced: it uses")
+    decided = [p for p in problems if any(m in p for m in markers)]
+    if not why or not decided:
+        return problems
+    lines = [
+        _errors.NOT_TRACED.format(
+            side=side, why=text if len(text) <= 300 else text[:300] + " ..."
+        )
+        for side, text in why
+    ]
+    return lines + [p for p in problems if p not in decided]
 
 
 def _stored(codec: Codec) -> str:
