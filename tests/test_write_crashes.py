@@ -8,6 +8,7 @@ before each change the save makes: each copy is what a `kill -9` at that moment
 leaves. A slow test kills real processes at random moments.
 """
 
+import json
 import os
 import random
 import signal
@@ -171,3 +172,84 @@ def test_a_failure_at_every_step_keeps_the_old_checkpoint(tmp_path, surface):
         if value == 1.0:
             surface.save(path, 1.0)
     assert "raised" in outcomes
+
+
+_FULL_DISK = """
+import hashlib, json, os, resource, signal, sys, threading
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from corpus import writes
+
+def files(root):
+    out = {{}}
+    for where, _, names in os.walk(root):
+        out[os.path.relpath(where, root)] = None
+        for name in names:
+            with open(os.path.join(where, name), "rb") as f:
+                out[os.path.relpath(os.path.join(where, name), root)] = (
+                    hashlib.sha256(f.read()).hexdigest()
+                )
+    return out
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG
+for surface in writes.SURFACES:
+    root = Path(sys.argv[1]) / surface.name
+    (root / "sizes").mkdir(parents=True)
+    surface.save(root / "sizes" / surface.target, 2.0)
+    largest = max(
+        os.path.getsize(os.path.join(w, n))
+        for w, _, ns in os.walk(root / "sizes") for n in ns
+    )
+    root = root / "root"
+    root.mkdir()
+    path = root / surface.target
+    surface.save(path, 1.0)
+    for limit in [0, largest // 4, largest // 2, largest - 1]:
+        before = files(root)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        try:
+            surface.save(path, 2.0)
+            error = None
+        except BaseException as e:
+            error = [type(e).__module__, type(e).__name__, str(e)]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+        for thread in threading.enumerate():  # a writer still running writes on
+            if thread is not threading.main_thread():
+                thread.join(30)
+        same = before == files(root)
+        print(json.dumps([surface.name, str(path), limit, error, same,
+                          surface.version(path)]))
+"""
+
+
+def test_a_full_disk_leaves_the_old_checkpoint_exactly_as_it_was(tmp_path):
+    """A save of each surface whose writes fail for lack of space (`RLIMIT_FSIZE`
+    in a child process: every write past the limit fails with `EFBIG`, as a full
+    disk fails with `ENOSPC`), at four limits from nothing to one byte short of
+    the largest file: the save raises an `OSError` naming the checkpoint's path,
+    and every file and directory under its parent is as it was, bit for bit (the
+    message names the directory of a directory checkpoint, else the file that
+    failed). Was: orbax's writer threads went on writing after the save raised,
+    and made its temporary directory again after the save had removed it;
+    `save_peft` raised safetensors' `SafetensorError: Error while serializing:
+    I/O error`."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK.format(tests=tests), tmp_path],
+        capture_output=True,  # pipes: the limit applies to files only
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert [n for n, *_ in lines] == [s.name for s in writes.SURFACES for _ in "four"]
+    for name, path, limit, error, same, version in lines:
+        assert error is not None, f"{name}: saved under a limit of {limit} bytes"
+        module, kind, message = error
+        assert (module, kind) == ("builtins", "OSError"), (name, limit, error)
+        named = message.rpartition(": ")[2].strip("'")
+        if name in ("orbax", "Hugging Face folder", "PEFT adapter"):
+            assert named == path, (name, limit, message)
+        else:  # the file (of several: a shard, the config.json) that failed
+            assert os.path.dirname(named) == os.path.dirname(path), (name, message)
+        assert same and version == 1.0, (name, limit, error)

@@ -73,12 +73,30 @@ def save(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     if nested:
         items[ARRAYS] = ocp.args.StandardSave(nested)
     with atomic_dir(path, is_checkpoint) as tmp, _ORBAX, _held_orbax_errors():
+        before = set(threading.enumerate())
         try:
             with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
                 checkpointer.save(tmp.absolute(), ocp.args.Composite(**items))
-        except ValueError as e:  # orbax reports write failures (a full disk) so
-            raise _write_error(path, e) from e
+        except BaseException as e:
+            _join_writers(before)
+            if isinstance(e, ValueError):  # orbax reports write failures so
+                raise _write_error(path, e) from e
+            raise
         (tmp / ARRAYS).mkdir(exist_ok=True)
+
+
+_WRITERS_TIMEOUT = 300.0  # seconds
+
+
+def _join_writers(before: set[threading.Thread]) -> None:
+    """Wait for the writer threads an orbax save started (those not in `before`)
+    to end. When one write fails (a full disk), orbax raises at once while its
+    other threads go on writing into the temporary directory: removed then, it is
+    made again behind the failed save's back (and a save tried again at once would
+    share it with them)."""
+    for thread in set(threading.enumerate()) - before:
+        if type(thread).__module__.startswith("orbax."):
+            thread.join(_WRITERS_TIMEOUT)
 
 
 @contextlib.contextmanager

@@ -131,12 +131,23 @@ def save_plain(
     """`save` with `meta` as the file's whole metadata (no bridge keys: a file as
     another library writes it)."""
     host = {s.key: np.asarray(arrays[s.key]) for s in contents.tensors}
-    odd = [k for k, v in host.items() if _CODES[str(v.dtype)] == "F4" and v.size % 2]
+    with atomic_file(path) as tmp:
+        write_file(tmp, host, meta)
+
+
+def write_file(
+    path: Path, arrays: Mapping[str, np.ndarray], meta: dict[str, str]
+) -> None:
+    """Write `arrays` (host arrays, in order) and `meta` as the safetensors file
+    `path`, in place: for a writer that made `path` a temporary already (a folder
+    written whole, `_atomic.atomic_dir`). A failed write raises `OSError` (a full
+    disk: `ENOSPC`, `EFBIG`), as every write of bridge's does."""
+    odd = [k for k, v in arrays.items() if _CODES[str(v.dtype)] == "F4" and v.size % 2]
     if odd:
         raise ValueError(_ODD_F4.format(names=", ".join(odd)) + ".")
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
-    for name, array in host.items():
+    for name, array in arrays.items():
         code = _CODES[str(array.dtype)]
         end = offset + (_nbytes(code, array.shape) or 0)
         header[name] = {
@@ -147,10 +158,10 @@ def save_plain(
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for array in host.values():
+        for array in arrays.values():
             f.write(_to_bytes(array).data)
             advance(array.nbytes)
 

@@ -25,7 +25,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import save_file
 
 from .._adapters._native import check_model, to_neutral
 from .._arguments import check_path, check_rules, check_str
@@ -278,10 +277,11 @@ def save_peft(
     path = FilePath(directory)
     with atomic_dir(path, _is_adapter, _not_the_adapters) as tmp:
         tmp.mkdir()
-        save_file(
+        # bridge's writer: a full disk is an `OSError` naming `directory`
+        _safetensors.write_file(
+            tmp / WEIGHTS,
             {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            str(tmp / WEIGHTS),
-            metadata={"format": "pt"},
+            {"format": "pt"},
         )
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
