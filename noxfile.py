@@ -277,6 +277,39 @@ def tests_torch(session: nox.Session) -> None:
             session.run("python", script)
 
 
+# Haiku and Keras 3 on JAX, KerasHub without TensorFlow: keras-hub declares
+# tensorflow-text (and so tensorflow), which the JAX backend never imports; it is
+# installed with --no-deps after bridge's `kerashub` extra (its other dependencies)
+KERAS_HUB = "keras-hub==0.32.0"
+HAIKU_KERAS_TESTS = [
+    "tests/test_haiku_adapter.py",
+    "tests/test_keras_adapter.py",
+]
+HAIKU_KERAS_DOCTESTS = ["bridge/_adapters/_haiku.py", "bridge/_adapters/_keras.py"]
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def tests_haiku_keras(session: nox.Session) -> None:
+    """Haiku and Keras 3 (KerasHub too) as frameworks of bridge: their adapters,
+    steps, ports against the other frameworks and transformers twins, on Python
+    3.11 with torch from pip (as `tests_torch`), Keras on the JAX backend."""
+    session.run("python", "-m", "pip", "install", "--quiet", "torch==2.13.0")
+    extras = ".[test,torch,haiku,kerashub]"
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", extras)
+    session.run("python", "-m", "pip", "install", "--quiet", "--no-deps", KERAS_HUB)
+    env = {**DEFAULT_XLA, "KERAS_BACKEND": "jax"}
+    session.run(
+        "pytest",
+        "-q",
+        *HAIKU_KERAS_TESTS,
+        "tests/test_adapters.py",
+        "--doctest-modules",
+        *HAIKU_KERAS_DOCTESTS,
+        *session.posargs,
+        env=env,
+    )
+
+
 # transformers' own Flax model classes, which only its 4.x releases have, against
 # their PyTorch twins (tests/public/hf_flax.py)
 PUBLIC = ["torch==2.13.0", "transformers>=4.57,<5"]

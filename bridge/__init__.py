@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
         from_equinox as from_equinox,
         to_equinox as to_equinox,
     )
+    from ._adapters._haiku import from_haiku as from_haiku, to_haiku as to_haiku
+    from ._adapters._keras import from_keras as from_keras, to_keras as to_keras
     from ._adapters._linen import from_linen as from_linen, to_linen as to_linen
     from ._adapters._native import to_native as to_native, to_neutral as to_neutral
     from ._adapters._nnx import from_nnx as from_nnx, to_nnx as to_nnx
@@ -59,6 +61,10 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
 _PUBLIC = {
     "from_equinox": "._adapters._equinox",
     "to_equinox": "._adapters._equinox",
+    "from_haiku": "._adapters._haiku",
+    "to_haiku": "._adapters._haiku",
+    "from_keras": "._adapters._keras",
+    "to_keras": "._adapters._keras",
     "from_linen": "._adapters._linen",
     "to_linen": "._adapters._linen",
     "to_native": "._adapters._native",

@@ -17,6 +17,8 @@ _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE / "bridge-tests-jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Keras 3 runs on JAX in every test that imports it (bridge reads no other backend)
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -56,16 +58,29 @@ if jax.default_backend() != "cpu":
 
 def pytest_collection_modifyitems(config, items):
     """Doctests that build NNX modules need bridge's NNX adapter: skip them, naming
-    the feature, with a flax that lacks it (tests are marked with `requires`)."""
+    the feature, with a flax that lacks it (tests are marked with `requires`).
+    Doctests that import an optional framework (Haiku, Keras) are skipped without
+    it (`nox -s tests_haiku_keras` runs them)."""
+    import importlib.util
+
     from _pytest.doctest import DoctestItem
 
     from .helpers import requires
 
     for item in items:
-        if isinstance(item, DoctestItem) and any(
-            "nnx." in example.source for example in item.dtest.examples
-        ):
+        if not isinstance(item, DoctestItem):
+            continue
+        source = "".join(example.source for example in item.dtest.examples)
+        if "nnx." in source:
             item.add_marker(requires("NNX"))
+        for package in _OPTIONAL_FRAMEWORKS:
+            if f"import {package}" in source and not importlib.util.find_spec(package):
+                reason = f"needs {package} (nox -s tests_haiku_keras installs it)"
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# optional frameworks whose docstring examples run only where they are installed
+_OPTIONAL_FRAMEWORKS = ("haiku", "keras")
 
 
 # What only `nox -s tests_torch` installs (its TORCH and QUANT lists, and what they

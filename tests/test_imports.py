@@ -72,7 +72,16 @@ LAYERS = {
     "bridge._clash": 0,
     "bridge._progress": 0,
 }
-FRAMEWORKS = {"flax", "equinox", "torch", "transformers", "peft"}
+FRAMEWORKS = {
+    "flax",
+    "equinox",
+    "torch",
+    "transformers",
+    "peft",
+    "haiku",
+    "keras",
+    "keras_hub",
+}
 ADAPTERS = {
     f"bridge._adapters._{n}"
     for n in (
@@ -83,6 +92,8 @@ ADAPTERS = {
         "equinox",
         "torch",
         "torch_trace",
+        "haiku",
+        "keras",
     )
 }
 

@@ -12,7 +12,16 @@ from typing import Any, TypeVar
 
 import jax.tree_util as jtu
 
-from .._paths import MAX_DEPTH, Key, Path, check_depth, is_array, path_of, path_str
+from .._paths import (
+    MAX_DEPTH,
+    Key,
+    Path,
+    canonical,
+    check_depth,
+    is_array,
+    path_of,
+    path_str,
+)
 from .._qarray import is_quantized
 from .._tree import Source, Tree, _Info
 from ._registry import display_name
@@ -101,6 +110,50 @@ def build(
         return tuple(node), roles, children
 
     return maker.root(*make(root, ()), framework, record, native)
+
+
+def native_order(paths: Sequence[Path]) -> dict[Path, tuple[Key, ...]]:
+    """Each node's children in the order `paths` (the leaves' paths in native
+    order) first reach them, for the nodes where that is not the canonical order:
+    `build`'s `native` (`Source.native`) for a model whose native order is its
+    leaves' (Haiku's dicts, Keras's variables)."""
+    children: dict[Path, dict[Key, None]] = {}
+    for path in paths:
+        for depth in range(len(path)):
+            children.setdefault(path[:depth], {})[path[depth]] = None
+    native = {}
+    for path, keys in children.items():
+        order = tuple(keys)
+        if order != canonical(order):
+            native[path] = order
+    return native
+
+
+class ModuleNode(dict):
+    """A native module found by path, for an adapter whose modules are not nested
+    as attributes under the Tree's keys (Haiku's, named by strings; Keras's, by
+    variable paths): a mapping of its submodules by Tree key (what `_paths.at`
+    follows), whose attributes are the module's (`eps`, `epsilon`: what codecs'
+    `hyperparameters` read). `module` is None where no module sits."""
+
+    module: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def module_nodes(modules: Sequence[tuple[Path, Any]], root: Any = None) -> ModuleNode:
+    """The `ModuleNode` tree of `(Tree path, module)` pairs (the first module of a
+    path kept), `root` at the root."""
+    top = ModuleNode()
+    top.module = root
+    for path, module in sorted(modules, key=lambda item: len(item[0])):
+        node = top
+        for key in path:
+            node = node.setdefault(key, ModuleNode())
+        if node.module is None:
+            node.module = module
+    return top
 
 
 class Maker:

@@ -11,6 +11,8 @@ import jax
 from .._tree import Tree, leaf_roles
 from . import (  # noqa: F401  (they register the built-in adapters)
     _equinox,
+    _haiku,
+    _keras,
     _linen,
     _nnx,
     _torch,
@@ -32,7 +34,11 @@ def to_neutral(obj: Any) -> Tree:
         - a Linen variables dict (as `bridge.from_linen`), a tuple
           `(module, variables)`, or a bound Linen module (`module.bind(variables)`);
         - a PyTorch-layout state dict (a flat mapping of dotted names to arrays) or
-          a `torch.nn.Module` (as `bridge.from_torch`).
+          a `torch.nn.Module` (as `bridge.from_torch`);
+        - Haiku's `(fn, params)` or `(fn, params, state)`, `fn` what
+          `hk.transform` returned (as `bridge.from_haiku`; dicts alone look like
+          Linen variables: pass them to `bridge.from_haiku`);
+        - a Keras 3 model or layer, on the JAX backend (as `bridge.from_keras`).
 
     **Returns:**
 
@@ -102,6 +108,10 @@ def to_native(tree: Tree, *, rngs: Any = None) -> Any:
     - from Equinox: the model, or `(model, state)` (as `bridge.to_equinox`);
     - from a PyTorch-layout state dict or module: the state dict, numpy arrays (as
       `bridge.to_torch`);
+    - from Haiku: `params` or `(params, state)`, preceded by the transformed
+      function when the Tree has it (as `bridge.to_haiku`);
+    - from Keras: a new model of the same config holding the Tree's arrays (as
+      `bridge.to_keras`);
     - from Linen with a module: the module bound to the variables (and `rngs`),
       callable as `native(x)`; collections other than `params` are mutable, and
       `native.variables` reads them after a forward pass. Without a module: the

@@ -96,6 +96,14 @@ def make_step(
       (`bridge.from_equinox(model, state)`), `loss_fn(model, state, *batch)`, which
       returns `(loss, new_state)`, the Equinox convention; the new state comes back
       in the Tree.
+    - Haiku: `loss_fn(params, *batch)`, or with state `loss_fn(params, state,
+      *batch) -> (loss, new_state)` (Equinox's convention), calling `fn.apply`
+      inside; the new state (`hk.BatchNorm`'s moving averages) comes back in the
+      Tree.
+    - Keras: `loss_fn(model, *batch)`, the model run with its variables read from
+      the Tree (`keras.StatelessScope`, as `model.stateless_call` does: the model
+      is never written to); what the call assigns (`model(x, training=True)`:
+      batch statistics, dropout seed states) comes back in the Tree.
 
     The gradient is taken with respect to the trainable leaves only: the compiled step
     does no work for the gradients of frozen leaves, which come back unchanged, bit for
