@@ -431,16 +431,19 @@ def test_save_like_a_torch_model_writes_its_table_with_strict_false(tmp_path, in
 
 
 @pytest.mark.torch
-def test_save_like_a_learned_table_stays_missing(tmp_path):
+def test_save_like_a_learned_table_stays_missing(tmp_path, caplog):
+    """A learned table is no computed one: with strict=False it is not written from
+    the reference, and said to be missing."""
     learned = TABLE + np.float32(0.01)
+    path = tmp_path / "m.safetensors"
     with pytest.raises(ValueError, match=r"missing: embed_positions\.weight \(8, 4\)"):
-        bridge.save(
-            tmp_path / "m.safetensors",
-            _computed(),
-            layout="torch",
-            like=_torch_model(learned),
-            strict=False,
-        )
+        bridge.save(path, _computed(), layout="torch", like=_torch_model(learned))
+    bridge.save(
+        path, _computed(), layout="torch", like=_torch_model(learned), strict=False
+    )
+    assert "Not in the export: 1 array(s)" in caplog.text
+    assert "embed_positions.weight (8, 4)" in caplog.text
+    assert "embed_positions.weight" not in safetensors_numpy.load_file(path)
 
 
 # --- exports against a reference file (no torch) -------------------------------

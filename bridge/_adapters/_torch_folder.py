@@ -38,12 +38,16 @@ class FolderModule(NamedTuple):
     - `unmatched`: the module's names that no key of the folder gives (a weight
       transformers makes from several keys, a key renamed in a way not read here):
       their uses cannot be told by the file's names.
+    - `merged`: `{module name: the keys}` of the module's weights transformers
+      makes from several of the folder's keys (per-expert weights packed into one
+      tensor on load).
     """
 
     module: Any
     reason: str
     keys: dict[str, str]
     unmatched: tuple[str, ...]
+    merged: Mapping[str, tuple[str, ...]] = {}
 
 
 _NO_PACKAGE = (
@@ -275,8 +279,7 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     else:
         return FolderModule(None, built or "", {}, ())
     module.eval()
-    found, unmatched = _file_names(module, keys, transformers)
-    return FolderModule(module, "", found, unmatched)
+    return FolderModule(module, "", *_file_names(module, keys, transformers))
 
 
 def module_from_folder(folder: Any) -> Any:
@@ -337,14 +340,15 @@ def _folder_keys(folder: Any) -> list[str] | None:
 
 def _file_names(
     module: Any, keys: Any, transformers: Any
-) -> tuple[dict[str, str], tuple[str, ...]]:
-    """`{module name: file key}` where they differ, and the module names no key
-    gives, renaming the keys as transformers does on load (its conversion mapping
-    and `base_model_prefix`)."""
+) -> tuple[dict[str, str], tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """`{module name: file key}` where they differ, the module names no key
+    gives, and `{module name: its keys}` of those several keys give, renaming the
+    keys as transformers does on load (its conversion mapping and
+    `base_model_prefix`)."""
     state = module.state_dict(keep_vars=True)
     names = list(state)
     if keys is None:
-        return {}, ()
+        return {}, (), {}
     given: dict[str, list[str]] = {}
     for key, name in _renamed(module, transformers, names, list(keys)).items():
         given.setdefault(name, []).append(key)
@@ -361,7 +365,8 @@ def _file_names(
             unmatched.append(name)
         elif key != name:
             found[name] = key
-    return found, tuple(unmatched)
+    merged = {n: tuple(k) for n, k in given.items() if n in state and len(k) > 1}
+    return found, tuple(unmatched), merged
 
 
 def _renamed(

@@ -40,7 +40,7 @@ from .._progress import advance
 from .._tree import Tree
 from ._atomic import _barrier, atomic_dir
 from ._config import written_type
-from ._reference import Reference, check
+from ._reference import Reference, check, config_reference
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
 from ._save_checks import check_plain_names
 from ._sharded import INDEX_SUFFIX
@@ -513,6 +513,7 @@ def save_folder(
     reference: Reference | None = None,
     example: Any = None,
     ported: Mapping[str, Any] | None = None,
+    strict: bool = True,
 ) -> Written:
     """`tree` in PyTorch layout (`torch_layers`) as a Hugging Face model folder
     (`write_folder`), one layer converted at a time; with `packed_experts` (a model
@@ -521,7 +522,9 @@ def save_folder(
     its own (`_reference.check`); `example` (a `_port._trace.Example`): the
     model's inputs, whose forward pass decides the layouts its arrays leave open;
     `ported`: the arrays already in PyTorch layout and names (`_ported`: `tree`
-    ported into the reference), written instead of `tree`'s layers."""
+    ported into the reference), written instead of `tree`'s layers. Without
+    `reference`, a `config` naming a model transformers builds is the reference
+    (`_reference.config_reference`), with `strict`."""
     configs = config_files(config, generation_config)
     family = None if packed_experts is None else _experts.family(packed_experts)
     known = None if reference is None else reference.shapes.keys()
@@ -540,11 +543,20 @@ def save_folder(
     twice = sorted(n for n, c in counts.items() if c > 1)
     if twice:
         raise ValueError(_TWICE.format(names=", ".join(twice)))
+    if reference is None and CONFIGS[0] in configs:
+        names = [name for name, _, _ in tensors]
+        came = config if isinstance(config, str | os.PathLike) else None
+        reference = config_reference(configs[CONFIGS[0]], names, path, strict, came)
     if reference is not None:  # and its stored tables the model computes
-        tables = check(((name, tuple(shape)) for name, shape, _ in tensors), reference)
-        if tables:
-            layers.append(TorchLayer(tables, dict))
-            tensors += [(k, tuple(np.shape(v)), v.dtype) for k, v in tables.items()]
+        checked = check(((n, tuple(shape)) for n, shape, _ in tensors), reference)
+        if checked.left_out:
+            layers = [_without(layer, checked.left_out) for layer in layers]
+            tensors = [t for t in tensors if t[0] not in checked.left_out]
+        if checked.tables:
+            layers.append(TorchLayer(checked.tables, dict))
+            tensors += [
+                (k, tuple(np.shape(v)), v.dtype) for k, v in checked.tables.items()
+            ]
     return write_folder(
         path,
         ((layer.encode, layer.leaves) for layer in layers),
@@ -556,6 +568,15 @@ def save_folder(
     )
 
 
+def _without(layer: TorchLayer, names: frozenset[str]) -> TorchLayer:
+    """`layer` writing none of `names`."""
+
+    def encode(leaves: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in layer.encode(leaves).items() if k not in names}
+
+    return layer._replace(encode=encode)
+
+
 def write_arrays(
     path: Path,
     arrays: Mapping[str, Any],
@@ -565,9 +586,17 @@ def write_arrays(
     generation_config: Any = None,
 ) -> Written:
     """`{name: array}` (PyTorch layout already, in order) as a Hugging Face model
-    folder (`write_folder`): what `bridge convert --to-layout torch` writes."""
+    folder (`write_folder`): what `bridge convert --to-layout torch` writes; its
+    names checked against the model a `config` names, as `save_folder` checks
+    them."""
     configs = config_files(config, generation_config)
     tensors = [(k, tuple(np.shape(v)), v.dtype) for k, v in arrays.items()]
+    if CONFIGS[0] in configs:
+        names = [name for name, _, _ in tensors]
+        came = config if isinstance(config, str | os.PathLike) else None
+        reference = config_reference(configs[CONFIGS[0]], names, path, True, came)
+        if reference is not None:
+            check(((n, shape) for n, shape, _ in tensors), reference)
     return write_folder(
         path,
         [(lambda given: given, arrays)],

@@ -21,6 +21,7 @@ config, has none: the export is then named as without `example` (`_torch_layout`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -57,6 +58,9 @@ class Ported(NamedTuple):
     linear: frozenset[str]
 
 
+LOG = logging.getLogger("bridge")
+
+
 _PREFIX = """\
 `prefix` ({prefix!r}) with `like` and `example`: the names written are `like`'s own
 (its layers paired with the model's by both forward passes), which a prefix would
@@ -65,7 +69,8 @@ change. Leave `prefix` out (a head model's names already hold its
 
 _UNEXPECTED = (
     "unexpected: {where} of the model pairs with no layer of `like`; give the "
-    "model `like`'s layers, or give `like` the model's"
+    "model `like`'s layers, or give `like` the model's, or leave it out: "
+    "rules={{r'{pattern}': None}}, or strict=False for every such layer"
 )
 _MISMATCHED = "shape: {line}"
 _HOW = """\
@@ -119,15 +124,19 @@ def _fresh(tree: Tree) -> Tree:
     return jax.tree.map(made, tree, roles(tree))
 
 
-def _port_rules(tree: Tree, rules: Mapping[str, str] | None) -> dict[str, str]:
+def _port_rules(
+    tree: Tree, rules: Mapping[str, str | None] | None
+) -> dict[str, str | None]:
     """`save`'s `rules` (import rules, read backwards: `bridge._port._reverse`) as
     `bridge.port`'s: each layer of `tree` a rule names, to the reference's layer of
     that name (`{its path: the reference's}`), as the export without `example`
-    names it (`_torch_layout._name`), a dotted name or a `keystr` path alike."""
+    names it (`_torch_layout._name`), a dotted name or a `keystr` path alike. A
+    rule to None leaves out the layers of `tree` it matches (`{pattern: None}`, as
+    `bridge.port` reads it)."""
     if not rules:
         return {}
-    backwards = reverse_rules(rules)
-    out = {}
+    out: dict[str, str | None] = {p: None for p, r in rules.items() if r is None}
+    backwards = reverse_rules({p: r for p, r in rules.items() if r is not None})
     for layer in find_layers(tree, []):  # problems: the plan's to report
         for pattern, replacement in backwards.items():
             match = re.fullmatch(pattern, layer.where)
@@ -142,8 +151,9 @@ def ported_state(
     tree: Tree,
     target: Tree,
     example: Example,
-    rules: Mapping[str, str] | None = None,
+    rules: Mapping[str, str | None] | None = None,
     prefix: str = "",
+    strict: bool = True,
 ) -> Ported:
     """`tree` ported into `target` (`computed_target`) by the plan both forward
     passes on `example` decide, in `target`'s layout and names; the arrays keep
@@ -154,13 +164,16 @@ def ported_state(
     match first (`bridge._port._reverse`).
 
     Layers of `target` nothing fills are not written (the reference check lists
-    them, or writes a stored table with `strict=False`).
+    them, or writes a stored table with `strict=False`). A rule to None leaves
+    the layers of `tree` it matches out (`{r"\\.classifier": None}`: a new head the
+    reference has not).
 
     **Raises:**
 
     `ValueError` for a `prefix`; `bridge.PortError` listing every problem of the
-    pairing, every layer of `tree` that pairs with none of `target`, every pair
-    whose shapes differ. A `bridge.PortWarning` lists the settings that differ
+    pairing, and with `strict` every layer of `tree` that pairs with none of
+    `target` and every pair whose shapes differ (with `strict=False` these are
+    left out, logged). A `bridge.PortWarning` lists the settings that differ
     between paired layers (an epsilon), as `bridge.port` does.
     """
     if prefix:
@@ -170,12 +183,29 @@ def ported_state(
     # to report (or to write, a stored table); dtypes are not cast (below)
     plan, problems = make_plan(tree, target, backwards, False, None, example)
     lone = (*plan.unexpected, *plan.computed_by_target)
-    problems += [_UNEXPECTED.format(where=where) for where in lone]
-    problems += [_MISMATCHED.format(line=line) for line in plan.mismatched]
+    if strict:
+        problems += [
+            _UNEXPECTED.format(where=where, pattern=re.escape(where)) for where in lone
+        ]
+        problems += [_MISMATCHED.format(line=line) for line in plan.mismatched]
     if problems:
         error = PortError(problems)
         error.add_note(_HOW)
         raise error
+    if lone:
+        LOG.warning(
+            "Not written (strict=False): the model's layers that pair with no layer "
+            "of `like`: %s",
+            list(lone),
+        )
+    if plan.mismatched:
+        LOG.warning(
+            "Not written (strict=False): the model's layers whose shapes differ from "
+            "their pair's in `like`: %s",
+            list(plan.mismatched),
+        )
+    if plan.dropped:
+        LOG.info("Left out by rules: %s", list(plan.dropped))
     cast = CAST.split("{", 1)[0]
     told = [w for w in plan.warnings if not w.startswith(cast)]
     if told:

@@ -10,21 +10,34 @@ a name the reference ties to another (the same tensor under two names, as an
 A name the reference holds a stored sinusoidal position table under (transformers'
 Marian, Pegasus, RoFormer `embed_positions.weight`), which the model computes and has
 no array for, is written with the reference's values with `strict=False`; it is an
-error otherwise, as every other difference is. Its values are read only then.
+error otherwise. With `strict=False` the export writes what fits and reports the
+rest (logger `"bridge"`): the model's arrays the reference has no place for, or holds
+in another shape, are left out; the reference's names it does not write are listed
+(`from_pretrained` initialises them). An export that would write none of the
+reference's names is refused whatever `strict` is. Its values are read only for
+the tables.
+
+A Hugging Face folder written with a `config.json` and no `like` is checked against
+the model that config names (`config_reference`: built on the `meta` device from the
+config alone), so that a model with names of its own is never written beside a
+config whose model would open it with every weight random.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._adapters._native import to_neutral
+from .._adapters._torch_folder import folder_module
 from .._families._sinusoid import sinusoid
 from .._paths import path_str
+from .._shown import shown, some
 from .._tree import map_with_path
 from ._read import lazy, open_checkpoint
 from ._torch_layout import dotted_torch
@@ -42,7 +55,10 @@ Cannot write the PyTorch layout: {n} name(s) or shape(s) differ from the referen
 Fix: give the model whose layers the reference has (the same config), name its
 layers as the reference does (rules=, prefix=, as bridge.port's rules read
 backwards), or port the model into the reference first: bridge.port(model,
-reference_module), then save that."""
+reference_module), then save that. With strict=False the names that fit are
+written and the others reported."""
+_MOST_LINES = 12
+"""The most problems of each kind a refusal lists (then how many more)."""
 
 _NOT_A_REFERENCE = """\
 `like` (with layout="torch") must be a PyTorch module (anything with a
@@ -71,6 +87,25 @@ example= was given, but `like` here has no forward pass to pair the layers by (a
 state dict, or a file without the config.json of its model): pass the PyTorch
 module itself (built on the `meta` device it costs no memory) or the Hugging Face
 folder with its config.json, with example=."""
+
+CONFIG_FIX = """\
+These names are not those of {what}: from_pretrained would open the folder with
+those weights random. If the model has names of its own, pass like= the folder the
+weights came from (or the PyTorch module) and example= inputs of the model: both
+forward passes pair the layers, and the folder's names are written:
+bridge.save(path, model, layout="torch", config={folder}, like={folder},
+example=(x,))."""
+_UNCHECKED = (
+    "%s: the names written are not checked against the model its config.json names (%s)"
+)
+_NOTHING_IN_COMMON = """\
+Cannot write the PyTorch layout: none of the {n} name(s) the export would write is
+one of the reference's ({reference}); nothing was written. The export's are {ours};
+the reference's {theirs}.
+{fix}"""
+_NOTHING_FITS = """\
+none of the {n} name(s) the export would write is the reference's: strict=False
+writes what fits, and nothing does"""
 
 STRICT_FIX = "pass strict=False to write the reference's table"
 """The fix `_TABLE` names, for `bridge.save` (`bridge convert` names another)."""
@@ -102,6 +137,14 @@ class Reference:
         self.strict = strict
         self.fix = fix
         self.pairing = EXAMPLE_FIX
+        self.loose: frozenset[str] = frozenset()
+        """Names the export may write whatever their shapes, which the reference
+        makes one of its tensors from (per-expert weights transformers packs on
+        load)."""
+        self.heads = False
+        """Whether names the reference lacks may be written (a config.json that
+        names no class: the base model it builds is checked, its heads cannot
+        be)."""
 
 
 def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Reference:
@@ -125,6 +168,52 @@ def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Refer
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     what = type(like).__name__ + ("" if state is like else ".state_dict()")
     return Reference(shapes, _ties(state), what, _state_values(state), strict, fix)
+
+
+def config_reference(
+    config: str, names: list[str], where: Any, strict: bool = True, folder: Any = None
+) -> Reference | None:
+    """The reference of a Hugging Face folder written with `config` (its
+    `config.json` text) and no `like`: the names and shapes of the model the config
+    names, built from it on the `meta` device (`folder_module`), each under the
+    name of the file's `names` that transformers loads it from (its renaming on
+    load, the `base_model_prefix`); a tensor it packs from several of `names`
+    (per-expert weights) takes them whatever their shapes. A config naming no
+    class (`architectures`) builds the base model: names it lacks are then a
+    head's, and written. `folder`: the folder the config came from, named in the
+    fix. None, logged (`where`: the folder written), when the model cannot be
+    built (torch or transformers not installed, a config naming code of its own, a
+    model type transformers does not know): the names are then not checked."""
+    try:
+        raw = json.loads(config)
+    except json.JSONDecodeError as error:
+        LOG.warning(_UNCHECKED, where, f"it is not JSON: {error}")
+        return None
+    built = folder_module(raw, keys=names) if isinstance(raw, Mapping) else None
+    if built is None or built.module is None:
+        reason = "it is not an object" if built is None else built.reason
+        LOG.warning(_UNCHECKED, where, reason)
+        return None
+    model = reference_of(built.module, strict)
+    merged = built.merged  # module names several of the keys make
+    named = {n: built.keys.get(n, n) for n in model.shapes if n not in merged}
+    what = f"{type(built.module).__name__}, the model its config.json names"
+    reference = Reference(
+        {named[n]: shape for n, shape in model.shapes.items() if n in named},
+        {
+            named[n]: {named[o] for o in others if o in named}
+            for n, others in model.ties.items()
+            if n in named
+        },
+        what,
+        None,
+        strict,
+    )
+    named_folder = "FOLDER" if folder is None else shown(os.fspath(folder))
+    reference.pairing = CONFIG_FIX.format(what=what, folder=named_folder)
+    reference.heads = not raw.get("architectures")
+    reference.loose = frozenset(k for keys in merged.values() for k in keys)
+    return reference
 
 
 def _state_dict(module: Any) -> Any:
@@ -174,58 +263,141 @@ def _ties(state: Mapping[str, Any]) -> dict[str, set[str]]:
     return {n: set(names) - {n} for names in owners.values() for n in names}
 
 
+class Checked(NamedTuple):
+    """What `check` lets an export write: `tables`, `{name: array}` of the
+    reference's stored sinusoidal tables to write as well; `left_out`, the names it
+    leaves out (`strict=False`: the reference has no place for them, or holds them
+    in another shape)."""
+
+    tables: dict[str, Any]
+    left_out: frozenset[str]
+
+
 def check(
     written: Iterable[tuple[str, tuple[int, ...]]], reference: Reference
-) -> dict[str, Any]:
-    """Raise `ValueError` listing every name the export would write that the
-    reference lacks, every name of the reference it would not write (but for tied
-    ones and, with `reference.strict` False, its stored sinusoidal tables), and
-    every shape that differs; nothing is written by then.
+) -> Checked:
+    """Compare the names and shapes an export would write with the reference's.
 
-    **Returns:**
-
-    `{name: array}`: the reference's sinusoidal tables to write as well (empty
-    with `reference.strict`)."""
+    With `reference.strict` (the default), raise `ValueError` listing every name
+    the export would write that the reference lacks, every name of the reference
+    it would not write (but for tied ones), every shape that differs and every
+    stored sinusoidal table the model computes; nothing is written by then. With
+    `strict=False` the tables are written from the reference, the names it lacks
+    and those whose shapes differ are left out, and all of it is logged (logger
+    `"bridge"`, WARNING; the tables INFO); an export that would write none of the
+    reference's names is refused.
+    """
     out = dict(written)
-    problems = []
-    for name, shape in out.items():
-        if name not in reference.shapes:
-            problems.append(f"unexpected: {name} {shape} is not in the reference")
-        elif reference.shapes[name] != shape:
-            problems.append(
-                f"shape: {name} would be written with {shape}, the reference "
-                f"holds {reference.shapes[name]}"
-            )
+    unexpected = [
+        (n, s)
+        for n, s in out.items()
+        if n not in reference.shapes
+        and n not in reference.loose
+        and not reference.heads
+    ]
+    differ = [
+        (n, s, reference.shapes[n])
+        for n, s in out.items()
+        if n in reference.shapes and reference.shapes[n] != s
+    ]
     lacking = {
         name: shape
         for name, shape in reference.shapes.items()
         if name not in out and not reference.ties.get(name, set()) & out.keys()
     }
     tables = _tables(lacking, reference)
-    for name, shape in lacking.items():
-        if name in tables and reference.strict:
-            variant = tables[name][1]
-            problems.append(
-                _TABLE.format(
-                    name=name, shape=shape, variant=variant, fix=reference.fix
-                )
-            )
-        elif name not in tables:
-            problems.append(f"missing: {name} {shape} is in the reference, not written")
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
+    missing = [(n, s) for n, s in lacking.items() if n not in tables]
+    left_out = frozenset(n for n, *_ in (*unexpected, *differ))
+    if out and not out.keys() & reference.shapes.keys():  # names of its own
         raise ValueError(
-            _MISMATCH.format(n=len(problems), reference=reference.what, problems=lines)
-            + _apart(out, lacking, reference)
+            _NOTHING_IN_COMMON.format(
+                n=len(out),
+                reference=reference.what,
+                ours=some(out, most=3, show=str),
+                theirs=some(reference.shapes, most=3, show=str),
+                fix=reference.pairing,
+            )
         )
-    if reference.strict or not tables:
-        return {}
-    LOG.info(
-        "Written from the reference (stored sinusoidal position tables, which the "
-        "model computes): %s",
-        sorted(tables),
-    )
-    return {name: array for name, (array, _) in tables.items()}
+    if reference.strict or not out.keys() - left_out:
+        problems = [
+            *(f"unexpected: {n} {s} is not in the reference" for n, s in unexpected),
+            *(
+                f"shape: {n} would be written with {s}, the reference holds {held}"
+                for n, s, held in differ
+            ),
+            *(
+                _TABLE.format(name=n, shape=lacking[n], variant=v, fix=reference.fix)
+                for n, (_, v) in tables.items()
+                if reference.strict
+            ),
+            *(f"missing: {n} {s} is in the reference, not written" for n, s in missing),
+        ]
+        if not reference.strict:
+            problems.insert(0, _NOTHING_FITS.format(n=len(out)))
+        if problems:
+            raise ValueError(
+                _MISMATCH.format(
+                    n=len(problems), reference=reference.what, problems=_lines(problems)
+                )
+                + _apart(out, lacking, reference)
+            )
+        return Checked({}, frozenset())
+    _told(reference.what, unexpected, differ, missing)
+    if tables:
+        LOG.info(
+            "Written from the reference (stored sinusoidal position tables, which "
+            "the model computes): %s",
+            sorted(tables),
+        )
+    return Checked({name: array for name, (array, _) in tables.items()}, left_out)
+
+
+def _lines(problems: list[str]) -> str:
+    """The problems one a line, each kind at most `_MOST_LINES` times (then how
+    many more of that kind)."""
+    kinds: dict[str, list[str]] = {}
+    for p in problems:
+        kinds.setdefault(p.split(":", 1)[0], []).append(p)
+    lines = []
+    for same in kinds.values():
+        lines += [f"  - {p}" for p in same[:_MOST_LINES]]
+        if len(same) > _MOST_LINES:
+            lines.append(f"  - ... and {len(same) - _MOST_LINES} more like these")
+    return "\n".join(lines)
+
+
+def _told(
+    reference: str,
+    unexpected: list[tuple[str, tuple[int, ...]]],
+    differ: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+    missing: list[tuple[str, tuple[int, ...]]],
+) -> None:
+    """Log (WARNING) what a non-strict export left out and what it lacks."""
+    if unexpected:
+        LOG.warning(
+            "Not written (strict=False): %d array(s) of the model that %s has no "
+            "place for: %s",
+            len(unexpected),
+            reference,
+            some([f"{n} {s}" for n, s in unexpected], show=str),
+        )
+    if differ:
+        LOG.warning(
+            "Not written (strict=False): %d array(s) whose shapes differ from %s's: %s",
+            len(differ),
+            reference,
+            some(
+                [f"{n} {s}, the reference's {held}" for n, s, held in differ], show=str
+            ),
+        )
+    if missing:
+        LOG.warning(
+            "Not in the export: %d array(s) of %s (from_pretrained initialises them: "
+            "train them): %s",
+            len(missing),
+            reference,
+            some([f"{n} {s}" for n, s in missing], show=str),
+        )
 
 
 def _apart(written: Shapes, lacking: Shapes, reference: Reference) -> str:

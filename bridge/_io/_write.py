@@ -250,7 +250,7 @@ def save_layout(
     if example is not None and reference is not None and not _own(tree):
         target = computed_target(like)
         if target is not None:
-            ported = ported_state(tree, target, example, rules, prefix)
+            ported = ported_state(tree, target, example, rules, prefix, strict)
         else:
             reference.pairing = NO_FORWARD_PASS
     if not fmt.suffixes:
@@ -263,6 +263,7 @@ def save_layout(
             reference=reference,
             example=example,
             ported=None if ported is None else ported.state,
+            strict=strict,
             **folder,
         )
         return
@@ -283,9 +284,9 @@ def save_layout(
             example=example,
         )
     if reference is not None:
-        state.update(
-            check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
-        )
+        checked = check(((k, tuple(np.shape(v))) for k, v in state.items()), reference)
+        state = {k: v for k, v in state.items() if k not in checked.left_out}
+        state.update(checked.tables)
     if scheme is not None:
         linear = {n.rpartition(".")[0] for n, k in kinds.items() if k == "Dense"}
         state = scheme.state(state, linear)
