@@ -295,3 +295,35 @@ def test_loading_while_the_file_is_replaced_never_mixes_versions(tmp_path, name)
         stop.set()
         thread.join()
     assert seen & {1.0, 2.0}
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("m.safetensors", None),
+        ("m.msgpack", None),
+        ("m.safetensors.index.json", None),
+        ("t.safetensors", "torch"),
+    ],
+)
+def test_a_read_only_file_is_refused_up_front_and_left_as_it_was(
+    tmp_path, name, layout
+):
+    """A file made read-only (`chmod 444`) at the destination: refused before
+    anything is written, naming it and the fix, the file (and the directory)
+    as they were; made writable, it is replaced. Was: replaced silently (a rename
+    needs only the directory's permission), its mode kept at 444."""
+    path = tmp_path / name
+    bridge.save(path, params(1.0), layout=layout)
+    os.chmod(path, 0o444)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(
+        PermissionError,
+        match=rf"read-only file \(mode 444\).*chmod u\+w.*'{path}'",
+    ):
+        bridge.save(path, params(2.0), layout=layout)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    os.chmod(path, 0o644)
+    bridge.save(path, params(2.0), layout=layout)
+    tree = bridge.load(path)
+    assert tree.Dense_0["weight" if layout else "kernel"][0, 0] == 2.0

@@ -16,7 +16,9 @@ cannot exchange, the old directory is renamed aside (`.NAME.bridge-old`) and the
 one renamed in: a save killed between the two renames leaves the old one aside, where
 `reachable(path)` (used by every load) finds it and the next save puts it back. A
 directory this user may not write (`chmod 555`) is refused before anything is
-written; temporaries are removed even where a writer made them read-only.
+written; so is a file without any write bit (`chmod 444`, for root too) or one this
+user may not write, and a file in a directory this user may not write; temporaries
+are removed even where a writer made them read-only.
 
 With several processes (`jax.distributed`), all of them write a directory checkpoint
 into that one temporary (orbax's own barrier waits for every shard); process 0 alone
@@ -34,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +53,15 @@ _READ_ONLY = """\
 it is a directory this user may not write (mode {mode:o}): bridge.save does not \
 replace a read-only checkpoint. Make it writable first (chmod u+w), or save to \
 another path"""
+
+_READ_ONLY_FILE = """\
+it is a read-only file (mode {mode:o}): bridge.save does not replace a file its \
+owner protected from writes. Make it writable first (chmod u+w), or save to another \
+path"""
+
+_CANNOT_WRITE_IN = """\
+it is in a directory this user may not write (mode {mode:o}), where a save writes \
+its temporary file. Save to another directory, or make it writable (chmod u+w)"""
 
 _TMP, _OLD, _JOURNAL = "bridge-tmp", "bridge-old", "bridge-commit"
 _HELD = threading.local()  # the directories whose turn this thread holds
@@ -240,12 +252,34 @@ def _settle(directory: Path) -> None:
         journal.unlink(missing_ok=True)
 
 
+def check_writable(path: Path) -> None:
+    """`PermissionError` naming `path` where a save may not replace the file there:
+    a file without any write bit (its owner's protection, refused for root too, who
+    may write anything) or one this user may not write, or a directory holding it
+    where this user may not create the temporary."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and (
+            not st.st_mode & 0o222 or not os.access(path, os.W_OK)
+        ):
+            mode = st.st_mode & 0o7777
+            raise PermissionError(
+                errno.EACCES, _READ_ONLY_FILE.format(mode=mode), str(path)
+            )
+    parent = path.parent
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, _CANNOT_WRITE_IN.format(mode=_mode(parent) or 0), str(path)
+        )
+
+
 @contextlib.contextmanager
 def written(path: Path) -> Iterator[Path]:
     """`replacing`'s first half: yield `path`'s temporary (an empty file) and flush
     what the writer put in it, without renaming it (the caller renames it with
     `commit`, once every file of a checkpoint is written). On any exception the
     temporary is removed. The caller holds `turn(path)`."""
+    check_writable(path)
     tmp = temporary(path)
     try:
         tmp.touch(exist_ok=False)

@@ -1,6 +1,8 @@
-"""The checks a save makes before it writes anything, so that what `save` writes
-`load` reads back: the names a file holds (`check_names`: bridge's own metadata;
-`check_plain_names`: a PyTorch-layout file or folder, by dotted names alone)."""
+"""The checks a save makes before it writes anything: that what `save` writes `load`
+reads back (`check_names`: the names in bridge's own metadata; `check_plain_names`:
+a PyTorch-layout file or folder, by dotted names alone), and that the destination
+can take it (`check_place`: its directory exists, a file is not a directory
+nor read-only), each an error in bridge's words naming the path."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .._shown import shown, some
+from ._atomic import check_writable
 from ._contents import Contents, plain_name, unreadable
 
 
@@ -40,3 +43,26 @@ def check_plain_names(path: Path, names: Iterable[str]) -> None:
         raise ValueError(
             _NOT_PLAIN_NAMES.format(path=path, names=some(bad, show=shown))
         )
+
+
+_NO_DIRECTORY = "{parent}: no such directory to save {name} in."
+_A_DIRECTORY = """\
+{path} is a directory: a {kind} is one file; pick a file name (or, for a Hugging Face
+folder, a path without a suffix with layout="torch")."""
+
+
+def check_place(path: Path, kind: str | None) -> None:
+    """Before anything is written: `FileNotFoundError` where `path`'s directory does
+    not exist; for one file (`kind` names it: `"safetensors checkpoint"`), an
+    `IsADirectoryError` where `path` is a directory and a `PermissionError` where
+    the file there is read-only (`_atomic.check_writable`); `kind=None`: a
+    directory checkpoint, which `_atomic.atomic_dir` checks."""
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            _NO_DIRECTORY.format(parent=path.parent, name=path.name)
+        )
+    if kind is None:
+        return
+    if path.is_dir():
+        raise IsADirectoryError(_A_DIRECTORY.format(path=path, kind=kind))
+    check_writable(path)

@@ -23,7 +23,7 @@ from ._model import _NOT_STRINGS, both_str
 from ._plugins import quantizer
 from ._ported import computed_target, ported_state
 from ._reference import NO_FORWARD_PASS, check, reference_of
-from ._save_checks import check_names, check_plain_names
+from ._save_checks import check_names, check_place, check_plain_names
 from ._torch_layout import _own, torch_state
 
 
@@ -114,15 +114,7 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     if contents.training and not fmt.training:
         raise ValueError(_TRAINING_NO_METADATA.format(path=path, format=fmt.name))
     check_names(path, contents)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(
-            f"{path.parent}: no such directory to save {path.name} in."
-        )
-    if fmt.suffixes and path.is_dir():
-        raise IsADirectoryError(
-            f"{path} is a directory: a {fmt.name} checkpoint is one file; pick a "
-            "file name."
-        )
+    check_place(path, f"{fmt.name} checkpoint" if fmt.suffixes else None)
     if fmt.dtypes is not None:
         bad = [
             f"{s.key} ({s.dtype})"
@@ -230,13 +222,10 @@ def save_layout(
         raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
     fmt = format_of(path)
     _check_layout_dtypes(path, tree)
+    check_place(path, "PyTorch-layout safetensors file" if fmt.suffixes else None)
     if not fmt.suffixes:  # a folder: save_pretrained's layout
         if scheme is not None:
             raise ValueError(_QUANTIZE_FOLDER.format(path=path))
-        if not path.parent.is_dir():
-            raise FileNotFoundError(
-                f"{path.parent}: no such directory to save {path.name} in."
-            )
     elif fmt.save_plain is None:
         raise ValueError(
             f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
