@@ -221,3 +221,38 @@ def ported_state(
     }
     linear = frozenset(dotted_torch(s.target) for s in steps if s.kind == "Dense")
     return Ported(state, linear)
+
+
+_NO_TARGET = """\
+`like` has no forward pass to pair the layers by (a state dict, or a file without
+the config.json of its model): pass the PyTorch module (on the `meta` device it
+costs no memory) or the Hugging Face folder with its config.json."""
+
+
+def paired_names(
+    tree: Tree,
+    like: Any,
+    example: Example,
+    rules: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
+    """`{layer path of tree (keystr): the dotted name of the layer of like it pairs
+    with}`, paired as `ported_state` pairs them (both forward passes on `example`,
+    `rules` read backwards); layers of `tree` that pair with none are left out
+    (the caller says which of them it needed).
+
+    **Raises:**
+
+    `ValueError` when `like` has no forward pass (`_NO_TARGET`);
+    `bridge.PortError` listing every problem of the pairing.
+    """
+    target = computed_target(like)
+    if target is None:
+        raise ValueError(_NO_TARGET)
+    plan, problems = make_plan(
+        tree, target, _port_rules(tree, rules), False, None, example
+    )
+    if problems:
+        error = PortError(problems)
+        error.add_note(_HOW)
+        raise error
+    return {step.source: dotted_torch(step.target) for step in plan.steps}

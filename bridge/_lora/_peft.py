@@ -27,19 +27,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._adapters._native import check_model, to_neutral
-from .._arguments import check_path, check_rules, check_str
+from .._arguments import (
+    check_inputs,
+    check_pair_or_mapping,
+    check_path,
+    check_rules,
+    check_str,
+)
 from .._io import _safetensors
 from .._io._atomic import atomic_dir, reachable
 from .._io._config import read_json
 from .._io._errors import CheckpointError
 from .._io._files import inode
+from .._io._ported import paired_names
 from .._io._torch_layout import _name, indexed_names
 from .._paths import Path, at, path_str
 from .._port._reverse import reverse_rules
+from .._port._trace import Example
 from .._port.codecs._torch import CONV1D_NAMES
 from .._shown import shown
 from .._tree import Tree, framework
 from ._fused import Part, Split, check_split, fuse, part_of, parts_of, split_b
+from ._merge import merge_lora
 from ._settings import A, B, Injection, Settings, Target, frame_of
 
 
@@ -78,15 +87,38 @@ _UNREAD = "DoRA's lora_magnitude_vector and other methods' tensors are not read"
 _CANNOT_LOAD = """\
 bridge.load_peft cannot apply {dir}: {n} problem(s), nothing was applied.
 {problems}"""
+_UNPAIRED = (
+    "names: the adapted layers {layers} pair with no layer of `like` (both forward "
+    "passes on the example inputs): PEFT could not find them in that model"
+)
+_PREFIX = (
+    "`prefix` with `like`: the layers are named as `like` names them (its names "
+    "already hold a head model's `base_model_prefix`); leave `prefix` out"
+)
 _CANNOT_SAVE = """\
 bridge.save_peft cannot write the adapters: {n} problem(s), nothing was written.
 {problems}"""
 
 
 def names(
-    tree: Tree, found: list[Target], rules: Mapping[str, str] | None, prefix: str
+    tree: Tree,
+    found: list[Target],
+    rules: Mapping[str, str] | None,
+    prefix: str,
+    paired: Mapping[str, str] | None = None,
 ) -> list[tuple[str, Target, int | None]]:
-    """Each target's PyTorch layer name(s), one per layer of a stack."""
+    """Each target's PyTorch layer name(s), one per layer of a stack; with
+    `paired` (`{layer path: name}`, `_ported.paired_names`), the names it gives
+    (`ValueError` naming each layer it has none for)."""
+    if paired is not None:
+        lone = [w for t in found for w, _ in layer_paths(tree, t) if w not in paired]
+        if lone:
+            raise ValueError(_UNPAIRED.format(layers=lone))
+        return [
+            (paired[where], target, index)
+            for target in found
+            for where, index in layer_paths(tree, target)
+        ]
     backwards = reverse_rules(rules or {})
     indexed = indexed_names(tree)  # as `bridge.save(..., layout="torch")` names them
     return [
@@ -169,12 +201,16 @@ def save_peft(
     rules: Mapping[str, str] | None = None,
     prefix: str = "",
     split: Split | None = None,
+    like: Any = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a model's LoRA adapters as a PEFT adapter directory.
 
     Writes `adapter_model.safetensors` and `adapter_config.json`, which
     `peft.PeftModel.from_pretrained(torch_model, directory)` loads onto the PyTorch
-    model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives.
+    model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives;
+    with `like` and `example`, onto `like` itself, whatever the model's own names.
     The directory appears whole or not at all; over an existing adapter, only the
     adapter's own files are replaced (a README.md, tokenizer files are kept).
 
@@ -196,6 +232,14 @@ def save_peft(
       PEFT's `lora_A` and `lora_B` stacked when the parts share `lora_A` and
       settings (rank `r`), else of the parts' ranks together, `lora_B`
       block-diagonal (a part without adapter: zero rows).
+    - `like`, `example`, `example_kwargs`: the base model the adapter is for, as
+      `bridge.save(..., layout="torch", like=..., example=...)` takes them: a
+      Hugging Face folder (its model built from its `config.json`) or a PyTorch
+      module, and example inputs of the model. Both forward passes pair the
+      model's layers with `like`'s, and each adapter is named by the layer of
+      `like` it pairs with: a model with names of its own (a rewrite of a hub
+      model) writes an adapter PEFT opens on that hub model. `rules` then pair the
+      layers they match first; `prefix` is refused.
 
     **Config:** `r` and `lora_alpha` are the most common rank and alpha;
     `rank_pattern`/`alpha_pattern` name the layers that differ; `target_modules` the
@@ -223,15 +267,30 @@ def save_peft(
     check_rules(rules)
     check_str(prefix, "prefix")
     split = check_split(split)
+    check_inputs(example, "example")
+    check_pair_or_mapping(example_kwargs, "example_kwargs")
+    if (like is None) != (example is None):
+        raise TypeError(
+            "`like` and `example` go together: the layers are paired by "
+            "both forward passes on the example inputs."
+        )
+    if like is not None and prefix:
+        raise ValueError(_PREFIX)
     tree = to_neutral(model)
     frame = frame_of(framework(tree))
     found = [t for t in frame.targets(tree) if t.settings is not None]
     problems: list[str] = []
     if not found:
         problems.append("the model holds no LoRA adapter")
+    paired = None
+    if like is not None and found:
+        # the layers paired as the base model's (the adapters' products would
+        # read as computations of their own), abstractly: nothing is merged
+        base = jax.eval_shape(merge_lora, tree)
+        paired = paired_names(base, like, Example(example, example_kwargs), rules)
     named: list[tuple[str, Target, int | None]] = []
     try:
-        named = names(tree, found, rules, prefix)
+        named = names(tree, found, rules, prefix, paired)
     except ValueError as error:
         problems.append(str(error))
     tensors: dict[str, np.ndarray] = {}
@@ -259,7 +318,10 @@ def save_peft(
         assert target.settings is not None  # `found` holds those with an adapter
         written.append((name, target.settings))
     if fused:
-        every = {n: t for n, t, _ in names(tree, frame.targets(tree), rules, prefix)}
+        targets = frame.targets(tree)
+        if paired is not None:  # the parts `like` pairs (a fused layer's)
+            targets = [t for t in targets if path_str(t.path) in paired]
+        every = {n: t for n, t, _ in names(tree, targets, rules, prefix, paired)}
         for name, (part, pieces) in fused.items():
             done = _fuse(name, part, pieces, every, problems)
             if done is not None and name in owners:
