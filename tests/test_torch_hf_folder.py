@@ -7,6 +7,7 @@ those `save_pretrained` writes for the same model. Skipped without torch and
 transformers (`nox -s tests_torch`)."""
 
 import json
+import os
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -148,3 +149,85 @@ def test_config_from_the_source_folder(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(back(IDS).logits, hf(IDS).logits)
+
+
+# --- no atomic exchange: the folder replaced in place, whole at every instant ---------
+
+
+def _version_saver(hf):
+    """`save(path, version, max_shard_size)`: `hf`'s Llama with every array `version`,
+    saved as a Hugging Face folder (the same config.json each time)."""
+    import jax
+
+    tree = bridge.from_torch(hf)
+
+    def save(path, version, max_shard_size):
+        arrays = jax.tree.map(lambda x: jnp.full(x.shape, version, x.dtype), tree)
+        bridge.save(
+            path,
+            arrays,
+            layout="torch",
+            max_shard_size=max_shard_size,
+            config=hf.config,
+        )
+
+    return save
+
+
+def _versions(folder):
+    """The version transformers' `from_pretrained` reads in `folder`, and bridge's
+    `load`: one value each (a mix of versions fails)."""
+    import jax
+
+    from .corpus.writes import one_value
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    ours = bridge.load(folder)
+    return (
+        one_value(p.detach().numpy() for p in theirs.parameters()),
+        one_value(jax.tree.leaves(ours)),
+    )
+
+
+def test_without_an_atomic_exchange_every_instant_of_a_save_is_a_whole_folder(
+    tmp_path, monkeypatch
+):
+    """Where the filesystem cannot exchange two directories (NFS, some FUSE, the
+    accelerator's gVisor), a save of a Hugging Face folder over one of the same
+    config.json moves its files into the folder itself. The directory is copied
+    before every change the save makes (each copy is what a `kill -9` then
+    leaves): `AutoModelForCausalLM.from_pretrained` opens every copy, as the old or
+    the new model, and bridge reads the same version; from one file to shards,
+    shards to shards (other counts, then the same names), shards to one file. The
+    next save over a copy leaves the folder clean. Was: the old folder renamed
+    aside, then the new one in: killed between, no folder at the path
+    (`from_pretrained` fails; only bridge read the one aside)."""
+    from bridge._io import _atomic
+
+    from .corpus import writes
+
+    monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)
+    save = _version_saver(_llama())
+    root = tmp_path / "root"
+    root.mkdir()
+    path = root / "hf"
+    save(path, 1.0, "50GB")
+    sizes = [(2.0, "12KB"), (3.0, "8KB"), (4.0, "8KB"), (5.0, "50GB")]
+    for n, (version, size) in enumerate(sizes):
+        store = tmp_path / f"copies{n}"
+        store.mkdir()
+        with writes.recorded(root, store) as steps:
+            save(path, version, size)
+        assert _versions(path) == (version, version)
+        seen = []
+        for copy, call in zip(steps.copies, steps.names, strict=True):
+            theirs, ours = _versions(copy / "hf")
+            assert theirs == ours, f"killed before {call}: {theirs} != {ours}"
+            seen.append(theirs)
+        assert seen[0] == version - 1 and seen[-1] == version
+        assert set(seen) == {version - 1, version}
+        last = steps.copies[len(steps.copies) // 2] / "hf"
+        save(last, 9.0, size)  # the next save clears what the killed one left
+        assert _versions(last) == (9.0, 9.0)
+        assert sorted(os.listdir(last)) == sorted(os.listdir(path)), call
+        assert not [p for p in os.listdir(last.parent) if "bridge" in p]

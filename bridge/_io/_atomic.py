@@ -12,9 +12,12 @@ leaves any earlier checkpoint untouched and removes the temporary; an overwritte
 checkpoint keeps its permission bits.
 
 A directory is swapped in with `renameat2(RENAME_EXCHANGE)`. Where the filesystem
-cannot exchange, the old directory is renamed aside (`.NAME.bridge-old`) and the new
-one renamed in: a save killed between the two renames leaves the old one aside, where
-`reachable(path)` (used by every load) finds it and the next save puts it back. A
+cannot exchange, a writer that knows its files moves the new ones into the old
+directory, the old checkpoint whole until one rename makes the new one whole
+(`atomic_dir(in_place=...)`: a Hugging Face folder whose config files do not
+change); otherwise the old directory is renamed aside (`.NAME.bridge-old`) and the
+new one renamed in: a save killed between the two renames leaves the old one aside,
+where `reachable(path)` (used by every load) finds it and the next save puts it back. A
 directory this user may not write (`chmod 555`) is refused before anything is
 written; so is a file without any write bit (`chmod 444`, for root too) or one this
 user may not write, and a file in a directory this user may not write; temporaries
@@ -335,11 +338,14 @@ def atomic_dir(
     path: Path,
     is_checkpoint: Callable[[Path], bool],
     keep: Callable[[str], bool] | None = None,
+    in_place: Callable[[Path, Path], bool] | None = None,
 ) -> Iterator[Path]:
     """Yield a temporary directory path next to `path` (not yet created); on success,
     flush it and swap it with `path` atomically (where the system cannot, the old
     directory is moved aside first and put back if the process dies before the new
-    one is in place, at the next save).
+    one is in place, at the next save; or, with `in_place`, `in_place(tmp, path)`
+    moves the new files into the old directory itself, a whole checkpoint there at
+    every moment, and returns True, or returns False having changed nothing).
 
     An existing `path` is replaced only when `is_checkpoint(path)` is true, and only
     when this user may write it (a `chmod 555` folder is refused, naming it). With
@@ -372,7 +378,9 @@ def atomic_dir(
                 for sub in sorted(tmp.rglob("*"), reverse=True):
                     _fsync(sub)
                 _fsync(tmp)
-                if not (path.exists() and _exchange(tmp, path)):
+                if not (path.exists() and _exchange(tmp, path)) and not (
+                    in_place is not None and path.is_dir() and in_place(tmp, path)
+                ):
                     aside = temporary(path, _OLD)
                     if path.exists():
                         os.rename(path, aside)

@@ -38,7 +38,7 @@ from .._families import _experts
 from .._families._experts import Place
 from .._progress import advance
 from .._tree import Tree
-from ._atomic import _barrier, atomic_dir
+from ._atomic import _barrier, _fsync, atomic_dir
 from ._config import written_type
 from ._reference import Reference, check, config_reference
 from ._safetensors import _CODES, _PACKED, _nbytes, _to_bytes
@@ -436,8 +436,8 @@ def write_folder(
     primary = jax.process_index() == 0
     written = 0
     _agreed(path, plan, metadata)
-    keep = lambda name: not _is_weights(name)  # noqa: E731
-    with atomic_dir(path, is_model_folder, keep) as tmp:
+    keep = lambda name: not (_is_weights(name) or _STAGED in name)  # noqa: E731
+    with atomic_dir(path, is_model_folder, keep, in_place) as tmp:
         if primary:
             tmp.mkdir()
             for file, (head, total) in plan.shards.items():
@@ -470,6 +470,97 @@ def write_folder(
             for file, text in files.items():
                 (tmp / file).write_text(text)
     return Written(written, plan)
+
+
+# --- replaced in place, where the filesystem cannot exchange two directories ---------
+
+_STAGED = "bridge-new"
+"""In the names a save stages its files under in the folder (`.config.json.bridge-new`)
+before renaming them in: no reader reads them, the next save removes them."""
+
+
+def _live(folder: Path) -> set[str]:
+    """The weight files of `folder` that a reader reads: `model.safetensors` where
+    there is one (transformers' order, and bridge's), else the index and the shards
+    it names (every weight file where the index cannot be read)."""
+    if (folder / WEIGHTS).is_file():
+        return {WEIGHTS}
+    if not (folder / INDEX).is_file():
+        return set()
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        return {INDEX, *weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {p.name for p in folder.iterdir() if _is_weights(p.name)}
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    try:
+        return a.read_bytes() == b.read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+def _other_name(name: str) -> str:
+    """A shard's second name (`m-00001-of-00002.safetensors` <->
+    `m-00001-of-00002.b.safetensors`), for a shard whose name the folder uses."""
+    if name.endswith(".b" + _SUFFIX):
+        return name[: -len(".b" + _SUFFIX)] + _SUFFIX
+    return name[: -len(_SUFFIX)] + ".b" + _SUFFIX
+
+
+def _rename_in(src: Path, folder: Path, name: str) -> None:
+    """`src` renamed to `folder / name` through a staged name (flushed), so that the
+    last step is one rename over whatever is at `name`."""
+    staged = folder / f".{name}.{_STAGED}"
+    os.rename(src, staged)
+    os.replace(staged, folder / name)
+
+
+def in_place(new: Path, folder: Path) -> bool:
+    """Move the new folder `new` (written whole) into the old `folder`, a whole model
+    in `folder` at every moment, for transformers' `from_pretrained` as for bridge:
+    where the filesystem cannot exchange two directories (NFS, some FUSE, gVisor).
+
+    The new weight files come in under names the old ones do not use, unread; then
+    one rename switches what a reader reads (the index over the old one, or
+    `model.safetensors` over it; from one file to shards, the removal of
+    `model.safetensors`, which readers read first); then the old weights go. A save
+    killed at any step leaves the old or the new model, and files no reader reads,
+    which the next save removes. Only where every config file the save writes is
+    the one already there (the same model saved again): a `config.json` and the
+    weights cannot change in one rename, so a save that changes one returns False,
+    having changed nothing (the old directory is then moved aside, `atomic_dir`)."""
+    for name in CONFIGS:
+        if (new / name).is_file() and not _same_bytes(new / name, folder / name):
+            return False
+    live = _live(folder)
+    for stale in folder.iterdir():  # what a killed save left
+        if (_is_weights(stale.name) and stale.name not in live) or (
+            _STAGED in stale.name
+        ):
+            stale.unlink()
+    if (new / WEIGHTS).is_file():
+        _rename_in(new / WEIGHTS, folder, WEIGHTS)  # the switch
+        now = {WEIGHTS}
+    else:
+        index = json.loads((new / INDEX).read_text())
+        names: dict[str, str] = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            names[shard] = shard if shard not in live else _other_name(shard)
+            os.rename(new / shard, folder / names[shard])
+        index["weight_map"] = {k: names[v] for k, v in index["weight_map"].items()}
+        (new / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _fsync(new / INDEX)
+        _fsync(folder)
+        _rename_in(new / INDEX, folder, INDEX)  # the switch from shards
+        (folder / WEIGHTS).unlink(missing_ok=True)  # the switch from one file
+        now = {INDEX, *names.values()}
+    _fsync(folder)
+    for old in live - now:
+        (folder / old).unlink(missing_ok=True)
+    _fsync(folder)
+    return True
 
 
 # --- a model in PyTorch layout --------------------------------------------------------

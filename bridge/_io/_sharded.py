@@ -83,8 +83,16 @@ class _MissingShard(MissingCheckpoint):
 _TOO_BIG = "the index is {size} bytes, more than the {limit} an index may have"
 
 
+_HF_WEIGHTS = "model.safetensors"
+
+
 def index_of(path: Path) -> Path | None:
-    """The index file of the sharded checkpoint in directory `path`, else None."""
+    """The index file of the sharded checkpoint in directory `path`, else None: none
+    in a folder holding `model.safetensors` (a Hugging Face folder, which
+    transformers reads from that file first, whatever index lies beside it; a save
+    replacing the folder in place passes through such a state)."""
+    if (path / _HF_WEIGHTS).is_file():
+        return None
     found = sorted(path.glob("*" + INDEX_SUFFIX))
     if len(found) > 1:
         names = ", ".join(f.name for f in found)
