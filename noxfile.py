@@ -229,6 +229,7 @@ TORCH_TESTS = [
     "tests/test_opt_state_torch.py",
     "tests/test_torch_trace.py",
     "tests/test_torch_folder_code.py",
+    "tests/test_torch_folder_bounds.py",
     "tests/test_torch_ties.py",
     "tests/test_torch_port_traced.py",
     "tests/test_torch_weight_norm.py",

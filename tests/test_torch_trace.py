@@ -750,17 +750,18 @@ def test_a_config_declaring_more_layers_than_the_folder_holds_is_not_built():
 def test_a_config_whose_model_registers_too_many_parameters_is_not_built(
     monkeypatch,
 ):
-    """The construction stops once the model registers more parameters than the
-    folder's tensors allow (a count that fields such as an expert count multiply)."""
-    from bridge._adapters import _torch_folder
+    """The construction stops once the model takes more steps (modules,
+    parameters, buffers, operations) than the folder's tensors allow (a count that
+    fields such as an expert count multiply)."""
+    from bridge._adapters import _torch_bounds
 
-    monkeypatch.setattr(_torch_folder, "_MOST_PARTS", 10)
+    monkeypatch.setattr(_torch_bounds, "MOST_STEPS", 10)
     keys = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
     built = folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys)
     assert built.module is None
     assert built.reason.startswith(
-        "its config.json declares a model of more than 26 parameters, but the "
-        "folder holds 4 tensors"
+        "its config.json declares a model of more than 74 modules, parameters, "
+        "buffers and operations, but the folder holds 4 tensors"
     ), built.reason
-    monkeypatch.setattr(_torch_folder, "_MOST_PARTS", 10_000)
+    monkeypatch.setattr(_torch_bounds, "MOST_STEPS", 10_000)
     assert folder_module({**CONFIGS["gpt2"], "n_layer": 3}, keys=keys).module

@@ -15,14 +15,17 @@ torch and transformers are imported here only, when called: without them,
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
-from collections.abc import Iterator, Mapping
+import json
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .._gc import paused
 from .._shown import shown
+from ._torch_bounds import Bounds, TooBig, declared
 
 
 class FolderModule(NamedTuple):
@@ -75,19 +78,11 @@ _TOO_BIG = (
     "config does not describe these weights (building it would take minutes and "
     "gigabytes); use the config.json the weights were saved with"
 )
-_LAYER_COUNTS = frozenset(
-    {
-        "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
-        "decoder_layers", "num_decoder_layers", "num_encoder_layers",
-    }
-)  # fmt: skip
-_MOST_PARTS = 10_000
-"""Without the folder's tensor names, the most layers a config may declare and the
-most parameters a model built from it may register beyond them."""
 
 
-class _TooBig(Exception):
-    """A model from a config declaring far more than its folder holds."""
+MOST_JSON = 100 << 20
+"""The most bytes of a `config.json`, an index or a safetensors header read here
+(safetensors' own bound of a header)."""
 
 
 class _CustomCode(Exception):
@@ -109,47 +104,9 @@ def _custom_code(raw: Mapping) -> str | None:
     return None
 
 
-def _too_many_layers(raw: Any, keys: int | None) -> str | None:
-    """A layer count in `raw` (or its nested configs) above the folder's number of
-    tensors: a config of 100,000 layers took minutes and gigabytes to build, and
-    one of 10**8 never finished (transformers lists each layer's type)."""
-    most = keys if keys is not None else _MOST_PARTS
-    todo = [raw]
-    while todo:
-        node = todo.pop()
-        if not isinstance(node, Mapping):
-            continue
-        for key, value in node.items():
-            if isinstance(value, Mapping):
-                todo.append(value)
-            elif (
-                key in _LAYER_COUNTS
-                and isinstance(value, int)
-                and not isinstance(value, bool)
-                and value > most
-            ):
-                return f"{key} {value}"
-    return None
-
-
-@contextlib.contextmanager
-def _at_most_parameters(torch: Any, most: int) -> Iterator[None]:
-    """Abort a model's construction once it registers more than `most`
-    parameters (a count its config's fields such as expert counts multiply)."""
-    count = 0
-
-    def registered(module: Any, name: str, param: Any) -> None:
-        nonlocal count
-        count += 1
-        if count > most:
-            raise _TooBig(f"more than {most} parameters")
-
-    hooks = torch.nn.modules.module
-    handle = hooks.register_module_parameter_registration_hook(registered)
-    try:
-        yield
-    finally:
-        handle.remove()
+def _too_big(e: TooBig, tensors: int | None) -> str:
+    held = "an unknown number of" if tensors is None else tensors
+    return _TOO_BIG.format(what=e, keys=held)
 
 
 def _import(name: str) -> Any:
@@ -170,27 +127,27 @@ def _no_init_weights(transformers: Any) -> Any:
     raise ImportError("transformers has no no_init_weights")
 
 
-def _config(transformers: Any, given: Any, keys: int | None = None) -> tuple[Any, dict]:
-    """The transformers config of a folder (its `config.json`) or of a dict, whose
-    layer counts are at most `keys` (the folder's number of tensors) when given."""
-    import json
-    from pathlib import Path
-
+def _config(
+    transformers: Any, given: Any, keys: int | None, bounds: Bounds
+) -> tuple[Any, dict]:
+    """The transformers config of a folder (its `config.json`) or of a dict, which
+    declares no more than a folder of `keys` tensors holds (`declared`), made
+    within `bounds`."""
     if isinstance(given, Mapping):
         raw = dict(given)
     else:
-        raw = json.loads((Path(given) / "config.json").read_text())
+        raw = _json_in(Path(given) / "config.json")
     if not isinstance(raw, Mapping):
         raise ValueError(f"config.json holds a {type(raw).__name__}, not an object")
     code = _custom_code(raw)
     if code is not None:
         raise _CustomCode(_CUSTOM_CODE.format(what=code))
-    declared = _too_many_layers(raw, keys)
-    if declared is not None:
-        held = "an unknown number of" if keys is None else keys
-        raise _TooBig(_TOO_BIG.format(what=declared, keys=held))
+    what = declared(raw, keys)
+    if what is not None:
+        raise TooBig(what)
     rest = {k: v for k, v in raw.items() if k != "model_type"}
-    config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
+    with bounds.stopping():
+        config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
     return config, raw
 
 
@@ -199,9 +156,9 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     """Build the PyTorch model a Hugging Face folder holds weights for, from its
     `config.json` alone, at no memory cost: meta (or fake) tensors of full size.
 
-    The class is `config["architectures"][0]` (else `transformers.AutoModel`),
-    built on the `meta` device (else inside
-    `torch._subclasses.fake_tensor.FakeTensorMode`) under transformers'
+    The class is `config["architectures"][0]` (else the class
+    `transformers.AutoModel` maps the config to), built on the `meta` device
+    (else inside `torch._subclasses.fake_tensor.FakeTensorMode`) under transformers'
     `no_init_weights()`, with `attn_implementation="eager"`, `use_cache=False` and
     float32 parameters, then `tie_weights()` (skipping the initialisation also
     skips the tying) and `eval()`. `trace_module` runs it on meta or fake inputs.
@@ -230,46 +187,44 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     if keys is None and not isinstance(folder, Mapping):
         keys = _folder_keys(folder)
     count = None if keys is None else len(keys)
+    bounds = Bounds(count)
     try:
-        config, raw = _config(transformers, folder, count)
-    except (_TooBig, _CustomCode) as e:
+        config, raw = _config(transformers, folder, count, bounds)
+    except TooBig as e:
+        return FolderModule(None, _too_big(e, count), {}, ())
+    except _CustomCode as e:
         return FolderModule(None, str(e), {}, ())
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:  # not JSON, not an object, refused by transformers
         return FolderModule(
-            None, f"its config.json is not read by transformers: {e}", {}, ()
+            None, f"its config.json is not read: {type(e).__name__}: {e}", {}, ()
         )
     cls = _model_class(transformers, raw.get("architectures"))
+    if cls is None:  # the base model of its model_type: transformers' own class
+        cls = _base_class(transformers, config)
     if cls is None:
         names = raw.get("architectures") or []
-        cls = transformers.AutoModel
         what = (
             shown(names[0])
             if isinstance(names, list) and names
             else f"model_type {shown(raw.get('model_type'))}"
         )
-        if config.__class__ not in getattr(
-            transformers.AutoModel, "_model_mapping", {}
-        ):
-            version = transformers.__version__
-            return FolderModule(
-                None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
-            )
+        version = transformers.__version__
+        return FolderModule(
+            None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
+        )
     config.use_cache = False
     built = None
     for context in (  # the meta device where it builds, else fake tensors
         lambda: torch.device("meta"),
         lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
     ):
-        most = _MOST_PARTS + 4 * (count or 0)
         try:
-            with context(), _no_init_weights(transformers):
-                with _at_most_parameters(torch, most):
+            with bounds.counting(torch), context(), _no_init_weights(transformers):
+                with bounds.stopping():
                     module = _construct(cls, config, torch)
-                module.tie_weights()
-        except _TooBig as e:
-            what = f"a model of {e}"
-            held = "an unknown number of" if count is None else count
-            return FolderModule(None, _TOO_BIG.format(what=what, keys=held), {}, ())
+                    module.tie_weights()
+        except TooBig as e:
+            return FolderModule(None, _too_big(e, count), {}, ())
         except Exception as e:  # the model's own code: report, do not crash the port
             built = (
                 built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
@@ -304,38 +259,69 @@ def _model_class(transformers: Any, architectures: Any) -> Any:
     return cls if isinstance(cls, type) and issubclass(cls, base) else None
 
 
+def _base_class(transformers: Any, config: Any) -> Any:
+    """The class `transformers.AutoModel` builds from `config`, imported now (never
+    code a config names: only the classes transformers maps its configs to)."""
+    mapping = getattr(transformers.AutoModel, "_model_mapping", {})
+    try:
+        return mapping[type(config)]
+    except Exception:  # not mapped, or transformers failing to import its own
+        return None
+
+
 def _construct(cls: Any, config: Any, torch: Any) -> Any:
-    """`cls` built from `config`; an auto class with `trust_remote_code=False`, so
-    that no file a config names is imported, and no question is asked on stdin."""
-    if cls.__name__.startswith("Auto"):
-        build = functools.partial(cls.from_config, trust_remote_code=False)
-    else:
-        build = cls._from_config
+    """`cls` (one of transformers' model classes) built from `config`."""
     for dtype in ("dtype", "torch_dtype"):  # transformers 5.x, 4.x
         try:
-            return build(config, attn_implementation="eager", **{dtype: torch.float32})
+            return cls._from_config(
+                config, attn_implementation="eager", **{dtype: torch.float32}
+            )
         except TypeError as e:
             if dtype not in str(e):
                 raise
-    return build(config, attn_implementation="eager")
+    return cls._from_config(config, attn_implementation="eager")
 
 
 def _folder_keys(folder: Any) -> list[str] | None:
-    """The tensor names of a folder's safetensors files (their headers only)."""
-    import json
-    from pathlib import Path
-
+    """The tensor names of a folder's safetensors files: its index's
+    (`*.safetensors.index.json`), else the files' headers; None where they cannot
+    be read."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return list(json.loads(index.read_text()).get("weight_map", {}))
-    names: list[str] = []
-    for path in sorted(folder.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        names += [k for k in header if k != "__metadata__"]
+    try:
+        indexes = sorted(folder.glob("*.safetensors.index.json"))
+        if len(indexes) == 1:
+            return list(_json_in(indexes[0]).get("weight_map", {}))
+        names: list[str] = []
+        for path in sorted(folder.glob("*.safetensors")):
+            size = int.from_bytes(_bytes_in(path, 0, 8), "little")
+            header = _json_in(path, 8, size)
+            names += [k for k in header if k != "__metadata__"]
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
     return names or None
+
+
+def _json_in(path: Path, start: int = 0, size: int | None = None) -> Any:
+    """The JSON at `start` (`size` bytes, by default to the end) of the regular
+    file at `path`, of at most `MOST_JSON` bytes."""
+    return json.loads(_bytes_in(path, start, size))
+
+
+def _bytes_in(path: Path, start: int, size: int | None) -> bytes:
+    """`size` bytes (by default to the end) at `start` of the regular file at
+    `path`, opened without blocking (a FIFO is refused, never waited on), at most
+    `MOST_JSON`; `ValueError` naming the file otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        size = st.st_size - start if size is None else size
+        if size > MOST_JSON or start + size > st.st_size:
+            raise ValueError(f"{path.name} does not hold {size} bytes at {start}")
+        return os.pread(fd, size, start)
+    finally:
+        os.close(fd)
 
 
 def _file_names(
