@@ -597,3 +597,35 @@ def test_inspect_shows_the_adapters(tmp_path, capsys, framework):
     assert "(the base model is not in this file)" in out
     assert main(["inspect", str(tmp_path / "adapter" / "x.safetensors")]) != 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("lora_alpha", [1, 2], "lora_alpha is [1, 2], not a finite number"),
+        ("r", "2\x1b[31mred", "r is '2\\x1b[31mred', not a positive integer"),
+        ("use_rslora", "yes", "use_rslora is 'yes', not true or false"),
+        ("alpha_pattern", {"q": "\x1b[2J"}, "alpha_pattern is {'q': '\\x1b[2J'}"),
+    ],
+)
+def test_inspect_names_a_config_field_of_another_type(
+    tmp_path, capsys, field, value, said
+):
+    """`bridge inspect` of a PEFT adapter whose `adapter_config.json` holds a field
+    of another type than PEFT's: the header is shown, with one line naming the
+    field and its value escaped; no terminal escape is printed. Was: Python's
+    `float() argument must be a string or a real number, not 'list'`, and the
+    raw escape in `(config r 2<ESC>[31mred)`."""
+    from bridge._cli import main
+
+    tree = bridge.lora(models()["nnx"], ["q", "head"], rank=2, alpha=4, key=KEY)
+    bridge.save_peft(tmp_path / "adapter", tree)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config[field] = value
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    assert main(["inspect", str(weights)]) == 0
+    out = capsys.readouterr().out
+    assert f"adapter_config.json: {said}" in out
+    assert "its rank and alpha are not read" in out and "\x1b" not in out
+    assert "LoRA adapters on 2 layer(s), targets head, q" in out

@@ -174,3 +174,29 @@ def test_tensors_the_adapter_would_drop_are_refused(tmp_path, extra, match):
     )
     assert np.array_equal(np.asarray(loaded.fc.lora_a), np.ones((4, 2)))
     assert np.array_equal(np.asarray(loaded.fc.lora_b), np.ones((2, 6)))
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8", "bool"])
+def test_tensors_of_integers_or_bools_are_refused_by_name(tmp_path, dtype):
+    """An adapter whose `lora_A`/`lora_B` are integers or bools was applied as
+    numbers it does not hold; `save_peft` wrote such adapters too. Both refuse,
+    naming each tensor and its dtype."""
+    skip_unless("NNX")
+    tensors = {
+        "base_model.model.fc.lora_A.weight": np.ones((2, 4), dtype),
+        "base_model.model.fc.lora_B.weight": np.ones((6, 2), np.float32),
+    }
+    (tmp_path / "in").mkdir()
+    (tmp_path / "ok").mkdir()
+    adapter = _adapter(tmp_path / "in", BASE + '"lora_alpha": 4}', tensors)
+    with pytest.raises(
+        ValueError,
+        match=rf"'base_model\.model\.fc\.lora_A\.weight' is {dtype}, not a "
+        r"floating-point tensor",
+    ):
+        bridge.load_peft(adapter, M())
+    model = bridge.load_peft(_adapter(tmp_path / "ok", BASE + '"lora_alpha": 4}'), M())
+    model.fc.lora_a = type(model.fc.lora_a)(np.ones(model.fc.lora_a.shape, dtype))
+    with pytest.raises(ValueError, match=rf"lora_A\.weight' is {dtype}, not a float"):
+        bridge.save_peft(tmp_path / "out", model)
+    assert not (tmp_path / "out").exists()

@@ -163,3 +163,28 @@ def test_a_valid_state_still_ports(trained):
     for sd in (adam_state, sgd_state):
         state = bridge.port_opt_state(copy.deepcopy(sd), model, target)
         assert jax.tree.leaves(eqx.filter(state, eqx.is_array))
+
+
+@pytest.mark.parametrize("count", [-3, 2**31])
+def test_an_optax_count_that_is_no_step_is_refused(trained, count):
+    """An optax state whose `count` is negative (or past int32) was ported into
+    PyTorch as `step` -3.0; refused, naming the count."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from .test_opt_state_torch import adamw
+
+    model, _, _ = trained
+    source = EqxMLP(jax.random.key(1))
+    tx = optax.adamw(1e-2, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.1)
+    state = tx.init(eqx.filter(source, eqx.is_array))
+    state = jax.tree.map(
+        lambda x: np.asarray(count, np.int64) if x.dtype == jnp.int32 else x, state
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"opt_state's ScaleByAdamState\.count is .*{count}.*: not a whole "
+        r"number of steps from 0 to 2\*\*31 - 1, which PyTorch's optimizer takes",
+    ):
+        bridge.port_opt_state(state, source, model, like=adamw(model), tx=tx)

@@ -177,7 +177,9 @@ def test_gguf_without_like_header_and_inspect(file, capsys):
 
 def test_gguf_is_not_written(tmp_path):
     # the format stores no dtype: refused before anything is written
-    with pytest.raises(ValueError, match="The gguf format cannot store a .float32."):
+    with pytest.raises(
+        ValueError, match=r"reads gguf files \(\.gguf\) but writes none"
+    ):
         bridge.save(tmp_path / "x.gguf", {"params": {"a": jnp.ones(2)}})
 
 
@@ -198,3 +200,29 @@ def test_gguf_into_hugging_face_names_without_head_count_refused(tmp_path):
         path, like=eqx.filter_eval_shape(lambda: ql.make(ql.eqx_layers(), ql.GGUF))
     )
     assert model.blk[0].attn_q.weight.shape == (256, 256)
+
+
+@pytest.mark.parametrize("heads", ["1" * 5000, "-4", "4 ", "\x1b[2J"])
+def test_gguf_head_count_that_is_no_count_refused_by_name(tmp_path, heads):
+    """A GGUF `llama.attention.head_count` of 5,000 digits raised Python's
+    `ValueError: Exceeds the limit (4300 digits) for integer string conversion`;
+    any value that is no count of heads is refused naming the key, shown
+    shortened and escaped."""
+    path = tmp_path / "heads.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("llama.attention.head_count", heads)
+    writer.add_string("llama.attention.head_count_kv", heads)
+    for name, (array, qtype) in gguf_state(_dense()).items():
+        writer.add_tensor(name, array, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target = eqx.filter_eval_shape(lambda: ql.make(ql.eqx_layers(), ql.HF))
+    with pytest.raises(
+        bridge.CheckpointError,
+        match=r"no llama\.attention\.head_count(_kv)? says by how many heads \(it "
+        r"is '",
+    ) as info:
+        bridge.load(path, like=target)
+    assert "\x1b" not in str(info.value) and len(str(info.value)) < 500

@@ -188,3 +188,34 @@ def test_an_empty_key_is_refused_before_writing_a_torch_file(
     ):
         bridge.save(tmp_path / name, variables, layout="torch")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_destination_it_cannot_write_is_refused_before_writing(tmp_path):
+    """`layout="torch"` into a directory that does not exist (a file and a folder),
+    onto an existing directory named as a file, and with a training state: bridge's
+    own errors naming the path, nothing written. Was: the raw `FileNotFoundError`
+    of the writer, and `IsADirectoryError` of a rename after a temporary file was
+    written."""
+    model, variables = _linen()
+    missing = tmp_path / "missing"
+    for path in (missing / "m.safetensors", missing / "folder"):
+        with pytest.raises(
+            FileNotFoundError,
+            match=rf"{missing}: no such directory to save {path.name} in\.",
+        ):
+            bridge.save(path, (model, variables), layout="torch")
+    (tmp_path / "m.safetensors").mkdir()
+    with pytest.raises(
+        IsADirectoryError,
+        match=r"m\.safetensors is a directory: a PyTorch-layout safetensors file is "
+        r"one file; pick a file name",
+    ):
+        bridge.save(tmp_path / "m.safetensors", (model, variables), layout="torch")
+    opt_state = optax.adam(1e-3).init(variables["params"])
+    for name in ("o.safetensors", "folder"):
+        with pytest.raises(ValueError, match="holds the model's arrays only"):
+            bridge.save(
+                tmp_path / name, (model, variables), layout="torch", opt_state=opt_state
+            )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    assert list((tmp_path / "m.safetensors").iterdir()) == []

@@ -332,6 +332,7 @@ def save_peft(
                 tensors[f"{MODEL}{name}.lora_B.weight"] = b
                 written.append((name, settings))
     problems = list(dict.fromkeys(problems))  # a split pattern's problem, once
+    problems += _not_floats(tensors)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(_CANNOT_SAVE.format(n=len(problems), problems=lines))
@@ -511,6 +512,7 @@ def load_peft(
         lines = _listing(problems + wrong)
         # a file that is not a PEFT config (a ValueError, as every problem here)
         raise CheckpointError(_CANNOT_LOAD.format(dir=path, n=n, problems=lines))
+    problems += _not_floats(tensors)
     named = names(tree, frame.targets(tree), rules, prefix)
     by_name = {n: (t, i) for n, t, i in named}
     modules = {k.removeprefix(MODEL).rsplit(".lora_", 1)[0] for k in tensors}
@@ -658,6 +660,18 @@ def read_tensors(file: FilePath) -> dict[str, np.ndarray]:
     reader (a regular file, its header checked before any array is read)."""
     with _safetensors.metadata(file) as contents:
         return {s.key: _safetensors.read_one(contents, s.key) for s in contents.tensors}
+
+
+def _not_floats(tensors: Mapping[str, Any]) -> list[str]:
+    """A problem for each tensor of an adapter that is not of a floating-point dtype
+    (an integer or bool `lora_A` would be read as a silently wrong adapter)."""
+    return [
+        f"{WEIGHTS}: {shown(key)} is {np.dtype(a.dtype)}, not a floating-point tensor "
+        "(LoRA's matrices are float32, bfloat16 or float16): convert it with "
+        ".astype, or train the adapter again"
+        for key, a in tensors.items()
+        if not jnp.issubdtype(a.dtype, jnp.floating)
+    ]
 
 
 def _number(value: Any) -> bool:

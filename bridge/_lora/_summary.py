@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ._peft import CONFIG, MODEL, WEIGHTS, _pattern, read_config
+from ._peft import CONFIG, MODEL, WEIGHTS, _pattern, _wrong_types, read_config
 from ._settings import A, B
 
 
@@ -64,7 +64,7 @@ def lora_summary(contents: Any) -> list[str]:
         if known
         else "rank unknown"
     )
-    config = _config(contents.path) if peft else None
+    config, wrong = _config(contents.path) if peft else (None, [])
     if config is not None:
         r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
         alphas = {
@@ -74,6 +74,7 @@ def lora_summary(contents: Any) -> list[str]:
         rank += f", alpha {shown} (config r {r}"
         rank += ", rslora)" if config.get("use_rslora") else ")"
     lines.append(rank)
+    lines += [f"{w}: its rank and alpha are not read" for w in wrong]
     lora = sum(math.prod(s) for shapes in layers.values() for s in shapes.values())
     total = sum(math.prod(s.shape) for s in contents.tensors if s.role == "params")
     if peft:
@@ -88,13 +89,17 @@ def lora_summary(contents: Any) -> list[str]:
     return lines
 
 
-def _config(path: Any) -> dict[str, Any] | None:
+def _config(path: Any) -> tuple[dict[str, Any] | None, list[str]]:
     """The `adapter_config.json` beside a PEFT weights file (None if absent or
-    unreadable: inspect shows what the header says)."""
+    unreadable: inspect shows what the header says), and its values of other types
+    than PEFT's, each naming the field, its value escaped (`_peft._wrong_types`;
+    the config is None then)."""
     file = Path(path).parent / CONFIG
     if Path(path).name != WEIGHTS or not file.exists():
-        return None
+        return None, []
     try:
-        return read_config(file)
+        config = read_config(file)
     except (ValueError, OSError):
-        return None
+        return None, []
+    wrong = _wrong_types(config)
+    return (None, wrong) if wrong else (config, [])

@@ -40,6 +40,7 @@ from .._io._files import Files, identity, open_regular, read_at
 from .._io._format import Format, register_format
 from .._lazy import LazyArray
 from .._paths import path_of
+from .._shown import shown
 from ._gguf_header import read_header
 
 
@@ -197,10 +198,12 @@ def hf_view(contents: Contents) -> Contents | str:
         heads = 0
         if key is not None:
             text = contents.metadata.get(f"{arch}.{key}", "")
-            if not (text.isascii() and text.isdigit()) or len(s.shape) not in (1, 2):
+            # at most 9 digits: Python refuses to read an int of over 4,300
+            digits = text.isascii() and text.isdigit() and len(text) <= 9
+            if not digits or len(s.shape) not in (1, 2):
                 return (
                     f"{s.key}: its rows are permuted, but no {arch}.{key} says by "
-                    "how many heads"
+                    f"how many heads (it is {shown(text, 40)})"
                 )
             heads = int(text)
             if heads == 0 or s.shape[0] % (2 * heads):

@@ -413,6 +413,8 @@ def _into_torch(
     record = found[0]
     if step is not None and "count" in record._fields:
         record = record._replace(count=jnp.asarray(step, jnp.result_type(record.count)))
+    if "count" in record._fields:  # PyTorch's `step` of every entry
+        torch_opt.check_count(record.count, f"opt_state's {moments.__name__}.count")
     src_state = torch_opt.replace_record(like_state, moments, record, None)
     state, porter = _port_state(
         src_state, src_tree, like_state, tgt_tree, rules, strict

@@ -418,7 +418,7 @@ def _check_entries(
         for key, value in entry.items():
             value: Any
             if key == "step":
-                problems.extend(_step_problem(value, where))
+                problems.extend(_step_problem(value, f"{where} step"))
             elif key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
                 if key == "momentum_buffer" and value is None:
                     continue  # SGD without momentum
@@ -435,21 +435,35 @@ def _check_entries(
         raise _damaged(problems, _KEYS)
 
 
-def _step_problem(value: Any, where: str) -> list[str]:
+def _step_problem(value: Any, what: str) -> list[str]:
+    """Why `value` (`what`: a torch `step`, an optax `count`) is no whole number of
+    steps from 0 to 2**31 - 1 (none: `[]`)."""
     torch = _torch()
     is_bool = isinstance(value, bool) or (
         torch is not None and torch.is_tensor(value) and value.dtype == torch.bool
     )
     problems: list[str] = []
-    number = 0.0 if is_bool else _number(value, f"{where} step", problems)
+    number = 0.0 if is_bool else _number(value, what, problems)
     if is_bool or (
         not problems and not (0 <= number < 2**31 and number == int(number))
     ):
         problems.append(
-            f"{where} step is {_shown(value)}: not a whole number of steps from 0 to "
+            f"{what} is {_shown(value)}: not a whole number of steps from 0 to "
             "2**31 - 1"
         )
     return problems
+
+
+def check_count(count: Any, what: str) -> None:
+    """`ValueError` unless an optax `count` (a scalar) is a whole number of steps
+    from 0 to 2**31 - 1, as PyTorch's `step` must be (a negative or fractional one
+    makes its bias correction wrong or NaN)."""
+    problems = _step_problem(count, what)
+    if problems:
+        raise ValueError(
+            f"{problems[0]}, which PyTorch's optimizer takes as its `step`. Port the "
+            "state the training made, or pass step=."
+        )
 
 
 def _numpy(tensor: Any) -> np.ndarray:
