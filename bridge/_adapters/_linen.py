@@ -32,6 +32,7 @@ from ._build import (
     native_leaves,
     source_of,
 )
+from ._linen_blocks import repeated
 from ._linen_walk import (
     _ALIKE,
     _KNOWN,
@@ -348,16 +349,9 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _called(run: Callable[[], Any]) -> tuple[Any, dict[tuple, Any]]:
     """`run()` (a forward pass), with every submodule it calls by its path
     (`("conv",)`): Linen records the classes and settings of compact submodules
-    nowhere else."""
+    nowhere else. Repeated blocks are traced once (`_linen_blocks`)."""
     seen: dict[tuple, Any] = {}
-
-    def record(method: Callable, args: Any, kwargs: Any, context: Any) -> Any:
-        module = context.module
-        if module.scope is not None:
-            seen.setdefault(tuple(module.scope.path), module)
-        return method(*args, **kwargs)
-
-    with nn.intercept_methods(record):
+    with nn.intercept_methods(repeated(seen)):
         out = run()
     return out, seen
 

@@ -24,6 +24,8 @@ side stays unpaired (refused as before, which `example=` settles).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ._general import Reading, dense_view
 from ._layers import Layer, read_specs
 from ._trace import Trace
@@ -42,9 +44,10 @@ def with_heads(
         if trace is None:
             continue
         tables = [x for x in layers if x.index is None and "Embed" in x.kinds]
-        wanted = [
-            x for x in tables if _more_heads(sides[1 - side], layers, _head_shape(x))
-        ]
+        if not tables:
+            continue
+        mine, other = _dense_shapes(layers), _dense_shapes(sides[1 - side])
+        wanted = [x for x in tables if other[_head_shape(x)] > mine[_head_shape(x)]]
         if not wanted or not trace():
             continue
         heads = trace.heads()
@@ -81,21 +84,16 @@ def _head_shape(table: Layer) -> tuple[int, ...]:
     return shape[::-1]
 
 
-def _dense_shapes(layers: list[Layer], shape: tuple[int, ...]) -> int:
-    """How many `Dense` layers of kernel `shape` hold an array of their own, not
+def _dense_shapes(layers: list[Layer]) -> Counter[tuple[int, ...]]:
+    """How many `Dense` layers of each kernel shape hold an array of their own, not
     shared: one whose arrays are other layers' (a tied head) is filled through
     those, as a masked-LM `decoder` whose bias is the head's loose `bias`; a table
     shared with such a head (a folder's embedding, `Embed` or `Dense` by its
     shape) is no head."""
-    return sum(
-        1
+    return Counter(
+        tuple(x.specs["Dense"]["kernel"].shape)
         for x in layers
         if "Dense" in x.kinds
-        and {x.leaf(e) for e in x.paths if e not in x.held} - x.tied
         and "kernel" in x.specs.get("Dense", {})
-        and tuple(x.specs["Dense"]["kernel"].shape) == shape
+        and {x.leaf(e) for e in x.paths if e not in x.held} - x.tied
     )
-
-
-def _more_heads(other: list[Layer], mine: list[Layer], shape: tuple) -> bool:
-    return _dense_shapes(other, shape) > _dense_shapes(mine, shape)
