@@ -200,9 +200,9 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
         bridge.port(small, eqx.nn.Linear(2, 2, key=jax.random.key(0)))
     )
     # the trace's own time, measured inside the port (both sides' first_uses)
-    import bridge._port._plan as plan_module
+    import bridge._port._trace as trace_module
 
-    tracing, first_uses = [0.0], plan_module.first_uses
+    tracing, first_uses = [0.0], trace_module.first_uses
 
     def timed_first_uses(*a, **k):
         begin = time.perf_counter()
@@ -211,7 +211,7 @@ def _worker(kind: str, size_mb: float, layers: int, stacked: bool) -> dict:
         finally:
             tracing[0] += time.perf_counter() - begin
 
-    plan_module.first_uses = timed_first_uses
+    trace_module.first_uses = timed_first_uses
     traced = 0.0
     import gc
 

@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
     )
     from ._port._compare import compare as compare
     from ._port._errors import PortError as PortError, PortWarning as PortWarning
-    from ._port._plan import Plan as Plan, port_plan as port_plan
+    from ._port._plan import Plan as Plan
+    from ._port._planning import port_plan as port_plan
     from ._port._port import port as port
     from ._port._report import Report as Report
     from ._qarray import QuantizedArray as QuantizedArray
@@ -93,7 +94,7 @@ _PUBLIC = {
     "PortError": "._port._errors",
     "PortWarning": "._port._errors",
     "Plan": "._port._plan",
-    "port_plan": "._port._plan",
+    "port_plan": "._port._planning",
     "port": "._port._port",
     "Report": "._port._report",
     "QuantizedArray": "._qarray",

@@ -129,7 +129,7 @@ def test_only_ascii_digits_as_int_writes_them_are_indices():
 def test_names_compared_by_their_words_read_only_ascii_digits_as_numbers():
     """Pairing by name (`normalised`): `layer١` (an Arabic-Indic one) was
     `("layer", 1)`, the same words as `layer1`; a superscript was dropped."""
-    from bridge._port._pairing import normalised
+    from bridge._port._order import normalised
 
     assert normalised((".layers_3.Attn",)) == ("layers", 3, "attn")
     assert normalised(("layer\u0661",)) == ("layer", "\u0661")

@@ -211,8 +211,9 @@ def test_two_alignments_that_tie_name_every_layer_either_pairs():
     """Creation orders `[(4, 4), (4, 8)]` and `[(4, 8), (4, 4)]`: either pair is the
     best order-preserving alignment, so both sources are ambiguous, and each has a
     line of its own (the second alignment's source had none)."""
-    from bridge._port._layers import find_layers
-    from bridge._port._pairing import _align
+    from bridge._port._align import _align
+    from bridge._port._find import find_layers
+    from bridge._port._side import read_side
 
     def layers(*shapes):
         class M(nnx.Module):
@@ -220,7 +221,7 @@ def test_two_alignments_that_tie_name_every_layer_either_pairs():
                 for k, (i, o) in enumerate(shapes):
                     setattr(self, f"l{k}", nnx.Linear(i, o, rngs=rngs))
 
-        return find_layers(bridge.to_neutral(M(nnx.Rngs(0))), [])
+        return find_layers(read_side(M(nnx.Rngs(0)), 0, []), [])
 
     problems: list[str] = []
     ambiguous: set[int] = set()

@@ -35,11 +35,13 @@ from .._adapters._native import placeholders, to_neutral
 from .._adapters._registry import adapter_for, ties_of
 from .._paths import parse, path_str
 from .._port._errors import CAST, PortError, PortWarning
-from .._port._layers import NOT_PORTED, find_layers
-from .._port._plan import make_plan
-from .._port._port import run
+from .._port._find import find_layers
+from .._port._layer import NOT_PORTED
+from .._port._planning import make_plan
 from .._port._report import warn
 from .._port._reverse import reverse_rules
+from .._port._run import run
+from .._port._side import read_side
 from .._port._trace import Example
 from .._tree import Tree, roles
 from ._config import CONFIG
@@ -137,7 +139,8 @@ def _port_rules(
         return {}
     out: dict[str, str | None] = {p: None for p, r in rules.items() if r is None}
     backwards = reverse_rules({p: r for p, r in rules.items() if r is not None})
-    for layer in find_layers(tree, []):  # problems: the plan's to report
+    # problems: the plan's to report
+    for layer in find_layers(read_side(tree, 0, []), []):
         for pattern, replacement in backwards.items():
             match = re.fullmatch(pattern, layer.where)
             if match:

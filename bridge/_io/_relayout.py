@@ -29,7 +29,9 @@ from .._adapters._native import to_native, to_neutral
 from .._adapters._registry import adapter_named, canonical_adapter, names, of_layout
 from .._paths import Path, parse
 from .._port._codec import WRITTEN, codec_of, codecs, filled
-from .._port._layers import NOT_PORTED, Layer, find_layers
+from .._port._find import find_layers
+from .._port._layer import NOT_PORTED, Layer
+from .._port._side import read_side
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, native_rank
 from . import _training
@@ -197,7 +199,7 @@ def relayout(
     if layout == "torch":
         return _to_torch(contents, tree, rename)
     problems: list[str] = []
-    layers = find_layers(tree, problems, loose=False)
+    layers = find_layers(read_side(tree, 0, problems), problems, loose=False)
     layers.sort(key=lambda layer: rank(layer.path))  # written in the file's order
     _unknown_classes(contents, layers, problems)
     if contents.layout == "torch":  # no classes: names decide between candidates

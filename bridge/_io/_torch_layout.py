@@ -30,9 +30,11 @@ from .._paths import Path, path_str
 from .._port._codec import codec_of
 from .._port._computed import computed
 from .._port._errors import SETTINGS
-from .._port._layers import ARRAY, Layer, find_layers, tell_settings
-from .._port._pairing import normalised
+from .._port._find import find_layers
+from .._port._layer import ARRAY, Layer, tell_settings
+from .._port._order import normalised
 from .._port._reverse import reverse_rules
+from .._port._side import read_side
 from .._port._trace import Example, Trace
 from .._port.codecs._torch import kinds_by_name
 from .._tree import Tree, framework, native_order, native_paths
@@ -154,7 +156,9 @@ def torch_layers(
         backwards = reverse_rules(rules or {})
     except ValueError as error:
         problems.append(str(error))
-    found = find_layers(tree, problems, told=example is not None)
+    found = find_layers(
+        read_side(tree, 0, problems), problems, told=example is not None
+    )
     if example is not None:  # the forward pass tells the settings left open
         computed((found, []), (Trace(tree, example, 0, problems), None), problems)
         tell_settings((found, []), problems)

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._paths import Path
+from ._layer import Layer, layer_signature
 from ._trace import _SEEN_THROUGH, Program, Trace, _literal, _subs
 
 
@@ -532,3 +533,67 @@ def _place(jaxpr: Any, n: int, j: int) -> int | None:
                 places = [[perm.index(p) for p in side] for side in places]
             break
     return 0 if min(places[j]) < min(places[1 - j]) else 1
+
+
+def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int]]:
+    """For each layer, the positions of the layers used side by side with it (one
+    kind and shapes, one input: `Order.reads`), itself included."""
+    together: dict[tuple, set[int]] = {}
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        if read is not None:
+            together.setdefault((read, x.kinds, layer_signature(x)), set()).add(i)
+    out = []
+    for i, (read, x) in enumerate(zip(reads, layers)):
+        key = (read, x.kinds, layer_signature(x))
+        out.append(frozenset(together[key]) if read is not None else frozenset({i}))
+    return out
+
+
+def _portable(b: Branch) -> frozenset:
+    """Where a layer meets the others, as two frameworks both show it: outputs left
+    out (which is which is each model's own order), `add_any` as `add`."""
+    return frozenset(
+        ("add" if name == "add_any" else name, at, n)
+        for name, at, n in b.merges
+        if name != "output"
+    )
+
+
+_VIEWS = (
+    lambda b: b,
+    lambda b: b.merges,
+    lambda b: b.alone,
+    lambda b: bool(b.alone),
+    lambda b: (_portable(b), bool(b.alone), b.product),
+    lambda b: (_portable(b), b.product),
+    _portable,
+    lambda b: b.product,
+)
+"""What of a `Branch` may pair layers side by side, most first: all of it; where
+each meets the others (the same on both sides when what each applies alone is
+written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
+alone (a silu on the gate: the merge is the same product); whether it applies
+anything alone (a silu written `x / (1 + exp(-x))` on one side, or a PyTorch
+side's one bit: `_branches.recorded`); then, as a PyTorch side records them too,
+where each meets the others (`_portable`) and whether two of its values are
+contracted (the norm before an attention, not the one before an MLP)."""
+
+
+def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
+    """`[(i, j)]` pairing `a[i]` with `b[j]` by the views (`_VIEWS`) that tell each
+    layer from the others on both sides and take the same values on both; None
+    where none does, or two such views pair them otherwise (one side's facts
+    read otherwise than the other's: nothing is guessed)."""
+    found = None
+    for view in _VIEWS:
+        va, vb = [view(x) for x in a], [view(x) for x in b]
+        if len(set(va)) == len(va) == len(set(vb)) and set(va) == set(vb):
+            pairs = [(i, vb.index(v)) for i, v in enumerate(va)]
+            if found is not None and pairs != found:
+                return None
+            found = pairs
+    return found
+
+
+def _described(layers: list[Layer], branches: list[Branch]) -> str:
+    return "; ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))

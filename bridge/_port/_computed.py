@@ -16,7 +16,7 @@ A module holding a `bias` alone reads as a norm without scale (`LayerNorm`,
 `GroupNorm`); where the forward pass adds that bias to a product's result (a
 masked-LM head's `bias` after the product with the tied embedding: transformers'
 `FlaxBertLMPredictionHead`), it is none of them: it is read as what it is, a loose
-array (`_layers.ARRAY`), as PyTorch's `BertLMPredictionHead.bias` is, and pairs
+array (`_layer.ARRAY`), as PyTorch's `BertLMPredictionHead.bias` is, and pairs
 with it.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .._tree import Path
 from ._general import reading_of
-from ._layers import Layer, loose_layer, read_specs
+from ._layer import Layer, loose_layer, read_specs
 from ._trace import Trace
 
 

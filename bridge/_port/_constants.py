@@ -23,16 +23,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._adapters._registry import constants_of
 from .._lazy import materialise
 from .._paths import Path
-from .._tree import Tree
-from ._layers import ARRAY, Layer
+from ._layer import ARRAY, Layer
 from ._pairing import Pair
+from ._side import Side
 
 
 def constants(
-    pairs: list[Pair], lone: tuple[list[Layer], list[Layer]], trees: tuple[Tree, Tree]
+    pairs: list[Pair], lone: tuple[list[Layer], list[Layer]], sides: tuple[Side, Side]
 ) -> dict[int, Layer]:
     """`{id(layer): layer}` for the unpaired loose arrays of either side (`lone`:
     source's, target's) that are a constant the other side's model holds outside
@@ -43,8 +42,10 @@ def constants(
     buffer `embed_scale` = 4.0."""
     out: dict[int, Layer] = {}
     for side in (0, 1):
-        held = constants_of(trees[1 - side])
-        if not held or not lone[side]:
+        if not lone[side] or not any(x.kinds == (ARRAY,) for x in lone[side]):
+            continue
+        held = sides[1 - side].constants
+        if not held:
             continue
         for x in lone[side]:
             if _is_constant(x, pairs, side, held):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ._general import Reading, dense_view
-from ._layers import Layer, read_specs
+from ._layer import Layer, read_specs
 from ._trace import Trace
 
 

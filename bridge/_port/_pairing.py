@@ -8,24 +8,16 @@ choice that is not unique is an `ambiguous` problem, never a guess.
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
-from .._adapters._registry import APART, creation_order
-from .._tree import Key, Path, Tree, items, kind, native_order, walk
+from .._tree import Path
 from . import _errors
-from ._branches import Branch, reads, signatures
-from ._layers import ARRAY, Layer
-from ._trace import Position, Trace, layer_position
-
-
-_EQUAL, _UNEQUAL = 1000, 1  # an equal-shape pair outweighs any unequal ones
-_WORDS = re.compile(r"[A-Za-z]+|[0-9]+|[^\x00-\x7f]+")
-"""A name's words: ASCII letters, ASCII digits (numbers), and runs of other
-characters kept as they are (`"layer١"` is not `"layer1"`)."""
-_NUMBERED = re.compile(r"^(.*?)[_.\-]?(\d+)$")
+from ._align import _align
+from ._branches import _described, _matched, _parts
+from ._layer import ARRAY, Layer, common_kind, layer_signature, same_shapes
+from ._order import Order, _counted, normalised
 
 
 ONE_SIDE = "one side"
@@ -58,14 +50,6 @@ def undecided(traced: Sequence[bool | None]) -> str:
     return _errors.TRACED_ALIKE
 
 
-def common_kind(a: Layer, b: Layer) -> str | None:
-    """The kind two layers share (a Linen layer may have several candidates)."""
-    for k in a.kinds:
-        if k in b.kinds:
-            return k
-    return None
-
-
 def _share_kinds(a: list[Layer], b: list[Layer]) -> bool:
     """Whether every layer of `a` shares a kind with every layer of `b` (asked once
     per distinct candidate kinds on each side, not per pair)."""
@@ -74,30 +58,9 @@ def _share_kinds(a: list[Layer], b: list[Layer]) -> bool:
     return all(common_kind(x, y) for x in kinds_a for y in kinds_b)
 
 
-def same_shapes(a: Layer, b: Layer, kind: str) -> bool:
-    sa, sb = a.specs[kind], b.specs[kind]
-    return all(sa[k].shape == sb[k].shape for k in sa.keys() & sb.keys())
-
-
 def _fits(a: Layer, b: Layer) -> bool:
     k = common_kind(a, b)
     return k is not None and same_shapes(a, b, k)
-
-
-def normalised(path: Path) -> tuple:
-    """A path's words, lower case, numbers as ints: `.layers_3.Attn` and
-    `.layers[3].attn` and `layers.3.attn` all give `("layers", 3, "attn")`."""
-    words = _WORDS.findall("/".join(str(k) for k in path))
-    return tuple(int(w) if w.isascii() and w.isdigit() else w.lower() for w in words)
-
-
-def _number(key: Key) -> tuple[tuple, int] | None:
-    if isinstance(key, int):
-        return (), key
-    match = _NUMBERED.match(key)
-    if match is None:
-        return None
-    return normalised((match.group(1),)), int(match.group(2))
 
 
 def _sortable(words: tuple) -> tuple:
@@ -112,231 +75,6 @@ def _indexed_name(x: Layer) -> tuple:
     words = normalised(x.path)
     last = normalised(x.path[-1:])
     return tuple(w for w in words[: len(words) - len(last)] if isinstance(w, int)), last
-
-
-def _counted(path: Path | tuple) -> bool:
-    """Whether a path (or its normalised words) holds a number (an index, `Dense_3`,
-    `layers_2`): a count of positions more than a name."""
-    return any(isinstance(w, int) for w in normalised(tuple(map(str, path))))
-
-
-class Order:
-    """What one Tree's order says about the creation order of its layers.
-
-    A node's child order is the creation order when its keys are indices, when it is
-    an Equinox module (fields in class order), or an NNX module whose attributes are
-    not sorted (NNX sorts them when order is lost: `nnx.jit`, `eval_shape`,
-    `nnx.merge`). A dict's order is never trusted (Linen's come back sorted from
-    optax, or in any order from user code). Otherwise only numbered names of one
-    prefix (`Dense_2` < `Dense_10`, natural order) say which came first."""
-
-    def __init__(
-        self,
-        tree: Tree,
-        stacks: set[Path] | frozenset = frozenset(),
-        trace: Callable[[], Mapping[Path, Position] | None] | None = None,
-    ):
-        self._trace = trace
-        self._uses: Mapping[Path, Position] | None = None
-        self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
-        # nodes whose arrays and submodules are each in creation order, but not
-        # one against the other (`APART`): the keys of their arrays
-        self._apart: dict[Path, frozenset[Key]] = {}
-        self._kinds: dict[Path, object] = {}
-        self._stacks = stacks  # layer i of stack `.blocks` is at `.blocks[i]...`
-        native = native_order(tree)  # the Tree's own order is canonical
-        for path, node in walk(tree):
-            keys = list(native.get(path, ())) or [k for k, _ in items(node)]
-            known = _known(node, keys)
-            if known == APART:
-                arrays = [k for k, v in items(node) if not isinstance(v, Tree)]
-                self._apart[path] = frozenset(arrays)
-            self._nodes[path] = ({k: i for i, k in enumerate(keys)}, bool(known))
-            self._kinds[path] = kind(node)
-
-    def unused(self, layers: list[Layer]) -> list[Layer]:
-        """Of `layers`, names of a tied array (`Layer.tied`) that the traced
-        forward pass never uses while another name of that array is used
-        (transformers' `shared`, whose module T5 never calls: it looks the array
-        up as `encoder.embed_tokens` and `decoder.embed_tokens`); none without a
-        trace."""
-        tied = [x for x in layers if x.tied]
-        if not tied or self._trace is None:
-            return []
-        if self._uses is None:
-            self._uses = self._trace() or {}
-        if not self._uses:
-            return []
-        # a bias another name adds to a product (BERT's `cls.predictions.bias`,
-        # added as `decoder.bias`) is used: it pairs as the loose array it is
-        added = getattr(self._trace, "biases", frozenset)()
-        used = [
-            x
-            for x in tied
-            if any(
-                x.path + p in self._uses
-                or (x.kinds == (ARRAY,) and x.path + p in added)
-                for p in x.paths.values()
-            )
-        ]
-        arrays = {h for x in used for h in x.tied}
-        return [x for x in tied if x not in used and not x.tied - arrays]
-
-    def tracer(self) -> Any:
-        """The side's trace where its forward pass was traced, else None."""
-        return self._trace if self.was_traced() else None
-
-    def was_traced(self) -> bool | None:
-        """None without example inputs; else whether the forward pass was traced
-        (a file or a state dict has none to trace)."""
-        return None if self._trace is None else bool(self._trace())
-
-    def _real(self, prefix: Path) -> Path:
-        """The node's path in the Tree: a stack's layer index dropped."""
-        return tuple(
-            k
-            for j, k in enumerate(prefix)
-            if not (isinstance(k, int) and prefix[:j] in self._stacks)
-        )
-
-    def _node(self, prefix: Path) -> tuple[dict[Key, int], bool]:
-        # a tied name's module may be no node of the Tree (it holds the array once)
-        return self._nodes.get(self._real(prefix), ({}, False))
-
-    def compare(self, a: Path, b: Path) -> int | None:
-        """-1, 0 or 1 when the creation order of `a` and `b` is known, else None."""
-        n = 0
-        while n < len(a) and n < len(b) and a[n] == b[n]:
-            n += 1
-        if n == len(a) or n == len(b):  # a module before its own sublayers
-            return (len(a) > len(b)) - (len(a) < len(b))
-        if a[:n] in self._stacks:  # two layers of one stack: by index
-            i, j = cast(int, a[n]), cast(int, b[n])
-            return (i > j) - (i < j)
-        positions, known = self._node(a[:n])
-        if self._mixed(a[:n], (a[n], b[n])):
-            return None
-        if known and a[n] in positions and b[n] in positions:
-            return (positions[a[n]] > positions[b[n]]) - (
-                positions[a[n]] < positions[b[n]]
-            )
-        na, nb = _number(a[n]), _number(b[n])
-        if na is None or nb is None or na[0] != nb[0]:
-            return None
-        return (na[1] > nb[1]) - (na[1] < nb[1])
-
-    def _unknown(self, layers: list[Layer]) -> list[Path]:
-        """The nodes where two of `layers` part and `compare` does not know which
-        came first (not a stack, an order not known, names not numbered alike):
-        found per node from the keys the layers take there, not per pair."""
-        parting: dict[Path, set[Key]] = {}
-        for x in layers:
-            for n in range(len(x.path)):
-                parting.setdefault(x.path[:n], set()).add(x.path[n])
-        out = []
-        for prefix, keys in parting.items():
-            if len(keys) < 2 or prefix in self._stacks:
-                continue
-            positions, known = self._node(prefix)
-            every = all(k in positions for k in keys)
-            if known and every and not self._mixed(prefix, keys):
-                continue
-            numbers = [_number(k) for k in keys]
-            if None in numbers or len({n[0] for n in numbers if n}) > 1:
-                out.append(prefix)
-        return out
-
-    def _mixed(self, prefix: Path, keys: Iterable[Key]) -> bool:
-        """Whether `keys` of the node at `prefix` are arrays and submodules of a
-        node that orders each but not one against the other (`APART`)."""
-        arrays = self._apart.get(self._real(prefix))
-        return arrays is not None and len({k in arrays for k in keys}) > 1
-
-    def why(self, layers: list[Layer]) -> str:
-        """Why the creation order of `layers` is not known, for an error message."""
-        for prefix in self._unknown(layers):
-            # a module whose framework keeps creation order: sorted
-            if creation_order(self._kinds.get(prefix), ()) is not None:
-                return _errors.ORDER_SORTED
-        return _errors.ORDER_DICT
-
-    def traced(self, layers: list[Layer]) -> list[Layer] | None:
-        """`layers` in the order the forward pass first uses them (`_trace`), or
-        None without example inputs, or when it does not tell them all apart."""
-        if self._trace is None:
-            return None
-        if self._uses is None:
-            self._uses = self._trace() or {}
-        keys = []
-        for x in layers:
-            base = x.real if x.index is not None else x.path
-            leaf_paths = [base + p for p in x.paths.values()]
-            key = layer_position(self._uses, leaf_paths, x.index)
-            if key is None:
-                return None
-            keys.append(key)
-        if len(set(keys)) != len(keys):
-            return None
-        return [x for _, x in sorted(zip(keys, layers), key=lambda kx: kx[0])]
-
-    def reads(self, layers: list[Layer]) -> list[tuple | None] | None:
-        """Per layer, what its first use reads: `(stack index, the input's
-        variables)`, equal for layers used side by side (`_branches`), None for a
-        layer the pass does not use; None where the pass was not traced here (a
-        file's recorded order)."""
-        if not isinstance(self._trace, Trace):
-            return None
-        read = reads(self._trace)
-        if read is None:
-            return None
-        if self._uses is None:
-            self._uses = self._trace() or {}
-        uses, out = self._uses, []
-        for x in layers:
-            used = [p for p in self._leaves(x) if p in uses]
-            got = read.get(min(used, key=lambda p: uses[p])) if used else None
-            out.append((x.index, got) if got else None)
-        return out
-
-    def branches(self, groups: list[list[Layer]]) -> list[list[Branch]] | None:
-        """For each group of layers side by side, what each one's output flows
-        into (`_branches.Branch`); None where the pass was not traced here."""
-        if not isinstance(self._trace, Trace):
-            return None
-        if self._uses is None:
-            self._uses = self._trace() or {}
-        return signatures(self._trace, [[self._leaves(x) for x in g] for g in groups])
-
-    def _leaves(self, x: Layer) -> list[Path]:
-        """The paths a trace knows `x`'s arrays by: the Tree's leaves, or where a
-        name of a tied tensor is a layer of its own (`Uses.tied`), that name's."""
-        own = [x.path + p for p in x.paths.values()]
-        if x.index is None and any(p in (self._uses or {}) for p in own):
-            return own
-        return [x.leaf(e) for e in x.paths]
-
-    def sorted(self, layers: list[Layer]) -> list[Layer] | None:
-        """`layers` in creation order, or None when that order is not known."""
-        if self._unknown(layers):
-            return None
-        return sorted(
-            layers,
-            key=functools.cmp_to_key(lambda a, b: self.compare(a.path, b.path) or 0),
-        )
-
-
-def _known(node: Tree, keys: list[Key]) -> bool | str:
-    cls = kind(node)
-    if len(keys) <= 1 or all(isinstance(k, int) for k in keys):
-        return True
-    # a module of a framework that keeps creation order (the adapter's
-    # `creation_order`: Equinox's fields, NNX's attributes unless sorted); else
-    # a dict (Linen's): JAX and optax give them back sorted, and user code may
-    # build them in any order, so its order is never trusted as creation order (a
-    # shuffled dict then ports wrongly: tests/test_port_property.py); example inputs
-    # give the order instead
-    known = creation_order(cls, keys)
-    return known if known == APART else bool(known)
 
 
 class _Pairing:
@@ -443,7 +181,7 @@ class _Pairing:
         groups: dict[tuple, tuple[list[Layer], list[Layer]]] = {}
         for side in (0, 1):
             for x in self.rest(side):
-                groups.setdefault(_signature(x), ([], []))[side].append(x)
+                groups.setdefault(layer_signature(x), ([], []))[side].append(x)
         pending: list[tuple[Layer, Layer]] = []  # traced: paired once all are seen
         side_by_side: list[tuple[list[Layer], list[Layer]]] = []
         for a, b in groups.values():
@@ -762,7 +500,7 @@ class _Pairing:
             for k in kept:
                 p = self.pairs[k]
                 if p.by == "trace" and after[0][k] != after[1][k]:
-                    key = (p.source.kinds, _signature(p.source))
+                    key = (p.source.kinds, layer_signature(p.source))
                     wrong.setdefault(key, []).append(k)
             changed = False
             for ks in wrong.values():
@@ -794,7 +532,7 @@ class _Pairing:
         ]
         groups: dict[tuple, list[int]] = {}
         for k in ks:
-            groups.setdefault(_signature(self.pairs[k].source), []).append(k)
+            groups.setdefault(layer_signature(self.pairs[k].source), []).append(k)
         gone: set[int] = set()
         for members in groups.values():
             if len(members) < 2:
@@ -933,166 +671,3 @@ def pair(
     pairs = sorted(p.pairs, key=lambda st: position[id(st.target)])
     p.left = []  # unpaired: delivered through another name, or unexpected
     return pairs, p.rest(0), p.rest(1)
-
-
-def _parts(reads: list[tuple | None], layers: list[Layer]) -> list[frozenset[int]]:
-    """For each layer, the positions of the layers used side by side with it (one
-    kind and shapes, one input: `Order.reads`), itself included."""
-    together: dict[tuple, set[int]] = {}
-    for i, (read, x) in enumerate(zip(reads, layers)):
-        if read is not None:
-            together.setdefault((read, x.kinds, _signature(x)), set()).add(i)
-    out = []
-    for i, (read, x) in enumerate(zip(reads, layers)):
-        key = (read, x.kinds, _signature(x))
-        out.append(frozenset(together[key]) if read is not None else frozenset({i}))
-    return out
-
-
-def _portable(b: Branch) -> frozenset:
-    """Where a layer meets the others, as two frameworks both show it: outputs left
-    out (which is which is each model's own order), `add_any` as `add`."""
-    return frozenset(
-        ("add" if name == "add_any" else name, at, n)
-        for name, at, n in b.merges
-        if name != "output"
-    )
-
-
-_VIEWS = (
-    lambda b: b,
-    lambda b: b.merges,
-    lambda b: b.alone,
-    lambda b: bool(b.alone),
-    lambda b: (_portable(b), bool(b.alone), b.product),
-    lambda b: (_portable(b), b.product),
-    _portable,
-    lambda b: b.product,
-)
-"""What of a `Branch` may pair layers side by side, most first: all of it; where
-each meets the others (the same on both sides when what each applies alone is
-written otherwise: `jnp.square` or `x * x` in a query's norm); what each applies
-alone (a silu on the gate: the merge is the same product); whether it applies
-anything alone (a silu written `x / (1 + exp(-x))` on one side, or a PyTorch
-side's one bit: `_branches.recorded`); then, as a PyTorch side records them too,
-where each meets the others (`_portable`) and whether two of its values are
-contracted (the norm before an attention, not the one before an MLP)."""
-
-
-def _matched(a: list[Branch], b: list[Branch]) -> list[tuple[int, int]] | None:
-    """`[(i, j)]` pairing `a[i]` with `b[j]` by the views (`_VIEWS`) that tell each
-    layer from the others on both sides and take the same values on both; None
-    where none does, or two such views pair them otherwise (one side's facts
-    read otherwise than the other's: nothing is guessed)."""
-    found = None
-    for view in _VIEWS:
-        va, vb = [view(x) for x in a], [view(x) for x in b]
-        if len(set(va)) == len(va) == len(set(vb)) and set(va) == set(vb):
-            pairs = [(i, vb.index(v)) for i, v in enumerate(va)]
-            if found is not None and pairs != found:
-                return None
-            found = pairs
-    return found
-
-
-def _described(layers: list[Layer], branches: list[Branch]) -> str:
-    return "; ".join(f"{x.where}: {b.words()}" for x, b in zip(layers, branches))
-
-
-def _signature(layer: Layer) -> tuple:
-    """The canonical entries and shapes (a group pairs only where every source and
-    target in it share a kind: a Linen layer may have several candidates)."""
-    spec = layer.specs[layer.kinds[0]]
-    return tuple(sorted((k, v.shape) for k, v in spec.items()))
-
-
-def _weight(a: Layer, b: Layer) -> int:
-    k = common_kind(a, b)
-    if k is None:
-        return 0
-    return _EQUAL if same_shapes(a, b, k) else _UNEQUAL
-
-
-def _align(
-    sources: list[Layer],
-    targets: list[Layer],
-    problems: list[str],
-    ambiguous: set[int],
-    decide: str,
-) -> list[tuple[Layer, Layer]]:
-    """The order-preserving pairing with the most pairs of equal shapes, then the
-    most pairs. When two pairings tie, the layers they pair differently are
-    ambiguous (`decide`: what would decide, for the message).
-
-    Dynamic programming over `(i, j, phase)`: between two pairs, unpaired sources
-    come before unpaired targets (`phase` 1 once a target was skipped), so every
-    pairing is one path, and counting best paths counts best pairings.
-    """
-    n, m = len(sources), len(targets)
-    weights = [[_weight(s, t) for t in targets] for s in sources]
-    worst = -(10**12)
-    best = [[[worst, worst] for _ in range(m + 1)] for _ in range(n + 1)]
-    count = [[[0, 0] for _ in range(m + 1)] for _ in range(n + 1)]
-    best[n][m] = [0, 0]
-    count[n][m] = [1, 1]
-
-    def moves(i: int, j: int, phase: int) -> list[tuple[int, tuple[int, int, int]]]:
-        out = []
-        if i < n and j < m and weights[i][j]:
-            out.append((weights[i][j] + best[i + 1][j + 1][0], (i + 1, j + 1, 0)))
-        if i < n and phase == 0:
-            out.append((best[i + 1][j][0], (i + 1, j, 0)))
-        if j < m:
-            out.append((best[i][j + 1][1], (i, j + 1, 1)))
-        return out
-
-    for i in range(n, -1, -1):
-        for j in range(m, -1, -1):
-            if i == n and j == m:
-                continue
-            for phase in (0, 1):
-                options = moves(i, j, phase)
-                if not options:
-                    continue
-                top = max(v for v, _ in options)
-                best[i][j][phase] = top
-                count[i][j][phase] = min(
-                    2, sum(count[a][b][p] for v, (a, b, p) in options if v == top)
-                )
-
-    def trace(prefer_pair: bool) -> list[tuple[int, int]]:
-        out, i, j, phase = [], 0, 0, 0
-        while (i, j) != (n, m):
-            top = best[i][j][phase]
-            ok = [mv for v, mv in moves(i, j, phase) if v == top and v > worst]
-            a, b, p = ok[0] if prefer_pair else ok[-1]
-            if (a, b) == (i + 1, j + 1):
-                out.append((i, j))
-            i, j, phase = a, b, p
-        return out
-
-    first = trace(prefer_pair=True)
-    if count[0][0][0] > 1:
-        second = set(trace(prefer_pair=False))
-        differ = set(first) ^ second
-        for i, j in differ:
-            ambiguous.update((id(sources[i]), id(targets[j])))
-        for i in sorted({a for a, _ in differ}):  # a line per source either pairs
-            choices = [targets[b].where for a, b in first if a == i]
-            choices += [
-                targets[b].where for a, b in sorted(second - set(first)) if a == i
-            ]
-            if len(choices) == 1:
-                choices.append("nothing")
-            s = sources[i]
-            problems.append(
-                _errors.AMBIGUOUS.format(
-                    source=s.where,
-                    kind="/".join(s.kinds),
-                    choices=" or ".join(choices),
-                    source_re=re.escape(s.where),
-                    decide=decide,
-                )
-            )
-        return [(sources[i], targets[j]) for i, j in first if (i, j) in second]
-    return [(sources[i], targets[j]) for i, j in first]

@@ -1,7 +1,7 @@
 """A layer that is a product: loose arrays a traced forward pass computes with as a
 `Dense` layer does, read as one.
 
-An array no codec claims is a loose one-array layer (`_layers.ARRAY`): an
+An array no codec claims is a loose one-array layer (`_layer.ARRAY`): an
 `nnx.Einsum`'s per-head kernel `(D, H, hd)`, a custom module's `kernel (out, in)`
 and `bias`, a parameter a module multiplies by hand. Where the forward pass on
 example inputs contracts such an array of two axes or more in a `dot_general` (no
@@ -30,7 +30,7 @@ from typing import Any
 
 from . import _errors
 from ._general import Reading, dense_view
-from ._layers import ARRAY, Layer, read_specs
+from ._layer import ARRAY, Layer, read_specs
 from ._trace import Trace
 
 

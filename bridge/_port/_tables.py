@@ -22,7 +22,7 @@ import jax
 
 from .._families._sinusoid import sinusoid
 from .._lazy import materialise
-from ._layers import ARRAY, Layer
+from ._layer import ARRAY, Layer
 
 
 def tables(lone: list[Layer], side: list[Layer]) -> dict[int, tuple[Layer, str]]:

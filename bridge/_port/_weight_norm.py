@@ -24,21 +24,20 @@ does not fit it is refused).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import re
+from typing import Any
 
 import jax.numpy as jnp
 
+from .._paths import Path
 from . import _errors, _shapes
-from ._codec import Codec, Leaves
+from ._codec import Codec, Leaves, codec_of
+from ._layer import ARRAY, Layer, read_specs
 from .codecs._weight_norm import (
     LINEN_SCALE,
     WEIGHT_NORM,
     WEIGHT_NORM_CONV_TRANSPOSE,
 )
-
-
-if TYPE_CHECKING:
-    from ._layers import Layer
 
 
 _PLAIN = {wn: plain for plain, wn in WEIGHT_NORM.items()}
@@ -116,7 +115,7 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
 
     A Flax layer takes them (`hyper["axes"]`); it is read in PyTorch's order
     without them. Returns the layers told other axes than that (their shapes are to
-    be read again: `_layers.read_specs`). A Flax layer whose `bias` does not fit
+    be read again: `_layer.read_specs`). A Flax layer whose `bias` does not fit
     PyTorch's order and whose axes the pass does not tell is a problem; so is a
     PyTorch layer read as a convolution whose weight the pass convolves transposed
     (or as a `ConvTranspose` whose weight it convolves plainly): either loses its
@@ -260,3 +259,55 @@ def _traced(x: Layer, trace: Any, path: Any, v: str) -> tuple[int, ...] | None:
     if axis is not None:
         found = tuple(a - (a > axis) for a in found)
     return found if sorted(found) == list(range(rank)) else None
+
+
+_LINEN_SCALE_KEY = re.compile(r"^(.+)/([^/]+)/scale$")
+"""The key Linen's `nn.WeightNorm` keeps a wrapped layer's scale under, in its own
+scope: `<layer name>/<array path>/scale`."""
+
+
+def linen_weight_norms(
+    layers: list[Layer], framework: str, problems: list[str]
+) -> None:
+    """Linen layers wrapped by `nn.WeightNorm` made weight-normed layers, in place.
+
+    `nn.WeightNorm(nn.Dense(4))` keeps the `Dense`'s `kernel` (`v`) and `bias` where
+    the `Dense` is (`Dense_0`), and the scale (`g`) in its own scope, keyed by the
+    `Dense`'s name (`WeightNorm_0/'Dense_0/kernel/scale'`), a loose array by
+    itself. The sibling layer of that name becomes a `WeightNorm{Dense,Conv,
+    ConvTranspose}` (of its candidate kinds) holding the scale (`Layer.held`), and
+    the loose array goes. A wrapper normalising other arrays than the `kernel` (a
+    `variable_filter` matching the bias) is a problem; a scale whose layer is not
+    a sibling stays a loose array (unpaired: refused, never ported apart)."""
+    at_path = {x.path: x for x in layers if x.index is None}
+    scales: dict[Path, dict[str, Layer]] = {}
+    for x in layers:
+        match = _LINEN_SCALE_KEY.match(str(x.path[-1])) if x.path else None
+        if x.kinds != (ARRAY,) or x.index is not None or match is None:
+            continue
+        wrapped = x.path[:-2] + tuple(match.group(1).split("/"))
+        if wrapped in at_path:
+            scales.setdefault(wrapped, {})[match.group(2)] = x
+    for path, found in scales.items():
+        layer = at_path[path]
+        if set(found) != {"kernel"}:
+            problems.append(
+                _errors.LINEN_WEIGHT_NORM.format(where=layer.where, names=sorted(found))
+            )
+            continue
+        scale = found["kernel"]
+        kinds = [WEIGHT_NORM[k] for k in layer.kinds if k in WEIGHT_NORM]
+        wrapped_codecs = tuple(c for k in kinds if (c := codec_of(k, framework)))
+        if not wrapped_codecs or "kernel" not in layer.leaves:
+            continue
+        new = Layer(
+            layer.path,
+            with_folded(wrapped_codecs),
+            {**layer.leaves, LINEN_SCALE: scale.leaves["array"]},
+            {**layer.paths, LINEN_SCALE: (LINEN_SCALE,)},
+            {},
+            held={LINEN_SCALE: scale.path},
+        )
+        read_specs(new, problems)
+        layers[layers.index(layer)] = new
+        layers.remove(scale)

@@ -52,7 +52,7 @@ def by_bias(leaves: Leaves) -> bool:
     not square and the bias spans its first axis, not its last (transformers'
     `FlaxConv1D`). Only a whole layer's arrays tell so: a stack's slice along
     another axis looks the same (a stack of Dense kernels `(L, in, out)` and biases
-    `(L, out)`, sliced at axis 1), so `_layers` takes no such reading for a stack's
+    `(L, out)`, sliced at axis 1), so `_find` takes no such reading for a stack's
     layer axis."""
     kernel, bias = leaves.get("kernel"), leaves.get("bias")
     return (
@@ -94,7 +94,7 @@ def open_square(layers: list[Any]) -> list[Any]:
     names its author chose (not an `nn.Dense`'s auto-name `Dense_0`) may be stored
     either way: their `out_in` setting is left open (None) for the forward pass to
     tell (`_port/_computed.py`), else refused. `layers`: one model's
-    (`_layers.Layer`s); returns those left open."""
+    (`_layer.Layer`s); returns those left open."""
     linen = [x for x in layers if DENSE_LINEN in x.codecs]
     if not any(by_bias(x.leaves) for x in linen):
         return []

@@ -35,7 +35,7 @@ must agree with it.
   `ConvTranspose` without a forward pass.
 - Linen: `nn.WeightNorm(layer)` around a `Dense`, `Conv` or `ConvTranspose`: the
   layer's `kernel` (`v`) and `bias` where the layer is, its scale (`g`, the lengths
-  of `feature_axes`) in the wrapper's scope (`_layers.linen_weight_norms` makes
+  of `feature_axes`) in the wrapper's scope (`_weight_norm.linen_weight_norms` makes
   the layer, entry `scale`); the feature axis is the one the scale's length fits,
   else the one the forward pass reshapes it to (`hyper["feature_axes"]`).
 - NNX: `nnx.WeightNorm(layer)` around an `nnx.Linear`, `nnx.Conv` or
@@ -400,7 +400,7 @@ def _turned_encode(encode: Any) -> Any:
 LINEN_SCALE = "scale"
 """The entry of a Linen layer wrapped by `nn.WeightNorm` holding the scale, which the
 Linen variables keep at `<WeightNorm's path>/<layer name>/kernel/scale`
-(`_layers.linen_weight_norms` makes the layer, its scale `Layer.held` there)."""
+(`_weight_norm.linen_weight_norms` makes the layer, its scale `Layer.held` there)."""
 _LINEN_AXES = (
     "a Linen nn.WeightNorm's scale {scale} for kernel {kernel}: its length fits "
     "several axes, and nothing tells its `feature_axes`"

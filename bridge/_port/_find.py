@@ -1,10 +1,10 @@
 """Finding the layers of a Tree: each node a codec recognises, and each array held
-directly by a module that no codec claims (a one-array layer of kind `"Array"`)."""
+directly by a module that no codec claims (a one-array layer of kind `"Array"`); a
+stack's layers one per index; a layer per name of a tied array (`with_ties`)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -16,11 +16,9 @@ from .._adapters._registry import (
     canonical_adapter,
 )
 from .._adapters._skeleton import MissingSetting
-from .._embed._inside import embedded
-from .._lazy import materialise
 from .._paths import Path, at, path_str
 from .._shown import shown
-from .._tree import Tree, framework, items, kind, roles, walk
+from .._tree import Tree, items, kind, roles, walk
 from . import _errors, _shapes
 from ._codec import (
     WRAPPERS,
@@ -31,110 +29,17 @@ from ._codec import (
     codec_of,
     codecs,
     outer_class,
-    same,
-    same_as_like,
 )
 from ._general import with_views
-from ._weight_norm import with_folded
+from ._layer import NOT_PORTED, Layer, _loose, read_specs, tell_settings
+from ._side import Side
+from ._weight_norm import linen_weight_norms, with_folded
 from .codecs._dense import DENSE_LINEN, by_bias, open_square
-from .codecs._weight_norm import LINEN_SCALE, WEIGHT_NORM
 
-
-NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
-"""Roles whose leaves are the running state of one model, never ported."""
 
 _AUTO_NAME = re.compile(r"^(.+)_\d+$")
-_FIRST = {"kernel": 0, "embedding": 0, "scale": 1, "bias": 2, "mean": 3, "var": 4}
 
-ARRAY = "Array"
-"""The kind of a loose array: held directly by a module, next to its sublayers
-(ViT's `pos_embedding`, `cls`), or by a module no codec claims. Its layout is the
-same in every framework: one entry, `array`."""
-_LOOSE: dict[str, Codec] = {}
 _UNSEEN = object()
-
-
-def _loose(framework: str) -> Codec:
-    if framework not in _LOOSE:
-        _LOOSE[framework] = Codec(
-            ARRAY, framework, lambda cls, leaves: False, same, same_as_like
-        )
-    return _LOOSE[framework]
-
-
-def loose_layer(path: Path, framework: str, leaf: Any) -> Layer:
-    """A one-array layer of kind `Array` (a loose array) at the leaf path `path`."""
-    layer = Layer(path, (_loose(framework),), {"array": leaf}, {"array": ()}, {})
-    read_specs(layer, [])
-    return layer
-
-
-@dataclass(eq=False)
-class Layer:
-    """One recognised layer: its path, candidate codecs (several only for a Linen
-    layer that neither its name nor its arrays pin to one kind), arrays, settings."""
-
-    path: Path
-    codecs: tuple[Codec, ...]
-    leaves: Leaves
-    paths: dict[str, Path]
-    hyper: dict[str, Any]
-    specs: dict[str, dict[str, jax.ShapeDtypeStruct]] = field(default_factory=dict)
-    stack: tuple[Path, int] | None = None
-    """For one layer of a stack (`nn.scan`): the stack's path and length. Its `path`
-    is then `stack path + (index,) + path in a layer`, its `leaves` the shapes of one
-    layer, `arrays` the stacked arrays and `real` the path without the index."""
-    index: int | None = None
-    arrays: Leaves | None = None
-    real: Path = ()
-    axis: int = 0
-    """For one layer of a stack: the layer axis of its arrays (`nn.scan`'s
-    `variable_axes={"params": 1}`, MaxText's `param_scan_axis=1`, puts it at 1)."""
-    readings: tuple = ()
-    """For a per-head kernel with a `Dense` view: every reading its shapes allow
-    (`_general.readings`), the view's first; `_general.choose` picks one."""
-    undecided: tuple = ()
-    """Readings left after `choose` when several fit: a port through the view is
-    refused (the example inputs decide)."""
-    unknown: dict[str, str] = field(default_factory=dict)
-    """`{kind: setting}`: a setting the kind's codec needs that the layer's module
-    did not give (a part of a model, a state dict): the paired side tells it."""
-    held: dict[str, Path] = field(default_factory=dict)
-    """`{entry: leaf path}` for entries the Tree holds at another layer's path (a
-    tied array, held once: `with_ties`): read and written there."""
-    tied: frozenset[Path] = frozenset()
-    """The leaf paths of this layer's arrays that other layers hold too (a tie):
-    layers whose `tied` meet are one array under several names."""
-
-    def leaf(self, entry: str) -> Path:
-        """The leaf path of one of the layer's entries (a stack's: the stacked
-        array's; a tied one: where the Tree holds it)."""
-        if entry in self.held:
-            return self.held[entry]
-        return (self.real if self.index is not None else self.path) + self.paths[entry]
-
-    def own_leaves(self) -> Leaves:
-        """The layer's arrays (the `index`-th slice of a stack's)."""
-        if self.index is None or self.arrays is None:
-            return self.leaves
-        at = (slice(None),) * self.axis + (self.index,)
-        return {k: materialise(v)[at] for k, v in self.arrays.items()}
-
-    @property
-    def where(self) -> str:
-        return path_str(self.path) or "(root)"
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(c.kind for c in self.codecs)
-
-    def codec(self, kind: str) -> Codec:
-        return next(c for c in self.codecs if c.kind == kind)
-
-    def shapes(self, kind: str | None = None) -> str:
-        spec = self.specs[kind or self.kinds[0]]
-        names = sorted(spec, key=lambda k: (_FIRST.get(k.split("/")[-1], 9), k))
-        return ", ".join(f"{k} {tuple(spec[k].shape)}" for k in names)
 
 
 def _subtree_leaves(node: Tree, roles: Tree) -> tuple[Leaves, dict[str, Path]]:
@@ -318,7 +223,7 @@ def _under(path: Path, taken: set[Path]) -> bool:
 
 
 def find_layers(
-    tree: Tree,
+    side: Side,
     problems: list[str],
     loose: bool = True,
     told: bool = False,
@@ -326,7 +231,7 @@ def find_layers(
     views: bool = False,
     opened: frozenset[str] = frozenset(),
 ) -> list[Layer]:
-    """Every layer of `tree`, parents before children, in Tree order.
+    """Every layer of the side's Tree, parents before children, in Tree order.
 
     A node is a layer when a codec recognises all the arrays under it (its subtree
     is then consumed), or only its own arrays (those not in a sublayer: its
@@ -342,11 +247,8 @@ def find_layers(
     too (`_general.py`). A layer of a kind in `opened` is not one: its sublayers are
     (an `nnx.MultiHeadAttention` read as its `query`, `key`, `value` and `out`
     projections, where the other side has separate ones)."""
-    name = framework(tree)  # a part: read in the canonical layout (Flax variables)
-    adapter = canonical_adapter() if name is None else adapter_named(name)
+    tree, adapter, native = side.tree, side.adapter, side.native
     role_nodes = dict(walk(roles(tree)))
-    native = None if adapter.modules is None else adapter.modules(tree)
-    wrapped = embedded(tree, native)  # models of other frameworks in wrappers
     seen = _Walk(adapter, tree, role_nodes, native)
     layers: list[Layer] = []
     taken: set[Path] = set()
@@ -387,8 +289,8 @@ def find_layers(
     for path, node in seen.nodes.items():
         if taken and _under(path, taken):
             continue
-        if path in wrapped:
-            prefix, inner = wrapped[path]
+        if path in side.wrapped:  # a model of another framework in a wrapper
+            prefix, inner = side.wrapped[path]
             inner_layers = find_layers(inner, problems, True, told, axes, views, opened)
             for layer in inner_layers:
                 layer.path = prefix + layer.path
@@ -438,8 +340,8 @@ def find_layers(
             )
         )
         taken.add(path)
-    if adapter.name == canonical_adapter().name:
-        linen_weight_norms(layers, problems)
+    if adapter.name == canonical_adapter().name:  # Linen's nn.WeightNorm scales
+        linen_weight_norms(layers, adapter.name, problems)
     for layer in open_square(layers):  # square kernels of a FlaxConv1D's model
         read_specs(layer, problems)
     if not told:
@@ -447,58 +349,8 @@ def find_layers(
     return layers
 
 
-_LINEN_SCALE_KEY = re.compile(r"^(.+)/([^/]+)/scale$")
-"""The key Linen's `nn.WeightNorm` keeps a wrapped layer's scale under, in its own
-scope: `<layer name>/<array path>/scale`."""
-
-
-def linen_weight_norms(layers: list[Layer], problems: list[str]) -> None:
-    """Linen layers wrapped by `nn.WeightNorm` made weight-normed layers, in place.
-
-    `nn.WeightNorm(nn.Dense(4))` keeps the `Dense`'s `kernel` (`v`) and `bias` where
-    the `Dense` is (`Dense_0`), and the scale (`g`) in its own scope, keyed by the
-    `Dense`'s name (`WeightNorm_0/'Dense_0/kernel/scale'`), a loose array by
-    itself. The sibling layer of that name becomes a `WeightNorm{Dense,Conv,
-    ConvTranspose}` (of its candidate kinds) holding the scale (`Layer.held`), and
-    the loose array goes. A wrapper normalising other arrays than the `kernel` (a
-    `variable_filter` matching the bias) is a problem; a scale whose layer is not
-    a sibling stays a loose array (unpaired: refused, never ported apart)."""
-    at_path = {x.path: x for x in layers if x.index is None}
-    scales: dict[Path, dict[str, Layer]] = {}
-    for x in layers:
-        match = _LINEN_SCALE_KEY.match(str(x.path[-1])) if x.path else None
-        if x.kinds != (ARRAY,) or x.index is not None or match is None:
-            continue
-        wrapped = x.path[:-2] + tuple(match.group(1).split("/"))
-        if wrapped in at_path:
-            scales.setdefault(wrapped, {})[match.group(2)] = x
-    for path, found in scales.items():
-        layer = at_path[path]
-        if set(found) != {"kernel"}:
-            problems.append(
-                _errors.LINEN_WEIGHT_NORM.format(where=layer.where, names=sorted(found))
-            )
-            continue
-        scale = found["kernel"]
-        kinds = [WEIGHT_NORM[k] for k in layer.kinds if k in WEIGHT_NORM]
-        wrapped_codecs = tuple(c for k in kinds if (c := codec_of(k, "linen")))
-        if not wrapped_codecs or "kernel" not in layer.leaves:
-            continue
-        new = Layer(
-            layer.path,
-            with_folded(wrapped_codecs),
-            {**layer.leaves, LINEN_SCALE: scale.leaves["array"]},
-            {**layer.paths, LINEN_SCALE: (LINEN_SCALE,)},
-            {},
-            held={LINEN_SCALE: scale.path},
-        )
-        read_specs(new, problems)
-        layers[layers.index(layer)] = new
-        layers.remove(scale)
-
-
 def with_ties(
-    tree: Tree,
+    side: Side,
     layers: list[Layer],
     ties: dict[Path, Path],
     problems: list[str],
@@ -520,9 +372,7 @@ def with_ties(
             modules.setdefault(alias[:-1], {})[str(alias[-1])] = held
     if not modules:
         return layers
-    name = framework(tree)
-    adapter = canonical_adapter() if name is None else adapter_named(name)
-    native = None if adapter.modules is None else adapter.modules(tree)
+    adapter, native = side.adapter, side.native
     families: dict[str, list[Codec]] = {}
     out = list(layers)
     for path, entries in modules.items():
@@ -695,91 +545,3 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
     except Exception:  # the codec's own refusal: not this layout
         return False
     return bool(flax.recognise(None, canonical))
-
-
-_OWN_SETTINGS = frozenset({"feature_axes", "reduction_axes"})
-"""Settings only the layer's own computation tells, never the other side's modules
-(a Linen `nn.WeightNorm`'s `feature_axes`: which axis of this kernel its scale
-spans; a Linen norm's `reduction_axes`; another model's say nothing of them)."""
-
-
-def tell_settings(
-    sides: tuple[list[Layer], list[Layer]], problems: list[str]
-) -> list[str]:
-    """Settings a layer lacks (`Layer.unknown`: a part of a model such as
-    `bridge.from_equinox(vit).blocks[0]`, whose modules are not at hand) told by the
-    other side, where every layer of that kind there agrees on it; otherwise a
-    problem naming the setting. Layers left unreadable are dropped from `sides`.
-    Returns a warning per setting told (it is the other side's, not read)."""
-    told: list[str] = []
-    for side, other in ((sides[0], sides[1]), (sides[1], sides[0])):
-        for layer in side:
-            for kind_, name in list(layer.unknown.items()):
-                values = {  # a setting the other side lacks too tells nothing
-                    repr(x.hyper[name]): x.hyper[name]
-                    for x in other
-                    if kind_ in x.kinds
-                    and x.hyper.get(name) is not None
-                    and name not in _OWN_SETTINGS
-                }
-                if len(values) == 1:
-                    layer.hyper[name] = next(iter(values.values()))
-                    read_specs(layer, problems)
-                    told.append(
-                        _errors.TOLD.format(
-                            where=layer.where,
-                            kind=kind_,
-                            name=name,
-                            value=layer.hyper[name],
-                        )
-                    )
-                    continue
-                problems.append(
-                    _errors.SETTINGS.get(name, _errors.SETTING).format(
-                        where=layer.where,
-                        kind=kind_,
-                        name=name,
-                        values=sorted(values) or "none",
-                        shape=next(
-                            (
-                                tuple(layer.leaves[k].shape)
-                                for k in ("weight", "kernel", "scale", "bias")
-                                if k in layer.leaves
-                            ),
-                            (),
-                        ),
-                    )
-                )
-                layer.unknown.pop(kind_, None)
-                layer.codecs = tuple(c for c in layer.codecs if c.kind != kind_)
-    for side in sides:
-        side[:] = [x for x in side if x.codecs]
-    return told
-
-
-def read_specs(layer: Layer, problems: list[str]) -> None:
-    """The canonical shapes and dtypes of the layer, for each candidate kind (a
-    kind whose codec needs a setting the layer lacks goes to `layer.unknown`)."""
-    layer.unknown.clear()
-    for codec in layer.codecs:
-        try:
-            layer.specs[codec.kind] = _shapes.decoded(codec, layer.leaves, layer.hyper)
-        except KeyError as error:  # a setting the module did not give
-            name = error.args[0] if error.args else None
-            if isinstance(name, str) and layer.hyper.get(name) is None:
-                layer.unknown[codec.kind] = name
-            else:
-                problems.append(
-                    _errors.UNREADABLE.format(
-                        where=layer.where, kind=codec.kind, error=repr(error)
-                    )
-                )
-        except Exception as error:  # a codec's own message, reported with the path
-            problems.append(
-                _errors.UNREADABLE.format(
-                    where=layer.where, kind=codec.kind, error=error
-                )
-            )
-    layer.codecs = tuple(
-        c for c in layer.codecs if c.kind in layer.specs or c.kind in layer.unknown
-    )
