@@ -21,7 +21,7 @@ from bridge import _buffers
 from bridge._io import _checkpoint, _files, _safetensors, _sharded
 from bridge._io._read import open_checkpoint
 from bridge._lazy import LazyArray, ReadAhead, read_early
-from bridge._port import _port
+from bridge._port import _run
 
 from .helpers import check_collector_paused, on_the_cpu, requires
 from .test_port_stacked import EqxLooped, Scanned, X, _linen, _randomised
@@ -499,7 +499,7 @@ def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
     source = MLP(0)
     bridge.save(tmp_path, source, layout="torch", max_shard_size=150)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    monkeypatch.setattr(_port, "AHEAD", ahead)
+    monkeypatch.setattr(_run, "AHEAD", ahead)
     threads = []
     read_one = _safetensors.read_one
 
@@ -549,7 +549,7 @@ def test_an_early_read_no_row_uses_is_dropped_when_the_port_starts(
     bridge.save(tmp_path, source, layout="torch")
     monkeypatch.setattr(_checkpoint, "EARLY", 1)  # the whole file read early
     held = {}
-    read_ahead = _port._read_ahead
+    read_ahead = _run._read_ahead
 
     def seen(steps, source_tree):
         ahead = read_ahead(steps, source_tree)
@@ -557,7 +557,7 @@ def test_an_early_read_no_row_uses_is_dropped_when_the_port_starts(
             held[jax.tree_util.keystr(path)] = leaf._ahead is not None
         return ahead
 
-    monkeypatch.setattr(_port, "_read_ahead", seen)
+    monkeypatch.setattr(_run, "_read_ahead", seen)
     like = nnx.eval_shape(lambda: Two(1, extra=False))
     loaded = bridge.load(tmp_path, like=like, strict=False)  # logs `.head` unused
     assert held and not any(v for k, v in held.items() if "head" in k)

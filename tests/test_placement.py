@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import bridge
 from bridge._io import _safetensors
-from bridge._port import _port
+from bridge._port import _run
 
 from . import test_port_stacked as stacked
 from .helpers import requires, skip_unless
@@ -217,7 +217,7 @@ def test_load_from_another_framework_reads_array_by_array(
     model = concrete(source)
     bridge.save(tmp_path / "m.safetensors", model)
     read, placed = [], []
-    real_read, real_place = _safetensors.read_one, _port.place
+    real_read, real_place = _safetensors.read_one, _run.place
 
     def reading(contents, name, **kwargs):
         read.append(name)
@@ -228,7 +228,7 @@ def test_load_from_another_framework_reads_array_by_array(
         return real_place(array, sharding)
 
     monkeypatch.setattr(_safetensors, "read_one", reading)
-    monkeypatch.setattr(_port, "place", placing)
+    monkeypatch.setattr(_run, "place", placing)
     abstract = ABSTRACT[target](mesh)
     out = bridge.load(tmp_path / "m.safetensors", like=abstract)
     assert_placed(out, abstract)

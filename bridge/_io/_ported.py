@@ -2,7 +2,7 @@
 example=inputs)`.
 
 The model is ported into the reference's layout as `bridge.port(model, module,
-example=inputs)` ports it (`bridge._port._plan.make_plan`, then `run`): layers of
+example=inputs)` ports it (`bridge._port._planning.make_plan`, then `run`): layers of
 the same name on both sides (case and separators aside) pair by it, the others by
 the order in which the two forward passes use them and by what each computes, never
 by a name that only resembles another (`_torch_layout.fitted`) or by shape alone;

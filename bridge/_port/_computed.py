@@ -10,7 +10,7 @@ the class each Linen submodule is called as, the axes a product contracts (a 2-D
 `weight` alone, an `Embed` or a `Dense` by its shape, that a product first uses is
 a `Dense`), the kernel axes a convolution reads, whether a norm subtracts the mean.
 Only the candidates that computation allows are kept; where it says nothing,
-nothing changes (and `_plan._open_kinds` refuses what is still open).
+nothing changes (and `_checks._open_kinds` refuses what is still open).
 
 A module holding a `bias` alone reads as a norm without scale (`LayerNorm`,
 `GroupNorm`); where the forward pass adds that bias to a product's result (a

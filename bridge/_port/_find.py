@@ -242,7 +242,7 @@ def find_layers(
     to tell (`tell_settings`); otherwise that is a problem. `axes` decides stacks
     whose layer axis the shapes leave open (`{stack path: axis}`); one left open is
     added to it as `{stack path: (candidate axes)}` and read as no stack (the caller
-    tries each against the other side: `_plan.make_plan`), or is a problem without
+    tries each against the other side: `_planning.make_plan`), or is a problem without
     `axes`. With `views`, a per-head `DenseGeneral` layer is a `Dense` candidate
     too (`_general.py`). A layer of a kind in `opened` is not one: its sublayers are
     (an `nnx.MultiHeadAttention` read as its `query`, `key`, `value` and `out`
@@ -364,7 +364,7 @@ def with_ties(
     (`Layer.held`), and its own arrays beside them (a head's bias). The layers
     sharing an array know it (`Layer.tied`): one array may fill several layers
     of the other side, and several layers of the other side may fill one array
-    only with equal values (`_port.run`)."""
+    only with equal values (`_run.run`)."""
     at_leaf = {x.leaf(k): (x, k) for x in layers if x.index is None for k in x.paths}
     modules: dict[Path, dict[str, Path]] = {}
     for alias, held in ties.items():

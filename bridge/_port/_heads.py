@@ -15,7 +15,7 @@ table's module and `_trace.ATTEND` (`.wte.attend`), holding the table's array
 - from it, the one array fills both layers of the other side (two tensors, or one
   tied tensor);
 - into it, the two layers of the other side must hold equal values to the bit
-  (`_port._equal_ties`), else the port is refused naming both.
+  (`_run._equal_ties`), else the port is refused naming both.
 
 A name never decides it: an array looked up and not contracted (or contracted and
 not looked up) is no head. Without a trace no head is made, and a head on the other
