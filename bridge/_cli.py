@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
@@ -337,6 +338,12 @@ _MSGPACK_LOSES = (
     "Flax's names and shapes, or write {stem}.safetensors or an orbax directory, "
     "which keep the layout (as bridge.save refuses layout='torch' in a msgpack file)"
 )
+_ORDER_LOST = (
+    "note: {dst}: a {format} file holds no metadata, so the order in which the "
+    "model uses its arrays (recorded by save(..., example=), which ports the file "
+    "into a model with other names) is not kept; write {stem}.safetensors or an "
+    "orbax directory to keep it"
+)
 _NO_CONFIG = (
     "note: {dst} holds no config.json, which from_pretrained needs to build the "
     "model: convert again with --overwrite --config {config}"
@@ -478,11 +485,19 @@ def _convert(args: argparse.Namespace, console: Console) -> None:
             shapes = ((k, tuple(getattr(v, "shape", ()))) for k, v in arrays.items())
             check_reference(shapes, reference_of(args.like, fix=_TABLE_FIX))
         folder = args.to_layout == "torch" and not format_of(dst).suffixes
+        if contents.order and not folder and not format_of(dst).order:
+            kind = format_of(dst).name
+            note = _ORDER_LOST.format(dst=dst, format=kind, stem=dst.stem)
+            console.print(printable(note), soft_wrap=True)
+            contents = dataclasses.replace(contents, order=())
         with slow.phase(f"writing {dst.name}"):
-            if folder:  # a Hugging Face folder
+            if folder:  # a Hugging Face folder: the order in its files' metadata
                 size = args.max_shard_size
                 size = int(size) if size is not None and _ascii_number(size) else size
-                write_arrays(dst, arrays, max_shard_size=size, config=args.config)
+                order = {"order": json.dumps(contents.order)} if contents.order else {}
+                write_arrays(
+                    dst, arrays, max_shard_size=size, config=args.config, metadata=order
+                )
             else:
                 write(dst, contents, arrays)
     kind = "Hugging Face folder" if folder else format_of(dst).name

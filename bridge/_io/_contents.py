@@ -137,7 +137,7 @@ def encode(contents: Contents) -> dict[str, str]:
             entry["prng_impl"] = s.prng_impl
         tensors[s.key] = entry
     return {
-        **contents.metadata,
+        **{k: v for k, v in contents.metadata.items() if k not in RESERVED},
         "bridge_version": VERSION,
         "framework": contents.framework or "",
         "layout": contents.layout,
@@ -340,6 +340,23 @@ def _empty(
     return tuple(out)
 
 
+def _plain_order(meta: Mapping[str, str], tensors: tuple[Stored, ...]) -> tuple:
+    """The order of use a plain file records (`bridge convert` writes it into a
+    Hugging Face folder's files beside `"format": "pt"`), of its own arrays (a
+    shard's part of its folder's); none where its `order` is not such a record
+    (another library's key: it stays in the metadata, as every key does)."""
+    try:
+        names = _json(meta, "order") if "order" in meta else None
+    except Malformed:
+        return ()
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ()
+    if len(set(names)) != len(names):
+        return ()
+    held = {s.key for s in tensors}
+    return tuple(n for n in names if n in held)
+
+
 def _order(names: Any, tensors: tuple[Stored, ...]) -> tuple[str, ...]:
     """The `order` metadata, checked: the names of stored arrays, each once."""
     if not isinstance(names, list):
@@ -406,7 +423,10 @@ def decode(
             for name, (shape, dtype) in shapes.items()
         )
         _check_paths(tensors)
-        return Contents(path, fmt, fw, layout, None, (), dict(meta), tensors, source)
+        order = _plain_order(meta, tensors)
+        return Contents(
+            path, fmt, fw, layout, None, (), dict(meta), tensors, source, order=order
+        )
     entries = _json(meta, "tensors")
     if not isinstance(entries, dict):
         raise Malformed(f"its 'tensors' metadata is a {type(entries).__name__}")

@@ -58,6 +58,9 @@ class Format(NamedTuple):
       the training state's too.
     - `training`: whether it holds a training checkpoint (the optimizer state's
       structure is recorded in its metadata); `False`: arrays only (msgpack).
+    - `order`: whether it keeps the order of use a file records
+      (`Contents.order`: `save(..., example=...)`), which ports it into a model
+      with other names; `False`: no metadata to hold it (msgpack).
     - `save_plain(path, contents, arrays, meta)`: write with `meta` as the whole
       metadata, no bridge keys (a file as another library writes it: `save(...,
       layout="torch")`); `None`: it writes no such file.
@@ -83,6 +86,7 @@ class Format(NamedTuple):
     lazy: Callable[[Contents], Mapping[str, LazyArray]] | None = None
     places: bool = False
     training: bool = True
+    order: bool = True
     save_plain: Callable[[Path, Contents, Mapping[str, Any], dict], None] | None = None
     probe: Callable[[Path], Path | None] | None = None
     files: Callable[[Contents], Mapping[str, str]] | None = None

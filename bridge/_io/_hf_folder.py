@@ -675,11 +675,13 @@ def write_arrays(
     max_shard_size: int | str | None = None,
     config: Any = None,
     generation_config: Any = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Written:
     """`{name: array}` (PyTorch layout already, in order) as a Hugging Face model
     folder (`write_folder`): what `bridge convert --to-layout torch` writes; its
     names checked against the model a `config` names, as `save_folder` checks
-    them."""
+    them. `metadata`: in every file's beside `"format": "pt"` (the order of use a
+    converted file records: `Contents.order`)."""
     configs = config_files(config, generation_config)
     tensors = [(k, tuple(np.shape(v)), v.dtype) for k, v in arrays.items()]
     if CONFIGS[0] in configs:
@@ -694,4 +696,5 @@ def write_arrays(
         tensors,
         max_shard_size=DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size,
         configs=configs,
+        metadata=metadata,
     )

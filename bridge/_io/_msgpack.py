@@ -202,5 +202,6 @@ FORMAT = register_format(
         restore,
         DTYPE_NAMES,
         training=False,
+        order=False,
     )
 )

@@ -38,7 +38,7 @@ from . import _training
 from ._classes import resolve
 from ._contents import VERSION, Contents, Stored, dotted
 from ._model import describe, file_tree
-from ._torch_layout import torch_state
+from ._torch_layout import torch_layers
 
 
 LAYOUTS = ("flax", "equinox", "torch")
@@ -197,7 +197,7 @@ def relayout(
     tree = file_tree(contents, arrays)
     rank = native_rank(tree)
     if layout == "torch":
-        return _to_torch(contents, tree, rename)
+        return _to_torch(contents, tree, rename, arrays)
     problems: list[str] = []
     layers = find_layers(read_side(tree, 0, problems), problems, loose=False)
     layers.sort(key=lambda layer: rank(layer.path))  # written in the file's order
@@ -253,29 +253,40 @@ def _to_flax(contents: Contents, arrays: dict[str, Any], layers: list[Layer]):
     stored = {s.path: s for s in contents.tensors}
     tensors: list[Stored] = []
     out: dict[str, Any] = {}
+    groups: list[tuple[list[str], list[str]]] = []
     for layer in layers:
         canonical = layer.codecs[0].decode(layer.leaves, layer.hyper)
+        written = len(tensors)
         for name, array in canonical.items():
             role = "batch_stats" if name in _STATISTICS else "params"
             path = layer.path + parse(name, "/")
             _add(out, tensors, path, role, array)
-        for relative in layer.paths.values():
-            stored.pop(layer.path + relative)
+        sources = [stored.pop(layer.path + p).key for p in layer.paths.values()]
+        groups.append((sources, [s.key for s in tensors[written:]]))
     for s in stored.values():  # what no layer holds (RNG state): as it is
         if s.role in NOT_PORTED:  # PyTorch's num_batches_tracked
             continue
         tensors.append(s)
         out[s.key] = arrays[s.key]
-    return _contents(contents, None, "flax", (), tensors), out
+        groups.append(([s.key], [s.key]))
+    order = _carried(contents, groups)
+    return _contents(contents, None, "flax", (), tensors, order), out
 
 
 def _to_torch(
-    contents: Contents, tree: Tree, rename: Sequence[str]
+    contents: Contents, tree: Tree, rename: Sequence[str], given: dict[str, Any]
 ) -> tuple[Contents, dict[str, Any]]:
     def renamed(paths: list[Path], problems: list[str]) -> list[Path]:
         return _renamed(paths, rename, problems)
 
-    arrays = torch_state(tree, rename=renamed if rename else None)
+    arrays: dict[str, Any] = {}
+    groups: list[tuple[list[str], list[str]]] = []
+    names = {id(array): name for name, array in given.items()}  # the tree's leaves
+    for layer in torch_layers(tree, rename=renamed if rename else None):
+        encoded = layer.encode(layer.leaves)
+        arrays.update((name, np.asarray(array)) for name, array in encoded.items())
+        sources = [names[id(a)] for a in layer.leaves.values() if id(a) in names]
+        groups.append((sources, list(encoded)))
     role_of = of_layout("torch").role_of or (lambda name: "params")
     tensors = [
         Stored(
@@ -287,7 +298,8 @@ def _to_torch(
         )
         for name, a in arrays.items()
     ]
-    converted = _contents(contents, "torch", "torch", (), tensors)
+    order = _carried(contents, groups)
+    converted = _contents(contents, "torch", "torch", (), tensors, order)
     metadata = {**converted.metadata, "format": "pt"}
     return dataclasses.replace(converted, metadata=metadata), arrays
 
@@ -305,14 +317,22 @@ def _to_equinox(
     tensors: list[Stored] = []
     modules: list[tuple[Path, str, dict[str, Any]]] = []
     out: dict[str, Any] = {}
+    groups: list[tuple[list[str], list[str]]] = []
     for (layer, kind), path in zip(chosen, paths):
         described, encoded = _encode_layer(layer, kind, mode)
+        written = len(tensors)
         for s in described.tensors:
             _add(
                 out, tensors, path + s.path, s.role, encoded["/".join(map(str, s.path))]
             )
         modules += [(path + p, cls, fields) for p, cls, fields in described.modules]
-    return _contents(contents, "equinox", "equinox", tuple(modules), tensors), out
+        sources = [dotted(layer.path + p) for p in layer.paths.values()]
+        groups.append((sources, [s.key for s in tensors[written:]]))
+    order = _carried(contents, groups)
+    converted = _contents(
+        contents, "equinox", "equinox", tuple(modules), tensors, order
+    )
+    return converted, out
 
 
 def _encode_layer(layer: Layer, kind: str, mode: str) -> tuple[Contents, dict]:
@@ -418,7 +438,7 @@ def _add(out: dict, tensors: list[Stored], path: Path, role: str, array: Any) ->
     tensors.append(Stored(name, path, role, np.shape(array), str(array.dtype)))
 
 
-def _contents(contents: Contents, fw, layout, modules, tensors) -> Contents:
+def _contents(contents: Contents, fw, layout, modules, tensors, order) -> Contents:
     return Contents(
         contents.path,
         contents.format,
@@ -428,4 +448,24 @@ def _contents(contents: Contents, fw, layout, modules, tensors) -> Contents:
         modules,
         contents.metadata,
         tuple(tensors),
+        order=order,
     )
+
+
+def _carried(
+    contents: Contents, groups: list[tuple[list[str], list[str]]]
+) -> tuple[str, ...]:
+    """The order of use `contents` records (`Contents.order`), for the converted
+    arrays: `groups` pairs each layer's names in `contents` with the names its
+    arrays are written under, which take the rank of the layer's first array used
+    (a layer's arrays are used together), in the order written; arrays of a layer
+    the record does not name are left out of it."""
+    if not contents.order:
+        return ()
+    rank = {name: i for i, name in enumerate(contents.order)}
+    ranked = []
+    for sources, written in groups:
+        first = min((rank[s] for s in sources if s in rank), default=None)
+        if first is not None:
+            ranked += [(first, k, name) for k, name in enumerate(written)]
+    return tuple(name for *_, name in sorted(ranked))

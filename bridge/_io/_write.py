@@ -41,6 +41,11 @@ _TRAINING_NO_METADATA = """\
 {path}: a {format} checkpoint holds arrays only, with no metadata to record the
 optimizer state's structure. Save a training checkpoint as *.safetensors or as an
 orbax directory."""
+_ORDER_NO_METADATA = """\
+{path}: a {format} checkpoint holds arrays only, with no metadata to record the order
+in which the model uses them (what example= is for: a file that loads into a model
+with other names). Save it as *.safetensors or as an orbax directory, or leave
+example= out."""
 _NOT_ADDRESSABLE = """\
 {path}: a {format} checkpoint is one file, written by one process, but arrays of this
 model are sharded over the devices of {processes} processes (this process cannot read
@@ -113,6 +118,8 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     fmt = format_of(path)
     if contents.training and not fmt.training:
         raise ValueError(_TRAINING_NO_METADATA.format(path=path, format=fmt.name))
+    if contents.order and not fmt.order:
+        raise ValueError(_ORDER_NO_METADATA.format(path=path, format=fmt.name))
     check_names(path, contents)
     check_place(path, f"{fmt.name} checkpoint" if fmt.suffixes else None)
     if fmt.dtypes is not None:
