@@ -285,6 +285,9 @@ KERAS_HUB = "keras-hub==0.32.0"
 HAIKU_KERAS_TESTS = [
     "tests/test_haiku_adapter.py",
     "tests/test_keras_adapter.py",
+    "tests/test_haiku_port.py",
+    "tests/test_keras_port.py",
+    "tests/test_haiku_keras_matrix.py",
 ]
 HAIKU_KERAS_DOCTESTS = ["bridge/_adapters/_haiku.py", "bridge/_adapters/_keras.py"]
 

@@ -11,6 +11,7 @@ import pytest
 import bridge
 from bridge._tree import framework, kind
 
+from .haiku_twins import randomised
 from .helpers import key_orders, leaf_objects, same_objects, snapshot, tree_equal_bits
 
 
@@ -21,29 +22,11 @@ def resnet(x, is_training):
     return hk.nets.ResNet18(4, resnet_v2=False)(x, is_training)
 
 
-def filled(shapes, seed: int = 0):
-    """Haiku dicts of the shapes `jax.eval_shape(fn.init, ...)` gives, with random
-    values from numpy (Haiku's own initialisers compile for tens of seconds on a
-    busy machine: ResNet18's takes 25 s): small normals, variances in [0.5, 1.5),
-    counters 3."""
-    rng = np.random.default_rng(seed)
-
-    def one(path, s):
-        name = jax.tree_util.keystr(path)
-        if jnp.issubdtype(s.dtype, jnp.integer):
-            return jnp.full(s.shape, 3, s.dtype)
-        if "var_ema" in name:
-            return jnp.asarray(rng.uniform(0.5, 1.5, s.shape), s.dtype)
-        return jnp.asarray(0.3 * rng.standard_normal(s.shape), s.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, shapes)
-
-
 def _resnet():
     fn = hk.transform_with_state(resnet)
     x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
     shapes = jax.eval_shape(lambda x: fn.init(jax.random.key(0), x, True), x)
-    params, state = filled(shapes)
+    params, state = randomised(shapes)
     return fn, params, state, x
 
 

@@ -21,7 +21,7 @@ from .helpers import same_objects, tree_equal_bits
 keras = pytest.importorskip("keras")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def keras_broadcasts():
     """Keras's layers broadcast by rank, which tests/conftest.py makes an error."""
     with jax.numpy_rank_promotion("allow"):

@@ -134,12 +134,16 @@ class ModuleNode(dict):
     as attributes under the Tree's keys (Haiku's, named by strings; Keras's, by
     variable paths): a mapping of its submodules by Tree key (what `_paths.at`
     follows), whose attributes are the module's (`eps`, `epsilon`: what codecs'
-    `hyperparameters` read). `module` is None where no module sits."""
+    `hyperparameters` read). `module` is None where no module sits (an array's
+    path, a key no module has)."""
 
     module: Any = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
+
+    def __missing__(self, key: Any) -> ModuleNode:
+        return ModuleNode()
 
 
 def module_nodes(modules: Sequence[tuple[Path, Any]], root: Any = None) -> ModuleNode:

@@ -133,7 +133,11 @@ class HaikuRecord(NamedTuple):
 def split_name(name: str) -> Path:
     """A Haiku module name as a Tree path: `"net/~/block_0/conv"` -> `("net",
     "block_0", "conv")` (`/~/` marks a submodule made in its parent's `__init__`,
-    `/` one made in a method: both nest it)."""
+    `/` one made in a method: both nest it); `"~"`, the parameters a transformed
+    function makes outside any module (`hk.get_parameter` at its top), is the
+    root `()`."""
+    if name == "~":
+        return ()
     parts = tuple(p for p in name.split("/") if p not in ("", "~"))
     return parts or (name,)
 
@@ -257,6 +261,7 @@ def _build(
     fn: Any,
     rng: bool,
     modules: dict[Path, Any] | None,
+    kinds: dict[Path, Any] | None = None,
 ) -> Tree:
     layout: list[tuple[str, str, tuple[str, ...]]] = []
     orders: list[tuple[str, str, tuple[str, ...]]] = []
@@ -287,9 +292,9 @@ def _build(
                 seen.add(path)
                 entries.append((path, role, values[entry], len(entries)))
     entries.sort(key=lambda e: tuple(map(natural, e[0])))
-    kinds: dict[Path, Any] = {}
+    kinds = dict(kinds or {})
     if modules is not None:
-        kinds = {path: type(module) for path, module in modules.items()}
+        kinds.update({path: type(module) for path, module in modules.items()})
     record = HaikuRecord(
         tuple(layout),
         NativeOrder(tuple(orders)),
@@ -542,6 +547,26 @@ def _optimizer_params(tree: Tree) -> Any:
     return dicts(tree)[0]
 
 
+def _from_file(
+    tensors: list[tuple[str, Path, str, Any]],
+    modules: dict[Path, tuple[str, dict[str, Any]]],
+    kinds: dict[Path, Any],
+    empty: list[tuple[str, Path]],
+) -> Tree:
+    """The Tree of a Haiku checkpoint read without the model: its dicts, each
+    module named by its path joined with `/` (the file records paths, not whether
+    Haiku nested a module with `/~/`), `params` and the other roles' `state`; the
+    recorded classes on its nodes."""
+    params: dict[str, dict[str, Any]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for _, path, role, array in tensors:
+        name = "/".join(map(str, path[:-1])) or "~"
+        (params if role == PARAMS else state).setdefault(name, {})[str(path[-1])] = (
+            array
+        )
+    return _build(params, state, bool(state), None, False, None, kinds)
+
+
 ADAPTER = register_adapter(
     Adapter(
         name="haiku",
@@ -560,6 +585,7 @@ ADAPTER = register_adapter(
         records_classes=False,
         called=_called_modules,
         embed=_embed,
+        from_file=_from_file,
         optimizer=Optimizer(
             lambda obj: None, lambda like, state, step: state, params=_optimizer_params
         ),

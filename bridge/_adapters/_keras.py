@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
@@ -63,8 +64,9 @@ saving needs, or use the Tree's arrays directly."""
 
 _OTHER_MODEL = """\
 bridge.to_native: the model rebuilt from {cls}'s config has other variables than the
-model the Tree came from ({problems}): its config does not rebuild it. Give it (and its
-layers) a `get_config` that does."""
+model the Tree came from ({problems}): its `get_config` leaves out a setting (KerasHub
+0.32's LlamaBackbone drops `tie_word_embeddings`). Keras's own saving rebuilds it the
+same way. Use a model whose config rebuilds it, or the Tree's arrays directly."""
 
 _INPUTS = """\
 This Keras model takes the inputs {names}; {problem}. Give them as keyword arguments
@@ -99,6 +101,20 @@ class KerasLayer(abc.ABC):
 def _is_layer(obj: Any) -> bool:
     keras = _keras()
     return keras is not None and isinstance(obj, keras.Layer)
+
+
+def _recognise(obj: Any) -> bool:
+    return _is_layer(obj) or isinstance(obj, Bound)
+
+
+def _to_tree(obj: Any) -> Tree:
+    """`from_keras`; a `Bound` model's Tree holds its values."""
+    if not isinstance(obj, Bound):
+        return from_keras(obj)
+    tree = from_keras(obj.model)
+    order = source_of(tree).order
+    treedef = jtu.tree_structure(tree)
+    return jtu.tree_unflatten(treedef, [obj.values[pos] for pos in order])
 
 
 class KerasRecord(NamedTuple):
@@ -147,9 +163,10 @@ def from_keras(model: Any) -> Tree:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
     'jax'
     >>> import keras, bridge
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    >>> head = keras.layers.Dense(2, name="head")
+    >>> model = keras.Sequential([keras.Input((3,)), head])
     >>> t = bridge.from_keras(model)
-    >>> t.dense.kernel.shape, t.dense.kernel is model.layers[0].kernel.value
+    >>> t.head.kernel.shape, t.head.kernel is model.layers[0].kernel.value
     ((3, 2), True)
 
     ```
@@ -163,13 +180,12 @@ def from_keras(model: Any) -> Tree:
     variables = model.variables
     if not variables:
         raise ValueError(_NOT_BUILT.format(cls=type(model).__name__))
-    roles, kinds = _read_layers(model)
-    prefix = f"{model.path or model.name}/"
+    roles, kinds, paths = _read_layers(model)
     entries: list[tuple[Path, str, Any, int]] = []
     seen: dict[Path, str] = {}
     specs = []
     for i, variable in enumerate(variables):
-        path = _tree_path(variable.path, prefix)
+        path = paths[id(variable)]
         if path in seen:
             raise ValueError(
                 _SAME_PATH.format(path=path_str(path), a=seen[path], b=variable.path)
@@ -191,12 +207,17 @@ def _tree_path(keras_path: str, prefix: str) -> Path:
     return tuple(keras_path.split("/"))
 
 
-def _read_layers(model: Any) -> tuple[dict[int, str], dict[Path, Any]]:
-    """Each variable's role by `id`, and the class of each layer (and seed
-    generator) by its Tree path."""
+def _read_layers(
+    model: Any,
+) -> tuple[dict[int, str], dict[Path, Any], dict[int, Path]]:
+    """Each variable's role and Tree path by `id`, and the class of each layer (and
+    seed generator) by its Tree path. A seed generator's scope is numbered by its
+    place in the model (`seed_generator_0`, `_1`, ...): Keras numbers it by what the
+    process made before, which a model rebuilt from its config does not repeat."""
     roles: dict[int, str] = {}
     kinds: dict[Path, Any] = {(): type(model)}
     prefix = f"{model.path or model.name}/"
+    seeds: dict[int, Any] = {}
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if layer is not model and layer.path:
             kinds.setdefault(_tree_path(layer.path, prefix), type(layer))
@@ -209,9 +230,18 @@ def _read_layers(model: Any) -> tuple[dict[int, str], dict[Path, Any]]:
                 roles[id(v)] = "params" if v.trainable else stat
         for generator in layer._seed_generators:
             roles[id(generator.state)] = "rngs"
-            at = _tree_path(generator.state.path, prefix)[:-1]
-            kinds.setdefault(at, type(generator))
-    return roles, kinds
+            seeds[id(generator.state)] = generator
+    paths: dict[int, Path] = {}
+    numbered = 0
+    for variable in model.variables:
+        path = _tree_path(variable.path, prefix)
+        generator = seeds.get(id(variable))
+        if generator is not None:
+            path = path[:-2] + (f"seed_generator_{numbered}", path[-1])
+            numbered += 1
+            kinds[path[:-1]] = type(generator)
+        paths[id(variable)] = path
+    return roles, kinds, paths
 
 
 def to_keras(tree: Tree) -> Any:
@@ -230,25 +260,65 @@ def to_keras(tree: Tree) -> Any:
 
     **Returns:**
 
-    A Keras model.
+    A Keras model. Inside a JAX trace (`jax.jit`, `jax.make_jaxpr`: the Tree holds
+    tracers, which no variable outlives), a `Bound` instead: the model the Tree
+    came from, called with its variables read from the Tree (`keras.StatelessScope`,
+    as `model.stateless_call` does), its attributes the model's.
 
     **Raises:**
 
-    `ValueError` naming every leaf whose shape or dtype changed.
+    `ValueError` naming every leaf whose shape or dtype changed, or a model whose
+    config does not rebuild it (its variables differ).
     """
     src, leaves = native_leaves(tree, "keras", KerasRecord)
     _check_specs(tree, leaves, src.record)
     model = src.record.model.value
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return Bound(model, leaves)
     new = _rebuilt(model)
     variables = new.variables
-    if [(tuple(v.shape), str(v.dtype)) for v in variables] != list(src.record.specs):
-        problems = f"{len(variables)} variables, {len(src.record.specs)} expected"
+    got = [(tuple(v.shape), str(v.dtype)) for v in variables]
+    if got != list(src.record.specs):
         raise ValueError(
-            _OTHER_MODEL.format(cls=type(model).__name__, problems=problems)
+            _OTHER_MODEL.format(
+                cls=type(model).__name__,
+                problems=_differences(model.variables, variables),
+            )
         )
     for variable, leaf in zip(variables, leaves):
         _set(variable, leaf)
     return new
+
+
+class Bound:
+    """A Keras model called with its variables read from given arrays, never
+    written to (`keras.StatelessScope`): what `to_keras` gives inside a JAX trace.
+    Its attributes are the model's; `bound(x)` returns what `model(x)` would."""
+
+    def __init__(self, model: Any, values: list[Any]):
+        self.model = model
+        self.values = values
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        keras = sys.modules["keras"]
+        mapping = list(zip(self.model.variables, self.values))
+        with keras.StatelessScope(state_mapping=mapping):
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _differences(want: list[Any], got: list[Any]) -> str:
+    """The variables two models of one config do not share, by path."""
+    a, b = [v.path for v in want], [v.path for v in got]
+    extra, missing = [p for p in b if p not in a], [p for p in a if p not in b]
+    out = [f"{len(got)} variables where the model has {len(want)}"]
+    if extra:
+        out.append(f"rebuilt with {some(extra)}")
+    if missing:
+        out.append(f"rebuilt without {some(missing)}")
+    return "; ".join(out)
 
 
 def _check_specs(tree: Tree, leaves: list[Any], record: KerasRecord) -> None:
@@ -426,8 +496,8 @@ ADAPTER = register_adapter(
     Adapter(
         name="keras",
         display="Keras",
-        recognise=_is_layer,
-        to_tree=from_keras,
+        recognise=_recognise,
+        to_tree=_to_tree,
         to_native=to_keras,
         module_types=(KerasLayer,),
         layout="keras",

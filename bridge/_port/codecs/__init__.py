@@ -6,6 +6,8 @@ from . import (
     _conv as _conv,
     _dense as _dense,
     _embed as _embed,
+    _haiku as _haiku,  # Haiku's layers, one per family (haiku is not imported)
+    _keras as _keras,  # Keras's and KerasHub's (keras is not imported)
     _norm as _norm,
     _torch as _torch,
     _weight_norm as _weight_norm,  # after _conv, _dense: tried before them
