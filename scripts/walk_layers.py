@@ -158,8 +158,16 @@ D, HIDDEN = 128, 256
 
 class Node(nnx.Module):
     def __init__(self, **children: Any) -> None:
+        self.names = tuple(children)
         for name, child in children.items():
             setattr(self, name, child)
+
+    def __call__(self, x: Any) -> Any:  # the children in turn, a list's items too
+        for name in self.names:
+            child = getattr(self, name)
+            for module in child if isinstance(child, nnx.List) else [child]:
+                x = module(x)
+        return x
 
 
 def nnx_model(seed: int = 0) -> Node:
@@ -176,14 +184,28 @@ def eqx_model() -> Any:
         gate_proj: eqx.nn.Linear
         down_proj: eqx.nn.Linear
 
+        def __call__(self, x: Any) -> Any:
+            return self.down_proj(self.gate_proj(x))
+
     class Layer(eqx.Module):
         mlp: MLP
+
+        def __call__(self, x: Any) -> Any:
+            return self.mlp(x)
 
     class Layers(eqx.Module):
         layers: list
 
+        def __call__(self, x: Any) -> Any:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
     class Model(eqx.Module):
         model: Layers
+
+        def __call__(self, x: Any) -> Any:
+            return self.model(x)
 
     k1, k2 = jax.random.split(jax.random.key(0))
     mlp = MLP(
@@ -206,6 +228,7 @@ def scenarios(folder: Path) -> dict[str, tuple[Callable[[], Any], Any]]:
     abstract = nnx.eval_shape(lambda: nnx_model(1))
     equinox, source, target = eqx_model(), nnx_model(), eqx_model()
     f32 = jnp.float32
+    x = jnp.ones((2, D), f32)
     return {
         "load, same framework": (lambda: bridge.load(plain, like=abstract), abstract),
         "load, ported (NNX file -> Equinox)": (
@@ -221,6 +244,14 @@ def scenarios(folder: Path) -> dict[str, tuple[Callable[[], Any], Any]]:
             abstract,
         ),
         "port (NNX -> Equinox)": (lambda: bridge.port(source, target), source),
+        "port, traced (example=)": (
+            lambda: bridge.port(source, target, example=(x,)),
+            source,
+        ),
+        "port_plan, traced (example=)": (
+            lambda: bridge.port_plan(source, target, example=(x,)),
+            source,
+        ),
     }
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._tree import Tree, leaf_roles
 from . import (  # noqa: F401  (they register the built-in adapters)
@@ -180,19 +181,42 @@ def forward(
 
 
 def infer(
-    model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    model: Any,
+    inputs: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    channel_first: bool | None = None,
 ) -> Any:
     """A model of any framework (or a Tree) run for inference on batched inputs (and
-    keyword arguments), as its framework runs it (`bridge.compare`)."""
+    keyword arguments), as its framework runs it (`bridge.compare`). With
+    `channel_first`, each input of rank >= 3 gets its last axis moved to axis 1
+    (`(N, H, W, C)` -> `(N, C, H, W)`) and each output of rank >= 3 back; by
+    default, where the model says so (`channel_first = True` on its class)."""
     if isinstance(model, Tree):
         adapter = adapter_of_tree(model)
         model = adapter.to_native(model)
     else:
         adapter = adapter_of(model)
     kwargs = dict(kwargs or {})
+    if channel_first is None:
+        channel_first = says_channel_first(model)
+    if channel_first:
+        inputs = tuple(jnp.moveaxis(x, -1, 1) if x.ndim >= 3 else x for x in inputs)
     if adapter.infer is None:
-        return model(*inputs, **kwargs)
-    return adapter.infer(model, inputs, kwargs)
+        out = model(*inputs, **kwargs)
+    else:
+        out = adapter.infer(model, inputs, kwargs)
+    if channel_first:
+        out = jax.tree_util.tree_map(
+            lambda y: jnp.moveaxis(y, 1, -1) if y.ndim >= 3 else y, out
+        )
+    return out
+
+
+def says_channel_first(model: Any) -> bool:
+    """Whether a native model (or `(model, state)`) says it takes channels first
+    (`channel_first = True`, a class attribute or field)."""
+    first = model[0] if isinstance(model, tuple) and model else model
+    return bool(getattr(first, "channel_first", False))
 
 
 def optimizer_params(tree: Tree) -> Any:

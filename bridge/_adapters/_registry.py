@@ -316,8 +316,16 @@ def display_name(name: str) -> str:
 
 
 def adapter_for(obj: Any) -> Adapter | None:
-    """The adapter whose `recognise` accepts `obj`, or None."""
-    return next((a for a in adapters() if a.recognise(obj)), None)
+    """The adapter whose `recognise` accepts `obj`, or None. A module of one
+    framework's classes (`Adapter.module_types`: an `nnx.Module`, an `eqx.Module`)
+    asks that adapter first: the others are asked only if it says no."""
+    found = adapters()
+    owner = next(
+        (a for a in found if a.module_types and isinstance(obj, a.module_types)), None
+    )
+    if owner is not None and owner.recognise(obj):
+        return owner
+    return next((a for a in found if a is not owner and a.recognise(obj)), None)
 
 
 def adapter_of_class(cls: Any) -> Adapter | None:

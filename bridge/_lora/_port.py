@@ -37,12 +37,10 @@ def split(source: Any) -> tuple[Any, Carried | None]:
     """`source` without its adapters, and the adapters (None: it has none)."""
     adapter = None if isinstance(source, Tree) else adapter_for(source)
     if isinstance(source, Tree) or (adapter is not None and adapter.name in _FRAMES):
-        tree = to_neutral(source)
+        tree = source if isinstance(source, Tree) else to_neutral(source)
         name = framework(tree)
-        if name not in _FRAMES:
-            return source, None
-        if not _has_adapters(tree):
-            return source, None
+        if name not in _FRAMES or not _has_adapters(tree):
+            return tree, None
         frame = _FRAMES[name]
         found = [t for t in frame.targets(tree) if t.settings is not None]
         if found:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._adapters._native import check_model, infer
+from .._adapters._native import check_model, infer, says_channel_first
 from .._arguments import check_bool, check_mapping, check_pair
 
 
@@ -33,19 +33,6 @@ _CHANNELS = """
 If model `{side}` takes channels first (an Equinox or PyTorch-style convolution, `(C,
 H, W)` per example), say so: channel_first={pair}, or a class attribute
 `channel_first = True` on the model."""
-
-
-def forward(
-    model: Any, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], channel_first: bool
-) -> Any:
-    if channel_first:
-        inputs = tuple(jnp.moveaxis(x, -1, 1) if x.ndim >= 3 else x for x in inputs)
-    out = infer(model, inputs, kwargs)
-    if channel_first:
-        out = jax.tree_util.tree_map(
-            lambda y: jnp.moveaxis(y, 1, -1) if y.ndim >= 3 else y, out
-        )
-    return out
 
 
 def compare(
@@ -123,8 +110,8 @@ def outputs(
     """Both models' output arrays on `inputs`, checked to have the same shapes."""
     if channel_first is None:
         channel_first = (
-            bool(getattr(model_of(a), "channel_first", False)),
-            bool(getattr(model_of(b), "channel_first", False)),
+            says_channel_first(a),
+            says_channel_first(b),
         )
     sides = per_side or ({}, {})
     out_a, out_b = (
@@ -154,7 +141,7 @@ def _run(
 ) -> Any:
     """`forward` for one side of `compare`, its shape errors told what to try."""
     try:
-        return forward(model, inputs, kwargs, first)
+        return infer(model, inputs, kwargs, first)
     except (TypeError, ValueError) as error:
         if "shape" not in str(error).lower() and "dimension" not in str(error).lower():
             raise
@@ -198,9 +185,3 @@ def tolerance(leaves: list[Any]) -> tuple[float, str]:
         default=1.0,
     )
     return _TOLERANCE[dtype] * max(1.0, scale), dtype
-
-
-def model_of(obj: Any) -> Any:
-    if isinstance(obj, tuple) and obj:
-        return obj[0]
-    return obj

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._adapters._native import check_model, like, placeholders
+from .._adapters._native import check_model, like, placeholders, to_neutral
 from .._arguments import (
     check_bool,
     check_dtype,
@@ -174,7 +174,9 @@ def port_and_plan(
     check the file against), planned with instead of converting `target` again.
     `source_uses`: the order of use a file records (`{array path: (rank,)}`),
     standing for the source's forward pass where example inputs are given."""
-    plain, adapters = _carry.split(source)  # LoRA adapters follow their layers
+    # the source as a Tree once (its adapter asked once); LoRA adapters follow
+    # their layers
+    plain, adapters = _carry.split(to_neutral(source))
     # and replace the target's own (port_opt_state ports into a LoRA model)
     if adapters or target_tree is None:
         abstract = placeholders(_carry.split(target)[0] if adapters else target)

@@ -93,7 +93,7 @@ def read_side(
     """The `Side` of `model` (any form `bridge.to_neutral` takes, or a Tree), with
     its forward pass on `example` (the order of use a file `recorded` standing for
     it); a failing pass is a problem in `problems` when a step first asks for it."""
-    tree = to_neutral(model)
+    tree = model if isinstance(model, Tree) else to_neutral(model)
     name = framework(tree)
     whole = name is not None
     adapter = adapter_named(name) if whole else canonical_adapter()

@@ -25,17 +25,17 @@ from warnings import warn
 import jax
 import jax.extend.core
 
-from .._adapters._native import adapter_of_tree, to_native
+from .._adapters._native import adapter_of_tree, infer, to_native
+from .._adapters._registry import registered
 from .._adapters._skeleton import Skeleton
 from .._paths import Path
-from .._tree import Tree, map_with_path
+from .._tree import Tree, framework, map_with_path
 from .._uses import (
     Contraction as Contraction,  # defined once, shared with torch
     Untraced,
     Uses,
 )
 from . import _errors
-from ._compare import forward, model_of
 
 
 ATTEND = "attend"
@@ -95,6 +95,7 @@ def first_uses(
     added: set[Path] | None = None,
     placed: dict[Path, int] | None = None,
     turned: dict[Path, frozenset[int]] | None = None,
+    adapter: Any = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -161,14 +162,16 @@ def first_uses(
             xs[i] = x
         args, kw = jax.tree_util.tree_unflatten(given_tree, xs)
         model = to_native(jax.tree_util.tree_unflatten(treedef, leaves))
-        channel_first = bool(getattr(model_of(model), "channel_first", False))
+        first = model[0] if isinstance(model, tuple) and model else model
+        if isinstance(model, Mapping) or isinstance(first, Skeleton):
+            raise NoModel  # arrays without a model to run, or without its code
         if called is None or classes is None:
-            return forward(model, args, kw, channel_first)
-        out, seen = called(lambda: forward(model, args, kw, channel_first))
+            return infer(model, args, kw)
+        out, seen = called(lambda: infer(model, args, kw))
         classes.update(seen)
         return out
 
-    called = adapter_of_tree(tree).called
+    called = (adapter or adapter_of_tree(tree)).called
 
     closed = jax.make_jaxpr(run)(structs, [examples[i] for i in arrays])
     jaxpr = closed.jaxpr
@@ -571,6 +574,11 @@ def layer_position(
     return first + (index,)
 
 
+class NoModel(Exception):
+    """A whole-model Tree whose native form has no forward pass to run: variables
+    without their module, a checkpoint read without its model's code."""
+
+
 class Trace:
     """One side's forward pass on the example inputs, traced when pairing first
     needs it (`first_uses`); a pass that fails is a problem. Called, it gives the
@@ -584,6 +592,7 @@ class Trace:
         side: int,
         problems: list[str],
         recorded: Mapping[Path, Position] | None = None,
+        adapter: Any = None,
     ):
         self.tree, self.example, self.side, self.problems = (
             tree,
@@ -591,6 +600,9 @@ class Trace:
             side,
             problems,
         )
+        self.adapter = registered(framework(tree)) if adapter is None else adapter
+        """The adapter that runs the model; None for a part of a model, which has
+        no forward pass of its own."""
         self.recorded = recorded
         """The order of use a file records (`bridge.save(..., example=...)`): its
         model's forward pass, which the file cannot run."""
@@ -702,18 +714,12 @@ class Trace:
     def _once(self) -> Mapping[Path, Position] | None:
         if self.recorded:
             return self.recorded
-        try:
-            adapter = adapter_of_tree(self.tree)
-            native = None if adapter.trace is not None else to_native(self.tree)
-        except (TypeError, ValueError):  # a part of a model: nothing to run
+        adapter = self.adapter
+        if adapter is None:  # a part of a model: nothing to run
             self.why = "a part of a model has no forward pass of its own"
             return None
         if adapter.trace is not None:  # a framework JAX does not trace (PyTorch)
             return self._by(adapter.trace)
-        if isinstance(native, Mapping):  # arrays without a model to run (Linen
-            return None  # variables alone, a state dict): the order known decides
-        if isinstance(model_of(native), Skeleton):  # a checkpoint read without its
-            return None  # model's code: its recorded names and order decide
         later: dict[Path, tuple[Position, Contraction]] = {}
 
         def run(kwargs: Mapping[str, Any]) -> dict[Path, Position]:
@@ -731,9 +737,13 @@ class Trace:
                 self.added,
                 self.placed,
                 self.turned,
+                adapter,
             )
 
-        found = self._run(run)
+        try:
+            found = self._run(run)
+        except NoModel:  # arrays without a model to run (Linen variables alone, a
+            return None  # file read without its model's code): the order known
         if found is None:
             return None
         for table, (position, read) in later.items():
@@ -782,7 +792,7 @@ class Trace:
         kwargs = self.example.kwargs[self.side]
         try:
             return run(kwargs)
-        except Untraced:
+        except (Untraced, NoModel):
             raise
         except Exception as error:  # the model's own error on these inputs
             if self.example.paired or not kwargs:
