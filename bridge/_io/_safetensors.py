@@ -27,6 +27,7 @@ import numpy as np
 
 from .._lazy import LazyArray
 from .._progress import advance
+from .._shown import shown
 from ._atomic import atomic_file
 from ._contents import Contents, Malformed, decode, encode
 from ._errors import unreadable
@@ -65,7 +66,7 @@ _PACKED = {"F4": 2}  # elements per byte, for the dtypes stored packed
 _HEADER_LIMIT = 100_000_000  # bytes, as safetensors' own reader
 
 _UNKNOWN_DTYPE = """\
-tensor {name!r} has dtype code {code!r}, which is not a safetensors dtype (known: \
+tensor {name!r} has dtype code {code}, which is not a safetensors dtype (known: \
 {known})"""
 
 _ODD_F4 = """\
@@ -210,9 +211,11 @@ def _entries(header: Any, data_size: int) -> dict[str, Entry]:
         if not (isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)):
             raise Malformed(f"tensor {name!r} lacks dtype, shape or data_offsets")
         code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
-        if code not in DTYPES:
+        if not isinstance(code, str) or code not in DTYPES:  # a list: unhashable
             raise Malformed(
-                _UNKNOWN_DTYPE.format(name=name, code=code, known=", ".join(DTYPES))
+                _UNKNOWN_DTYPE.format(
+                    name=name, code=shown(code), known=", ".join(DTYPES)
+                )
             )
         if not _naturals(shape):
             raise Malformed(f"tensor {name!r} has shape {str(shape)[:100]}")

@@ -284,6 +284,9 @@ def cases() -> list[Case]:
         # entries: dtypes, shapes, offsets
         Case("entry", "unknown dtype code", _entry(lambda e: {**e, "dtype": "F99"})),
         Case("entry", "dtype is a number", _entry(lambda e: {**e, "dtype": 7})),
+        # found by scripts/fuzz_files.py: a raw TypeError (unhashable)
+        Case("entry", "dtype is a list", _entry(lambda e: {**e, "dtype": []})),
+        Case("entry", "dtype is a map", _entry(lambda e: {**e, "dtype": {"a": 1}})),
         Case("entry", "dtype lowercase", _entry(lambda e: {**e, "dtype": "float32"})),
         Case("entry", "negative shape", _entry(lambda e: {**e, "shape": [-2, -3]})),
         Case("entry", "float shape", _entry(lambda e: {**e, "shape": [2.0, 3]})),
