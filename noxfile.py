@@ -330,6 +330,33 @@ def tests_public(session: nox.Session) -> None:
     session.run("pytest", "-q", *PUBLIC_TESTS, *session.posargs)
 
 
+# Public code bases with a JAX model and a PyTorch twin (issue #54;
+# tests/public/code_bases.py), at the versions measured; with their dependencies,
+# torch pinned first so that none of them brings another
+PUBLIC_CODE = [
+    "recurrentgemma==1.0.1",
+    "esm2quinox==0.2.0",
+    "flaxmodels==0.1.3",
+    "mamba2-jax==1.1.2",
+    "equimo==1.1.0",
+    "diffusers==0.39.0",  # the last release with Flax models
+    "transformers>=5",
+]
+PUBLIC_CODE_TESTS = ["tests/test_public_code_bases.py"]
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+def tests_public_code(session: nox.Session) -> None:
+    """Public code bases bridge was never tuned on (recurrentgemma, esm2quinox,
+    flaxmodels, mamba2-jax, equimo, diffusers' Flax models), each against its
+    PyTorch twin on every route, the slow cases too. torch with pip, as in
+    `tests_torch`."""
+    session.run("python", "-m", "pip", "install", "--quiet", "torch==2.13.0")
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test]")
+    session.run("python", "-m", "pip", "install", "--quiet", *PUBLIC_CODE)
+    session.run("pytest", "-q", *PUBLIC_CODE_TESTS, *session.posargs, env=DEFAULT_XLA)
+
+
 # What the docs' code imports beyond bridge's dependencies: `tests_slow` runs every
 # ```python block of the pages (tests/test_docs.py); the quantized guide reads a GGUF
 # file with gguf

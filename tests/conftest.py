@@ -92,15 +92,16 @@ _TORCH_SESSION_ONLY = re.compile(
 
 
 def _torch_session_files() -> set[str]:
-    """The test files `nox -s tests_torch` and `nox -s tests_public` run
-    (TORCH_TESTS and PUBLIC_TESTS in noxfile.py)."""
+    """The test files `nox -s tests_torch`, `nox -s tests_public` and `nox -s
+    tests_public_code` run (TORCH_TESTS, PUBLIC_TESTS and PUBLIC_CODE_TESTS in
+    noxfile.py)."""
     noxfile = ast.parse((Path(__file__).parents[1] / "noxfile.py").read_text())
     return {
         file
         for node in noxfile.body
         if isinstance(node, ast.Assign)
         and [t.id for t in node.targets if isinstance(t, ast.Name)]
-        in (["TORCH_TESTS"], ["PUBLIC_TESTS"])
+        in (["TORCH_TESTS"], ["PUBLIC_TESTS"], ["PUBLIC_CODE_TESTS"])
         for file in ast.literal_eval(node.value)
     }
 

@@ -109,16 +109,7 @@ def _case(name):
 @pytest.mark.parametrize(("name", "route"), list(_cases()))
 def test_port(name, route):
     outcome = bonsai_models.run_route(_case(name), route)
-    expected = REFUSED.get((name, route))
-    if expected is not None:
-        assert outcome.outcome == "refused", outcome
-        assert any(expected in p for p in outcome.problems), outcome.problems
-        return
-    if outcome.outcome == "wrong":
-        raise SilentlyWrong(f"{name} {route}: {outcome}")
-    if outcome.outcome != "exact":
-        raise NotYet(f"{name} {route}: {outcome}")
-    assert outcome.outcome == "exact", outcome  # within the case's tolerance
+    hf_flax.judge(outcome, f"{name} {route}", REFUSED.get((name, route)))
 
 
 def _dinov3_by_hand(model):

@@ -37,8 +37,10 @@ from .hf_flax import (
     Outcome,
     _quiet,
     _refusal,
+    command_line,
     first_line,
     perturb_torch,
+    perturbed,
     problems,
 )
 
@@ -855,15 +857,7 @@ def perturb_nnx(model, seed: int):
     from flax import nnx
 
     state = nnx.state(model, nnx.Any(nnx.Param, nnx.BatchStat))
-    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
-    keys = jax.random.split(jax.random.key(seed), len(paths))
-    leaves = []
-    for (path, x), k in zip(paths, keys):
-        noise = 0.1 * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
-        if jax.tree_util.keystr(path).endswith("var']"):
-            noise = jnp.abs(noise)
-        leaves.append(x + noise if jnp.issubdtype(x.dtype, jnp.floating) else x)
-    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    nnx.update(model, perturbed(state, seed))
     return model
 
 
@@ -961,21 +955,4 @@ def main(names=None) -> dict:
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
-    args = sys.argv[1:]
-    out = None
-    if args and args[0].startswith("--json="):
-        out, args = args[0][len("--json=") :], args[1:]
-    found = main(args or None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(
-                {
-                    a: {r: dataclasses.asdict(o) for r, o in row.items()}
-                    for a, row in found.items()
-                },
-                f,
-                indent=1,
-            )
+    command_line(main)

@@ -385,6 +385,24 @@ def perturb_torch(model, seed: int):
     return model.eval()
 
 
+def perturbed(tree, seed: int):
+    """`tree` (JAX arrays, any pytree) with noise 0.1 added to every floating-point
+    leaf, drawn in float32; a BatchNorm variance (a path ending in `var`) only
+    upwards. Integer leaves as they are."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    keys = jax.random.split(jax.random.key(seed), max(len(paths), 1))
+    leaves = []
+    for (path, x), k in zip(paths, keys):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            leaves.append(x)
+            continue
+        noise = 0.1 * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+        if jax.tree_util.keystr(path).endswith("var']"):
+            noise = jnp.abs(noise)
+        leaves.append(x + noise)
+    return jax.tree.unflatten(treedef, leaves)
+
+
 # --- building -------------------------------------------------------------------
 
 
@@ -417,16 +435,7 @@ class Built:
 
     def flax_params(self, seed: int):
         """The wrapper's params, each perturbed (BatchNorm variances upwards)."""
-        paths, treedef = jax.tree_util.tree_flatten_with_path(self.flax_model.params)
-        keys = jax.random.split(jax.random.key(seed), len(paths))
-        leaves = []
-        for (path, x), k in zip(paths, keys):
-            noise = 0.1 * jax.random.normal(k, x.shape, x.dtype)
-            if jax.tree_util.keystr(path).endswith("['var']"):
-                noise = jnp.abs(noise)
-            floating = jnp.issubdtype(x.dtype, jnp.floating)
-            leaves.append(x + noise if floating else x)
-        return jax.tree.unflatten(treedef, leaves)
+        return perturbed(self.flax_model.params, seed)
 
     def run_torch(self, model) -> dict[str, np.ndarray]:
         import torch
@@ -672,13 +681,18 @@ def _flax_to_folder(built: Built, strict: bool = True):
             )
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise _Incomplete(f"from_pretrained: {info}")
-    written = [  # the names save wrote from `like` (its log line, INFO)
+    return built.run_torch(loaded.eval()), want, _written_from_like(records)
+
+
+def _written_from_like(records) -> list[str]:
+    """The names a non-strict `bridge.save` wrote from `like` (its log line, INFO),
+    from the records `_logged` kept."""
+    return [
         name
         for r in records
         if r.getMessage().startswith("Written from the reference")
         for name in r.args[0]  # pyright: ignore[reportOptionalSubscript]
     ]
-    return built.run_torch(loaded.eval()), want, written
 
 
 @contextlib.contextmanager
@@ -850,7 +864,10 @@ def main(names: list[str] | None = None) -> dict:
     return results
 
 
-if __name__ == "__main__":
+def command_line(main: Callable[[list[str] | None], dict]) -> None:
+    """A harness's command line, `python -m tests.public.<harness> [--json=PATH]
+    [names]`: `main(names)` prints its table, and with `--json=` its outcomes
+    are written to PATH."""
     import json
     import sys
 
@@ -869,3 +886,22 @@ if __name__ == "__main__":
                 f,
                 indent=1,
             )
+
+
+def judge(outcome: Outcome, label: str, refusal: str | None = None) -> None:
+    """A test's verdict on one route: with `refusal` (a fragment of the problem the
+    two models cannot settle) it must be refused naming it; otherwise exact, a
+    `SilentlyWrong` when the outputs differ with no error, a `NotYet` when it was
+    refused or crashed (what an `xfail` of the case expects)."""
+    if refusal is not None:
+        assert outcome.outcome == "refused", outcome
+        assert any(refusal in p for p in outcome.problems), outcome.problems
+        return
+    if outcome.outcome == "wrong":
+        raise SilentlyWrong(f"{label}: {outcome}")
+    if outcome.outcome != "exact":
+        raise NotYet(f"{label}: {outcome}")
+
+
+if __name__ == "__main__":
+    command_line(main)
