@@ -64,9 +64,7 @@ def main() -> None:
     out = sys.stdout
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "hf"
-        bridge.save(
-            folder, MLP(rows, nnx.Rngs(0)), layout="torch", max_shard_size="50MB"
-        )
+        bridge.save_pretrained(folder, MLP(rows, nnx.Rngs(0)), max_shard_size="50MB")
         shards = len(list(folder.glob("*.safetensors")))
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         abstract = nnx.eval_shape(lambda: MLP(rows, nnx.Rngs(0)))

@@ -30,8 +30,18 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
     from ._embed._as_equinox import as_equinox as as_equinox
     from ._embed._as_linen import as_linen as as_linen
     from ._embed._as_nnx import as_nnx as as_nnx
-    from ._io._checkpoint import load as load, save as save
-    from ._io._errors import CheckpointError as CheckpointError
+    from ._io._checkpoint import (
+        load as load,
+        save as save,
+        save_pretrained as save_pretrained,
+        save_quantized as save_quantized,
+        save_state_dict as save_state_dict,
+        save_training as save_training,
+    )
+    from ._io._errors import (
+        BridgeDeprecationWarning as BridgeDeprecationWarning,
+        CheckpointError as CheckpointError,
+    )
     from ._lora._inject import lora as lora
     from ._lora._merge import merge_lora as merge_lora
     from ._lora._nnx import from_nnx_lora as from_nnx_lora, to_nnx_lora as to_nnx_lora
@@ -79,6 +89,11 @@ _PUBLIC = {
     "as_nnx": "._embed._as_nnx",
     "load": "._io._checkpoint",
     "save": "._io._checkpoint",
+    "save_pretrained": "._io._checkpoint",
+    "save_quantized": "._io._checkpoint",
+    "save_state_dict": "._io._checkpoint",
+    "save_training": "._io._checkpoint",
+    "BridgeDeprecationWarning": "._io._errors",
     "CheckpointError": "._io._errors",
     "lora": "._lora._inject",
     "merge_lora": "._lora._merge",

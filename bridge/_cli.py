@@ -320,7 +320,7 @@ def _clipped(value: str) -> str:
 
 _TABLE_FIX = (
     "a converted file cannot take it from --like: save the model with "
-    "bridge.save(path, model, layout='torch', like=REFERENCE, strict=False)"
+    "bridge.save_pretrained(folder, model, like=REFERENCE, strict=False)"
 )
 _EXISTS = (
     "{dst} exists: pass --overwrite to replace it (nothing was written; the "
@@ -336,7 +336,7 @@ _MSGPACK_LOSES = (
     "PyTorch layout of the arrays would be lost: the file would load into no model "
     "and convert to no layout (nothing was written). Add --to-layout flax to store "
     "Flax's names and shapes, or write {stem}.safetensors or an orbax directory, "
-    "which keep the layout (as bridge.save refuses layout='torch' in a msgpack file)"
+    "which keep the layout (as bridge.save_state_dict refuses a msgpack file)"
 )
 _ORDER_LOST = (
     "note: {dst}: a {format} file holds no metadata, so the order in which the "

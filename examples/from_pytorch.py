@@ -167,7 +167,7 @@ def main() -> None:
         assert diff < 1e-5
 
         # back to PyTorch layout: the names and arrays the checkpoint had
-        bridge.save(folder / "model.safetensors", twin, layout="torch")
+        bridge.save_state_dict(folder / "model.safetensors", twin)
         back = safetensors.numpy.load_file(folder / "model.safetensors")
         assert back.keys() == state.keys()
         assert all(np.array_equal(back[k], state[k]) for k in state)

@@ -8,8 +8,8 @@
 3. `bridge.save_peft` writes `adapter_model.safetensors` + `adapter_config.json`;
    `transformers` + `peft` load them onto the PyTorch model: the same logits.
 4. The same adapter goes into a Llama written in Equinox: the same logits again.
-5. `bridge.merge_lora` folds the adapters into the weights; `bridge.save(...,
-   layout="torch")` writes a `model.safetensors` that `from_pretrained` loads.
+5. `bridge.merge_lora` folds the adapters into the weights;
+   `bridge.save_state_dict` writes a `model.safetensors` that `from_pretrained` loads.
 
 Steps 1, 3 and 5 need `torch`, `transformers` and `peft`; without them the example
 makes the base model in JAX and runs steps 2 and 4 only.
@@ -270,7 +270,7 @@ def main():
 
         out = work / "merged"
         shutil.copytree(work / "llama", out)
-        bridge.save(out / "model.safetensors", merged, layout="torch", prefix="")
+        bridge.save_state_dict(out / "model.safetensors", merged, prefix="")
         hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
         with torch.no_grad():
             merged_logits = hf(torch.tensor(np.asarray(ids))).logits.numpy()

@@ -4,7 +4,7 @@
    PEFT adapter on its `q_proj`/`v_proj`, trained 5 Adam steps in PyTorch.
 2. `bridge.load(folder / "model.safetensors")` reads the folder in PyTorch layout;
    `bridge.load_peft` puts the adapter on it and `bridge.merge_lora` folds it in:
-   the merged checkpoint made without PyTorch, `bridge.save(..., layout="torch")`,
+   the merged checkpoint made without PyTorch, `bridge.save_state_dict`,
    loads with `from_pretrained` and gives `merge_and_unload`'s logits.
 3. `bridge.lora` on the same Tree: adapters in PEFT's orientation (`lora_a (r, in)`,
    `lora_b (out, r)`); `bridge.to_torch` gives the state dict of PEFT's LoRA model
@@ -71,7 +71,7 @@ def main() -> None:
     tree = bridge.load(work / "base" / "model.safetensors")  # PyTorch layout
     merged = bridge.merge_lora(bridge.load_peft(work / "adapter", tree))
     shutil.copytree(work / "base", work / "merged")
-    bridge.save(work / "merged" / "model.safetensors", merged, layout="torch")
+    bridge.save_state_dict(work / "merged" / "model.safetensors", merged)
     loaded = transformers.LlamaForCausalLM.from_pretrained(work / "merged").eval()
     want = logits(copy.deepcopy(tuned).merge_and_unload())
     gap = np.abs(logits(loaded) - want).max()

@@ -81,9 +81,7 @@ def forward(model, x, call):
 def main() -> None:
     original = nnx_model(jnp.float32, nnx.Rngs(0))
     folder = Path(tempfile.mkdtemp())
-    bridge.save(
-        folder / "model.safetensors", original, layout="torch", quantize="fp8-block"
-    )
+    bridge.save_quantized(folder / "model.safetensors", original, "fp8-block")
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     print("written:", config)
 
@@ -108,7 +106,7 @@ def main() -> None:
     # a float32 model read from FP8 is written back with the same FP8 values and
     # scales, so it reads back exactly
     again = Path(tempfile.mkdtemp())
-    bridge.save(again / "model.safetensors", f32, layout="torch", quantize="fp8-block")
+    bridge.save_quantized(again / "model.safetensors", f32, "fp8-block")
     back = bridge.load(again, like=eqx.filter_eval_shape(eqx_model), dtype=jnp.float32)
     same = jax.tree_util.tree_all(
         jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), back, f32)

@@ -56,12 +56,7 @@ def train(model, x, y, steps=5):
 
 def main():
     folder = Path(tempfile.mkdtemp())
-    bridge.save(
-        folder / "model.safetensors",
-        model(nnx.Rngs(0)),
-        layout="torch",
-        quantize="fp8-block",
-    )
+    bridge.save_quantized(folder / "model.safetensors", model(nnx.Rngs(0)), "fp8-block")
     target = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     kept = bridge.load(folder, like=target, keep_quantized=True)
     dense = bridge.load(folder, like=target)

@@ -60,7 +60,7 @@ def main(k=20, n=20):
     for i in range(k):
         params, opt_state, _ = linen_step(params, opt_state, *batch(i))
     path = Path(tempfile.mkdtemp()) / "run.safetensors"
-    bridge.save(path, {"params": params}, opt_state=opt_state, step=k)
+    bridge.save_training(path, {"params": params}, opt_state, step=k)
 
     # the Linen run goes on: the reference
     reference = params, opt_state

@@ -222,9 +222,7 @@ def scenarios(folder: Path) -> dict[str, tuple[Callable[[], Any], Any]]:
     plain, fp8 = folder / "nnx.safetensors", folder / "fp8"
     fp8.mkdir()
     bridge.save(plain, nnx_model())
-    bridge.save(
-        fp8 / "model.safetensors", nnx_model(), layout="torch", quantize="fp8-block"
-    )
+    bridge.save_quantized(fp8 / "model.safetensors", nnx_model(), "fp8-block")
     abstract = nnx.eval_shape(lambda: nnx_model(1))
     equinox, source, target = eqx_model(), nnx_model(), eqx_model()
     f32 = jnp.float32

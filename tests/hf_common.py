@@ -170,5 +170,5 @@ def export(folder, model, hf, **save_options):
     back by `from_pretrained` of `hf`'s class."""
     folder.mkdir()
     hf.config.save_pretrained(folder)
-    bridge.save(folder / "model.safetensors", model, layout="torch", **save_options)
+    bridge.save_state_dict(folder / "model.safetensors", model, **save_options)
     return type(hf).from_pretrained(folder).eval()

@@ -40,12 +40,12 @@ def main(port, process_id, directory):
     host = "node-0-with-a-long-name" if process_id == 0 else "n1"
     result = {}
     try:
-        bridge.save(out, tree, layout="torch", metadata={"host": host})
+        bridge.save_pretrained(out, tree, metadata={"host": host})
         result["different"] = "saved"
     except ValueError as e:
         result["different"] = str(e)
     result["after_refusal"] = sorted(os.listdir(directory))
-    bridge.save(out, tree, layout="torch", metadata={"host": "same"})
+    bridge.save_pretrained(out, tree, metadata={"host": "same"})
     if process_id == 0:
         back = np.asarray(bridge.load(out).Dense_0.weight)
         result["same"] = bool((back == rows.T).all())

@@ -115,7 +115,7 @@ def test_a_torch_layout_file_records_no_order(tmp_path):
     from safetensors import safe_open
 
     path = tmp_path / "t.safetensors"
-    bridge.save(path, _mine(), layout="torch", example=(X,))
+    bridge.save_state_dict(path, _mine(), example=(X,))
     with safe_open(path, "np") as f:
         assert f.metadata() == {"format": "pt"}
 

@@ -191,7 +191,7 @@ def test_disk_full_keeps_the_old_checkpoint(small_disk, name, capsys):
 
 def test_disk_full_keeps_the_old_hugging_face_folder(small_disk, capsys):
     path = small_disk / "hf"
-    bridge.save(path, params(1.0), layout="torch")
+    bridge.save_pretrained(path, params(1.0))
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     source = _big(small_disk.parent)
     command = [
@@ -314,16 +314,17 @@ def test_a_read_only_file_is_refused_up_front_and_left_as_it_was(
     as they were; made writable, it is replaced. Was: replaced silently (a rename
     needs only the directory's permission), its mode kept at 444."""
     path = tmp_path / name
-    bridge.save(path, params(1.0), layout=layout)
+    save = bridge.save_state_dict if layout else bridge.save
+    save(path, params(1.0))
     os.chmod(path, 0o444)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(
         PermissionError,
         match=rf"read-only file \(mode 444\).*chmod u\+w.*'{path}'",
     ):
-        bridge.save(path, params(2.0), layout=layout)
+        save(path, params(2.0))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     os.chmod(path, 0o644)
-    bridge.save(path, params(2.0), layout=layout)
+    save(path, params(2.0))
     tree = bridge.load(path)
     assert tree.Dense_0["weight" if layout else "kernel"][0, 0] == 2.0

@@ -369,7 +369,7 @@ def test_msgpack_of_the_torch_layout_is_refused(tmp_path, capsys):
     """A msgpack file holds Flax variables and keeps no metadata: a PyTorch-layout
     checkpoint written to one read back as variables of unknown layout, which
     `bridge.load(like=...)` paired with no layer and no --to-layout converted.
-    Refused, nothing written (as `bridge.save(..., layout="torch")` refuses it);
+    Refused, nothing written (as `bridge.save_state_dict` refuses it);
     with --to-layout flax it is written and loads as its source does."""
     src = tmp_path / "src.safetensors"
     _torch_file(src)

@@ -310,7 +310,9 @@ def test_strings_from_files_are_escaped(tmp_path):
 def test_training_record_strings_are_escaped(tmp_path):
     model = models.nnx_mlp()
     path = tmp_path / "train.safetensors"
-    bridge.save(path, model, step=3, extra={"bad\x1b[2Jname": np.ones(2, "f4")})
+    bridge.save_training(
+        path, model, None, step=3, extra={"bad\x1b[2Jname": np.ones(2, "f4")}
+    )
     done = run("inspect", path)
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout and "\\x1b[2Jname" in done.stdout

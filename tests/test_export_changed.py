@@ -82,7 +82,7 @@ def _torch(out, cls=None):
 def test_own_names_beside_a_config_alone_are_refused(tmp_path, folders, model):
     out = tmp_path / "out"
     with pytest.raises(ValueError) as refused:
-        bridge.save(out, model.body, layout="torch", config=folders / "bert")
+        bridge.save_pretrained(out, model.body, config=folders / "bert")
     text = str(refused.value)
     assert "none of the 39 name(s) the export would write is\none of the" in text
     assert "BertModel, the model its config.json names" in text
@@ -96,14 +96,15 @@ def test_a_config_object_or_dict_is_checked_alike(tmp_path, folders, model):
     config = transformers.AutoConfig.from_pretrained(folders / "bert")
     for given in (config, config.to_dict()):
         with pytest.raises(ValueError, match="BertModel, the model its config.json"):
-            bridge.save(tmp_path / "out", model.body, layout="torch", config=given)
+            bridge.save_pretrained(tmp_path / "out", model.body, config=given)
     assert not (tmp_path / "out").exists()
 
 
 def test_the_fix_the_refusal_names_opens_with_from_pretrained(tmp_path, folders, model):
     out = tmp_path / "out"
-    bridge.save(out, model.body, layout="torch", config=folders / "bert",
-                like=folders / "bert", example=(IDS,))  # fmt: skip
+    bridge.save_pretrained(
+        out, model.body, config=folders / "bert", like=folders / "bert", example=(IDS,)
+    )
     hf = _torch(out)
     hidden, pooled = _hidden(model)
     np.testing.assert_allclose(hf.last_hidden_state, hidden, rtol=1e-4, atol=1e-5)
@@ -114,15 +115,16 @@ def test_hugging_face_names_beside_their_config_pass_the_check(tmp_path, folders
     """A model with BERT's own names (a `BertModel` itself) is written as before."""
     hf = transformers.AutoModel.from_pretrained(folders / "bert")
     out = tmp_path / "out"
-    bridge.save(out, bridge.from_torch(hf), layout="torch", config=folders / "bert")
+    bridge.save_pretrained(out, bridge.from_torch(hf), config=folders / "bert")
     assert _torch(out).last_hidden_state.shape == (2, 7, D)
 
 
 def test_a_new_head_is_refused_strictly_naming_both_fixes(tmp_path, folders, model):
     out = tmp_path / "out"
     with pytest.raises(bridge.PortError) as refused:
-        bridge.save(out, model, layout="torch", config=folders / "bert",
-                    like=folders / "bert", example=(IDS,))  # fmt: skip
+        bridge.save_pretrained(
+            out, model, config=folders / "bert", like=folders / "bert", example=(IDS,)
+        )
     assert refused.value.problems == [
         "unexpected: .classifier of the model pairs with no layer of `like`; give "
         "the model `like`'s layers, or give `like` the model's, or leave it out: "
@@ -139,8 +141,14 @@ def test_the_body_without_the_new_head_opens_with_automodel(
 ):
     out = tmp_path / "out"
     with caplog.at_level(logging.INFO, logger="bridge"):
-        bridge.save(out, model, layout="torch", config=folders / "bert",
-                    like=folders / "bert", example=(IDS,), **leave_out)  # fmt: skip
+        bridge.save_pretrained(
+            out,
+            model,
+            config=folders / "bert",
+            like=folders / "bert",
+            example=(IDS,),
+            **leave_out,
+        )
     told = caplog.text
     if "strict" in leave_out:
         assert "pair with no layer of `like`: ['.classifier']" in told
@@ -156,8 +164,9 @@ def test_the_body_and_its_head_open_as_sequence_classification(
     tmp_path, folders, model
 ):
     out = tmp_path / "out"
-    bridge.save(out, model, layout="torch", config=folders / "cls",
-                like=folders / "cls", example=(IDS,))  # fmt: skip
+    bridge.save_pretrained(
+        out, model, config=folders / "cls", like=folders / "cls", example=(IDS,)
+    )
     hf = _torch(out, transformers.BertForSequenceClassification)
     np.testing.assert_allclose(hf.logits, model(IDS), rtol=1e-4, atol=1e-5)
 
@@ -171,9 +180,9 @@ def test_names_that_fit_but_for_a_head_are_written_with_strict_false(
     tree = bridge.from_torch({**hf.state_dict(), "classifier.weight": torch.ones(3, D)})
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"unexpected: classifier.weight \(3, 32\)"):
-        bridge.save(out, tree, layout="torch", config=folders / "bert")
+        bridge.save_pretrained(out, tree, config=folders / "bert")
     with caplog.at_level(logging.WARNING, logger="bridge"):
-        bridge.save(out, tree, layout="torch", config=folders / "bert", strict=False)
+        bridge.save_pretrained(out, tree, config=folders / "bert", strict=False)
     assert "1 array(s) of the model that BertModel" in caplog.text
     assert "classifier.weight (3, 32)" in caplog.text
     assert _torch(out).last_hidden_state.shape == (2, 7, D)

@@ -1,11 +1,11 @@
 """A JAX rewrite of a Hugging Face model, with names and an attribute order of its
-own, exported for the PyTorch model it rewrites (issue 37): `bridge.save(path,
-model, layout="torch", like=torch_model, example=(ids,))` pairs the rewrite's layers
-with the torch model's by both forward passes (as `bridge.port` does), never by how
-alike the names look, and writes the torch model's names. The oracle: the torch
-model's own forward pass after `load_state_dict(strict=True)` or `from_pretrained`.
-Without `example`, names that differ where shapes could pair them are refused,
-saying so."""
+own, exported for the PyTorch model it rewrites (issue 37):
+`bridge.save_state_dict(path, model, like=torch_model, example=(ids,))` pairs the
+rewrite's layers with the torch model's by both forward passes (as `bridge.port`
+does), never by how alike the names look, and writes the torch model's names. The
+oracle: the torch model's own forward pass after `load_state_dict(strict=True)` or
+`from_pretrained`. Without `example`, names that differ where shapes could pair them
+are refused, saying so."""
 
 import re
 from pathlib import Path
@@ -157,7 +157,7 @@ def test_a_rewrite_saved_like_its_torch_model_loads_strictly(tmp_path, rewrite):
     model, _ = rewrite
     ids = tokens()
     path = tmp_path / "model.safetensors"
-    bridge.save(path, model, layout="torch", like=_other_llama(), example=(ids,))
+    bridge.save_state_dict(path, model, like=_other_llama(), example=(ids,))
     state = safetensors.numpy.load_file(str(path))
     np.testing.assert_array_equal(
         state["model.layers.0.mlp.gate_proj.weight"], _up(model)
@@ -177,8 +177,7 @@ def test_a_rewrite_saved_as_a_folder_for_a_meta_model_opens_with_from_pretrained
     with torch.device("meta"):
         like = transformers.LlamaForCausalLM(llama_config())
     out = tmp_path / "out"
-    bridge.save(out, model, layout="torch", like=like, example=(ids,),
-                config=llama_config())  # fmt: skip
+    bridge.save_pretrained(out, model, like=like, example=(ids,), config=llama_config())
     hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     np.testing.assert_allclose(_logits(hf, ids), _run(model, ids), rtol=1e-5, atol=1e-6)
 
@@ -190,8 +189,7 @@ def test_a_rewrite_saved_like_a_hugging_face_folder(tmp_path, rewrite):
     ids = tokens()
     _other_llama().save_pretrained(tmp_path / "reference")
     path = tmp_path / "model.safetensors"
-    bridge.save(path, model, layout="torch", like=tmp_path / "reference",
-                example=(ids,))  # fmt: skip
+    bridge.save_state_dict(path, model, like=tmp_path / "reference", example=(ids,))
     hf = _other_llama(seed=6)
     state = safetensors.numpy.load_file(str(path))
     hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
@@ -205,15 +203,14 @@ def test_without_example_the_refusal_says_to_pass_it(tmp_path, rewrite):
     model, hf = rewrite
     path = tmp_path / "model.safetensors"
     with pytest.raises(ValueError) as refused:
-        bridge.save(path, model, layout="torch", like=hf)
+        bridge.save_state_dict(path, model, like=hf)
     text = str(refused.value)
     assert "none of the 21 name(s) the export would write is\none of" in text
     assert "The export's are head.weight, blocks.0.ffn.down.weight" in text
     assert "the reference's model.embed_tokens.weight" in text
     assert "Pass example= inputs" in text
     with pytest.raises(ValueError, match="has no forward pass to pair the layers by"):
-        bridge.save(path, model, layout="torch", like=hf.state_dict(),
-                    example=(tokens(),))  # fmt: skip
+        bridge.save_state_dict(path, model, like=hf.state_dict(), example=(tokens(),))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -230,7 +227,7 @@ def test_a_tied_head_is_written_once_as_save_pretrained_writes_it(tmp_path):
     with torch.device("meta"):
         like = transformers.LlamaForCausalLM(config)
     out = tmp_path / "out"
-    bridge.save(out, model, layout="torch", like=like, example=(ids,), config=config)
+    bridge.save_pretrained(out, model, like=like, example=(ids,), config=config)
     written = safetensors.numpy.load_file(str(out / "model.safetensors"))
     assert "lm_head.weight" not in written and "model.embed_tokens.weight" in written
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
@@ -245,7 +242,7 @@ def test_the_model_s_dtypes_are_written(tmp_path, rewrite):
     model, hf = rewrite
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), bridge.to_neutral(model))
     path = tmp_path / "model.safetensors"
-    bridge.save(path, half, layout="torch", like=hf, example=(tokens(),))
+    bridge.save_state_dict(path, half, like=hf, example=(tokens(),))
     written = safetensors.numpy.load_file(str(path))
     assert {str(v.dtype) for v in written.values()} == {"bfloat16"}
     np.testing.assert_array_equal(
@@ -261,14 +258,15 @@ def test_rules_pair_first_and_a_prefix_is_refused(tmp_path, rewrite):
     ids = tokens()
     path = tmp_path / "model.safetensors"
     rules = {r"model\.layers\.(\d+)\.mlp\.gate_proj": r".blocks[\1].ffn.up"}
-    bridge.save(path, model, layout="torch", like=hf, example=(ids,), rules=rules)
+    bridge.save_state_dict(path, model, like=hf, example=(ids,), rules=rules)
     state = safetensors.numpy.load_file(str(path))
     hf = _other_llama(seed=6)
     hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
     np.testing.assert_allclose(_logits(hf, ids), _run(model, ids), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"`prefix` \('model\.'\) with `like` and"):
-        bridge.save(tmp_path / "p.safetensors", model, layout="torch", like=hf,
-                    example=(ids,), prefix="model.")  # fmt: skip
+        bridge.save_state_dict(
+            tmp_path / "p.safetensors", model, like=hf, example=(ids,), prefix="model."
+        )
     assert not (tmp_path / "p.safetensors").exists()
 
 
@@ -279,10 +277,9 @@ def test_strict_false_still_writes_the_reference_s_stored_table(tmp_path):
     path = tmp_path / "model.safetensors"
     like = _torch_model(TABLE)
     with pytest.raises(ValueError, match=r"computed by the model: embed_positions"):
-        bridge.save(path, _computed(), layout="torch", like=like, example=(X,))
+        bridge.save_state_dict(path, _computed(), like=like, example=(X,))
     assert not path.exists()
-    bridge.save(path, _computed(), layout="torch", like=like, example=(X,),
-                strict=False)  # fmt: skip
+    bridge.save_state_dict(path, _computed(), like=like, example=(X,), strict=False)
     restored = _torch_model(np.zeros_like(TABLE))
     written = safetensors.numpy.load_file(str(path))
     restored.load_state_dict({k: torch.tensor(v) for k, v in written.items()})
@@ -325,7 +322,7 @@ def test_a_conv_net_with_batch_norm_takes_its_layouts_and_a_fresh_counter(tmp_pa
     x = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
     path = tmp_path / "model.safetensors"
     with pytest.warns(bridge.PortWarning, match=r"momentum is 0\.99 in the source"):
-        bridge.save(path, model, layout="torch", like=_ConvNet(), example=(x,))
+        bridge.save_state_dict(path, model, like=_ConvNet(), example=(x,))
     written = safetensors.numpy.load_file(str(path))
     assert written["bn.num_batches_tracked"] == 0
     back = _ConvNet().eval()
@@ -357,14 +354,14 @@ def test_identical_names_that_the_computation_contradicts_are_refused(tmp_path):
     model, target = _SameNamesSwapped(nnx.Rngs(0)), TorchGated().eval()
     path = tmp_path / "model.safetensors"
     with pytest.raises(bridge.PortError, match="side by side") as refused:
-        bridge.save(path, model, layout="torch", like=target, example=(X_MLP,))
+        bridge.save_state_dict(path, model, like=target, example=(X_MLP,))
     assert not path.exists()
     message = str(refused.value)
     assert ".up_proj -> .gate_proj" in message and ".gate_proj -> .up_proj" in message
     with pytest.raises(bridge.PortError, match="side by side"):  # and into JAX
         bridge.port(target, _SameNamesSwapped(nnx.Rngs(1)), example=(X_MLP,))
     rules = {r"\.up_proj": ".gate_proj", r"\.gate_proj": ".up_proj"}
-    bridge.save(path, model, layout="torch", like=target, example=(X_MLP,), rules=rules)
+    bridge.save_state_dict(path, model, like=target, example=(X_MLP,), rules=rules)
     state = safetensors.numpy.load_file(str(path))
     target.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
     np.testing.assert_allclose(_torch_out(target), model(X_MLP), rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The names a PyTorch-layout export (`bridge.save(..., layout="torch")`) gives a
+"""The names a PyTorch-layout export (`bridge.save_pretrained`) gives a
 Linen model's list elements (issue #37, harness A's ResNet export): Linen's `setup`
 names `self.layers = [A(), B()]` `layers_0`, `layers_1`, PyTorch's `nn.ModuleList`
 `layers.0`, `layers.1`; a module holding its list under its own name (Flax
@@ -64,7 +64,7 @@ class Wrapped(nn.Module):
 def _saved(tmp_path, module, **options):
     variables = module.init(jax.random.key(0), X)
     path = tmp_path / "model.safetensors"
-    bridge.save(path, (module, variables), layout="torch", **options)
+    bridge.save_state_dict(path, (module, variables), **options)
     return variables["params"], safetensors.numpy.load_file(path)
 
 

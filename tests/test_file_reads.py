@@ -92,7 +92,7 @@ def test_a_sharded_training_checkpoint_resumes(tmp_path):
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     index = tmp_path / "model.safetensors.index.json"
-    bridge.save(index, model, opt_state=optimizer, step=7)
+    bridge.save_training(index, model, optimizer, step=7)
     like = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
     state = bridge.load(
         index,
@@ -497,7 +497,7 @@ def test_a_port_reading_ahead_fills_the_same_bits(tmp_path, monkeypatch, ahead):
             self.norm = nnx.LayerNorm(3, rngs=rngs)
 
     source = MLP(0)
-    bridge.save(tmp_path, source, layout="torch", max_shard_size=150)
+    bridge.save_pretrained(tmp_path, source, max_shard_size=150)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     monkeypatch.setattr(_run, "AHEAD", ahead)
     threads = []
@@ -546,7 +546,7 @@ def test_an_early_read_no_row_uses_is_dropped_when_the_port_starts(
                 self.head = nnx.Linear(7, 2, rngs=rngs)
 
     source = Two(0, extra=True)
-    bridge.save(tmp_path, source, layout="torch")
+    bridge.save_pretrained(tmp_path, source)
     monkeypatch.setattr(_checkpoint, "EARLY", 1)  # the whole file read early
     held = {}
     read_ahead = _run._read_ahead
@@ -575,7 +575,7 @@ def test_a_load_under_another_default_device_copies_in_this_thread(tmp_path):
     from flax import nnx
 
     source = nnx.Linear(6, 5, rngs=nnx.Rngs(0))
-    bridge.save(tmp_path, source, layout="torch")
+    bridge.save_pretrained(tmp_path, source)
     other = jax.devices("cpu")[1]
     with jax.default_device(other):
         like = nnx.eval_shape(lambda: nnx.Linear(6, 5, rngs=nnx.Rngs(1)))

@@ -241,9 +241,9 @@ def test_a_format_states_what_it_can_do(tmp_path, registry, capsys):
     assert same_bits(jax.vmap(back)(x), jax.vmap(source)(x))
     # no training state, and no plain PyTorch-layout file
     with pytest.raises(ValueError, match="a toy checkpoint holds arrays only"):
-        bridge.save(tmp_path / "t.toy.json", source, step=3)
-    with pytest.raises(ValueError, match="a PyTorch-layout checkpoint is a"):
-        bridge.save(tmp_path / "t.toy.json", source, layout="torch")
+        bridge.save_training(tmp_path / "t.toy.json", source, None, step=3)
+    with pytest.raises(ValueError, match="a PyTorch-layout file is a safetensors file"):
+        bridge.save_state_dict(tmp_path / "t.toy.json", source)
     assert not (tmp_path / "t.toy.json").exists()
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face model folders written by `bridge.save(folder, model, layout="torch",
+"""Hugging Face model folders written by `bridge.save_pretrained(folder, model,
 max_shard_size=..., config=...)`, without torch: shard cutting and names as
 `huggingface_hub` does them, the index, `{"format": "pt"}`, the configuration, byte
 ranges of array shards cut along any axis, atomic as a whole (a save killed with
@@ -110,7 +110,7 @@ def test_folder_holds_every_array_in_shards_with_index_and_config(tmp_path):
     model = MLP()
     config = {"model_type": "mlp", "hidden_size": 8}
     out = tmp_path / "out"
-    bridge.save(out, model, layout="torch", max_shard_size=400, config=config)
+    bridge.save_pretrained(out, model, max_shard_size=400, config=config)
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if n.startswith("model-")]
     assert shards == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)]
@@ -133,7 +133,7 @@ def test_sharded_arrays_are_written_shard_by_shard(tmp_path):
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     model = MLP(width=16, depth=2)
     plain = tmp_path / "plain"
-    bridge.save(plain, model, layout="torch", max_shard_size=1200)
+    bridge.save_pretrained(plain, model, max_shard_size=1200)
     specs = {  # every way of cutting a matrix and a vector
         ".layers[0].kernel": P("a", "b"),
         ".layers[1].kernel": P(None, "b"),
@@ -160,7 +160,7 @@ def test_a_config_from_the_folder_the_weights_came_from(tmp_path):
     (source / "config.json").write_text('{"model_type": "x"}\n')
     (source / "generation_config.json").write_text('{"max_length": 5}\n')
     out = tmp_path / "out"
-    bridge.save(out, MLP(), layout="torch", config=source)
+    bridge.save_pretrained(out, MLP(), config=source)
     assert (out / "config.json").read_text() == '{"model_type": "x"}\n'
     assert (out / "generation_config.json").read_text() == '{"max_length": 5}\n'
     assert (out / "model.safetensors").is_file()  # one shard: no index
@@ -169,9 +169,9 @@ def test_a_config_from_the_folder_the_weights_came_from(tmp_path):
 
 def test_resaving_replaces_the_weights_and_keeps_other_files(tmp_path):
     out = tmp_path / "out"
-    bridge.save(out, MLP(), layout="torch", max_shard_size=300, config={"a": 1})
+    bridge.save_pretrained(out, MLP(), max_shard_size=300, config={"a": 1})
     (out / "tokenizer.json").write_text("{}")
-    bridge.save(out, MLP(seed=2), layout="torch")
+    bridge.save_pretrained(out, MLP(seed=2))
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "model.safetensors",
@@ -184,21 +184,23 @@ def test_resaving_replaces_the_weights_and_keeps_other_files(tmp_path):
 
 
 def test_errors_name_the_argument_and_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="apply to a Hugging Face folder only"):
-        bridge.save(tmp_path / "a.safetensors", MLP(), max_shard_size="1GB")
-    with pytest.raises(ValueError, match="apply to a Hugging Face folder only"):
-        bridge.save(tmp_path / "a.safetensors", MLP(), layout="torch", config={})
+    with pytest.raises(
+        ValueError, match="save_pretrained writes a Hugging Face folder"
+    ):
+        bridge.save_pretrained(tmp_path / "a.safetensors", MLP(), max_shard_size="1GB")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'config'"):
+        bridge.save_state_dict(tmp_path / "a.safetensors", MLP(), config={})
     with pytest.raises(ValueError, match="max_shard_size"):
-        bridge.save(tmp_path / "b", MLP(), layout="torch", max_shard_size="5 apples")
+        bridge.save_pretrained(tmp_path / "b", MLP(), max_shard_size="5 apples")
     with pytest.raises(TypeError, match="`config` must be a transformers"):
-        bridge.save(tmp_path / "c", MLP(), layout="torch", config=3)
+        bridge.save_pretrained(tmp_path / "c", MLP(), config=3)
     with pytest.raises(ValueError, match="holding config.json"):
-        bridge.save(tmp_path / "d", MLP(), layout="torch", config=tmp_path)
+        bridge.save_pretrained(tmp_path / "d", MLP(), config=tmp_path)
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a Hugging Face model folder"):
-        bridge.save(other, MLP(), layout="torch")
+        bridge.save_pretrained(other, MLP())
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
 
 
@@ -214,14 +216,14 @@ def slow(*args):
     time.sleep(0.05)
     return write(*args)
 _hf_folder.write_block = slow
-bridge.save(sys.argv[1], MLP(seed=3), layout="torch", max_shard_size=300)
+bridge.save_pretrained(sys.argv[1], MLP(seed=3), max_shard_size=300)
 """
 
 
 @pytest.mark.slow
 def test_a_save_killed_midway_leaves_the_previous_folder(tmp_path):
     out = tmp_path / "out"
-    bridge.save(out, MLP(), layout="torch", max_shard_size=300, config={"a": 1})
+    bridge.save_pretrained(out, MLP(), max_shard_size=300, config={"a": 1})
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     root = Path(bridge.__file__).parent.parent
     child = subprocess.Popen(
@@ -238,7 +240,7 @@ def test_a_save_killed_midway_leaves_the_previous_folder(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     back = bridge.load(out, like=MLP(seed=1))
     assert np.array_equal(back.layers[0].kernel[...], MLP().layers[0].kernel[...])
-    bridge.save(out, MLP(seed=4), layout="torch", max_shard_size=300)
+    bridge.save_pretrained(out, MLP(seed=4), max_shard_size=300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing partial
     arrays, _ = _folder(out)
     expected = _expected(MLP(seed=4))
@@ -275,7 +277,7 @@ def test_convert_to_a_folder_without_config_says_how_to_add_it(tmp_path, capsys)
     from bridge._cli import main
 
     hub = tmp_path / "hub"  # a save_pretrained folder
-    bridge.save(hub, MLP(), layout="torch", config={"model_type": "mlp"})
+    bridge.save_pretrained(hub, MLP(), config={"model_type": "mlp"})
     out = tmp_path / "out"
     assert main(["convert", str(hub), str(out), "--to-layout", "torch"]) == 0
     assert not (out / "config.json").exists()
@@ -313,7 +315,7 @@ def MoE():
 def test_packed_experts_from_sharded_stacks(tmp_path):
     model = MoE()
     plain = tmp_path / "plain"
-    bridge.save(plain, model, layout="torch", packed_experts="qwen2_moe")
+    bridge.save_pretrained(plain, model, packed_experts="qwen2_moe")
     arrays, _ = _folder(plain)
     stack = model.mlp.experts
     gate, up = stack.gate_proj.kernel[...], stack.up_proj.kernel[...]  # (E, D, F)
@@ -333,7 +335,7 @@ def test_packed_experts_from_sharded_stacks(tmp_path):
         plain / "model.safetensors"
     ).read_bytes()
     with pytest.raises(ValueError, match="`experts` must be one of"):
-        bridge.save(tmp_path / "x", model, layout="torch", packed_experts="gpt")
+        bridge.save_pretrained(tmp_path / "x", model, packed_experts="gpt")
 
 
 def test_read_runs_reads_only_those_bytes(tmp_path, monkeypatch):
@@ -380,7 +382,7 @@ def test_a_load_converts_like_to_a_tree_once(tmp_path, monkeypatch):
     from bridge._adapters import _native
 
     source = MLP(seed=0)
-    bridge.save(tmp_path, source, layout="torch", max_shard_size=300)
+    bridge.save_pretrained(tmp_path, source, max_shard_size=300)
     like = nnx.eval_shape(lambda: MLP(seed=1))
     converted = []
     adapter_of = _native.adapter_of

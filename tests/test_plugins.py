@@ -115,13 +115,13 @@ def test_save_asks_each_plugin_and_takes_its_quantizer(tmp_path, registry):
     register_plugin(Plugin("toy", check_save=check_save, quantizers=(toy,)))
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     path = tmp_path / "linear.safetensors"
-    bridge.save(path, model, layout="torch", quantize="zeros")
+    bridge.save_quantized(path, model, "zeros")
     assert seen == ["linear.safetensors"]
     assert json.loads((tmp_path / "toy.json").read_text()) == {"toy": True}
     back = bridge.load(path)
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(back))
     with pytest.raises(ValueError, match=r"one of \('fp8-block', 'zeros'\)"):
-        bridge.save(path, model, layout="torch", quantize="ones")
+        bridge.save_quantized(path, model, "ones")
 
 
 def test_registry_refuses_a_second_plugin_of_a_name(registry):

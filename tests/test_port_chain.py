@@ -330,12 +330,12 @@ def test_a_llama_through_every_framework_and_back_without_rules(tmp_path):
     # the stacks exported in PyTorch layout, checked against transformers' model,
     # read back by from_pretrained and load_state_dict(strict=True)
     folder = tmp_path / "hf"
-    bridge.save(folder, eqx_llama, layout="torch", like=hf, config=llama_config())
+    bridge.save_pretrained(folder, eqx_llama, like=hf, config=llama_config())
     read = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
     diff = np.max(np.abs(_hf_logits(torch, read, ids) - np.asarray(linen_logits)))
     assert diff < TOLERANCE
     file = tmp_path / "stack.safetensors"
-    bridge.save(file, nnx_stack, layout="torch", like=hf.state_dict())
+    bridge.save_state_dict(file, nnx_stack, like=hf.state_dict())
     state = {k: torch.tensor(v) for k, v in safetensors.numpy.load_file(file).items()}
     read = _hf_with(torch, transformers, state)
     diff = np.max(np.abs(_hf_logits(torch, read, ids) - np.asarray(linen_logits)))

@@ -89,8 +89,8 @@ def test_flax_conv1d_saved_in_torch_layout(tmp_path):
     x = _x()
     path = tmp_path / "block.safetensors"
     with pytest.raises(ValueError, match=r"mid holds a square kernel"):
-        bridge.save(path, (module, variables), layout="torch")
-    bridge.save(path, (module, variables), layout="torch", example=(x,))
+        bridge.save_state_dict(path, (module, variables))
+    bridge.save_state_dict(path, (module, variables), example=(x,))
     import safetensors.numpy
 
     state = safetensors.numpy.load_file(path)

@@ -19,7 +19,7 @@ import bridge
 from bridge._cli import main
 from bridge._families._sinusoid import VARIANTS, sinusoid
 
-from .helpers import requires
+from .helpers import export, requires
 
 
 POSITIONS, DIM = 8, 4
@@ -418,9 +418,9 @@ def test_save_like_a_torch_model_writes_its_table_with_strict_false(tmp_path, in
         r"computes \(it has no array for it\); pass strict=False to write the "
         r"reference's table",
     ):
-        bridge.save(path, _computed(), layout="torch", like=like)
+        export(path, _computed(), like=like)
     assert not path.exists()
-    bridge.save(path, _computed(), layout="torch", like=like, strict=False)
+    export(path, _computed(), like=like, strict=False)
     file = path if into != "folder" else path / "model.safetensors"
     restored = _torch_model(np.zeros_like(TABLE))  # PyTorch's own reader and load
     restored.load_state_dict(safetensors_torch.load_file(file), strict=True)
@@ -437,10 +437,8 @@ def test_save_like_a_learned_table_stays_missing(tmp_path, caplog):
     learned = TABLE + np.float32(0.01)
     path = tmp_path / "m.safetensors"
     with pytest.raises(ValueError, match=r"missing: embed_positions\.weight \(8, 4\)"):
-        bridge.save(path, _computed(), layout="torch", like=_torch_model(learned))
-    bridge.save(
-        path, _computed(), layout="torch", like=_torch_model(learned), strict=False
-    )
+        bridge.save_state_dict(path, _computed(), like=_torch_model(learned))
+    bridge.save_state_dict(path, _computed(), like=_torch_model(learned), strict=False)
     assert "Not in the export: 1 array(s)" in caplog.text
     assert "embed_positions.weight (8, 4)" in caplog.text
     assert "embed_positions.weight" not in safetensors_numpy.load_file(path)
@@ -469,8 +467,8 @@ def test_save_like_a_reference_file_writes_its_table(tmp_path):
     reference = _reference_file(tmp_path, TABLE)
     out = tmp_path / "out.safetensors"
     with pytest.raises(ValueError, match=r"computed by the model: embed_positions"):
-        bridge.save(out, _computed(), layout="torch", like=reference)
-    bridge.save(out, _computed(), layout="torch", like=reference, strict=False)
+        bridge.save_state_dict(out, _computed(), like=reference)
+    bridge.save_state_dict(out, _computed(), like=reference, strict=False)
     written = safetensors_numpy.load_file(str(out))
     assert sorted(written) == ["embed_positions.weight", "proj.bias", "proj.weight"]
     np.testing.assert_array_equal(written["embed_positions.weight"], TABLE)
@@ -493,6 +491,6 @@ def test_convert_like_a_reference_names_the_save_that_writes_the_table(
     assert main([*args, "--like", str(reference)]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "computed by the model: embed_positions.weight (8, 4)" in err
-    assert "save the model with bridge.save(path, model, layout='torch', " in err
+    assert "save the model with bridge.save_pretrained(folder, model, " in err
     assert "like=REFERENCE, strict=False)" in err
     assert not out.exists()

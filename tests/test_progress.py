@@ -42,7 +42,7 @@ def test_a_sharded_load_counts_each_array_once_shard_after_shard(tmp_path):
     folder = tmp_path / "hf"
     seen: list[int] = []
     with counting(seen.append):
-        bridge.save(folder, Three(nnx.Rngs(0)), layout="torch", max_shard_size=200)
+        bridge.save_pretrained(folder, Three(nnx.Rngs(0)), max_shard_size=200)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shard_of = index["weight_map"]
     assert len(set(shard_of.values())) == 3  # one layer a shard

@@ -163,18 +163,14 @@ def test_fp8_block_read_lazily_one_weight_at_a_time(tmp_path, monkeypatch):
 @requires("NNX")
 def test_quantize_options_checked(tmp_path):
     model = Net(nnx.Rngs(0))
-    with pytest.raises(ValueError, match="`quantize` must be one of"):
-        bridge.save(tmp_path / "m.safetensors", model, layout="torch", quantize="int4")
-    with pytest.raises(ValueError, match='`layout` must be "torch"'):
-        bridge.save(tmp_path / "m.safetensors", model, quantize="fp8-block")
+    with pytest.raises(ValueError, match="`scheme` must be one of"):
+        bridge.save_quantized(tmp_path / "m.safetensors", model, "int4")
 
 
 @requires("NNX")
 def test_fp8_out_round_trip_within_fp8_error(tmp_path):
     model = Net(nnx.Rngs(0))
-    bridge.save(
-        tmp_path / "model.safetensors", model, layout="torch", quantize="fp8-block"
-    )
+    bridge.save_quantized(tmp_path / "model.safetensors", model, "fp8-block")
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert config["weight_block_size"] == [128, 128]
     back = bridge.load(tmp_path, like=Net(nnx.Rngs(1)))

@@ -82,9 +82,7 @@ def fp8(tmp_path_factory):
     skip_unless("NNX")  # written from an NNX model
     folder = tmp_path_factory.mktemp("fp8")
     source = ql.make(ql.nnx_layers(), ql.HF, C)
-    bridge.save(
-        folder / "model.safetensors", source, layout="torch", quantize="fp8-block"
-    )
+    bridge.save_quantized(folder / "model.safetensors", source, "fp8-block")
     return folder
 
 
@@ -192,7 +190,7 @@ def test_linen(tmp_path):
     module = MLP()
     variables = module.init(jax.random.key(0), jnp.ones((1, 128)))
     path = tmp_path / "model.safetensors"
-    bridge.save(path, (module, variables), layout="torch", quantize="fp8-block")
+    bridge.save_quantized(path, (module, variables), "fp8-block")
     like = (module, jax.eval_shape(module.init, jax.random.key(1), jnp.ones((1, 128))))
     _, dense = bridge.load(path, like=like)
     _, kept = bridge.load(path, like=like, keep_quantized=True)
@@ -317,9 +315,9 @@ def test_refusals(fp8, tmp_path):
         bridge.load(fp8, keep_quantized=True)
     kept = bridge.load(fp8, like=_abstract("nnx"), keep_quantized=True)
     out = tmp_path / "out.safetensors"
-    for kwargs in ({}, {"layout": "torch"}):
+    for save in (bridge.save, bridge.save_state_dict):
         with pytest.raises(ValueError, match=r"(?s)kept quantized.*bridge\.dequantize"):
-            bridge.save(out, kept, **kwargs)
+            save(out, kept)
         assert not out.exists() and list(tmp_path.iterdir()) == []
     # the dense model saves
     bridge.save(out, bridge.dequantize(kept))
@@ -363,7 +361,7 @@ class Two(eqx.Module):
 
 def test_lora_steps_on_a_quantized_base_small(tmp_path):
     path = tmp_path / "model.safetensors"
-    bridge.save(path, Two(jax.random.key(0)), layout="torch", quantize="fp8-block")
+    bridge.save_quantized(path, Two(jax.random.key(0)), "fp8-block")
     like = eqx.filter_eval_shape(Two, jax.random.key(1))
     x = jax.random.normal(jax.random.key(2), (8, 128))
     y = jax.random.normal(jax.random.key(3), (8, 128))
@@ -513,7 +511,7 @@ def test_a_stack_is_not_kept(tmp_path):
     module = Stack()
     variables = module.init(jax.random.key(0), jnp.ones((1, 128)))
     path = tmp_path / "model.safetensors"
-    bridge.save(path, (module, variables), layout="torch", quantize="fp8-block")
+    bridge.save_quantized(path, (module, variables), "fp8-block")
     with pytest.raises(
         ValueError, match=r"(?s)cannot keep 6 weight.*Dense_1: a layer of a stack"
     ):

@@ -928,9 +928,7 @@ def test_fp8_out_matches_transformers_quantizer_and_round_trips(tmp_path):
     model = bridge.port(bridge.from_torch(state), _target(layers))
     folder = tmp_path / "out"
     folder.mkdir()
-    bridge.save(
-        folder / "model.safetensors", model, layout="torch", quantize="fp8-block"
-    )
+    bridge.save_quantized(folder / "model.safetensors", model, "fp8-block")
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "fp8" and config["weight_block_size"] == [128, 128]
     written = safetensors.torch.load_file(folder / "model.safetensors")
@@ -953,7 +951,7 @@ def test_fp8_out_matches_transformers_quantizer_and_round_trips(tmp_path):
     # a model already FP8 (dequantized from this file) is written with the same bits
     again = tmp_path / "again"
     again.mkdir()
-    bridge.save(again / "model.safetensors", back, layout="torch", quantize="fp8-block")
+    bridge.save_quantized(again / "model.safetensors", back, "fp8-block")
     rewritten = safetensors.torch.load_file(again / "model.safetensors")
     for k, v in written.items():
         if v.dtype == torch.float8_e4m3fn:

@@ -158,7 +158,7 @@ def test_batch_norm_mode_not_for_torch(tmp_path):
 def test_root_layer_names(tmp_path):
     """A model that is one layer: its arrays are `weight` and `bias`."""
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    bridge.save(tmp_path / "t.safetensors", model, layout="torch")
+    bridge.save_state_dict(tmp_path / "t.safetensors", model)
     saved = safetensors.numpy.load_file(tmp_path / "t.safetensors")
     assert sorted(saved) == ["bias", "weight"]
     np.testing.assert_array_equal(saved["weight"], np.asarray(model.kernel).T)
@@ -173,7 +173,7 @@ def training_file(tmp_path):
     grads = nnx.grad(lambda m: (m(np.ones((1, 2), "f4")) ** 2).sum())(model)
     optimizer.update(model, grads)
     path = tmp_path / "run.safetensors"
-    bridge.save(path, model, opt_state=optimizer)
+    bridge.save_training(path, model, optimizer)
     return path, model
 
 
@@ -223,7 +223,7 @@ def test_loose_arrays_under_their_names(tmp_path):
             self.projection = nnx.Linear(3, 4, rngs=rngs)
 
     model = Embeddings(nnx.Rngs(0))
-    bridge.save(tmp_path / "t.safetensors", model, layout="torch")
+    bridge.save_state_dict(tmp_path / "t.safetensors", model)
     saved = safetensors.numpy.load_file(tmp_path / "t.safetensors")
     assert sorted(saved) == ["cls_token", "projection.bias", "projection.weight"]
     np.testing.assert_array_equal(saved["cls_token"], model.cls_token[...])

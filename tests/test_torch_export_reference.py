@@ -41,8 +41,8 @@ def test_a_folder_checked_against_the_module_loads_with_from_pretrained(tmp_path
     ids = tokens()
     torch.manual_seed(1)
     reference = transformers.LlamaForCausalLM(llama_config())
-    bridge.save(
-        tmp_path / "out", model, layout="torch", like=reference, config=llama_config()
+    bridge.save_pretrained(
+        tmp_path / "out", model, like=reference, config=llama_config()
     )
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert np.max(np.abs(_logits(hf, ids) - np.asarray(model(ids)))) < 1e-5
@@ -56,7 +56,7 @@ def test_a_file_checked_against_a_meta_model_loads_strictly(tmp_path):
     with torch.device("meta"):
         reference = transformers.LlamaForCausalLM(llama_config())
     path = tmp_path / "model.safetensors"
-    bridge.save(path, model, layout="torch", like=reference)
+    bridge.save_state_dict(path, model, like=reference)
     state = safetensors.numpy.load_file(str(path))
     hf = transformers.LlamaForCausalLM(llama_config()).eval()
     hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
@@ -77,7 +77,7 @@ def test_an_export_that_differs_from_the_reference_is_refused_writing_nothing(
     last = LAYERS - 1
     for path in (tmp_path / "model.safetensors", tmp_path / "folder"):
         with pytest.raises(ValueError) as error:
-            bridge.save(path, model, layout="torch", like=reference)
+            bridge.save_state_dict(path, model, like=reference)
         text = str(error.value)
         assert f"unexpected: model.layers.{last}.self_attn.q_proj.weight" in text
         assert (
@@ -89,7 +89,7 @@ def test_an_export_that_differs_from_the_reference_is_refused_writing_nothing(
     # a state dict as the reference: the same check
     state = {k: v for k, v in hf.state_dict().items() if "layers.0.mlp" not in k}
     with pytest.raises(ValueError, match=r"unexpected: model\.layers\.0\.mlp\.up_proj"):
-        bridge.save(tmp_path / "m.safetensors", model, layout="torch", like=state)
+        bridge.save_state_dict(tmp_path / "m.safetensors", model, like=state)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -103,7 +103,7 @@ def test_a_stacked_tensor_under_a_linear_name_is_refused_writing_nothing(tmp_pat
         "kernel": jax.numpy.stack([q, q])}}}}}}}  # fmt: skip
     path = tmp_path / "model.safetensors"
     with pytest.raises(ValueError) as error:
-        bridge.save(path, variables, layout="torch", like=hf)
+        bridge.save_state_dict(path, variables, like=hf)
     assert (
         "shape: model.layers.0.self_attn.q_proj.weight would be written with "
         "(16, 16, 2), the reference holds (16, 16)"

@@ -145,7 +145,7 @@ def test_inspect_and_convert_round_trip(tmp_path, capsys):
 def test_save_torch_layout_and_reload(tmp_path):
     model = Net()
     path = tmp_path / "out.safetensors"
-    bridge.save(path, model, layout="torch", rules={r"\[(\d+)\]": r".layers[\1]"})
+    bridge.save_state_dict(path, model, rules={r"\[(\d+)\]": r".layers[\1]"})
     saved = safetensors.numpy.load_file(path)
     assert set(saved) == set(_state())
     np.testing.assert_array_equal(
@@ -160,19 +160,13 @@ def test_save_layout_errors(tmp_path):
     with pytest.raises(ValueError, match='`layout` must be "torch"'):
         bridge.save(tmp_path / "a.safetensors", model, layout="flax")
     with pytest.raises(ValueError, match="is a safetensors file"):
-        bridge.save(tmp_path / "a.msgpack", model, layout="torch")
+        bridge.save_state_dict(tmp_path / "a.msgpack", model)
     with pytest.raises(ValueError, match="cannot be read backwards"):
-        bridge.save(
-            tmp_path / "a.safetensors",
-            model,
-            layout="torch",
-            rules={r".*": ".layers[0]"},
+        bridge.save_state_dict(
+            tmp_path / "a.safetensors", model, rules={r".*": ".layers[0]"}
         )
     with pytest.raises(ValueError, match="would all be written as"):
-        bridge.save(
-            tmp_path / "a.safetensors",
-            model,
-            layout="torch",
-            rules={r"\.layers\[2\]": ".layers[0]"},
+        bridge.save_state_dict(
+            tmp_path / "a.safetensors", model, rules={r"\.layers\[2\]": ".layers[0]"}
         )
     assert not (tmp_path / "a.safetensors").exists()

@@ -277,8 +277,8 @@ def test_bert_prefix_and_rules_round_trip(tmp_path):
     source = bridge.from_torch(state, prefix="bert.")
     ported = bridge.port(source, _nnx_bert(), rules=rules)
     assert excess(_nnx_run(ported), expected) <= 0
-    bridge.save(
-        tmp_path / "m.safetensors", ported, layout="torch", rules=rules, prefix="bert."
+    bridge.save_state_dict(
+        tmp_path / "m.safetensors", ported, rules=rules, prefix="bert."
     )
     import safetensors.numpy
 

@@ -4,7 +4,7 @@
 `save_pretrained` folder is loaded with `bridge.load(folder, like=abstract model)`
 into the same model written in NNX (a module per layer) and in Equinox (the layers
 one `eqx.filter_vmap` stack), with no rules: logits as transformers'. Written back
-with `bridge.save(folder, model, layout="torch", config=...)`,
+with `bridge.save_pretrained(folder, model, config=...)`,
 `AutoModelForCausalLM.from_pretrained` opens it: the same weights, the same logits.
 Gemma's norms compute `x * (1 + weight)`: refused into Flax's RMSNorm (from a folder,
 told by its `config.json`), loaded into a norm of that kind (`same_layout`).
@@ -77,7 +77,7 @@ def test_folder_in_and_out_without_rules(tmp_path, name, fw):
     expected = _logits(hf)
     np.testing.assert_allclose(_run(fw, model), expected, **TOL)
 
-    bridge.save(tmp_path / "out", model, layout="torch", config=hf.config)
+    bridge.save_pretrained(tmp_path / "out", model, config=hf.config)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back) is type(hf)
     loaded = back.state_dict()
@@ -181,7 +181,7 @@ def test_gemma_into_its_own_norm_and_back(tmp_path, gemma_norm, fw, source):
     expected = _logits(hf)
     np.testing.assert_allclose(_run(fw, model), expected, **TOL)
 
-    bridge.save(tmp_path / "out", model, layout="torch", config=hf.config)
+    bridge.save_pretrained(tmp_path / "out", model, config=hf.config)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     loaded = back.state_dict()
     assert all(torch.equal(v, loaded[k]) for k, v in hf.state_dict().items())
@@ -224,8 +224,8 @@ def test_phi3_split_into_separate_layers_and_fused_back(tmp_path):
     np.testing.assert_allclose(_run("nnx", model), expected, **TOL)
 
     fresh = bridge.from_torch(hf.state_dict(), split=PHI3_SPLIT)  # the fused layout
-    bridge.save(
-        tmp_path / "out", bridge.port(model, fresh), layout="torch", config=hf.config
+    bridge.save_pretrained(
+        tmp_path / "out", bridge.port(model, fresh), config=hf.config
     )
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     loaded = back.state_dict()

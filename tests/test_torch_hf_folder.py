@@ -1,6 +1,6 @@
 """Hugging Face folders out: a tiny Llama (transformers, random weights, no download)
 ported into the same model written in NNX and in Equinox, then saved with
-`bridge.save(folder, model, layout="torch", max_shard_size=..., config=...)`:
+`bridge.save_pretrained(folder, model, max_shard_size=..., config=...)`:
 `AutoModelForCausalLM.from_pretrained(folder)` opens it with no other step and gives
 transformers' logits bit for bit; the folder's files, index and shard names are
 those `save_pretrained` writes for the same model. Skipped without torch and
@@ -108,10 +108,9 @@ def test_llama_folder_opens_with_from_pretrained(tmp_path, fw):
     hf = _llama()
     model = ported(hf, fw)
     out = tmp_path / "out"
-    bridge.save(
+    bridge.save_pretrained(
         out,
         model,
-        layout="torch",
         max_shard_size=SHARD,
         config=hf.config,
         generation_config=hf.generation_config,
@@ -144,7 +143,7 @@ def test_config_from_the_source_folder(tmp_path):
     source = tmp_path / "source"
     hf.save_pretrained(source)
     out = tmp_path / "out"
-    bridge.save(out, ported(hf, "nnx"), layout="torch", config=source)
+    bridge.save_pretrained(out, ported(hf, "nnx"), config=source)
     assert (out / "generation_config.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

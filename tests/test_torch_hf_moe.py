@@ -186,13 +186,8 @@ def test_packed_file_into_an_expert_stack_and_out_both_ways(tmp_path, fw):
     expected = _logits(hf)
     for how in (None, "qwen2_moe"):
         out = tmp_path / f"out-{how}"
-        bridge.save(
-            out,
-            model,
-            layout="torch",
-            max_shard_size="8KB",
-            config=hf.config,
-            packed_experts=how,
+        bridge.save_pretrained(
+            out, model, max_shard_size="8KB", config=hf.config, packed_experts=how
         )
         index = json.loads((out / "model.safetensors.index.json").read_text())
         names = set(index["weight_map"])

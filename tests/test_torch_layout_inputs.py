@@ -13,7 +13,7 @@ from flax.training import train_state
 
 import bridge
 
-from .helpers import requires
+from .helpers import export, requires
 
 
 def _linen():
@@ -29,21 +29,23 @@ class WithOptimizer(nnx.Module):
         self.optimizer = nnx.Optimizer(self.model, optax.adam(1e-3), wrt=nnx.Param)
 
 
-def _training_states():
+def _training_states(arg="obj"):
+    """`(what the refusal says it found, a training state)`; `arg`: the name of
+    the argument the state was given as."""
     module, variables = _linen()
     adam = optax.adam(1e-3)
     linear = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     yield (
-        "TrainState at obj",
+        f"TrainState at {arg}",
         train_state.TrainState.create(
             apply_fn=module.apply, params=variables["params"], tx=adam
         ),
     )
-    yield "Optimizer at obj", nnx.Optimizer(linear, adam, wrt=nnx.Param)
-    yield "ScaleByAdamState at obj\\[0\\]", adam.init(variables["params"])
-    yield "Optimizer at obj\\.optimizer", WithOptimizer()
+    yield f"Optimizer at {arg}", nnx.Optimizer(linear, adam, wrt=nnx.Param)
+    yield f"ScaleByAdamState at {arg}\\[0\\]", adam.init(variables["params"])
+    yield f"Optimizer at {arg}\\.optimizer", WithOptimizer()
     yield (
-        "ScaleByAdamState at obj\\[1\\]\\['opt_state'\\]\\[0\\]",
+        f"ScaleByAdamState at {arg}\\[1\\]\\['opt_state'\\]\\[0\\]",
         (module, {**variables, "opt_state": adam.init(variables["params"])}),
     )
     mu = adam.init(variables["params"])[0].mu
@@ -56,13 +58,13 @@ def test_a_training_state_is_refused_in_the_torch_layout(tmp_path, name):
     """Was: the Linen collection `opt_state` written as `mu.weight`, an NNX module
     holding its optimizer a raw TypeError, the others 'does not know how to
     convert'."""
-    for found, state in _training_states():
+    for found, state in _training_states("model"):
         with pytest.raises(
             ValueError,
-            match=rf"(?s){name}: layout=\"torch\" writes a model's arrays only.*"
-            rf"holds a training state: {found}.*opt_state=",
+            match=rf"(?s){name}: a PyTorch-layout export writes a model's arrays "
+            rf"only.*holds a training state: {found}.*bridge\.save_training",
         ):
-            bridge.save(tmp_path / name, state, layout="torch")
+            export(tmp_path / name, state)
         assert list(tmp_path.iterdir()) == []
 
 
@@ -76,8 +78,8 @@ def test_a_training_state_as_the_model_is_refused(tmp_path, name):
     for found, state in list(_training_states())[:-2]:
         with pytest.raises(
             ValueError,
-            match=rf"(?s){name}: `obj` is the model to save, but it is or holds a "
-            rf"training state: {found}.*bridge\.save\(path, model,\nopt_state=",
+            match=rf"(?s){name}: the model to save is or holds a training state: "
+            rf"{found}.*bridge\.save_training\(path,\nmodel, optimizer",
         ):
             bridge.save(tmp_path / name, state)
         assert list(tmp_path.iterdir()) == []
@@ -101,7 +103,7 @@ def test_a_dtype_safetensors_cannot_store_is_named(tmp_path, name, dtype):
         rf"store '\.Dense_0\.kernel' \({dtype}\)\.\nIt stores bfloat16, bool, .*float32"
         r".*Convert these arrays first",
     ):
-        bridge.save(tmp_path / name, variables, layout="torch")
+        export(tmp_path / name, variables)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -116,7 +118,7 @@ def test_a_rule_to_none_is_refused_by_name(tmp_path, name):
         match=r"rules 'head', 'pool' leave the source layers they match out \(a "
         r"replacement None\), so\nthey cannot be read backwards for export",
     ):
-        bridge.save(tmp_path / name, variables, layout="torch", rules=rules)
+        export(tmp_path / name, variables, rules=rules)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -149,7 +151,7 @@ def test_a_rule_naming_a_group_by_another_digit_is_refused_by_name(tmp_path, gro
         match=rf"cannot be read backwards for export: it refers to group '{group}', "
         r"which it does not have",
     ):
-        bridge.save(tmp_path / "m.safetensors", variables, layout="torch", rules=rules)
+        bridge.save_state_dict(tmp_path / "m.safetensors", variables, rules=rules)
 
 
 def test_a_torch_file_with_01_and_1_is_a_checkpoint_error(tmp_path):
@@ -186,7 +188,7 @@ def test_an_empty_key_is_refused_before_writing_a_torch_file(
         match=rf"(?s){name}: a PyTorch-layout checkpoint names each array by dotted "
         rf"names, none empty.*these names\nare not: {bad}\. Rename",
     ):
-        bridge.save(tmp_path / name, variables, layout="torch")
+        export(tmp_path / name, variables)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -70,7 +70,7 @@ def test_an_nnx_stack_saved_in_torch_layout_loads_strictly(tmp_path):
     skip_unless("NNX")
     stack = NNXStack(nnx.Rngs(0))
     path = tmp_path / "model.safetensors"
-    bridge.save(path, stack, layout="torch")
+    bridge.save_state_dict(path, stack)
     state = safetensors.numpy.load_file(str(path))
     assert state["layers.2.up.weight"].shape == (4, 4)
     assert state["layers.0.norm.weight"].shape == (4,)
@@ -87,7 +87,7 @@ def test_a_bias_free_scan_export_is_refused_until_a_torch_model_decides(axis, tm
     variables = module.init(jax.random.key(0), X)
     path = tmp_path / "model.safetensors"
     with pytest.raises(ValueError, match=r"stack: \.layers reads as a stack"):
-        bridge.save(path, (module, variables), layout="torch")
+        bridge.save_state_dict(path, (module, variables))
     assert list(tmp_path.iterdir()) == []
     state = bridge.port((module, variables), TorchStack())
     state = {k: v.numpy() for k, v in state.items()}
@@ -102,7 +102,7 @@ def test_a_tensor_that_is_no_torch_layer_is_refused_and_nothing_written(tmp_path
     variables = {"params": {"norm": {"scale": np.ones((3, 4), np.float32)}}}
     path = tmp_path / "model.safetensors"
     with pytest.raises(ValueError, match=r"\.norm would be written as 'norm' with"):
-        bridge.save(path, variables, layout="torch")
+        bridge.save_state_dict(path, variables)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -141,7 +141,7 @@ def test_a_biased_linen_scan_saved_in_torch_layout_loads_strictly(axis, tmp_path
     module, variables = _randomised((Scanned(axis=axis), variables))
     reference = TorchScanned()
     path = tmp_path / "model.safetensors"
-    bridge.save(path, (module, variables), layout="torch", like=reference)
+    bridge.save_state_dict(path, (module, variables), like=reference)
     state = safetensors.numpy.load_file(str(path))
     assert state["blocks.2.Dense_0.weight"].shape == (4, 4)
     reference.load_state_dict(

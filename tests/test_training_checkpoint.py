@@ -1,5 +1,5 @@
-"""Training checkpoints: `bridge.save(..., opt_state=, step=, extra=)` and
-`bridge.load(..., opt_state_like=)`, resumed in another framework."""
+"""Training checkpoints: `bridge.save_training(path, model, opt_state, step=,
+extra=)` and `bridge.load(..., opt_state_like=)`, resumed in another framework."""
 
 import json
 import re
@@ -27,7 +27,7 @@ def resume_from_file(a, b, optimizer, path):
     ra, rb = RUNS[a], RUNS[b]
     model = ra.model(0)
     model, opt = train(ra, model, ra.init(model, tx), tx, 0, K)
-    bridge.save(path, model, opt_state=opt, step=K, extra={"seed": jnp.uint32(7)})
+    bridge.save_training(path, model, opt, step=K, extra={"seed": jnp.uint32(7)})
     fresh = rb.model(1)
     loaded = bridge.load(path, like=fresh, opt_state_like=rb.init(fresh, tx))
     assert loaded.step == K and int(loaded.extra["seed"]) == 7
@@ -72,7 +72,7 @@ def test_same_framework_same_bits(tmp_path):
         RUNS["nnx"], model, nnx.Optimizer(model, tx, wrt=nnx.Param), tx, 0, K
     )
     path = tmp_path / "nnx.safetensors"
-    bridge.save(path, model, opt_state=opt)
+    bridge.save_training(path, model, opt)
     fresh = nnx_mlp(1)
     loaded = bridge.load(
         path, like=fresh, opt_state_like=nnx.Optimizer(fresh, tx, wrt=nnx.Param)
@@ -87,7 +87,7 @@ def test_model_alone_from_a_training_checkpoint(tmp_path):
     tx = optax.adam(1e-2)
     module, variables = linen_mlp(0)
     path = tmp_path / "linen.safetensors"
-    bridge.save(path, variables, opt_state=tx.init(variables["params"]), step=3)
+    bridge.save_training(path, variables, tx.init(variables["params"]), step=3)
     assert tree_equal_bits(bridge.load(path, like=variables), variables)
     tree = bridge.load(path)
     assert "opt_state" not in dict(bridge.to_native(tree))
@@ -106,7 +106,7 @@ def test_target_trains_more_layers(tmp_path):
     x = jnp.ones((4, 3))
     tree, opt, _ = step(tree, opt, x, jnp.zeros((4, 2)))
     path = tmp_path / "last.safetensors"
-    bridge.save(path, tree, opt_state=opt, step=1)
+    bridge.save_training(path, tree, opt, step=1)
     target = equinox_mlp(1)
     like = tx.init(eqx.filter(target, eqx.is_array))
     with pytest.warns(
@@ -130,7 +130,7 @@ def test_no_optimizer_state_in_the_file(tmp_path):
 def test_msgpack_holds_no_training_state(tmp_path):
     module, variables = linen_mlp(0)
     with pytest.raises(ValueError, match=r"msgpack checkpoint holds arrays only"):
-        bridge.save(tmp_path / "m.msgpack", variables, step=3)
+        bridge.save_training(tmp_path / "m.msgpack", variables, None, step=3)
     assert not (tmp_path / "m.msgpack").exists()
 
 
@@ -138,7 +138,7 @@ def test_unsupported_state_node(tmp_path):
     module, variables = linen_mlp(0)
     opt = (optax.adam(1e-2).init(variables["params"]), {"schedule": object()})
     with pytest.raises(TypeError, match=r"opt_state\[1\]\['schedule'\] is a object"):
-        bridge.save(tmp_path / "x.safetensors", variables, opt_state=opt)
+        bridge.save_training(tmp_path / "x.safetensors", variables, opt)
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -295,7 +295,7 @@ def test_damaged_training_record(tmp_path, capsys, change, match):
     tx = optax.adam(1e-2)
     module, variables = linen_mlp(0)
     path = tmp_path / "linen.safetensors"
-    bridge.save(path, variables, opt_state=tx.init(variables["params"]), step=1)
+    bridge.save_training(path, variables, tx.init(variables["params"]), step=1)
     _rewrite_training(path, change)
     with pytest.raises(
         bridge.CheckpointError, match=r"does not describe an optimizer"
@@ -316,7 +316,7 @@ def test_recorded_classes_outside_optax_are_not_looked_up(tmp_path):
     path = tmp_path / "linen.safetensors"
     state = tx.init(variables["params"])
     state = (state[0]._replace(mu=jax.tree.map(jnp.ones_like, state[0].mu)), state[1])
-    bridge.save(path, variables, opt_state=state)
+    bridge.save_training(path, variables, state)
 
     def evil(record):
         record["opt_state"]["c"][0]["cls"] = "os:system"
@@ -350,7 +350,7 @@ def test_recorded_classes_reached_through_optax_imports_are_never_built(
     module, variables = linen_mlp(0)
     path = tmp_path / "linen.safetensors"
     state = tx.init(variables["params"])
-    bridge.save(path, variables, opt_state=state)
+    bridge.save_training(path, variables, state)
 
     def walk(record):
         node = record["opt_state"]["c"][0]
@@ -370,7 +370,7 @@ def test_inspect_shows_the_optimizer_state(tmp_path, capsys):
     model = nnx_mlp(0)
     path = tmp_path / "nnx.safetensors"
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    bridge.save(path, model, opt_state=opt, step=5, extra={"key": jax.random.key(0)})
+    bridge.save_training(path, model, opt, step=5, extra={"key": jax.random.key(0)})
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "step: 5" in out
@@ -384,7 +384,7 @@ def test_convert_keeps_the_training_state(tmp_path, capsys):
     module, variables = linen_mlp(0)
     state = tx.init(variables["params"])
     src = tmp_path / "run.safetensors"
-    bridge.save(src, variables, opt_state=state, step=2)
+    bridge.save_training(src, variables, state, step=2)
     assert main(["convert", str(src), str(tmp_path / "run")]) == 0
     loaded = bridge.load(tmp_path / "run", like=variables, opt_state_like=state)
     assert loaded.step == 2 and tree_equal_bits(loaded.opt_state, state)

@@ -74,7 +74,7 @@ def _same_names(value: float) -> dict:
 
 
 def _save_folder(path, value):
-    bridge.save(path, _same_names(value), layout="torch", max_shard_size="20KB")
+    bridge.save_pretrained(path, _same_names(value), max_shard_size="20KB")
 
 
 def _save_index(path, value):
@@ -143,18 +143,18 @@ if os.getuid() == 0:  # root may write anything: run as nobody
     os.setuid(65534)
 path = os.path.join(directory, "hf")
 tree = {"params": {"Dense_0": {"kernel": np.ones((2, 2), np.float32)}}}
-bridge.save(path, tree, layout="torch")
+bridge.save_pretrained(path, tree)
 os.chmod(path, 0o555)
 out = []
 for _ in range(2):
     try:
-        bridge.save(path, tree, layout="torch")
+        bridge.save_pretrained(path, tree)
         out.append("saved")
     except Exception as e:
         out.append(f"{type(e).__name__}: {e}")
     out.append(sorted(os.listdir(directory)))
 os.chmod(path, 0o755)
-bridge.save(path, tree, layout="torch")
+bridge.save_pretrained(path, tree)
 out.append(sorted(os.listdir(directory)))
 print(json.dumps(out))
 """
@@ -196,13 +196,13 @@ def test_a_read_only_temporary_left_by_a_writer_is_removed(tmp_path):
     `chmod 555` folder is) is removed by the next save (root ignores modes: the
     removal is checked by the files being gone)."""
     path = tmp_path / "hf"
-    bridge.save(path, _same_names(1.0), layout="torch")
+    bridge.save_pretrained(path, _same_names(1.0))
     stale = writes._atomic.temporary(path)
     (stale / "sub").mkdir(parents=True)
     (stale / "sub" / "model.safetensors").write_bytes(b"x")
     os.chmod(stale / "sub", 0o555)
     os.chmod(stale, 0o555)
-    bridge.save(path, _same_names(2.0), layout="torch")
+    bridge.save_pretrained(path, _same_names(2.0))
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
@@ -224,11 +224,11 @@ def test_a_damaged_config_json_is_refused_before_anything_is_written(
     """Before: the FP8 weights replaced the dense ones, then a raw JSONDecodeError."""
     path = tmp_path / "model.safetensors"
     tree = {"params": {"Dense_0": {"kernel": np.ones((8, 8), np.float32)}}}
-    bridge.save(path, tree, layout="torch")
+    bridge.save_state_dict(path, tree)
     (tmp_path / "config.json").write_text(text)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(bridge.CheckpointError, match=reason) as caught:
-        bridge.save(path, tree, layout="torch", quantize="fp8-block")
+        bridge.save_quantized(path, tree, "fp8-block")
     assert str(tmp_path / "config.json") in str(caught.value)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
@@ -269,7 +269,7 @@ import numpy as np, bridge
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 tree = {"params": {f"Dense_{i}": {"kernel": np.full((2, 2), i, np.float32)}
                    for i in range(1100)}}
-bridge.save(sys.argv[1], tree, layout="torch", max_shard_size=16)
+bridge.save_pretrained(sys.argv[1], tree, max_shard_size=16)
 back = bridge.load(sys.argv[1])
 print(len(list(__import__("pathlib").Path(sys.argv[1]).glob("model-*"))))
 """
@@ -284,7 +284,7 @@ def test_a_folder_of_more_shards_than_files_open_at_once(tmp_path, monkeypatch):
             f"Dense_{i}": {"kernel": np.full((2, 2), i, np.float32)} for i in range(7)
         }
     }
-    bridge.save(tmp_path / "hf", tree, layout="torch", max_shard_size=16)
+    bridge.save_pretrained(tmp_path / "hf", tree, max_shard_size=16)
     assert len(list((tmp_path / "hf").glob("model-*-of-00007.safetensors"))) == 7
     back = bridge.load(tmp_path / "hf")
     for i in range(7):

@@ -134,11 +134,11 @@ class Adapter(NamedTuple):
       (Linen's `setup` names `self.layer = [A(), B()]`'s `layer_0`, `layer_1`), at
       the path other frameworks give an element of a list (`("layer", 0)`, as
       PyTorch's `nn.ModuleList` and NNX and Equinox lists do). Names written for
-      another framework (`bridge.save(..., layout="torch")`) use it.
+      another framework (`bridge.save_pretrained`) use it.
     - `check`: optional, `check()`: raise `ImportError` naming the versions when
       the installed framework is too old for this adapter (`require`).
     - `writer`: optional, a `LayoutWriter`: how a Tree of any framework is written
-      in this adapter's layout and names (`bridge.save(..., layout="torch")`).
+      in this adapter's layout and names (`bridge.save_pretrained`).
     - `trace`: optional, `trace(tree, inputs, kwargs) -> bridge._uses.Uses | None`:
       what the native model's forward pass on example inputs (batched, as
       `infer` takes them) does with each of the Tree's arrays, keyed by leaf path

@@ -19,7 +19,7 @@ renaming between them.
   from per-expert layers as any stack.
 
 Files and state dicts in the packed layout are read as per expert (`unpack`), so they
-port into JAX stacks; `bridge.save(..., layout="torch", experts="packed")` writes the
+port into JAX stacks; `bridge.save_pretrained(..., packed_experts=family)` writes the
 packed layout by placing each expert's rows into the packed tensor (`packing`), never
 building it in memory.
 """

@@ -1,4 +1,7 @@
-"""`save` and `load`: a model of any framework to and from a checkpoint on disk.
+"""The public calls that write and read checkpoints, one per job: `save` (a bridge
+checkpoint), `save_training` (with the optimizer state), `save_pretrained` (a
+Hugging Face folder), `save_state_dict` (one PyTorch-layout file), `save_quantized`
+(FP8 weights), and `load`, each a few named steps.
 
 A checkpoint is in one of the registered formats (`bridge._io._format`): a
 safetensors file (`*.safetensors`), a sharded safetensors folder, a flax msgpack file
@@ -9,7 +12,7 @@ key its impl), plus the source framework, its layout, the native class of each m
 (and for Equinox its plain settings, so a file can be ported without the model) and
 the bridge version.
 
-This module is the public `save`/`load` only; the work is done by one module per
+This module is the public calls only; the work is done by one module per
 concept: `_model.py` (a Tree as a checkpoint's contents and back), `_write.py` (the
 checks before writing, the PyTorch-layout file), `_read.py` (opening, reading,
 reading into `like`), `_training.py` (the optimizer state); each format answers for
@@ -18,8 +21,9 @@ its file kind through its `Format` record (`_format.py`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +50,11 @@ from .._gc import paused
 from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
 from .._port._port import port_and_plan
-from .._port._report import Report, name, report as made_report
+from .._port._report import Report, name, report as made_report, warn
 from .._port._trace import Example, first_uses
 from .._progress import shown
 from .._sizes import human
-from .._tree import framework
+from .._tree import Tree, framework
 from . import (  # noqa: F401  (they register formats)
     _msgpack,
     _orbax,
@@ -59,8 +63,8 @@ from . import (  # noqa: F401  (they register formats)
     _training,
 )
 from ._contents import Contents
-from ._errors import CheckpointError
-from ._format import format_named
+from ._errors import BridgeDeprecationWarning, CheckpointError
+from ._format import format_named, format_of
 from ._model import describe, file_tree
 from ._plugins import Filled, Request, asked, plugins
 from ._read import (
@@ -73,7 +77,7 @@ from ._read import (
     read_all,
     without_prefix,
 )
-from ._write import FOLDER_OPTIONS, check_destination, given, save_layout, write
+from ._write import check_destination, save_layout, write
 
 
 _PORTING = """\
@@ -95,50 +99,35 @@ def save(
     path: str | os.PathLike,
     obj: Any,
     *,
-    metadata: dict | None = None,
-    layout: str | None = None,
-    rules: Mapping[str, str] | None = None,
-    prefix: str = "",
-    quantize: str | None = None,
-    opt_state: Any = None,
-    step: int | None = None,
-    extra: Mapping[str, Any] | None = None,
-    max_shard_size: int | str | None = None,
-    config: Any = None,
-    generation_config: Any = None,
-    packed_experts: str | None = None,
-    like: Any = None,
-    progress: bool = False,
-    strict: bool = True,
+    metadata: Mapping[str, str] | None = None,
     example: Any = None,
     example_kwargs: Mapping[str, Any] | None = None,
+    progress: bool = False,
+    **other_jobs: Any,
 ) -> None:
-    """Save a model of any framework as a checkpoint, atomically; with `opt_state`,
-    `step` or `extra`, the whole training state.
+    """Save a model of any framework as a bridge checkpoint, atomically.
 
     The format follows the path: `*.safetensors` writes one safetensors file, keyed
     by the dotted neutral paths (`layers.0.kernel`), with the role, shape and dtype
     of every array, the source framework and its layout (`"flax"` or `"equinox"`),
-    and the bridge version in the file's metadata, so any framework can read it.
-    `*.msgpack` writes a flax msgpack file of Linen-style variables
+    and the bridge version in the file's metadata, so that any framework can read
+    it. `*.msgpack` writes a flax msgpack file of Linen-style variables
     (`{role: {module: {name: array}}}`). Any other path is an orbax checkpoint
     directory (items `state`: the arrays as a nested dict with their shardings, and
-    `bridge`: the metadata).
+    `bridge`: the metadata). A suffix of a file bridge does not write (`.pt`,
+    `.npz`, `.safetensor`) is refused.
 
     Typed PRNG keys (NNX's `RngKey`) are stored as their key data, with the impl name
-    in the metadata (safetensors, orbax), and come back as typed keys.
+    in the metadata (safetensors, orbax), and come back as typed keys. The file is
+    written under a temporary name in the same directory, flushed, then renamed to
+    `path`: a failure leaves any earlier checkpoint at `path` intact; an existing
+    orbax directory is replaced only if it is a bridge checkpoint.
 
-    A training checkpoint (safetensors or orbax) adds the optimizer state's arrays
-    under the prefix `opt_state.` (`opt_state.0.mu.layers.0.kernel`: Adam's first
-    moment of that parameter), `extra` arrays under `extra.`, and records the
-    state's structure and the step as JSON in the metadata (no pickle). It loads into
-    a model and optimizer of any framework: `bridge.load(path, like=model,
-    opt_state_like=...)`.
-
-    The checkpoint is written under a temporary name in the same directory, flushed
-    to disk, then renamed to `path`: a failure leaves any earlier checkpoint at
-    `path` intact. An existing orbax directory is replaced only if it is a bridge
-    checkpoint.
+    Other jobs have calls of their own: `bridge.save_training` (with the optimizer
+    state), `bridge.save_pretrained` (a Hugging Face folder), `bridge.save_state_dict`
+    (one PyTorch-layout file), `bridge.save_quantized` (FP8 weights). Their
+    keywords given here (`layout="torch"`, `opt_state=`, `config=`, ...) still work,
+    with a `bridge.BridgeDeprecationWarning` naming the call.
 
     **Arguments:**
 
@@ -146,80 +135,17 @@ def save(
     - `obj`: a `bridge.Tree` or a native model (anything `bridge.to_neutral` takes).
     - `metadata`: optional `dict[str, str]` stored with the arrays (safetensors,
       orbax); `bridge inspect` shows it.
-    - `layout`: `"torch"` writes a plain PyTorch-layout safetensors file (no bridge
-      metadata, `{"format": "pt"}` as PyTorch's writers add), as
-      `safetensors.torch.save_file(module.state_dict(), path)` would: `nn.Linear`
-      weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var` (and
-      `num_batches_tracked` 0), fused `in_proj_weight`. Layers are named by their
-      dotted paths, or by `rules` read backwards. Default: the model's own layout.
-      A training state (an `nnx.Optimizer`, a `TrainState`, an optax state, a
-      Linen `opt_state` collection) is refused: save the model alone this way.
-    - `rules`: with `layout="torch"`, the rules that imported the PyTorch model
-      (`{PyTorch layer regex: this model's layer path}`, as given to `bridge.port`):
-      each is read backwards to name the layers as the PyTorch model does. A rule is
-      reversible when its regex is literal text and capturing groups, each used in
-      the replacement.
-    - `prefix`: with `layout="torch"`, put before every name (`"bert."`), as
-      Hugging Face's `base_model_prefix`.
-    - `quantize`: with `layout="torch"` and a `*.safetensors` path, `"fp8-block"`
-      writes each linear layer's weight (but `lm_head`) as `float8_e4m3fn` with a
-      float32 `weight_scale_inv` per 128x128 block, and the matching
-      `quantization_config` into the `config.json` beside the file (DeepSeek-V3's
-      form, read by transformers and serving engines). See the quantized
-      checkpoints guide.
-    - `opt_state`: optional, the optimizer state made for `obj`'s parameters: an
-      optax state (`tx.init(params)`, `step.init(tree)`), an `nnx.Optimizer` or a
-      Linen `TrainState` (their step is saved too). See the guide "Resume
-      training in another framework".
-    - `step`: optional, the step count (an int).
-    - `extra`: optional `{name: array}` saved with it (a PRNG key, a data loader's
-      position).
-    - `max_shard_size`, `config`, `generation_config`: with `layout="torch"` and a
-      folder `path` (no `.safetensors` suffix): a Hugging Face model folder as
-      `save_pretrained` writes it: shards of at most `max_shard_size` (bytes, or
-      `"5GB"`; default `"50GB"`) named `model-00001-of-00003.safetensors` with
-      `model.safetensors.index.json` (one `model.safetensors` when one shard holds
-      everything), and `config.json` / `generation_config.json` from a transformers
-      configuration object, a dict, or the folder the weights came from. Written
-      atomically as a whole (a temporary folder swapped in); under
-      `jax.distributed`, called in every process, each writes only its own shards'
-      bytes.
-    - `packed_experts`: with a Hugging Face folder, a model family (`"qwen2_moe"`,
-      `"mixtral"`) whose per-expert weights (`mlp.experts.{e}.gate_proj.weight`, as
-      a stack of experts is written) are written packed as transformers v5 holds
-      them (`mlp.experts.gate_up_proj` `(E, 2F, D)`, `mlp.experts.down_proj`).
-    - `like`: with `layout="torch"`, the model the export is for: a PyTorch module
-      (`AutoModelForCausalLM.from_config(config)`, on the `meta` device or not), its
-      `state_dict()`, or a PyTorch-layout checkpoint (a safetensors file or a Hugging
-      Face folder). The names and shapes written must be exactly its own (a name it
-      ties to another may be left out); otherwise a `ValueError` lists every
-      difference and nothing is written. With `example` and a `like` that runs (a
-      module, or a folder with its `config.json`), the model is ported into it as
-      `bridge.port(model, like, example=...)` ports: both forward passes pair the
-      layers (a rewrite with names of its own), and `like`'s names are written.
-    - `progress`: with `True`, a progress display on stderr (the bytes written out
-      of the model's total, array by array; an orbax or msgpack file fills its bar
-      at the end), as `bridge convert` shows: only when stderr is a terminal, and
-      only once the save has taken a second. Off by default, as a library's output
-      should be.
-    - `strict`: with `like` and `False`, the names under which `like` holds a
-      stored sinusoidal position table that the model computes and has no array
-      for (transformers' Marian, Pegasus, RoFormer `embed_positions.weight`,
-      recognised by its values) are written with `like`'s values (logged, logger
-      `"bridge"`, INFO); with `True`, the default, each is a difference too. Every
-      other difference raises either way.
     - `example`, `example_kwargs`: optional example inputs of the model (as
       `bridge.port` takes them): its forward pass is traced abstractly (no FLOPs)
       and the file records the order in which it first uses each array (metadata
       `order`). A file keeps no other order of a Linen model's layers (its
       variables are dicts): with it, `bridge.load(path, like=rewrite,
       example=...)` pairs the layers of a model with names of its own as the live
-      model would, with no rules. A safetensors file or an orbax directory. With
-      `layout="torch"` (no metadata to record it in) the forward pass is traced
-      only where the arrays leave a layout open, and decides it: a square kernel
-      of a Linen model that stores its other kernels `(out, in)` (transformers'
-      `FlaxConv1D`), refused without; with `like`, it pairs the layers (above),
-      `example_kwargs` as `bridge.port` takes them (a pair: the model's, `like`'s).
+      model would. A safetensors file or an orbax directory.
+    - `progress`: with `True`, a progress display (the bytes written out of the
+      model's total, array by array; an orbax or msgpack file fills its bar at the
+      end), as `bridge convert` shows: on stderr when it is a terminal, as a bar
+      in a Jupyter notebook, and only once the save has taken a second.
 
     **Returns:**
 
@@ -238,79 +164,435 @@ def save(
 
     ```
     """
-    # 1. the arguments checked
-    path = _path(path)
-    check_destination(path, ' (a Hugging Face folder with layout="torch")')
-    check_str(layout, "layout", optional=True)
-    check_rules(rules)
-    check_str(prefix, "prefix")
-    plain = layout is not None or rules is not None or prefix or quantize is not None
-    if plain:  # a training state is refused by name before `obj` is read as a model
-        _training.refuse_training_state(path, obj, torch_layout=True)
-    try:
-        check_model(obj, "obj")
-    except TypeError:  # an optimizer container: said so
-        _training.refuse_training_state(path, obj, torch_layout=False)
-        raise
-    check_bool(strict, "strict")
+    if other_jobs:  # an earlier spelling of another job's call
+        return _other_job(
+            path, obj, metadata, example, example_kwargs, progress, other_jobs
+        )
+    path = _destination(path)
+    tree = _model(path, obj, False, "obj")
+    check_bool(progress, "progress")
+    uses = _uses(tree, example, example_kwargs)
+    with _saving(progress, path, tree):
+        write(path, *describe(tree, metadata, uses))
+
+
+def save_training(
+    path: str | os.PathLike,
+    model: Any,
+    opt_state: Any,
+    *,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> None:
+    """Save a training state (the model, its optimizer state, the step and extra
+    arrays) as a bridge checkpoint, atomically; `bridge.load(path, like=model,
+    opt_state_like=...)` loads it into a model and optimizer of any framework.
+
+    A safetensors file or an orbax directory (as `bridge.save` chooses by the
+    path): the model's arrays as `bridge.save` writes them, the optimizer state's
+    under the prefix `opt_state.` (`opt_state.0.mu.layers.0.kernel`: Adam's first
+    moment of that parameter), `extra` arrays under `extra.`, and the state's
+    structure and the step as JSON in the metadata (no pickle).
+
+    **Arguments:**
+
+    - `path`: where to write (`*.safetensors`, or a directory).
+    - `model`: a `bridge.Tree` or a native model, the parameters `opt_state` was
+      made for.
+    - `opt_state`: the optimizer state: an optax state (`tx.init(params)`,
+      `step.init(tree)`), an `nnx.Optimizer` or a Linen `TrainState` (their step is
+      saved too); None for none (a step and `extra` alone).
+    - `step`: optional, the step count (an int).
+    - `extra`: optional `{name: array}` saved with it (a PRNG key, a data loader's
+      position).
+    - `metadata`, `example`, `example_kwargs`, `progress`: as for `bridge.save`.
+
+    **Example:**
+
+    ```python
+    >>> import bridge, optax, tempfile, os
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> tx = optax.adam(1e-3)
+    >>> opt_state = tx.init(bridge.from_nnx(model))
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
+    >>> bridge.save_training(path, model, opt_state, step=100)
+    >>> bridge.load(path, like=model, opt_state_like=opt_state).step
+    100
+
+    ```
+    """
+    path = _destination(path)
+    tree = _model(path, model, False)
     check_step(step)
     check_extra(extra)
     check_bool(progress, "progress")
-    check_inputs(example, "example")
-    check_pair_or_mapping(example_kwargs, "example_kwargs")
-    training = opt_state is not None or step is not None or extra is not None
-    folder = {"max_shard_size": max_shard_size, "config": config}
-    folder["generation_config"] = generation_config
-    folder["packed_experts"] = packed_experts
-    if layout is None and any(v is not None for v in folder.values()):
-        raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
-    if layout is None and like is not None:
-        raise ValueError(
-            "`like` is the PyTorch model a layout='torch' export is checked against: "
-            'pass layout="torch" with it.'
+    uses = _uses(tree, example, example_kwargs)
+    with _saving(progress, path, (tree, opt_state, extra)):
+        contents, arrays = describe(tree, metadata, uses)
+        write(path, *_training.add(contents, arrays, tree, opt_state, step, extra))
+
+
+def save_pretrained(
+    folder: str | os.PathLike,
+    model: Any,
+    *,
+    config: Any = None,
+    generation_config: Any = None,
+    like: Any = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
+    rules: Mapping[str, str | None] | None = None,
+    prefix: str = "",
+    strict: bool = True,
+    max_shard_size: int | str | None = None,
+    packed_experts: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool = False,
+) -> None:
+    """Write a model of any framework as a Hugging Face model folder, as
+    `save_pretrained` writes it, which `from_pretrained` opens; atomically as a whole.
+
+    The folder holds shards of at most `max_shard_size` named
+    `model-00001-of-00003.safetensors` with `model.safetensors.index.json` (one
+    `model.safetensors` when one shard holds everything), each in PyTorch's layout
+    (`nn.Linear` weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var`
+    and `num_batches_tracked` 0, fused `in_proj_weight`) with `{"format": "pt"}`,
+    and the `config.json` (and `generation_config.json`) given. Everything goes into
+    a temporary folder swapped in at the end: a save killed at any point leaves the
+    previous folder as it was. Files of the previous folder it does not write (a
+    tokenizer) are kept. Under `jax.distributed`, called in every process, each
+    writes only its own shards' bytes.
+
+    The names written are checked before anything is: against `like` where given,
+    else against the model `config` names (built from it on the `meta` device, with
+    torch and transformers installed), so that a model whose names are its own is
+    never written beside a config whose model would open it with random weights.
+
+    **Arguments:**
+
+    - `folder`: the folder to write (a path without a suffix; replaced if it is a
+      model folder or empty).
+    - `model`: a `bridge.Tree` or a native model (not a training state).
+    - `config`, `generation_config`: a transformers configuration object
+      (`hf.config`), a dict, or the folder the weights came from (its
+      `config.json` and `generation_config.json` are copied).
+    - `like`: the model the export is for: a PyTorch module
+      (`AutoModelForCausalLM.from_config(config)`, on the `meta` device or not),
+      its `state_dict()`, or a PyTorch-layout checkpoint (a Hugging Face folder,
+      a safetensors file). The names and shapes written must be its own (a name it
+      ties to another may be left out); otherwise a `ValueError` lists every
+      difference and nothing is written.
+    - `example`, `example_kwargs`: example inputs of the model (as `bridge.port`
+      takes them). With a `like` that runs (a module, or a folder with its
+      `config.json`), both forward passes pair the layers, as `bridge.port(model,
+      like, example=...)` does, and `like`'s names are written: a model with names
+      of its own goes back under the names of the model it rewrites. Without
+      `like`, the forward pass decides the layouts the arrays leave open (a square
+      kernel of a Linen model that stores its others `(out, in)`).
+    - `rules`: the rules that imported the PyTorch model (`{PyTorch layer regex:
+      this model's layer path}`, as given to `bridge.port`), each read backwards to
+      name the layers as the PyTorch model does; a rule to None leaves out the
+      layers of the model it matches (`{r"\\.classifier": None}`: a head the
+      reference has not). A rule is reversible when its regex is literal text and
+      capturing groups, each used in the replacement.
+    - `prefix`: put before every name (`"bert."`), as Hugging Face's
+      `base_model_prefix`.
+    - `strict`: with `False`, what fits is written and the rest reported (logger
+      `"bridge"`, WARNING), as a non-strict load does: the model's arrays the
+      reference has no place for, or holds in another shape, are left out; the
+      reference's names not written are listed (`from_pretrained` initialises
+      them); a stored sinusoidal position table the model computes (Marian's
+      `embed_positions.weight`) is written with the reference's values.
+    - `max_shard_size`: bytes, or `"5GB"`-style text (default `"50GB"`).
+    - `packed_experts`: a model family (`"qwen2_moe"`, `"mixtral"`) whose
+      per-expert weights are written packed as transformers v5 holds them
+      (`mlp.experts.gate_up_proj` `(E, 2F, D)`, `mlp.experts.down_proj`).
+    - `metadata`: optional `dict[str, str]` in every shard's metadata.
+    - `progress`: as for `bridge.save`.
+
+    **Example:**
+
+    ```python
+    >>> import bridge, tempfile, os
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> out = os.path.join(tempfile.mkdtemp(), "out")
+    >>> bridge.save_pretrained(out, model, max_shard_size="1KB")
+    >>> sorted(os.listdir(out))
+    ['model.safetensors']
+
+    ```
+    """
+    path = _destination(folder)
+    if format_of(path).suffixes:
+        raise ValueError(_NOT_A_FOLDER.format(path=path))
+    tree = _model(path, model, True)
+    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    options = dict(
+        max_shard_size=max_shard_size,
+        config=config,
+        generation_config=generation_config,
+        packed_experts=packed_experts,
+    )
+    with _saving(progress, path, tree):
+        save_layout(
+            path, tree, metadata, rules, prefix, options, None, like, strict, inputs
         )
-    if plain and training:
-        raise ValueError(
-            "A PyTorch-layout file holds the model's arrays only: save the "
-            "training state (`opt_state`, `step`, `extra`) in bridge's layout."
+
+
+def save_state_dict(
+    path: str | os.PathLike,
+    model: Any,
+    *,
+    like: Any = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
+    rules: Mapping[str, str | None] | None = None,
+    prefix: str = "",
+    strict: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool = False,
+) -> None:
+    """Write a model of any framework as one PyTorch-layout safetensors file, as
+    `safetensors.torch.save_file(module.state_dict(), path)` would, for
+    `module.load_state_dict(..., strict=True)` or a folder's `model.safetensors`;
+    atomically.
+
+    No bridge metadata, `{"format": "pt"}` as PyTorch's writers add; `nn.Linear`
+    weights `(out, in)`, OIHW convolutions, `running_mean`/`running_var` (and
+    `num_batches_tracked` 0), fused `in_proj_weight`. Layers are named by their
+    dotted paths, by `rules` read backwards, or, with `like` and `example`, by the
+    layers of `like` they pair with.
+
+    **Arguments:**
+
+    - `path`: a `*.safetensors` file.
+    - `model`: a `bridge.Tree` or a native model (not a training state).
+    - `like`, `example`, `example_kwargs`, `rules`, `prefix`, `strict`, `metadata`,
+      `progress`: as for `bridge.save_pretrained`.
+
+    **Example:**
+
+    ```python
+    >>> import bridge, tempfile, os
+    >>> import safetensors.numpy
+    >>> from flax import nnx
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> bridge.save_state_dict(path, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> safetensors.numpy.load_file(path)["weight"].shape  # (out, in)
+    (3, 2)
+
+    ```
+    """
+    path = _destination(path)
+    if format_of(path).save_plain is None:
+        raise ValueError(_NOT_A_FILE.format(path=path))
+    tree = _model(path, model, True)
+    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    with _saving(progress, path, tree):
+        save_layout(path, tree, metadata, rules, prefix, {}, None, like, strict, inputs)
+
+
+def save_quantized(
+    path: str | os.PathLike,
+    model: Any,
+    scheme: str = "fp8-block",
+    *,
+    like: Any = None,
+    example: Any = None,
+    example_kwargs: Mapping[str, Any] | tuple[Any, Any] | None = None,
+    rules: Mapping[str, str | None] | None = None,
+    prefix: str = "",
+    strict: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool = False,
+) -> None:
+    """Write a model of any framework as one PyTorch-layout safetensors file with
+    its linear layers' weights quantized, and the `quantization_config` into the
+    `config.json` beside it, as one atomic write.
+
+    `"fp8-block"` writes each linear layer's weight (but `lm_head`) as
+    `float8_e4m3fn` with a float32 `weight_scale_inv` per 128x128 block (DeepSeek-V3's
+    form, read by transformers and serving engines); the other arrays as
+    `bridge.save_state_dict` writes them. See the quantized checkpoints guide.
+
+    **Arguments:**
+
+    - `path`: a `*.safetensors` file (its folder's `config.json` is updated, or
+      made).
+    - `model`: a `bridge.Tree` or a native model.
+    - `scheme`: the quantization scheme (`"fp8-block"`).
+    - `like`, `example`, `example_kwargs`, `rules`, `prefix`, `strict`, `metadata`,
+      `progress`: as for `bridge.save_pretrained`.
+    """
+    path = _destination(path)
+    if format_of(path).save_plain is None:
+        raise ValueError(_NOT_A_FILE.format(path=path))
+    check_str(scheme, "scheme")
+    tree = _model(path, model, True)
+    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    with _saving(progress, path, tree):
+        save_layout(
+            path, tree, metadata, rules, prefix, {}, scheme, like, strict, inputs
         )
-    # 2. the model as a Tree, refused by a plug-in that cannot write what it holds
-    # (weights kept quantized)
+
+
+_NOT_A_FOLDER = """\
+{path}: bridge.save_pretrained writes a Hugging Face folder: give a path without a
+suffix. For one PyTorch-layout file, call bridge.save_state_dict(path, model)."""
+_NOT_A_FILE = """\
+{path}: a PyTorch-layout file is a safetensors file: name it *.safetensors. For a
+Hugging Face folder (a path without a suffix), call bridge.save_pretrained(folder,
+model, config=...)."""
+
+
+def _destination(path: Any) -> Path:
+    """`path` as a Path, refused (before anything is read) when it is not a path or
+    names a kind of file bridge does not write."""
+    path = _path(path)
+    check_destination(path, " (a Hugging Face folder: bridge.save_pretrained)")
+    return path
+
+
+def _model(path: Path, model: Any, torch_layout: bool, argument: str = "model") -> Tree:
+    """The model to save (the `argument`) as a Tree, refused naming it when it is or
+    holds a training state (`torch_layout`: a PyTorch-layout export, which holds a
+    model's arrays only), or holds what a plug-in cannot write (weights kept
+    quantized)."""
+    if torch_layout:  # refused by name before the model is read
+        _training.refuse_training_state(path, model, True, argument)
     try:
-        tree = to_neutral(obj)
-    except (TypeError, ValueError):  # a model holding its optimizer: said so
-        _training.refuse_training_state(path, obj, torch_layout=False)
+        check_model(model, argument)
+        tree = to_neutral(model)
+    except (TypeError, ValueError):  # an optimizer container: said so
+        _training.refuse_training_state(path, model, False, argument)
         raise
     for plugin in plugins():
         if plugin.check_save is not None:
             plugin.check_save(path, tree)
-    # 3. written: as another library writes it (`layout`, a `quantize` scheme a
-    # plug-in gives), or bridge's own file with its metadata and training state
-    uses = None if plain else _uses(tree, example, example_kwargs)
-    total = _nbytes((tree, opt_state, extra)) if progress else 0  # a walk: if asked
+    return tree
+
+
+def _exported(
+    rules: Any, prefix: Any, strict: Any, example: Any, kwargs: Any, progress: Any
+) -> Example | None:
+    """The arguments of a PyTorch-layout export checked; its example inputs."""
+    check_rules(rules)
+    check_str(prefix, "prefix")
+    check_bool(strict, "strict")
+    check_bool(progress, "progress")
+    check_inputs(example, "example")
+    check_pair_or_mapping(kwargs, "example_kwargs")
+    return None if example is None else Example(example, kwargs)
+
+
+@contextlib.contextmanager
+def _saving(progress: bool, path: Path, arrays: Any) -> Iterator[None]:
+    """The progress display of a save of `arrays` (any pytree) to `path`."""
+    total = _nbytes(arrays) if progress else 0  # a walk: only if asked
     with shown(progress, f"saving {path.name} ({human(total)})", total):
-        if plain:
-            inputs = None if example is None else Example(example, example_kwargs)
-            save_layout(
-                path,
-                tree,
-                metadata,
-                layout,
-                rules,
-                prefix,
-                folder,
-                quantize,
-                like,
-                strict,
-                inputs,
-            )
-            return
-        contents, arrays = describe(tree, metadata, uses)
-        if training:
-            contents, arrays = _training.add(
-                contents, arrays, tree, opt_state, step, extra
-            )
-        write(path, contents, arrays)
+        yield
+
+
+_JOBS = {
+    "save_training": ("opt_state", "step", "extra"),
+    "save_pretrained": (
+        "layout", "rules", "prefix", "like", "strict", "config", "generation_config",
+        "max_shard_size", "packed_experts",
+    ),
+    "save_quantized": ("quantize",),
+}  # fmt: skip
+_OTHER_JOB = """\
+bridge.save(..., {given}) writes {what}: call bridge.{call}({args}) instead, which
+takes that job's keywords alone (help(bridge.{call})). The old spelling still works."""
+_TWO_JOBS = """\
+A PyTorch-layout file holds the model's arrays only: save the training state with
+bridge.save_training(path, model, opt_state, step=...), and the model for PyTorch
+with bridge.save_pretrained or bridge.save_state_dict."""
+_ONLY_TORCH = """\
+`layout` must be "torch" (or None for the model's own layout), got {layout!r}; to
+write the PyTorch layout call bridge.save_pretrained(folder, model, ...) or
+bridge.save_state_dict(path, model, ...)."""
+_NEEDS_TORCH = """\
+{given} apply to a PyTorch-layout export only: call bridge.save_pretrained(folder,
+model, ...) for a Hugging Face folder, or bridge.save_state_dict(path, model, ...)
+for one file."""
+_FOLDER = ("config", "generation_config", "max_shard_size", "packed_experts")
+_FOLDER_ONLY = """\
+{given} apply to a Hugging Face folder only: call bridge.save_pretrained(folder,
+model, ...) with a path without a suffix."""
+
+
+def _other_job(
+    path: Any,
+    obj: Any,
+    metadata: Any,
+    example: Any,
+    example_kwargs: Any,
+    progress: Any,
+    given: dict[str, Any],
+) -> None:
+    """`bridge.save` with another job's keywords (its earlier spelling): that job's
+    call, with a `BridgeDeprecationWarning` naming it."""
+    known = {k for keys in _JOBS.values() for k in keys}
+    unknown = sorted(given.keys() - known)
+    if unknown:
+        raise TypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
+    defaults = {"prefix": "", "strict": True}
+    given = {
+        k: v
+        for k, v in given.items()
+        if v is not None and (k not in defaults or defaults[k] != v)
+    }
+    shared = dict(metadata=metadata, progress=progress)
+    layout = given.pop("layout", None)
+    quantize = given.pop("quantize", None)
+    training = {k: given.pop(k) for k in _JOBS["save_training"] if k in given}
+    if layout is not None and layout != "torch":
+        raise ValueError(_ONLY_TORCH.format(layout=layout))
+    torch_layout = layout is not None or quantize is not None
+    if training and (torch_layout or given):
+        raise ValueError(_TWO_JOBS)
+    if training:
+        _warn(training, "a training state", "save_training", "path, model, opt_state")
+        opt_state = training.pop("opt_state", None)
+        return save_training(
+            path, obj, opt_state, **training, **shared, example=example,
+            example_kwargs=example_kwargs,
+        )  # fmt: skip
+    if not torch_layout:
+        if given:
+            named = ", ".join(f"`{k}`" for k in given)
+            raise ValueError(_NEEDS_TORCH.format(given=named))
+        return save(path, obj, **shared, example=example, example_kwargs=example_kwargs)
+    given.update(example=example, example_kwargs=example_kwargs, **shared)
+    told = {"layout": layout} if layout is not None else {}
+    if quantize is not None:
+        _warn(told | {"quantize": quantize}, "an FP8 file", "save_quantized",
+              f"path, model, {quantize!r}")  # fmt: skip
+        return save_quantized(path, obj, quantize, **given)
+    if format_of(_path(path)).suffixes:
+        folder = [f"`{k}`" for k in _FOLDER if k in given]
+        if folder:
+            raise ValueError(_FOLDER_ONLY.format(given=", ".join(folder)))
+        _warn(told, "one PyTorch-layout file", "save_state_dict", "path, model")
+        return save_state_dict(path, obj, **given)
+    _warn(told, "a Hugging Face folder", "save_pretrained", "folder, model, config=...")
+    return save_pretrained(path, obj, **given)
+
+
+def _warn(given: Mapping[str, Any], what: str, call: str, args: str) -> None:
+    """The `BridgeDeprecationWarning` of an earlier spelling of `call`."""
+    spelled = ", ".join(
+        "opt_state=..." if k == "opt_state" else f"{k}={v!r}" for k, v in given.items()
+    )
+    message = _OTHER_JOB.format(given=spelled, what=what, call=call, args=args)
+    warn(message, BridgeDeprecationWarning)
 
 
 def _nbytes(tree: Any) -> int:

@@ -44,3 +44,10 @@ def unreadable(
             size += f" in place of a file of {int(stood[1]):,} bytes"
         return CheckpointError(_LFS_POINTER.format(path=path, size=size))
     return CheckpointError(_UNREADABLE.format(path=path, format=format, reason=reason))
+
+
+class BridgeDeprecationWarning(DeprecationWarning):
+    """An earlier spelling of a call that still works, naming the call that does the
+    job now (`bridge.save(..., layout="torch")`: `bridge.save_pretrained`). Shown
+    where the call is made in `__main__` (a script, a notebook), as Python shows
+    `DeprecationWarning`s."""

@@ -62,8 +62,8 @@ class Format(NamedTuple):
       (`Contents.order`: `save(..., example=...)`), which ports it into a model
       with other names; `False`: no metadata to hold it (msgpack).
     - `save_plain(path, contents, arrays, meta)`: write with `meta` as the whole
-      metadata, no bridge keys (a file as another library writes it: `save(...,
-      layout="torch")`); `None`: it writes no such file.
+      metadata, no bridge keys (a file as another library writes it:
+      `save_state_dict`); `None`: it writes no such file.
     - `probe(directory)`: the file of this format inside a directory given as a
       checkpoint (a Hugging Face `save_pretrained` folder's `model.safetensors`),
       else None. Formats are probed longest suffix first, as `format_of` chooses.

@@ -20,7 +20,7 @@ its `check` and `fill` are asked only when that argument is given. (A format who
 files name layers their own way renames them itself: `Format.rename`.)
 
 `save` asks `check_save(path, tree)` of each (weights kept quantized are refused) and
-takes `save(..., layout="torch", quantize=name)`'s scheme from the plug-in whose
+takes `save_quantized(path, model, name)`'s scheme from the plug-in whose
 `quantizers` has that name.
 """
 
@@ -73,7 +73,7 @@ class Filled(NamedTuple):
 
 
 class Quantizer(NamedTuple):
-    """A scheme of `save(..., layout="torch", quantize=name)`: `state(state,
+    """A scheme of `save_quantized(path, model, name)`: `state(state,
     linear)` gives the PyTorch-layout `{name: array}` with the weights of the linear
     layers `linear` (dotted layer names) quantized; `config(folder)` writes what a
     reader needs beside the file (the `quantization_config` of `config.json`)."""
@@ -139,7 +139,7 @@ def dense(
 
 
 _UNKNOWN = """\
-`quantize` must be one of {schemes} (with layout="torch"), got {got!r}."""
+`scheme` must be one of {schemes}, got {got!r}."""
 
 
 def quantizer(name: str | None) -> Quantizer | None:

@@ -1,4 +1,4 @@
-"""An export named by both computations: `save(..., layout="torch", like=module,
+"""An export named by both computations: `save_pretrained(..., like=module,
 example=inputs)`.
 
 The model is ported into the reference's layout as `bridge.port(model, module,

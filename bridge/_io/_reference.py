@@ -1,4 +1,4 @@
-"""An export checked against the model it is for: `save(..., layout="torch",
+"""An export checked against the model it is for: `save_pretrained(...,
 like=reference)` and `bridge convert --to-layout torch --like REFERENCE`.
 
 The reference is a PyTorch module (a model built from its `config.json`, on the
@@ -61,7 +61,7 @@ _MOST_LINES = 12
 """The most problems of each kind a refusal lists (then how many more)."""
 
 _NOT_A_REFERENCE = """\
-`like` (with layout="torch") must be a PyTorch module (anything with a
+`like` (of a PyTorch-layout export) must be a PyTorch module (anything with a
 `state_dict()`), a state dict (names -> arrays or tensors), or the path of a
 checkpoint in the PyTorch layout (a safetensors file, a Hugging Face folder); got
 {what}."""
@@ -81,7 +81,7 @@ EXAMPLE_FIX = """\
 Pass example= inputs of the model with like= the PyTorch module (on the `meta`
 device it costs no memory) or the Hugging Face folder: both forward passes then
 pair the layers and the reference's names are written, e.g.
-bridge.save(path, model, layout="torch", like=module, example=(input_ids,))."""
+bridge.save_pretrained(folder, model, like=module, example=(input_ids,))."""
 NO_FORWARD_PASS = """\
 example= was given, but `like` here has no forward pass to pair the layers by (a
 state dict, or a file without the config.json of its model): pass the PyTorch
@@ -93,7 +93,7 @@ These names are not those of {what}: from_pretrained would open the folder with
 those weights random. If the model has names of its own, pass like= the folder the
 weights came from (or the PyTorch module) and example= inputs of the model: both
 forward passes pair the layers, and the folder's names are written:
-bridge.save(path, model, layout="torch", config={folder}, like={folder},
+bridge.save_pretrained(path, model, config={folder}, like={folder},
 example=(x,))."""
 _UNCHECKED = (
     "%s: the names written are not checked against the model its config.json names (%s)"

@@ -48,7 +48,7 @@ def check_plain_names(path: Path, names: Iterable[str]) -> None:
 _NO_DIRECTORY = "{parent}: no such directory to save {name} in."
 _A_DIRECTORY = """\
 {path} is a directory: a {kind} is one file; pick a file name (or, for a Hugging Face
-folder, a path without a suffix with layout="torch")."""
+folder, a path without a suffix: bridge.save_pretrained)."""
 
 
 def check_place(path: Path, kind: str | None) -> None:

@@ -1,5 +1,6 @@
 """A model of any framework in PyTorch layout and names, without a PyTorch model:
-what `bridge.save(..., layout="torch")` and `bridge convert --to-layout torch` write.
+what `bridge.save_pretrained`, `bridge.save_state_dict` and `bridge convert --to-layout
+torch` write.
 
 Each layer the codecs recognise is decoded to the canonical (Flax) layout and encoded
 by its PyTorch-layout codec (`nn.Linear` weight `(out, in)`, OIHW convolutions,

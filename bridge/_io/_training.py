@@ -54,7 +54,7 @@ and arrays, with one tree of arrays per parameter (Adam's moments)."""
 
 _NO_OPT_STATE = """\
 {path} holds no optimizer state, but `opt_state_like` was given. It was saved with
-bridge.save(path, model) (without `opt_state=`): load the model alone, and start the
+bridge.save(path, model) (not bridge.save_training): load the model alone, and start the
 optimizer fresh with its `init`."""
 
 _MALFORMED = """\
@@ -62,16 +62,16 @@ _MALFORMED = """\
 file may be damaged; load the model alone (without `opt_state_like`)."""
 
 _TRAINING_IN_TORCH = """\
-{path}: layout="torch" writes a model's arrays only (a PyTorch state dict: weights,
-biases, running statistics), but `obj` holds a training state: {found}. Save the model
-alone with layout="torch" (`bridge.save(path, model, layout="torch")`), and the
-training state in bridge's layout: `bridge.save("ckpt.safetensors", model,
-opt_state=..., step=...)`."""
+{path}: a PyTorch-layout export writes a model's arrays only (a PyTorch state dict:
+weights, biases, running statistics), but it holds a training state: {found}.
+Export the model alone (`bridge.save_pretrained(folder, model)`), and save the
+training state in bridge's layout: `bridge.save_training("ckpt.safetensors", model,
+opt_state, step=...)`."""
 
 _TRAINING_AS_MODEL = """\
-{path}: `obj` is the model to save, but it is or holds a training state: {found}.
-Pass the model as `obj` and its optimizer as `opt_state`: `bridge.save(path, model,
-opt_state=optimizer, step=...)` (an `nnx.Optimizer`, a `TrainState` or an optax
+{path}: the model to save is or holds a training state: {found}.
+Pass the model alone and its optimizer as `opt_state`: `bridge.save_training(path,
+model, optimizer, step=...)` (an `nnx.Optimizer`, a `TrainState` or an optax
 state)."""
 
 _TAKEN = """\
@@ -130,11 +130,14 @@ def add(
     return dataclasses.replace(contents, tensors=tensors, training=training), arrays
 
 
-def refuse_training_state(path: Any, obj: Any, torch_layout: bool) -> None:
+def refuse_training_state(
+    path: Any, obj: Any, torch_layout: bool, argument: str = "obj"
+) -> None:
     """Raise `ValueError` when `obj`, given to `save` as the model, is or holds a
     training state (an optimizer container such as `nnx.Optimizer` or
     `TrainState`, an optax state; for `layout="torch"` also a Linen `opt_state`
-    collection), naming the first few and where they are. `save` asks before
+    collection), naming the first few and where they are (in `argument`, the
+    name `obj` was given as). `save` asks before
     `layout="torch"`, else once `obj` is not a model it can read."""
 
     def training(x: Any) -> bool:
@@ -144,7 +147,8 @@ def refuse_training_state(path: Any, obj: Any, torch_layout: bool) -> None:
     flat = jax.tree_util.tree_flatten_with_path(obj, is_leaf=training)[0]
     for where, x in flat:
         if training(x):
-            found.append(f"{type(x).__name__} at obj{jax.tree_util.keystr(where)}")
+            where = jax.tree_util.keystr(where)
+            found.append(f"{type(x).__name__} at {argument}{where}")
     variables = obj[1] if isinstance(obj, tuple) and len(obj) == 2 else obj
     if torch_layout and isinstance(variables, Mapping) and OPT in variables:
         found.append(f"the collection {OPT!r}")

@@ -1,6 +1,6 @@
 """Writing a checkpoint: the checks before anything is written (the format stores
 the dtypes, holds a training state, is one file, the arrays are addressable here),
-and the plain PyTorch-layout file (`save(..., layout="torch")`)."""
+and the plain PyTorch-layout file (`save_state_dict`, `save_pretrained`)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def check_destination(path: Path, folder: str) -> None:
     kind of file bridge does not write (a pickle's `.pt`, `.npz`, a typo of a
     format's suffix such as `.safetensor`), which would otherwise be written as an
     orbax directory of that name; `folder`: what a name without a suffix is besides
-    (`" (a Hugging Face folder with layout='torch')"`). A suffix of digits
+    (`" (a Hugging Face folder: bridge.save_pretrained)"`). A suffix of digits
     (`runs/lr0.001`) names no kind of file; an existing directory is a checkpoint
     directory whatever its name."""
     fmt = format_of(path)
@@ -158,22 +158,9 @@ def write(path: Path, contents: Contents, arrays: Mapping[str, Any]) -> None:
     fmt.save(path, contents, arrays)
 
 
-FOLDER_OPTIONS = """\
-{options} apply to a Hugging Face folder only: pass layout="torch" and a folder path
-(no .safetensors suffix): bridge.save("out/model", model, layout="torch", ...)."""
-
-
-def given(options: Mapping[str, Any]) -> str:
-    return ", ".join(f"`{k}`" for k, v in options.items() if v is not None)
-
-
 _QUANTIZE_FOLDER = """\
 {path}: `quantize` writes one *.safetensors file (and the quantization_config into the
 config.json beside it); a Hugging Face folder is not written quantized yet."""
-
-_LAYOUT_OPTIONS = """\
-`layout` must be "torch" (or None for the model's own layout), got {layout!r}; `rules`
-and `prefix` apply only with layout="torch"."""
 
 
 def _check_layout_dtypes(path: Path, tree: Tree) -> None:
@@ -204,8 +191,7 @@ def save_layout(
     path: Path,
     tree: Tree,
     metadata: Mapping[str, str] | None,
-    layout: str | None,
-    rules: Mapping[str, str] | None,
+    rules: Mapping[str, str | None] | None,
     prefix: str,
     folder: Mapping[str, Any],
     quantize: str | None = None,
@@ -213,14 +199,12 @@ def save_layout(
     strict: bool = True,
     example: Any = None,
 ) -> None:
-    """Write `tree` as a plain PyTorch-layout checkpoint (`save(..., layout=...)`):
-    one file in a format that writes plain files (`Format.save_plain`), or a Hugging
-    Face folder for a path no suffix claims; with `like`, only if its names and
-    shapes are the reference's (`_reference`); `example` (a `_port._trace.Example`):
-    the model's inputs, whose forward pass decides the layouts its arrays leave
-    open."""
-    if layout != "torch":
-        raise ValueError(_LAYOUT_OPTIONS.format(layout=layout))
+    """Write `tree` as a plain PyTorch-layout checkpoint (`save_pretrained`,
+    `save_state_dict`, `save_quantized`): one file in a format that writes plain
+    files (`Format.save_plain`), or a Hugging Face folder for a path no suffix
+    claims (`folder`: its options); with `like`, only if its names and shapes are
+    the reference's (`_reference`); `example` (a `_port._trace.Example`): the
+    model's inputs, whose forward pass decides the layouts its arrays leave open."""
     reference = None if like is None else reference_of(like, strict)
     scheme = quantizer(quantize)  # a plug-in's (bridge._quant), or a ValueError
     user = dict(metadata or {})
@@ -238,8 +222,6 @@ def save_layout(
             f"{path}: a PyTorch-layout checkpoint is a safetensors file (name it "
             "*.safetensors) or a Hugging Face folder (a path without a suffix)."
         )
-    elif any(v is not None for v in folder.values()):
-        raise ValueError(FOLDER_OPTIONS.format(options=given(folder)))
     # with example inputs and a reference that runs, both forward passes pair the
     # layers and the reference names them (`_ported`); else the model's own names
     ported = None

@@ -2,7 +2,7 @@
 (`adapter_model.safetensors` + `adapter_config.json`), `bridge.load_peft` puts a
 PEFT adapter on a model of any framework.
 
-A layer's PyTorch name is the one `bridge.save(..., layout="torch")` gives it: its
+A layer's PyTorch name is the one `bridge.save_pretrained` gives it: its
 dotted path, or the name the `rules` that paired a PyTorch model's layers with this
 model's give it, read backwards. A stack of layers is written one layer at a time
 (`layers.0.q_proj`, `layers.1.q_proj`, ...), the index after the stack's path. Keys
@@ -120,7 +120,7 @@ def names(
             for where, index in layer_paths(tree, target)
         ]
     backwards = reverse_rules(rules or {})
-    indexed = indexed_names(tree)  # as `bridge.save(..., layout="torch")` names them
+    indexed = indexed_names(tree)  # as `bridge.save_pretrained` names them
     return [
         (prefix + _name(where, backwards, indexed), target, index)
         for target in found
@@ -209,7 +209,8 @@ def save_peft(
 
     Writes `adapter_model.safetensors` and `adapter_config.json`, which
     `peft.PeftModel.from_pretrained(torch_model, directory)` loads onto the PyTorch
-    model whose layer names `bridge.save(model, layout="torch", rules=rules)` gives;
+    model whose layer names `bridge.save_pretrained(folder, model, rules=rules)`
+    gives;
     with `like` and `example`, onto `like` itself, whatever the model's own names.
     The directory appears whole or not at all; over an existing adapter, only the
     adapter's own files are replaced (a README.md, tokenizer files are kept).
@@ -233,7 +234,7 @@ def save_peft(
       settings (rank `r`), else of the parts' ranks together, `lora_B`
       block-diagonal (a part without adapter: zero rows).
     - `like`, `example`, `example_kwargs`: the base model the adapter is for, as
-      `bridge.save(..., layout="torch", like=..., example=...)` takes them: a
+      `bridge.save_pretrained(..., like=..., example=...)` takes them: a
       Hugging Face folder (its model built from its `config.json`) or a PyTorch
       module, and example inputs of the model. Both forward passes pair the
       model's layers with `like`'s, and each adapter is named by the layer of
@@ -472,10 +473,11 @@ def load_peft(
     """Put a PEFT LoRA adapter (trained in PyTorch, or written by `bridge.save_peft`)
     on a model of any framework.
 
-    Each layer PEFT's `target_modules` names (by the PyTorch names `bridge.save(...,
-    layout="torch", rules=rules)` gives `like`'s layers) gets its adapter, with the
-    config's rank, alpha (`rank_pattern`, `alpha_pattern`), `use_rslora` and
-    `lora_dropout`; the per-layer adapters of a stack of layers are stacked.
+    Each layer PEFT's `target_modules` names (by the PyTorch names
+    `bridge.save_pretrained(folder, model, rules=rules)` gives `like`'s layers) gets
+    its adapter, with the config's rank, alpha (`rank_pattern`, `alpha_pattern`),
+    `use_rslora` and `lora_dropout`; the per-layer adapters of a stack of layers
+    are stacked.
 
     **Arguments:**
 

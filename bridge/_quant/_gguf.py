@@ -52,8 +52,8 @@ pip install gguf"""
 
 _NO_WRITE = """\
 {path}: bridge reads GGUF files but does not write them. Save as safetensors \
-(optionally in PyTorch layout, quantized to FP8: save(..., layout="torch", \
-quantize="fp8-block")), or convert with llama.cpp's convert_hf_to_gguf.py."""
+(optionally in PyTorch layout, quantized to FP8: bridge.save_quantized(path, \
+model, "fp8-block")), or convert with llama.cpp's convert_hf_to_gguf.py."""
 
 # the types stored as NumPy dtypes (read as they are, not dequantized)
 _DENSE = {

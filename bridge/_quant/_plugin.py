@@ -7,7 +7,7 @@
 - `load(..., keep_quantized=True)`: the weights kept as `QuantizedArray`s
   (`_keep.load_kept`, its arguments checked by `_keep.check`);
 - `save`: a model holding kept weights refused (`_keep.refuse_saving_kept`);
-  `save(..., layout="torch", quantize="fp8-block")` (`_write`).
+  `save_quantized(path, model, "fp8-block")` (`_write`).
 
 GGUF registers its own format, which names the file's layers as Hugging Face does
 where `like` asks for those names (`_gguf`).

@@ -51,7 +51,7 @@ def quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
 def applies(contents: Contents) -> bool:
     """Whether `contents` may hold quantized tensors bridge reads as companions: a
     PyTorch-layout checkpoint without bridge's metadata (from Hugging Face, or
-    written by `save(..., layout="torch")`)."""
+    written by `save_state_dict`)."""
     return contents.version is None and contents.layout == "torch"
 
 

@@ -1,4 +1,4 @@
-"""Writing a PyTorch-layout checkpoint quantized: `save(..., layout="torch",
+"""Writing a PyTorch-layout checkpoint quantized: `save_quantized(path, model,
 quantize="fp8-block")` stores every linear layer's weight (but the output head) as
 `float8_e4m3fn` with its `weight_scale_inv` per 128x128 block, and the
 `quantization_config` transformers, vLLM and SGLang read (DeepSeek-V3's form) into the
@@ -22,7 +22,7 @@ from .._io._files import open_regular, read_whole, size
 from . import _fp8
 
 
-NAME = "fp8-block"  # `save(..., quantize=NAME)`
+NAME = "fp8-block"  # `save_quantized(path, model, NAME)`
 BLOCK = (128, 128)
 CONFIG = {
     "quant_method": "fp8",

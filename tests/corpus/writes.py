@@ -83,7 +83,7 @@ def _save_tree(path: Path, value: float) -> None:
 
 def _save_folder(path: Path, value: float) -> None:
     config = {"model_type": "toy", "version": value}
-    bridge.save(path, _layers(value), layout="torch", max_shard_size=400, config=config)
+    bridge.save_pretrained(path, _layers(value), max_shard_size=400, config=config)
 
 
 def _folder_value(path: Path) -> float:
@@ -149,9 +149,9 @@ def _save_fp8(path: Path, value: float) -> None:
     tree = {"params": {"Dense_0": {"kernel": np.full((8, 8), value, np.float32)}}}
     if value == 1:
         (path.parent / "config.json").write_text('{"model_type": "toy"}')
-        bridge.save(path, tree, layout="torch")
+        bridge.save_state_dict(path, tree)
     else:
-        bridge.save(path, tree, layout="torch", quantize="fp8-block")
+        bridge.save_quantized(path, tree, "fp8-block")
 
 
 def _fp8_value(path: Path) -> float:

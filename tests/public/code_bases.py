@@ -14,9 +14,10 @@ misplaced array. Routes, each with `example=` given:
   `bridge.load(path, like=jax_model, example=...)`;
 - `jax->torch`: `bridge.port(jax_model, torch_model, example=...)`, then
   `torch_model.load_state_dict(state, strict=True)`;
-- `jax->folder`: `bridge.save(path, jax_model, layout="torch", like=torch_model,
-  example=...)`, then opened by the library's own loader (`from_pretrained`, or
-  `load_state_dict(strict=True)` of the file).
+- `jax->folder`: `bridge.save_pretrained(folder, jax_model, like=torch_model,
+  example=...)` (or `bridge.save_state_dict` for one file), then opened by the
+  library's own loader (`from_pretrained`, or `load_state_dict(strict=True)` of
+  the file).
 
 Outputs are compared with the source framework's at float32: `exact` (within the
 case's tolerance, relative to the largest magnitude when above 1), `refused` (a
@@ -261,10 +262,11 @@ def _jax_to_folder(case: Case):
     like = case.make_torch().eval()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, case.save_path)
-        bridge.save(
+        folder = not path.endswith(".safetensors")
+        save = bridge.save_pretrained if folder else bridge.save_state_dict
+        save(
             path,
             source,
-            layout="torch",
             like=like,
             example=case.example,
             example_kwargs=case.jax_kwargs,

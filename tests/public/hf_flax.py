@@ -12,7 +12,7 @@ with the reference framework's:
   `bridge.load(folder, like=(flax_module, variables), example=...)`;
 - `flax->torch`: `bridge.port((flax_module, variables), torch_model, example=...)`,
   then `torch_model.load_state_dict(..., strict=True)`;
-- `flax->folder`: `bridge.save(folder, (flax_module, variables), layout="torch",
+- `flax->folder`: `bridge.save_pretrained(folder, (flax_module, variables),
   config=config, like=torch_model, example=...)`, then
   `TorchClass.from_pretrained(folder)` (both forward passes pair the layers, as in
   `flax->torch`, and `torch_model`'s names are written).
@@ -664,10 +664,9 @@ def _flax_to_folder(built: Built, strict: bool = True):
     want = built.run_flax(params)
     like = built.torch_model(6)
     with tempfile.TemporaryDirectory() as folder, _logged() as records:
-        bridge.save(
+        bridge.save_pretrained(
             folder,
             (built.module, built.variables(params)),
-            layout="torch",
             config=built.config,
             like=like,
             strict=strict,
