@@ -312,6 +312,8 @@ def tests_haiku_keras(session: nox.Session) -> None:
         *session.posargs,
         env=env,
     )
+    if not session.posargs:  # the example that `examples` can only skip
+        session.run("python", "examples/haiku_keras.py", env=env)
 
 
 # transformers' own Flax model classes, which only its 4.x releases have, against
@@ -359,8 +361,8 @@ def tests_public_code(session: nox.Session) -> None:
 
 # What the docs' code imports beyond bridge's dependencies: `tests_slow` runs every
 # ```python block of the pages (tests/test_docs.py); the quantized guide reads a GGUF
-# file with gguf
-GUIDE_PACKAGES = ["gguf"]
+# file with gguf, the Haiku and Keras guides use those
+GUIDE_PACKAGES = ["gguf", "dm-haiku", "keras"]
 
 
 @nox.session(python=NEWEST[1])

@@ -6,13 +6,19 @@ Compares, in one interleaved run (each round times every variant in turn):
 - bridge: `bridge.make_step` on the NNX model's Tree;
 - nnx: `nnx.jit` + `nnx.Optimizer(wrt=...)` + `nnx.DiffState`, NNX's own freezing;
 - eqx: `eqx.filter_jit` with `eqx.partition` / `eqx.filter_grad` / `eqx.apply_updates`
-  on an Equinox MLP of the same size.
+  on an Equinox MLP of the same size;
+- haiku: `bridge.make_step` on the Tree of Haiku's own `hk.nets.MLP` of the same size
+  (`bridge.from_haiku`, `loss_fn(params, x, y)` calling `fn.apply`), when dm-haiku is
+  installed;
+- keras: `bridge.make_step` on a Keras `Sequential` of the same Dense layers
+  (`bridge.from_keras`, the model run in a `keras.StatelessScope`), when keras is
+  installed (the JAX backend: KERAS_BACKEND is set to jax here).
 
 Every variant blocks after every step on its loss and optimizer state: outputs of the
 same XLA computation as the new weights, so when they are ready the step is done (the
 frozen weights that bridge's new Tree holds are its inputs, ready all along). Prints the
 median time per step and the ratios bridge/floor (target <= 1.1), nnx/bridge (>= 8),
-eqx/bridge (>= 2).
+eqx/bridge (>= 2), haiku/floor and keras/floor (<= 1.1: the same compiled step).
 
 Two more cases, each against its own floor:
 
@@ -30,6 +36,7 @@ Two more cases, each against its own floor:
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -45,6 +52,9 @@ from _common import backend, compiled_bytes, interleaved, reset_peak, rss
 from flax import nnx
 
 import bridge
+
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported (below)
 
 
 DEPTH, WIDTH, BATCH, LR = 20, 32, 64, 1e-3
@@ -162,6 +172,64 @@ def eqx_variant(x, y):
         state[:] = [model, opt_state]
 
     return run
+
+
+def haiku_variant(x, y):
+    """Haiku's own `hk.nets.MLP` of the same layers, the top half trained."""
+    import haiku as hk
+
+    fn = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([WIDTH] * DEPTH)(x)))
+    params = fn.init(jax.random.key(0), x)
+
+    def loss(params, x, y):
+        return jnp.mean((fn.apply(params, x) - y) ** 2)
+
+    tree = bridge.from_haiku(params, fn=fn)
+    top = [f"linear_{i}" for i in range(TOP, DEPTH)]
+    step = bridge.make_step(
+        loss, optax.adam(LR), bridge.trainable(tree, lambda t: [t.mlp[n] for n in top])
+    )
+    return _stepping(step, tree, x, y)
+
+
+def keras_variant(x, y):
+    """A Keras `Sequential` of the same Dense layers, the top half trained."""
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((WIDTH,))]
+        + [
+            keras.layers.Dense(
+                WIDTH, activation="relu" if i < DEPTH - 1 else None, name=f"d{i}"
+            )
+            for i in range(DEPTH)
+        ]
+    )
+
+    def loss(model, x, y):
+        return jnp.mean((model(x, training=True) - y) ** 2)
+
+    tree = bridge.from_keras(model)
+    trained = [f"d{i}" for i in range(TOP, DEPTH)]
+    step = bridge.make_step(
+        loss, optax.adam(LR), bridge.trainable(tree, lambda t: [t[n] for n in trained])
+    )
+    return _stepping(step, tree, x, y)
+
+
+def _stepping(step, tree, x, y):
+    state = [tree, step.init(tree)]
+
+    def run():
+        tree, opt_state, value = step(state[0], state[1], x, y)
+        jax.block_until_ready((opt_state, value))
+        state[:] = [tree, opt_state]
+
+    return run
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
 
 
 # --- per-call overhead: many leaves, trivial compute --------------------------------
@@ -338,6 +406,10 @@ def main():
         "nnx": nnx_variant(model, x, y),
         "eqx": eqx_variant(x, y),
     }
+    if installed("haiku"):
+        variants["haiku"] = haiku_variant(x, y)
+    if installed("keras"):
+        variants["keras"] = keras_variant(x, y)
     median = interleaved(variants, rounds, per_round, warmup=3)
     print(f"backend: {backend()}")
     print(
@@ -349,6 +421,12 @@ def main():
     print(f"bridge/floor {median['bridge'] / median['floor']:6.2f}   (target <= 1.1)")
     print(f"nnx/bridge   {median['nnx'] / median['bridge']:6.2f}   (target >= 8)")
     print(f"eqx/bridge   {median['eqx'] / median['bridge']:6.2f}   (target >= 2)")
+    for name in ("haiku", "keras"):
+        if name in median:
+            ratio = median[name] / median["floor"]
+            print(f"{name + '/floor':<12} {ratio:6.2f}   (target <= 1.1)")
+        else:
+            print(f"{name}: not installed (pip install 'bridge[{name}]')")
 
     leaves = 1_000 if args.quick else 10_000
     median = interleaved(overhead_variants(leaves), rounds // 4, per_round, warmup=3)
