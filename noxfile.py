@@ -316,6 +316,59 @@ def tests_haiku_keras(session: nox.Session) -> None:
         session.run("python", "examples/haiku_keras.py", env=env)
 
 
+# `tests_matrix_haiku_keras`: the Haiku and Keras tests per dm-haiku and keras
+# (keras-hub) release, on Python 3.11 with the newest flax row (0.12.8, jax 0.10.2)
+# and equinox; keras-hub 0.32 needs keras >= 3.15 (an older keras runs without it:
+# its KerasHub tests skip). Results: docs/matrix-haiku-keras.json (the README's
+# tables do not show them yet).
+HAIKU_KERAS_CELLS = [
+    ("0.0.14", "3.10.0", ""),
+    ("0.0.17", "3.15.1", "0.32.0"),
+]
+HAIKU_KERAS_RESULTS = ROOT / "docs" / "matrix-haiku-keras.json"
+
+
+@nox.session(python="3.11", venv_backend="virtualenv")
+@nox.parametrize(("haiku", "keras", "keras_hub"), HAIKU_KERAS_CELLS)
+def tests_matrix_haiku_keras(
+    session: nox.Session, haiku: str, keras: str, keras_hub: str
+) -> None:
+    """`tests_haiku_keras`'s tests on one dm-haiku x keras (x keras-hub) cell."""
+    start = time.monotonic()
+    pip = ("python", "-m", "pip", "install", "--quiet")
+    session.run(*pip, "torch==2.13.0")
+    session.run(*pip, "-e", ".[test,torch,kerashub]", *FLAX["0.12.8"])
+    session.run(*pip, f"dm-haiku=={haiku}", f"keras=={keras}", "flax==0.12.8")
+    if keras_hub:
+        session.run(*pip, "--no-deps", f"keras-hub=={keras_hub}")
+    junit = Path(session.create_tmp()) / "junit.xml"
+    env = {**DEFAULT_XLA, "KERAS_BACKEND": "jax"}
+    session.run(
+        "pytest",
+        "-q",
+        *HAIKU_KERAS_TESTS,
+        "tests/test_adapters.py",
+        f"--junitxml={junit}",
+        *session.posargs,
+        env=env,
+        success_codes=[0, 1, 2],
+    )
+    counts = matrix_table.junit_counts(junit)
+    if not session.posargs:
+        cell = {"haiku": haiku, "keras": keras, "keras_hub": keras_hub or None}
+        key = f"3.11/haiku-{haiku}/keras-{keras}/keras-hub-{keras_hub or 'none'}"
+        result = {
+            **cell,
+            **counts,
+            "seconds": round(time.monotonic() - start),
+            "date": datetime.date.today().isoformat(),
+            "commit": _commit(),
+        }
+        matrix_table.record(key, result, HAIKU_KERAS_RESULTS)
+    if counts["failed"]:
+        session.error(f"{counts['failed']} tests failed: {counts['failed_tests']}")
+
+
 # transformers' own Flax model classes, which only its 4.x releases have, against
 # their PyTorch twins (tests/public/hf_flax.py)
 PUBLIC = ["torch==2.13.0", "transformers>=4.57,<5"]

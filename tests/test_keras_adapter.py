@@ -184,3 +184,23 @@ def test_each_step_draws_a_new_dropout_mask_from_the_seed_state():
     states = [np.asarray(s[seed].seed_generator_state) for s in (t, one, two)]
     assert len({s.tobytes() for s in states}) == 3
     assert first != second  # another mask, the same weights (learning rate 0)
+
+
+def test_a_keras_model_runs_inside_nnx_and_equinox():
+    """`bridge.as_nnx` / `as_equinox` (the adapter's `embed`): the same outputs, and
+    gradients reach the Keras weights."""
+    from flax import nnx
+
+    model = cnn()
+    x = np.random.default_rng(2).standard_normal((2, 6, 6, 2)).astype("float32")
+    want = np.asarray(model(x, training=False))
+    wrapped = bridge.as_nnx(model)
+    wrapped.eval()
+    assert np.abs(np.asarray(wrapped(x)) - want).max() < 1e-6
+    grads = nnx.grad(lambda m: m(x).sum())(wrapped)
+    assert any(np.abs(g).sum() > 0 for g in jax.tree_util.tree_leaves(grads))
+    # a stateless one inside Equinox (with BatchNorm: Equinox's State convention)
+    dense = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")])
+    features = np.ones((4, 3), "float32")
+    inner = bridge.as_equinox(dense)
+    assert np.array_equal(np.asarray(inner(features)), np.asarray(dense(features)))
