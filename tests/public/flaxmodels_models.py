@@ -7,7 +7,14 @@ out)` weights): the fused query/key/value Dense 16 -> 48 is named `c_proj` and
 the output Dense `out_proj` (transformers: `c_attn` and `c_proj`), so a name
 pairs the wrong layers; the causal mask is computed on the JAX side. (flaxmodels'
 `GPT2LMHeadModel` cannot be built without a pretrained checkpoint: its `setup`
-sets `param_dict` only when `pretrained` is given.)"""
+sets `param_dict` only when `pretrained` is given.)
+
+ResNet-18 (`flaxmodels.ResNet18`, against transformers'
+`ResNetForImageClassification` with basic layers): flaxmodels' own Linen
+`BatchNorm` (`ops.BatchNorm`: `scale`, `bias`, `batch_stats` `mean`/`var`, written
+by hand), NHWC images against NCHW, explicit paddings, max pooling, the mean over
+space and the classifier. ResNet-18's widths are fixed (64 to 512 channels, 11.2M
+parameters)."""
 
 from __future__ import annotations
 
@@ -114,5 +121,79 @@ def gpt2() -> Case:
     )
 
 
+def _images() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(BATCH, 3, 32, 32)).astype(np.float32)
+
+
+def _resnet_config():
+    import transformers
+
+    return transformers.ResNetConfig(
+        embedding_size=64,
+        hidden_sizes=[64, 128, 256, 512],
+        depths=[2, 2, 2, 2],
+        layer_type="basic",
+        num_labels=3,
+    )
+
+
+def _resnet():
+    import flaxmodels
+    import jax
+    import jax.numpy as jnp
+
+    module = flaxmodels.ResNet18(
+        output="logits", pretrained=None, normalize=False, num_classes=3
+    )
+    nhwc = jnp.asarray(_images().transpose(0, 2, 3, 1))
+    return module, module.init(jax.random.key(0), nhwc, train=False)
+
+
+def _resnet_call(model) -> np.ndarray:
+    import jax.numpy as jnp
+
+    module, variables = model
+    nhwc = jnp.asarray(_images().transpose(0, 2, 3, 1))
+    return to_numpy(module.apply(variables, nhwc, train=False))
+
+
+def _hf_resnet():
+    import transformers
+
+    return transformers.ResNetForImageClassification(_resnet_config()).eval()
+
+
+def _hf_resnet_call(model) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return to_numpy(model(**torch_tensors(pixel_values=_images())).logits)
+
+
+def resnet18() -> Case:
+    import transformers
+
+    def read(folder):
+        return transformers.ResNetForImageClassification.from_pretrained(folder).eval()
+
+    return Case(
+        "flaxmodels-resnet18",
+        "flaxmodels",
+        "linen",
+        _resnet,
+        _hf_resnet,
+        _resnet_call,
+        _hf_resnet_call,
+        (_images().transpose(0, 2, 3, 1),),
+        {"train": False},
+        torch_tensors(pixel_values=_images()),
+        hf_folder,
+        read,
+        save_kwargs={"config": _resnet_config()},
+        context=old_reshape,
+    )
+
+
 PACKAGE = "flaxmodels"
-CASES = {"flaxmodels-gpt2": gpt2}
+CASES = {"flaxmodels-gpt2": gpt2, "flaxmodels-resnet18": resnet18}
