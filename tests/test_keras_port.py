@@ -108,9 +108,7 @@ def test_a_kerashub_model_out_to_a_folder_from_pretrained_opens(family, tmp_path
     name, folder, twin, backbone = family
     loaded = bridge.load(folder, like=backbone, example=(IDS,))
     out = tmp_path / "hf"
-    bridge.save(
-        out, loaded, layout="torch", like=twin, config=twin.config, example=(IDS,)
-    )
+    bridge.save_pretrained(out, loaded, like=twin, config=twin.config, example=(IDS,))
     opened = type(twin).from_pretrained(out).eval()
     assert np.array_equal(hidden(opened), hidden(twin))
 
