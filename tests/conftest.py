@@ -74,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
         if "nnx." in source:
             item.add_marker(requires("NNX"))
         for package in _OPTIONAL_FRAMEWORKS:
-            if f"import {package}" in source and not importlib.util.find_spec(package):
+            imports = re.search(rf"^\s*(import|from) [^\n]*\b{package}\b", source, re.M)
+            if imports and not importlib.util.find_spec(package):
                 reason = f"needs {package} (nox -s tests_haiku_keras installs it)"
                 item.add_marker(pytest.mark.skip(reason=reason))
 
