@@ -201,7 +201,8 @@ REPORTED = [
 
 
 # torch beside the Hugging Face libraries of LoRA and quantized checkpoints
-TORCH = ["torch==2.13.0", "peft", "gguf", "compressed-tensors", "qwix"]  # qwix: LoRA
+TORCH = ["torch==2.13.0", "peft", "gguf", "compressed-tensors", "qwix", "diffusers"]
+# qwix: LoRA; diffusers: its folders (tests/test_diffusers_folder.py)
 TORCH_TESTS = [
     "tests/test_torch_adapter.py",
     "tests/test_torch_files.py",
@@ -230,6 +231,7 @@ TORCH_TESTS = [
     "tests/test_torch_trace.py",
     "tests/test_torch_folder_code.py",
     "tests/test_torch_folder_bounds.py",
+    "tests/test_diffusers_folder.py",
     "tests/test_torch_ties.py",
     "tests/test_torch_port_traced.py",
     "tests/test_torch_weight_norm.py",

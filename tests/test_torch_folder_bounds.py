@@ -115,11 +115,13 @@ def test_a_build_past_its_deadline_is_stopped(monkeypatch):
         torch._C._len_torch_function_stack(),
     )
     config = _SWIN | dict(embed_dim=8, depths=[2**22 - 1])
-    start = time.perf_counter()
-    built = folder_module(config, keys=KEYS)
-    assert time.perf_counter() - start < 6
+    start = time.thread_time()  # the deadline's clock: a busy machine stretches
+    built = folder_module(config, keys=KEYS)  # the wall's
+    assert time.thread_time() - start < 6
     assert built.module is None
-    assert "declares a model still being built after 0.6 s" in built.reason, built
+    assert "declares a model still being built after 0.6 s of computing" in (
+        built.reason
+    ), built
     after = (
         len(hooks._global_module_registration_hooks),
         len(hooks._global_parameter_registration_hooks),

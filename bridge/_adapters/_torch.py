@@ -867,6 +867,8 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
     channels = getattr(config, "num_channels", None)
     if channels is None:  # CLIP: its vision tower's
         channels = getattr(getattr(config, "vision_config", None), "num_channels", None)
+    if channels is None:  # a diffusers model's (UNet2DModel, AutoencoderKL)
+        channels = getattr(config, "in_channels", None)
     inputs = tuple(_channel_first(x, channels) for x in inputs)
     kwargs = {k: _channel_first(x, channels) for k, x in kwargs.items()}
     uses = _torch_trace.trace_module(module, inputs, kwargs)

@@ -19,9 +19,10 @@ config calls its sizes:
   drop-path rates, `torch.linspace(..., sum(depths), device="cpu")`), or a list
   made from a tensor (BiT's `x.tolist()`), is refused before it is made when it
   would hold more than `MOST_ELEMENTS` (or `PER_TENSOR` a tensor of the folder)
-  elements (the largest seen: 36); a build still running after `MOST_SECONDS`
-  (and 10 ms a tensor) is stopped at its next step, or 2 s later wherever it is
-  (full-size models build in 0.02-0.45 s).
+  elements (the largest seen: 36); a build that has computed for `MOST_SECONDS`
+  (and 10 ms a tensor; its thread's CPU time, which a busy machine does not
+  inflate) is stopped at its next step, or 2 s later wherever it is (full-size
+  models build in 0.02-0.45 s, the library's modules imported before).
 
 Each refusal is a `TooBig` naming what was declared or done.
 """
@@ -114,7 +115,7 @@ class Bounds:
         self.steps = MOST_STEPS + PER_TENSOR * (tensors or 0)
         self.elements = max(MOST_ELEMENTS, PER_TENSOR * (tensors or 0))
         self.seconds = MOST_SECONDS + (tensors or 0) / 100
-        self.deadline = time.monotonic() + self.seconds
+        self.started = time.thread_time()
         self.taken = 0
 
     def step(self, *_: Any) -> None:
@@ -125,11 +126,11 @@ class Bounds:
                 f"a model of more than {self.steps} modules, parameters, buffers "
                 "and operations"
             )
-        if time.monotonic() > self.deadline:
+        if time.thread_time() - self.started > self.seconds:
             raise TooBig(self.late())
 
     def late(self) -> str:
-        return f"a model still being built after {self.seconds:g} s"
+        return f"a model still being built after {self.seconds:g} s of computing"
 
     def made(self, torch: Any, func: Any, args: tuple, kwargs: dict) -> None:
         """Refuse `func` making a tensor of more than `elements` in memory (it is
@@ -157,9 +158,10 @@ class Bounds:
     def counting(self, torch: Any) -> Iterator[None]:
         """Each registration (global module hooks) and each torch function (a
         `TorchFunctionMode`) a `step`; each tensor made in memory `made`. The
-        steps are counted from 0 at each entry (a build tried again elsewhere)."""
+        steps (and the time) are counted from 0 at each entry (a build tried
+        again elsewhere)."""
         bounds = self
-        self.taken = 0
+        self.taken, self.started = 0, time.thread_time()
 
         class Steps(torch.overrides.TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -187,32 +189,53 @@ class Bounds:
         deadline: a loop of Python alone (Swin's drop-path rates, a list of
         `sum(depths)` floats) makes no step. The exception is delivered between
         two of the thread's bytecodes (CPython's `PyThreadState_SetAsyncExc`);
-        one not yet delivered when the block ends is withdrawn."""
+        one not yet delivered when the block ends is withdrawn. The time is the
+        thread's own (CPU time, where the system tells another thread's: a busy
+        machine does not stop a build), counted from the block's start."""
         thread = threading.get_ident()
+        clock = _cpu_clock(thread) or time.monotonic  # else the wall's time
+        began = clock()
+
+        def spent() -> float:
+            return clock() - began
+
         lock = threading.Lock()
-        fired = armed = False
+        done = threading.Event()
+        fired = False
 
-        def fire() -> None:
+        def watch() -> None:
             nonlocal fired
-            with lock:
-                if armed:
-                    _raise_in(thread, _Late)
-                    fired = True
+            while not done.wait(max(0.05, self.seconds + 2 - spent())):
+                with lock:
+                    if done.is_set():
+                        return
+                    if spent() > self.seconds + 2:
+                        _raise_in(thread, _Late)
+                        fired = True
+                        return
 
-        timer = threading.Timer(max(0.0, self.deadline + 2 - time.monotonic()), fire)
-        timer.daemon = True
-        armed = True
-        timer.start()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         try:
             yield
         except _Late:
             raise TooBig(self.late()) from None
         finally:
             with lock:
-                armed = False
+                done.set()
                 if fired:
                     _raise_in(thread, None)
-            timer.cancel()
+
+
+def _cpu_clock(thread: int) -> Any:
+    """A function giving the CPU time `thread` has spent (seconds), read from any
+    thread (Linux's `pthread_getcpuclockid`); None where there is no such clock."""
+    try:
+        clock = time.pthread_getcpuclockid(thread)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError, OverflowError):
+        return None
+    return lambda: time.clock_gettime(clock)
 
 
 class _Late(TooBig):

@@ -2,14 +2,16 @@
 `config.json` alone: full size, no weights in memory, so that `trace_module`
 (`_torch_trace`) reads the folder's computation before a single weight is loaded.
 
-`folder_module(folder)` builds it with transformers on the `meta` device, else inside
-`FakeTensorMode`, under `no_init_weights()`, and relates the module's names to the
-folder's keys as transformers renames them on load. A downloaded folder is hostile
-input: a config naming code of its own is never built (nothing it names is
-imported, no question is asked), and a config declaring far more than its folder
-holds is refused before it costs minutes and gigabytes.
+`folder_module(folder)` builds it on the `meta` device, else inside
+`FakeTensorMode`, through the library its config names (one module each, of the
+same functions: `_torch_transformers`, `_torch_diffusers`), and relates the
+module's names to the folder's keys as that library renames them on load. A
+downloaded folder is hostile input: a config naming code of its own is never built
+(nothing it names is imported, no question is asked), and a config declaring far
+more than its folder holds is refused before it costs minutes and gigabytes
+(`_torch_bounds`).
 
-torch and transformers are imported here only, when called: without them,
+torch and the libraries are imported here only, when called: without them,
 `folder_module` says why it built nothing.
 """
 
@@ -23,8 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .._families._diffusers import CLASS
 from .._gc import paused
 from .._shown import shown
+from . import _torch_diffusers, _torch_transformers
 from ._torch_bounds import Bounds, TooBig, declared
 
 
@@ -54,11 +58,7 @@ class FolderModule(NamedTuple):
 
 
 _NO_PACKAGE = (
-    "{name} is not installed (pip install torch transformers): the PyTorch side "
-    "cannot be built from config.json"
-)
-_UNKNOWN_CLASS = (
-    "transformers {version} has no model class for {what}: the PyTorch side "
+    "{name} is not installed (pip install {install}): the PyTorch side "
     "cannot be built from config.json"
 )
 
@@ -70,7 +70,13 @@ _CUSTOM_CODE = (
 )
 # The fields through which a config.json asks transformers (or another library) to
 # import a file of the folder or of a hub repository
-_CODE_FIELDS = ("auto_map", "trust_remote_code", "custom_pipelines")
+_CODE_FIELDS = (
+    *("auto_map", "trust_remote_code", "custom_pipelines", "custom_pipeline"),
+)
+_LIBRARIES = (_torch_diffusers, _torch_transformers)
+"""The libraries whose folders are built, each a module of the same functions
+(`claims`, `prepare`, `context`, `renamed`): the first that claims a config."""
+CONFIG = "config.json"
 
 
 _TOO_BIG = (
@@ -91,13 +97,16 @@ class _CustomCode(Exception):
 
 def _custom_code(raw: Mapping) -> str | None:
     """What in `raw` (or its nested configs) names code to import (`auto_map`,
-    `trust_remote_code`, `custom_pipelines`), shown shortly; None when nothing does.
-    transformers' auto classes import such code, after asking on stdin."""
+    `trust_remote_code`, `custom_pipelines`, diffusers' `custom_pipeline` and a
+    `_class_name` naming a module and a class), shown shortly; None when nothing
+    does. transformers' auto classes import such code, after asking on stdin."""
     todo = [raw]
     while todo:
         node = todo.pop()
         for key, value in node.items():
             if key in _CODE_FIELDS and value not in (None, False, {}, []):
+                return f"{key}: {shown(value)}"
+            if key == CLASS and isinstance(value, list | tuple):
                 return f"{key}: {shown(value)}"
             if isinstance(value, Mapping):
                 todo.append(value)
@@ -116,27 +125,11 @@ def _import(name: str) -> Any:
         return None
 
 
-def _no_init_weights(transformers: Any) -> Any:
-    """transformers' context that skips weight initialisation (private: its module
-    moved between 4.x and 5.x)."""
-    for where in ("transformers.initialization", "transformers.modeling_utils"):
-        module = _import(where)
-        found = getattr(module, "no_init_weights", None)
-        if found is not None:
-            return found()
-    raise ImportError("transformers has no no_init_weights")
-
-
-def _config(
-    transformers: Any, given: Any, keys: int | None, bounds: Bounds
-) -> tuple[Any, dict]:
-    """The transformers config of a folder (its `config.json`) or of a dict, which
-    declares no more than a folder of `keys` tensors holds (`declared`), made
-    within `bounds`."""
-    if isinstance(given, Mapping):
-        raw = dict(given)
-    else:
-        raw = _json_in(Path(given) / "config.json")
+def _raw(given: Any, keys: int | None) -> dict:
+    """The config of a folder (its `config.json`) or a dict, naming no code of its
+    own (`_custom_code`) and declaring no more than a folder of `keys` tensors
+    holds (`declared`)."""
+    raw = given if isinstance(given, Mapping) else _json_in(Path(given) / CONFIG)
     if not isinstance(raw, Mapping):
         raise ValueError(f"config.json holds a {type(raw).__name__}, not an object")
     code = _custom_code(raw)
@@ -145,10 +138,7 @@ def _config(
     what = declared(raw, keys)
     if what is not None:
         raise TooBig(what)
-    rest = {k: v for k, v in raw.items() if k != "model_type"}
-    with bounds.stopping():
-        config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
-    return config, raw
+    return dict(raw)
 
 
 @paused()
@@ -156,130 +146,76 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     """Build the PyTorch model a Hugging Face folder holds weights for, from its
     `config.json` alone, at no memory cost: meta (or fake) tensors of full size.
 
-    The class is `config["architectures"][0]` (else the class
-    `transformers.AutoModel` maps the config to), built on the `meta` device
-    (else inside `torch._subclasses.fake_tensor.FakeTensorMode`) under transformers'
-    `no_init_weights()`, with `attn_implementation="eager"`, `use_cache=False` and
-    float32 parameters, then `tie_weights()` (skipping the initialisation also
-    skips the tying) and `eval()`. `trace_module` runs it on meta or fake inputs.
+    A diffusers config (`_class_name`: `_torch_diffusers`) builds that diffusers
+    model class; any other a transformers model: `config["architectures"][0]`
+    (else the class `transformers.AutoModel` maps the config to) under
+    transformers' `no_init_weights()`, with `attn_implementation="eager"`,
+    `use_cache=False` and float32 parameters, then `tie_weights()`
+    (`_torch_transformers`). Built on the `meta` device (else inside
+    `torch._subclasses.fake_tensor.FakeTensorMode`), within `_torch_bounds`, in
+    `eval()` mode. `trace_module` runs it on meta or fake inputs.
 
     **Arguments:**
 
     - `folder`: a folder with a `config.json`, or the config as a dict.
     - `keys`: optional, the folder's tensor names; by default read from its
-      `model.safetensors.index.json` or `*.safetensors` headers (none for a dict).
+      `*.safetensors.index.json` or `*.safetensors` headers (none for a dict).
 
     **Returns:**
 
-    A `FolderModule`: the module or the reason there is none (torch or
-    transformers missing, an unknown class, a failing constructor), and how the
+    A `FolderModule`: the module or the reason there is none (torch or its
+    library missing, an unknown class, a failing constructor), and how the
     module's names relate to the folder's keys.
     """
-    torch = _import("torch")
-    if torch is None:
-        return FolderModule(None, _NO_PACKAGE.format(name="torch"), {}, ())
-    transformers = _import("transformers")
-    if transformers is None:
-        return FolderModule(None, _NO_PACKAGE.format(name="transformers"), {}, ())
-    fake_tensor = _import("torch._subclasses.fake_tensor")
-    if fake_tensor is None:
-        return FolderModule(None, "torch has no FakeTensorMode", {}, ())
     if keys is None and not isinstance(folder, Mapping):
         keys = _folder_keys(folder)
     count = None if keys is None else len(keys)
     bounds = Bounds(count)
     try:
-        config, raw = _config(transformers, folder, count, bounds)
+        raw = _raw(folder, count)
+        library = next(lib for lib in _LIBRARIES if lib.claims(raw))
+        install = f"torch {library.PACKAGE}"
+        torch, package = _import("torch"), _import(library.PACKAGE)
+        for name, found in (("torch", torch), (library.PACKAGE, package)):
+            if found is None:
+                reason = _NO_PACKAGE.format(name=name, install=install)
+                return FolderModule(None, reason, {}, ())
+        fake_tensor = _import("torch._subclasses.fake_tensor")
+        if fake_tensor is None:
+            return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+        name, build = library.prepare(package, raw, bounds)
     except TooBig as e:
         return FolderModule(None, _too_big(e, count), {}, ())
     except _CustomCode as e:
         return FolderModule(None, str(e), {}, ())
-    except Exception as e:  # not JSON, not an object, refused by transformers
-        return FolderModule(
-            None, f"its config.json is not read: {type(e).__name__}: {e}", {}, ()
-        )
-    cls = _model_class(transformers, raw.get("architectures"))
-    if cls is None:  # the base model of its model_type: transformers' own class
-        cls = _base_class(transformers, config)
-    if cls is None:
-        names = raw.get("architectures") or []
-        what = (
-            shown(names[0])
-            if isinstance(names, list) and names
-            else f"model_type {shown(raw.get('model_type'))}"
-        )
-        version = transformers.__version__
-        return FolderModule(
-            None, _UNKNOWN_CLASS.format(version=version, what=what), {}, ()
-        )
-    config.use_cache = False
-    built = None
-    for context in (  # the meta device where it builds, else fake tensors
+    except Exception as e:  # not JSON, not an object, no class, refused by its
+        # library
+        reason = f"its config.json is not read: {type(e).__name__}: {e}"
+        return FolderModule(None, reason, {}, ())
+    failed = ""
+    for device in (  # the meta device where it builds, else fake tensors
         lambda: torch.device("meta"),
         lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
     ):
         try:
-            with bounds.counting(torch), context(), _no_init_weights(transformers):
+            with bounds.counting(torch), device(), library.context(package):
                 with bounds.stopping():
-                    module = _construct(cls, config, torch)
-                    module.tie_weights()
+                    module = build(torch)
         except TooBig as e:
             return FolderModule(None, _too_big(e, count), {}, ())
         except Exception as e:  # the model's own code: report, do not crash the port
-            built = (
-                built or f"{cls.__name__} could not be built: {type(e).__name__}: {e}"
-            )
+            failed = failed or f"{name} could not be built: {type(e).__name__}: {e}"
             continue
         break
     else:
-        return FolderModule(None, built or "", {}, ())
+        return FolderModule(None, failed, {}, ())
     module.eval()
-    return FolderModule(module, "", *_file_names(module, keys, transformers))
+    return FolderModule(module, "", *_file_names(module, keys, library, package))
 
 
 def module_from_folder(folder: Any) -> Any:
     """`folder_module(folder).module`: the fake-tensor model, or None."""
     return folder_module(folder).module
-
-
-def _model_class(transformers: Any, architectures: Any) -> Any:
-    """The model class `config["architectures"][0]` names, if it is one of
-    transformers' own model classes (a `PreTrainedModel` subclass it exports; never
-    an auto class, which may import code a config names); else None."""
-    if not isinstance(architectures, list) or not architectures:
-        return None
-    name = architectures[0]
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith("Auto"):
-        return None
-    try:
-        cls = getattr(transformers, name, None)
-    except Exception:  # transformers' lazy module failing to import one of its own
-        return None
-    base = transformers.PreTrainedModel
-    return cls if isinstance(cls, type) and issubclass(cls, base) else None
-
-
-def _base_class(transformers: Any, config: Any) -> Any:
-    """The class `transformers.AutoModel` builds from `config`, imported now (never
-    code a config names: only the classes transformers maps its configs to)."""
-    mapping = getattr(transformers.AutoModel, "_model_mapping", {})
-    try:
-        return mapping[type(config)]
-    except Exception:  # not mapped, or transformers failing to import its own
-        return None
-
-
-def _construct(cls: Any, config: Any, torch: Any) -> Any:
-    """`cls` (one of transformers' model classes) built from `config`."""
-    for dtype in ("dtype", "torch_dtype"):  # transformers 5.x, 4.x
-        try:
-            return cls._from_config(
-                config, attn_implementation="eager", **{dtype: torch.float32}
-            )
-        except TypeError as e:
-            if dtype not in str(e):
-                raise
-    return cls._from_config(config, attn_implementation="eager")
 
 
 def _folder_keys(folder: Any) -> list[str] | None:
@@ -325,18 +261,19 @@ def _bytes_in(path: Path, start: int, size: int | None) -> bytes:
 
 
 def _file_names(
-    module: Any, keys: Any, transformers: Any
+    module: Any, keys: Any, library: Any, package: Any
 ) -> tuple[dict[str, str], tuple[str, ...], dict[str, tuple[str, ...]]]:
     """`{module name: file key}` where they differ, the module names no key
     gives, and `{module name: its keys}` of those several keys give, renaming the
-    keys as transformers does on load (its conversion mapping and
-    `base_model_prefix`)."""
+    keys as the model's library does on load (`library.renamed`: transformers'
+    conversion mapping and `base_model_prefix`, diffusers' older attention
+    names)."""
     state = module.state_dict(keep_vars=True)
     names = list(state)
     if keys is None:
         return {}, (), {}
     given: dict[str, list[str]] = {}
-    for key, name in _renamed(module, transformers, names, list(keys)).items():
+    for key, name in library.renamed(module, package, names, list(keys)).items():
         given.setdefault(name, []).append(key)
     by_tensor: dict[int, str] = {}  # a tied name: the key of the name the file has
     for name in names:
@@ -353,52 +290,3 @@ def _file_names(
             found[name] = key
     merged = {n: tuple(k) for n, k in given.items() if n in state and len(k) > 1}
     return found, tuple(unmatched), merged
-
-
-def _renamed(
-    module: Any, transformers: Any, names: list[str], keys: list[str]
-) -> dict[str, str]:
-    """`{file key: its name in module}`, as transformers renames keys on load: 5.x
-    its conversion mapping, 4.x `_get_key_renaming_mapping` (legacy names such as
-    `weight_g`, `gamma`, and the `base_model_prefix`)."""
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    known = set(names)
-
-    def with_prefix(key: str) -> str:
-        if key in known or not prefix:
-            return key
-        if f"{prefix}.{key}" in known:
-            return f"{prefix}.{key}"
-        if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in known:
-            return key[len(prefix) + 1 :]
-        return key
-
-    loading = _import("transformers.core_model_loading")
-    mapping = _import("transformers.conversion_mapping")
-    if (
-        loading is not None
-        and mapping is not None
-        and hasattr(loading, "rename_source_key")
-    ):
-        transforms = mapping.get_model_conversion_mapping(module)
-        renamings = [t for t in transforms if isinstance(t, loading.WeightRenaming)]
-        converters = [t for t in transforms if isinstance(t, loading.WeightConverter)]
-        return {
-            k: with_prefix(loading.rename_source_key(k, renamings, converters)[0])
-            for k in keys
-        }
-    rename = getattr(module, "_get_key_renaming_mapping", None)
-    if rename is not None:  # transformers 4.x, as its from_pretrained calls it
-        has_prefix = bool(prefix) and any(k.startswith(prefix + ".") for k in keys)
-        expects = bool(prefix) and hasattr(module, prefix)
-        try:
-            got = rename(
-                keys,
-                getattr(module, "_checkpoint_conversion_mapping", None) or None,
-                loading_base_model_from_task_state_dict=has_prefix and not expects,
-                loading_task_model_from_base_state_dict=expects and not has_prefix,
-            )
-        except TypeError:  # another signature: names and prefix only
-            got = {}
-        return {k: with_prefix(got.get(k, k)) for k in keys}
-    return {k: with_prefix(k) for k in keys}

@@ -21,6 +21,7 @@ leaves the previous folder as it was, and the next save clears what it left.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import itertools
 import json
@@ -35,6 +36,7 @@ import jax
 import numpy as np
 
 from .._families import _experts
+from .._families._diffusers import STEMS, weights_stem
 from .._families._experts import Place
 from .._progress import advance
 from .._tree import Tree
@@ -48,8 +50,6 @@ from ._torch_layout import TorchLayer, torch_layers
 
 
 _SUFFIX = ".safetensors"
-WEIGHTS = "model" + _SUFFIX
-INDEX = "model" + INDEX_SUFFIX
 CONFIGS = ("config.json", "generation_config.json")
 DEFAULT_SHARD_SIZE = "50GB"  # save_pretrained's default
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's
@@ -141,9 +141,11 @@ def plan_folder(
     tensors: Iterable[tuple[str, tuple[int, ...], Any]],
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     metadata: Mapping[str, str] | None = None,
+    stem: str = STEMS[0],
 ) -> FolderPlan:
     """The layout of a folder holding `tensors` (`(name, shape, dtype)`, in the order
-    they are written), from shapes alone.
+    they are written), from shapes alone; its files named `stem` (transformers'
+    `model`, diffusers' `diffusion_pytorch_model`: `_families._diffusers`).
 
     ```python
     >>> plan = plan_folder([("a", (4,), "float32"), ("b", (4,), "float32")], 16)
@@ -165,7 +167,11 @@ def plan_folder(
     shards: dict[str, tuple[bytes, int]] = {}
     entries: dict[str, Entry] = {}
     for i, names in enumerate(groups):
-        file = WEIGHTS if count == 1 else f"model-{i + 1:05d}-of-{count:05d}{_SUFFIX}"
+        file = (
+            stem + _SUFFIX
+            if count == 1
+            else f"{stem}-{i + 1:05d}-of-{count:05d}{_SUFFIX}"
+        )
         header: dict[str, Any] = {"__metadata__": meta}
         begin = 0
         for name in names:
@@ -281,15 +287,20 @@ def _own_blocks(array: Any) -> Iterator[tuple[tuple, Any]]:
 
 
 def is_model_folder(path: Path) -> bool:
-    """Whether `path` may be replaced by a save: empty, or holding weights or a
-    `config.json`."""
+    """Whether `path` may be replaced by a save: empty, or holding weights (of
+    transformers' or diffusers' names) or a `config.json`."""
     names = {p.name for p in path.iterdir()}
-    return not names or bool(names & {WEIGHTS, INDEX, CONFIGS[0]})
+    weights = {stem + end for stem in STEMS for end in (_SUFFIX, INDEX_SUFFIX)}
+    return not names or bool(names & {*weights, CONFIGS[0]})
 
 
 def _is_weights(name: str) -> bool:
-    return name in (WEIGHTS, INDEX) or (
-        name.startswith("model-") and name.endswith(".safetensors")
+    """Whether `name` is a weights file of transformers' or diffusers' names (a
+    save replaces them all: a folder's weights change library with its config)."""
+    return any(
+        name in (stem + _SUFFIX, stem + INDEX_SUFFIX)
+        or (name.startswith(stem + "-") and name.endswith(_SUFFIX))
+        for stem in STEMS
     )
 
 
@@ -432,12 +443,14 @@ def write_folder(
     if os.path.lexists(path) and not (path.is_dir() and is_model_folder(path)):
         raise FileExistsError(_NOT_A_FOLDER.format(path=path))
     check_plain_names(path, (name for name, _, _ in tensors))
-    plan = plan_folder(tensors, max_shard_size, metadata)
+    stem = _stem(configs)
+    plan = plan_folder(tensors, max_shard_size, metadata, stem)
     primary = jax.process_index() == 0
     written = 0
     _agreed(path, plan, metadata)
     keep = lambda name: not (_is_weights(name) or _STAGED in name)  # noqa: E731
-    with atomic_dir(path, is_model_folder, keep, in_place) as tmp:
+    replace = functools.partial(in_place, stem=stem)
+    with atomic_dir(path, is_model_folder, keep, replace) as tmp:
         if primary:
             tmp.mkdir()
             for file, (head, total) in plan.shards.items():
@@ -466,10 +479,22 @@ def write_folder(
         if primary:
             files = dict(configs or {})
             if plan.index is not None:
-                files[INDEX] = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
+                index = stem + INDEX_SUFFIX
+                files[index] = json.dumps(plan.index, indent=2, sort_keys=True) + "\n"
             for file, text in files.items():
                 (tmp / file).write_text(text)
     return Written(written, plan)
+
+
+def _stem(configs: Mapping[str, str] | None) -> str:
+    """The stem of the weights files of a folder written with `configs`: its
+    `config.json`'s library's (`_families._diffusers.weights_stem`)."""
+    text = (configs or {}).get(CONFIGS[0])
+    try:
+        config = None if text is None else json.loads(text)
+    except ValueError:
+        config = None
+    return weights_stem(config)
 
 
 # --- replaced in place, where the filesystem cannot exchange two directories ---------
@@ -479,17 +504,19 @@ _STAGED = "bridge-new"
 before renaming them in: no reader reads them, the next save removes them."""
 
 
-def _live(folder: Path) -> set[str]:
-    """The weight files of `folder` that a reader reads: `model.safetensors` where
-    there is one (transformers' order, and bridge's), else the index and the shards
-    it names (every weight file where the index cannot be read)."""
-    if (folder / WEIGHTS).is_file():
-        return {WEIGHTS}
-    if not (folder / INDEX).is_file():
+def _live(folder: Path, stem: str) -> set[str]:
+    """The weight files (named `stem`) of `folder` that a reader reads:
+    `model.safetensors` where there is one (transformers' order, and bridge's),
+    else the index and the shards it names (every weight file where the index
+    cannot be read)."""
+    weights, index = stem + _SUFFIX, stem + INDEX_SUFFIX
+    if (folder / weights).is_file():
+        return {weights}
+    if not (folder / index).is_file():
         return set()
     try:
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        return {INDEX, *weight_map.values()}
+        weight_map = json.loads((folder / index).read_text())["weight_map"]
+        return {index, *weight_map.values()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {p.name for p in folder.iterdir() if _is_weights(p.name)}
 
@@ -517,7 +544,7 @@ def _rename_in(src: Path, folder: Path, name: str) -> None:
     os.replace(staged, folder / name)
 
 
-def in_place(new: Path, folder: Path) -> bool:
+def in_place(new: Path, folder: Path, stem: str = STEMS[0]) -> bool:
     """Move the new folder `new` (written whole) into the old `folder`, a whole model
     in `folder` at every moment, for transformers' `from_pretrained` as for bridge:
     where the filesystem cannot exchange two directories (NFS, some FUSE, gVisor).
@@ -527,35 +554,38 @@ def in_place(new: Path, folder: Path) -> bool:
     `model.safetensors` over it; from one file to shards, the removal of
     `model.safetensors`, which readers read first); then the old weights go. A save
     killed at any step leaves the old or the new model, and files no reader reads,
-    which the next save removes. Only where every config file the save writes is
+    which the next save removes (weights named `stem`). Only where every config
+    file the save writes is
     the one already there (the same model saved again): a `config.json` and the
     weights cannot change in one rename, so a save that changes one returns False,
     having changed nothing (the old directory is then moved aside, `atomic_dir`)."""
     for name in CONFIGS:
         if (new / name).is_file() and not _same_bytes(new / name, folder / name):
             return False
-    live = _live(folder)
+    live = _live(folder, stem)
+    weights, index_name = stem + _SUFFIX, stem + INDEX_SUFFIX
     for stale in folder.iterdir():  # what a killed save left
         if (_is_weights(stale.name) and stale.name not in live) or (
             _STAGED in stale.name
         ):
             stale.unlink()
-    if (new / WEIGHTS).is_file():
-        _rename_in(new / WEIGHTS, folder, WEIGHTS)  # the switch
-        now = {WEIGHTS}
+    if (new / weights).is_file():
+        _rename_in(new / weights, folder, weights)  # the switch
+        now = {weights}
     else:
-        index = json.loads((new / INDEX).read_text())
+        index = json.loads((new / index_name).read_text())
         names: dict[str, str] = {}
         for shard in sorted(set(index["weight_map"].values())):
             names[shard] = shard if shard not in live else _other_name(shard)
             os.rename(new / shard, folder / names[shard])
         index["weight_map"] = {k: names[v] for k, v in index["weight_map"].items()}
-        (new / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _fsync(new / INDEX)
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (new / index_name).write_text(text)
+        _fsync(new / index_name)
         _fsync(folder)
-        _rename_in(new / INDEX, folder, INDEX)  # the switch from shards
-        (folder / WEIGHTS).unlink(missing_ok=True)  # the switch from one file
-        now = {INDEX, *names.values()}
+        _rename_in(new / index_name, folder, index_name)  # the switch from shards
+        (folder / weights).unlink(missing_ok=True)  # the switch from one file
+        now = {index_name, *names.values()}
     _fsync(folder)
     for old in live - now:
         (folder / old).unlink(missing_ok=True)

@@ -36,6 +36,7 @@ from ._format import Format, register_format
 
 
 NAME = "safetensors"
+_SUFFIX = ".safetensors"
 
 # safetensors' dtype codes -> JAX/NumPy dtype names: every dtype safetensors stores
 DTYPES = {
@@ -430,10 +431,31 @@ def lazy(contents: Contents, source: Any = None) -> dict[str, LazyArray]:
     return out
 
 
+_SEVERAL = (
+    "{path} holds several safetensors files beside its config.json ({names}): "
+    "point at the one to load"
+)
+
+
 def _probe(directory: Path) -> Path | None:
-    """The `model.safetensors` of a Hugging Face `save_pretrained` folder."""
+    """The weights of a `save_pretrained` folder: `model.safetensors`
+    (transformers'), else, beside a `config.json`, its one `*.safetensors` file
+    (another library's name: diffusers' `diffusion_pytorch_model.safetensors`),
+    one of a variant (`*.fp16.safetensors`) only where there is no other; several
+    are refused, naming them."""
     path = directory / "model.safetensors"
-    return path if path.is_file() else None
+    if path.is_file():
+        return path
+    if not (directory / "config.json").is_file():
+        return None  # not a model's folder (a PEFT adapter's: adapter_config.json)
+    found = sorted(p for p in directory.glob("*" + _SUFFIX) if p.is_file())
+    plain = [p for p in found if "." not in p.name.removesuffix(_SUFFIX)]
+    if len(plain) == 1 or (not plain and len(found) == 1):
+        return (plain or found)[0]
+    if found:
+        names = ", ".join(p.name for p in found)
+        raise unreadable(directory, NAME, _SEVERAL.format(path=directory, names=names))
+    return None
 
 
 FORMAT = register_format(
