@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.core import Tracer
 
 from .._paths import Path, natural, path_str
 from .._shown import some
@@ -273,7 +273,7 @@ def to_keras(tree: Tree) -> Any:
     src, leaves = native_leaves(tree, "keras", KerasRecord)
     _check_specs(tree, leaves, src.record)
     model = src.record.model.value
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(isinstance(x, Tracer) for x in leaves):
         return Bound(model, leaves)
     new = _rebuilt(model)
     variables = new.variables
