@@ -10,6 +10,7 @@ directly and `eqx.tree_at` / `eqx.partition` / `eqx.combine` work on it unchange
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,7 @@ from typing import Any, Generic, TypeVar
 import jax.tree_util as jtu
 import numpy as np
 
+from ._display._outline import Line, Span, html, text, treescope
 from ._paths import Key, Path, path_of
 from ._qarray import QuantizedArray
 from ._sizes import human
@@ -296,7 +298,13 @@ class Tree:
         return [k for k in keys if isinstance(k, str)]
 
     def __repr__(self) -> str:
-        return "\n".join(_repr_lines(self, "Tree", 0, native_order(self)))
+        return text(outline(self))
+
+    def _repr_html_(self) -> str:
+        return html(outline(self))
+
+    def __treescope_repr__(self, path: Any, subtree_renderer: Any) -> Any:
+        return treescope(outline(self), path)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a Tree holds a model's arrays, not its computation."""
@@ -321,81 +329,218 @@ Run it as its framework's model: `bridge.to_native(tree)(x)` (NNX, Equinox), or
 straight into your model: `model = bridge.load(path, like=model)`."""
 
 
-def _leaf_repr(leaf: Any) -> str:
-    if isinstance(leaf, QuantizedArray):
-        return repr(leaf)
+def _leaf_text(leaf: Any) -> str:
+    """An array as `dtype[shape]` (`float32[64,32]`), read from its attributes only
+    (a lazy or abstract leaf stays unread); a weight kept quantized says so."""
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
-        return repr(leaf)
-    return f"{dtype}[{','.join(map(str, shape))}]"
+        return type(leaf).__name__
+    text = f"{dtype}[{','.join(map(str, shape))}]"
+    return text + " (quantized)" if isinstance(leaf, QuantizedArray) else text
 
 
-def _repr_lines(
-    node: Any, label: str, depth: int, native: Mapping[Path, Any], path: Path = ()
-) -> list[str]:
-    """The lines of a Tree's repr: each node with its kind and, as NNX's repr does,
-    its arrays' sizes per role (`# params: 9 (36 B)`), each leaf's dtype and shape;
-    children in the model's own order (`native`), and a run of equal layers of a
-    sequence folded into one (`[0..11]: 12 x (Block)`), as the port plan folds them."""
-    pad = "  " * depth
-    if not isinstance(node, Tree):
-        return [f"{pad}{label}{_leaf_repr(node)}"]
-    info = node._info
-    kind = getattr(info.kind, "__name__", None)
-    head = f"{pad}{label}{'(' + kind + ')' if kind else ''}".rstrip()
-    sizes = _sizes(node)
-    if sizes:
-        head += "  # " + ", ".join(
-            f"{role}: {count:,} ({human(nbytes)})"
-            for role, (count, nbytes) in sizes.items()
+Sizes = dict[str, tuple[int, int]]
+"""`{role: (elements, bytes)}` of the arrays under a node, params first."""
+
+
+def _leaf_size(leaf: Any) -> tuple[int, int]:
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return 0, 0
+    count = math.prod(shape)
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # a typed PRNG key
+        itemsize = 0
+    return count, count * itemsize
+
+
+def _sizes_text(sizes: Sizes) -> str:
+    return ", ".join(f"{r}: {n:,} ({human(b)})" for r, (n, b) in sizes.items())
+
+
+class _Walk:
+    """One pass over a Tree for its outline: each node's sizes and signature (kind,
+    names, shapes, dtypes, roles: what makes two blocks the same), memoised."""
+
+    def __init__(self, tree: Tree):
+        self.native = native_order(tree)
+        self.sizes: dict[int, Sizes] = {}
+        self.signatures: dict[int, Hashable] = {}
+
+    def children(self, node: Tree, path: Path) -> list[tuple[str, Any, Any, Key]]:
+        """`(label, child, role, key)` in the model's own order."""
+        info = node._info
+        out = [
+            (jtu.keystr((e,)), c, r, k)
+            for e, c, r, k in zip(info.entries, node._children, info.roles, _keys(node))
+        ]
+        order = self.native.get(path)
+        if order is not None and set(order) == {c[3] for c in out}:
+            rank = {k: i for i, k in enumerate(order)}
+            out.sort(key=lambda c: rank[c[3]])
+        return out
+
+    def size(self, node: Tree) -> Sizes:
+        found = self.sizes.get(id(node))
+        if found is not None:
+            return found
+        out: Sizes = {}
+        for child, role in zip(node._children, node._info.roles):
+            parts = (
+                self.size(child).items()
+                if isinstance(child, Tree)
+                else [(role or "params", _leaf_size(child))]
+            )
+            for r, (n, b) in parts:
+                n0, b0 = out.get(r, (0, 0))
+                out[r] = (n0 + n, b0 + b)
+        out = dict(sorted(out.items(), key=lambda kv: kv[0] != "params"))
+        self.sizes[id(node)] = out
+        return out
+
+    def signature(self, node: Any) -> Hashable:
+        if not isinstance(node, Tree):
+            return (_leaf_text(node),)
+        found = self.signatures.get(id(node))
+        if found is None:
+            info = node._info
+            found = (
+                getattr(info.kind, "__name__", None),
+                info.roles,
+                tuple(self.signature(c) for c in node._children),
+                None if info.keys is None else tuple(map(str, info.keys)),
+            )
+            self.signatures[id(node)] = found
+        return found
+
+
+def outline(tree: Tree) -> Line:
+    """The Tree as an outline (`bridge._display._outline`): a line per layer (its
+    name, kind, arrays' dtypes and shapes, parameter count), a node holding layers
+    with its total; a run of equal layers or blocks of a sequence (or named
+    `layers_0`, `layers_1`, ...) folded into one line, `[0..11]: 12 × (Block)`,
+    over one block's lines; children in the model's own order. Arrays are read by
+    their shapes and dtypes only."""
+    walk = _Walk(tree)
+    return _node(tree, "Tree", walk, (), root=True)
+
+
+_INDEXED = re.compile(r"^(.*?)(\d+)(\]?)$")
+
+
+def _node(node: Tree, label: str, walk: _Walk, path: Path, root: bool = False) -> Line:
+    kind = getattr(node._info.kind, "__name__", None)
+    children = walk.children(node, path)
+    named = [Span(label, "head" if root else "name")]
+    if kind:
+        named += [Span(" ("), Span(kind, "kind"), Span(")")]
+    if not any(isinstance(c, Tree) for _, c, _, _ in children) and not root:
+        return Line(
+            (*named, *_arrays(children), Span(f"  # {_count(walk, node)}", "count"))
         )
-    children = list(zip(info.entries, node._children, info.roles, _keys(node)))
-    order = native.get(path)
-    if order is not None and set(order) == {c[3] for c in children}:
-        rank = {k: i for i, k in enumerate(order)}
-        children.sort(key=lambda c: rank[c[3]])
-    subs = []
-    for entry, child, role, key in children:
-        plain = isinstance(child, Tree) or role in (None, "params", child)
-        sub = _repr_lines(child, "", depth + 1, native, path + (key,))
-        sub[0] += "" if plain else f"  # {role}"
-        subs.append((jtu.keystr((entry,)), sub))
-    lines = [head]
-    i = 0
-    while i < len(subs):
-        j = i + 1
-        if info.keys is None:  # a sequence: equal layers in a row are folded
-            while j < len(subs) and subs[j][1] == subs[i][1]:
-                j += 1
-        name, sub = subs[i]
-        inner = "  " * (depth + 1)
-        first = sub[0][len(inner) :]
-        if j - i > 1:
-            last = subs[j - 1][0]
-            each = first.replace("  # ", "  # each: ", 1)
-            first = f"{name[:-1]}..{last[1:]}: {j - i} × {each}"
-        else:
-            first = f"{name}: {first}"
-        lines += [inner + first, *sub[1:]]
-        i = j
-    return lines
-
-
-def _sizes(node: Tree) -> dict[str, tuple[int, int]]:
-    """`{role: (elements, bytes)}` of the arrays under `node`, params first."""
-    out: dict[str, tuple[int, int]] = {}
-    for leaf, role in zip(jtu.tree_leaves(node), jtu.tree_leaves(roles(node))):
-        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-        if shape is None or dtype is None:
+    if len(children) == 1 and not root and not kind:  # a chain: one name
+        sub_label, child, role, key = children[0]
+        if isinstance(child, Tree):
+            return _node(child, label + sub_label, walk, path + (key,))
+    head = (*named, Span(f"  # {_sizes_text(walk.size(node))}", "count"))
+    lines = []
+    for run in _runs(children, walk):
+        sub_label, child, role, key = run[0]
+        if not isinstance(child, Tree):
+            note = "" if role in (None, "params") else f"  # {role}"
+            lines.append(
+                Line(
+                    (
+                        Span(sub_label, "name"),
+                        Span(" "),
+                        Span(_leaf_text(child), "shape"),
+                        Span(note, "muted"),
+                    )
+                )
+            )
             continue
-        count = math.prod(shape)
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except TypeError:  # a typed PRNG key
-            itemsize = 0
-        n, b = out.get(role, (0, 0))
-        out[role] = (n + count, b + count * itemsize)
-    return dict(sorted(out.items(), key=lambda kv: kv[0] != "params"))
+        line = _node(child, sub_label, walk, path + (key,))
+        if len(run) > 1:
+            line = _folded(line, run, walk)
+        lines.append(line)
+    return Line(head, tuple(lines))
+
+
+def _count(walk: _Walk, node: Tree) -> str:
+    return ", ".join(
+        f"{n:,}" if r == "params" else f"{r}: {n:,}"
+        for r, (n, _) in walk.size(node).items()
+    )
+
+
+def _arrays(children: list[tuple[str, Any, Any, Key]]) -> list[Span]:
+    """A layer's arrays on its line, its params first, each other role after its
+    name: `scale float32[4], bias float32[4]; batch_stats: mean float32[4], ...`."""
+    roles: dict[str, list[tuple[str, Any]]] = {}
+    for label, leaf, role, _ in children:
+        roles.setdefault(role or "params", []).append((label.lstrip("."), leaf))
+    spans = [Span("  ")]
+    ordered = sorted(roles.items(), key=lambda kv: kv[0] != "params")
+    for i, (role, arrays) in enumerate(ordered):
+        if i:
+            spans.append(Span(f"; {role}: ", "muted"))
+        for j, (name, leaf) in enumerate(arrays):
+            spans += [Span(", " if j else ""), Span(name + " ", "muted")]
+            spans.append(Span(_leaf_text(leaf), "shape"))
+    return spans
+
+
+def _runs(children: list[tuple[str, Any, Any, Key]], walk: _Walk) -> list[list]:
+    """The children in runs: equal blocks in a row whose labels count up (`[3]`,
+    `[4]`; `layers_3`, `layers_4`) together, every other child alone."""
+    runs: list[list] = []
+    for child in children:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and isinstance(child[1], Tree)
+            and isinstance(last[1], Tree)
+            and _next_label(last[0]) == child[0]
+            and walk.signature(child[1]) == walk.signature(last[1])
+        ):
+            runs[-1].append(child)
+        else:
+            runs.append([child])
+    return runs
+
+
+def _next_label(label: str) -> str | None:
+    found = _INDEXED.match(label)
+    if found is None:
+        return None
+    head, number, tail = found.groups()
+    return f"{head}{int(number) + 1}{tail}"
+
+
+def _folded(line: Line, run: list, walk: _Walk) -> Line:
+    """`line` (the run's first block) as the run's: `[0..11]: 12 × Kind  # each:
+    ...`, folded over the first block's lines."""
+    first, last = run[0][0], run[-1][0]
+    found = _INDEXED.match(last)
+    assert found is not None  # `_runs` made it
+    label = line.spans[0].text  # the first block's, a chain's names after it
+    ranged = f"{first.rstrip(']')}..{found.group(2)}{found.group(3)}"
+    span = ranged + label[len(first) :] + ": "
+    rest = list(line.spans[1:])
+    if rest and rest[0].text == " (":  # the kind: `12 × (Block)`
+        kind, rest = rest[:3], rest[3:]
+    else:
+        kind = []
+    each = [
+        Span(s.text.replace("  # ", "  # each: ", 1), s.style)
+        if s.style == "count"
+        else s
+        for s in rest
+    ]
+    times = Span(f"{len(run)} ×", "count")
+    spans = (Span(span, "name"), times, *kind, *each)
+    return Line(spans, line.children, folded=True)
 
 
 def _flatten_with_keys(t: Tree):

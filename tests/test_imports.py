@@ -18,7 +18,8 @@ The package is layered; a module imports only modules of its own layer or below:
        _qmatmul (products with kept weights, as stored), _qkernels and
        _qkernels_int4 (their TPU kernels), _clash (the name clash with
        flax.nnx.bridge), _sizes, _progress (the progress display of loads and saves),
-       _shown (untrusted text in messages: escaped, bounded)
+       _shown (untrusted text in messages: escaped, bounded), _display (how a
+       Tree, a plan, a report and a comparison look: text, HTML, treescope)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -71,6 +72,7 @@ LAYERS = {
     "bridge._shown": 0,
     "bridge._clash": 0,
     "bridge._progress": 0,
+    "bridge._display": 0,
 }
 FRAMEWORKS = {
     "flax",

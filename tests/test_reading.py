@@ -16,9 +16,13 @@ def test_tree_repr_counts_parameters_and_bytes_per_subtree():
         nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0))
     )
     lines = repr(bridge.from_nnx(model)).splitlines()
-    assert lines[0] == "Tree(Sequential)  # params: 15 (60 B), batch_stats: 6 (24 B)"
-    assert "    [0]: (Linear)  # params: 9 (36 B)" in lines
-    assert "    [1]: (BatchNorm)  # params: 6 (24 B), batch_stats: 6 (24 B)" in lines
+    assert lines == [
+        "Tree (Sequential)  # params: 15 (60 B), batch_stats: 6 (24 B)",
+        "  .layers (List)  # params: 15 (60 B), batch_stats: 6 (24 B)",
+        "    [0] (Linear)  kernel float32[2,3], bias float32[3]  # 9",
+        "    [1] (BatchNorm)  scale float32[3], bias float32[3]; batch_stats: "
+        "mean float32[3], var float32[3]  # 6, batch_stats: 6",
+    ]
 
 
 class Wide(nnx.Module):

@@ -8,6 +8,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._display._plan import plan_html, plan_treescope
 from .._tree import Tree
 from ._codec import Codec
 from ._layer import Layer
@@ -174,6 +175,9 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({len(self.steps)} steps)\n{self}"
+
+    _repr_html_ = plan_html
+    __treescope_repr__ = plan_treescope
 
 
 _NUMBER = re.compile(r"\d+")

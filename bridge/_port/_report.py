@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._display._plan import report_html, report_treescope
+
 
 LOG = logging.getLogger("bridge")
 _PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
@@ -130,6 +132,9 @@ class Report:
         if not self.paragraphs() and len(said) == bool(self.tied):  # ties alone
             said.insert(0, f"{self.target} was filled entirely from {self.source}.")
         return "\n".join(said)
+
+    _repr_html_ = report_html
+    __treescope_repr__ = report_treescope
 
     def log(self) -> None:
         """Log it (logger `"bridge"`): the warnings (WARNING), and what was left
