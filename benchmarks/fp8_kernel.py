@@ -1,5 +1,5 @@
-"""The FP8 block-scaled TPU kernel (`bridge/_qkernels.py`) against the dense bfloat16
-product and XLA's dequantizing path, on the device.
+"""The FP8 block-scaled TPU kernel (`bridge/_kept/_fp8_kernel.py`) against the dense
+bfloat16 product and XLA's dequantizing path, on the device.
 
 1. A check on the device itself (Pallas's interpreter can be right where the chip is
    not): one `(2304, 5760)` layer (2 x 5 tiles of 1152), batch 33, the forward
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from _common import backend, interleaved
 
-from bridge import _qkernels
-from bridge._qarray import QuantizedArray, Scheme
+from bridge._kept import _fp8_kernel
+from bridge._kept._array import QuantizedArray, Scheme
 
 
 TOLERANCE = 2e-2  # of the largest output: a few bfloat16 roundings, not a layout slip
@@ -65,7 +65,9 @@ def _product(x: jax.Array, w: jax.Array, contract: str) -> jax.Array:
 
 
 def _kernel(x: jax.Array, q: QuantizedArray, contract: str) -> jax.Array:
-    return _qkernels.fp8_block_matmul(x, q.parts["weight"], q.parts["scale"], contract)
+    return _fp8_kernel.fp8_block_matmul(
+        x, q.parts["weight"], q.parts["scale"], contract
+    )
 
 
 def check(out: int, inputs: int, batch: int) -> bool:
@@ -143,10 +145,10 @@ def main() -> int:
     args = parser.parse_args()
     on_chip = jax.default_backend() == "tpu"
     print(f"{backend()}, JAX {jax.__version__}")
-    if _qkernels._pallas() is None:
+    if _fp8_kernel._pallas() is None:
         print("this JAX has no Pallas TPU API: nothing to measure")
         return 0
-    context = contextlib.nullcontext() if on_chip else _qkernels.interpreted()
+    context = contextlib.nullcontext() if on_chip else _fp8_kernel.interpreted()
     with context:
         if on_chip:
             right = check(2304, 5760, 33)

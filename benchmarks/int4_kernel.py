@@ -1,4 +1,4 @@
-"""The int4 group-scaled TPU kernel (`bridge/_qkernels_int4.py`) against the dense
+"""The int4 group-scaled TPU kernel (`bridge/_kept/_int4_kernel.py`) against the dense
 bfloat16 product and XLA's dequantizing path, on the device; both of the kernel's
 ways to unpack the 4-bit values (`"nibbles"`: one a vector operation; `"pairs"`: two,
 through `pltpu.bitcast`, the default).
@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from _common import backend, interleaved
 
-from bridge import _qkernels, _qkernels_int4
-from bridge._qarray import QuantizedArray, Scheme
+from bridge._kept import _fp8_kernel, _int4_kernel
+from bridge._kept._array import QuantizedArray, Scheme
 
 
 TOLERANCE = 2e-2  # of the largest output: a few bfloat16 roundings
@@ -95,7 +95,7 @@ def _dense_product(x: jax.Array, w: jax.Array, contract: str) -> jax.Array:
 
 
 KINDS = ("gptq", "gptq g_idx", "ct", "ct zero")
-UNPACKS = ("nibbles", "pairs")  # bridge._qkernels_int4's two ways to unpack values
+UNPACKS = ("nibbles", "pairs")  # bridge._kept._int4_kernel's two ways to unpack values
 
 
 def check(
@@ -111,7 +111,7 @@ def check(
     right: dict[str, bool] = dict.fromkeys(UNPACKS, True)
     failed: set[str] = set()
     key = jax.random.key(0)
-    kernel = jax.jit(_qkernels_int4.int4_matmul, static_argnums=(2, 3, 4))
+    kernel = jax.jit(_int4_kernel.int4_matmul, static_argnums=(2, 3, 4))
     for kind in kinds:
         if time.perf_counter() > deadline:
             print(f"check {kind}: skipped (the time is up)")
@@ -119,7 +119,7 @@ def check(
         q = layer(jax.random.fold_in(key, len(kind)), out, inputs, kind)
         x = jax.random.normal(jax.random.key(1), (batch, inputs), jnp.bfloat16)
         g = jax.random.normal(jax.random.key(2), (batch, out), jnp.bfloat16)
-        assert _qkernels_int4.applies(x, q.parts, q.scheme), kind
+        assert _int4_kernel.applies(x, q.parts, q.scheme), kind
         for contract, v in (("in", x), ("out", g)):
             want = jax.jit(
                 lambda v, p, c=contract: _dense_product(
@@ -187,7 +187,7 @@ def timing(
 
     def kernel(contract, unpack):
         def product(x, p):
-            return _qkernels_int4.int4_matmul(x, p, scheme, contract, unpack)
+            return _int4_kernel.int4_matmul(x, p, scheme, contract, unpack)
 
         return product
 
@@ -218,7 +218,7 @@ def timing(
 def formats(n: int, layers: int, unpack: str, deadline: float) -> None:
     """The forward at batch 8 with the kernel on each checkpoint format's own
     packing (compressed-tensors' words are transposed in every call, see
-    bridge/_qkernels_int4.py), as multiples of the dense time; prints it
+    bridge/_kept/_int4_kernel.py), as multiples of the dense time; prints it
     unless `time.perf_counter()` is past `deadline`."""
     if time.perf_counter() > deadline:
         print("formats: skipped (the time is up)")
@@ -231,7 +231,7 @@ def formats(n: int, layers: int, unpack: str, deadline: float) -> None:
 
         def f(x, parts, scheme=kept[0].scheme):
             for p in parts:
-                x = jnp.tanh(_qkernels_int4.int4_matmul(x, p, scheme, "in", unpack))
+                x = jnp.tanh(_int4_kernel.int4_matmul(x, p, scheme, "in", unpack))
             return x
 
         fns[kind] = (jax.jit(f), [q.parts for q in kept])
@@ -326,7 +326,7 @@ def main() -> int:
         if unpacks:
             formats(5632, layers, unpacks[-1], start + args.seconds + 20)
     else:  # a smoke run: the kernel in Pallas's interpreter, tiny shapes
-        with _qkernels.interpreted():
+        with _fp8_kernel.interpreted():
             right = check(256, 384, 9, ("gptq", "ct zero"))
             ok = all(right.values())
             ok &= timing(256, 1, (("in", 8),), 2, UNPACKS, start + 60)

@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
         BridgeDeprecationWarning as BridgeDeprecationWarning,
         CheckpointError as CheckpointError,
     )
+    from ._kept._array import QuantizedArray as QuantizedArray
+    from ._kept._matmul import quantized_matmuls as quantized_matmuls
     from ._lora._inject import lora as lora
     from ._lora._merge import merge_lora as merge_lora
     from ._lora._nnx import from_nnx_lora as from_nnx_lora, to_nnx_lora as to_nnx_lora
@@ -58,8 +60,6 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
     from ._port._planning import port_plan as port_plan
     from ._port._port import port as port
     from ._port._report import Report as Report
-    from ._qarray import QuantizedArray as QuantizedArray
-    from ._qmatmul import quantized_matmuls as quantized_matmuls
     from ._quant._keep import dequantize as dequantize
     from ._train._opt_state import port_opt_state as port_opt_state
     from ._train._step import TrainStep as TrainStep, make_step as make_step
@@ -112,8 +112,8 @@ _PUBLIC = {
     "port_plan": "._port._planning",
     "port": "._port._port",
     "Report": "._port._report",
-    "QuantizedArray": "._qarray",
-    "quantized_matmuls": "._qmatmul",
+    "QuantizedArray": "._kept._array",
+    "quantized_matmuls": "._kept._matmul",
     "dequantize": "._quant._keep",
     "port_opt_state": "._train._opt_state",
     "TrainStep": "._train._step",

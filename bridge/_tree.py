@@ -20,8 +20,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._display._outline import Line, Span, html, text, treescope
+from ._kept._array import QuantizedArray
 from ._paths import Key, Path, path_of
-from ._qarray import QuantizedArray
 from ._sizes import human
 
 

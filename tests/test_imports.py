@@ -12,14 +12,14 @@ The package is layered; a module imports only modules of its own layer or below:
     3  _embed     one framework's model inside another's (as_nnx, as_linen, ...)
     2  _adapters  one adapter per framework, the registry, the build kit
     1  _tree      the neutral Tree
-    0  _paths, _arguments, _lazy, _buffers, _placement, _qarray (weights kept
-       quantized), _families (model families' names), _gc (the collector paused),
+    0  _paths, _arguments, _lazy, _buffers, _placement, _kept (weights kept
+       quantized: the QuantizedArray leaf, products with it as stored, their TPU
+       kernels), _families (model families' names), _gc (the collector paused),
        _uses (what a traced forward pass tells about each parameter), _version,
-       _qmatmul (products with kept weights, as stored), _qkernels and
-       _qkernels_int4 (their TPU kernels), _clash (the name clash with
-       flax.nnx.bridge), _sizes, _progress (the progress display of loads and saves),
-       _shown (untrusted text in messages: escaped, bounded), _display (how a
-       Tree, a plan, a report and a comparison look: text, HTML, treescope)
+       _clash (the name clash with flax.nnx.bridge), _sizes, _progress (the
+       progress display of loads and saves), _shown (untrusted text in messages:
+       escaped, bounded), _display (how a Tree, a plan, a report and a comparison
+       look: text, HTML, treescope)
 
 Checked here: no import cycle between modules, no import pointing up a layer, the
 framework packages (flax, equinox, torch, transformers) imported only where a module
@@ -60,14 +60,11 @@ LAYERS = {
     "bridge._lazy": 0,
     "bridge._buffers": 0,
     "bridge._placement": 0,
-    "bridge._qarray": 0,
     "bridge._families": 0,
     "bridge._gc": 0,
     "bridge._uses": 0,
     "bridge._version": 0,
-    "bridge._qmatmul": 0,
-    "bridge._qkernels": 0,
-    "bridge._qkernels_int4": 0,
+    "bridge._kept": 0,
     "bridge._sizes": 0,
     "bridge._shown": 0,
     "bridge._clash": 0,

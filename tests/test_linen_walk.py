@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import bridge
 from bridge._adapters import _linen, _linen_walk
-from bridge._qarray import QuantizedArray, Scheme
+from bridge._kept._array import QuantizedArray, Scheme
 from bridge._tree import leaf_roles
 
 from . import models, public_models
@@ -167,7 +167,9 @@ GENERAL = {
 def _general(module, variables):
     """The oracle: the Tree of `_general`, the path every variables took before."""
     _linen_walk._KNOWN.clear()
-    leaves, treedef = jtu.tree_flatten(variables, is_leaf=bridge._qarray.is_quantized)
+    leaves, treedef = jtu.tree_flatten(
+        variables, is_leaf=bridge._kept._array.is_quantized
+    )
     return _linen_walk._general(variables, module, leaves, treedef)
 
 
@@ -185,7 +187,7 @@ def _same_tree(fast, general):
     assert dict(a.native) == dict(b.native) and list(a.native) == list(b.native)
     assert a._treedef == b._treedef and a._is_leaf is b._is_leaf
     assert leaf_roles(fast) == leaf_roles(general)
-    whole = bridge._qarray.is_quantized
+    whole = bridge._kept._array.is_quantized
     assert same_objects(leaf_objects(fast, whole), leaf_objects(general, whole))
     back, again = bridge.to_linen(fast), bridge.to_linen(general)
     assert jtu.tree_structure(back) == jtu.tree_structure(again)

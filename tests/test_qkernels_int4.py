@@ -1,4 +1,4 @@
-"""The 4-bit group-scaled TPU kernel (`bridge._qkernels_int4`), run in Pallas's
+"""The 4-bit group-scaled TPU kernel (`bridge._kept._int4_kernel`), run in Pallas's
 interpreter on this backend: GPTQ, AWQ and compressed-tensors weights give the
 dequantizing path's products, forward and input gradient, through `kept_matmul`.
 The oracle: the same product with `QuantizedArray.dequantize()`'s dense weight."""
@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bridge._qarray import QuantizedArray, Scheme
-from bridge._qmatmul import stored_form
+from bridge._kept._array import QuantizedArray, Scheme
+from bridge._kept._matmul import stored_form
 
 
 pytest.importorskip("jax.experimental.pallas.tpu")
-from bridge import _qkernels, _qkernels_int4  # noqa: E402
+from bridge._kept import _fp8_kernel, _int4_kernel  # noqa: E402
 
 
 OUT, IN = 128, 256  # two groups of 128 inputs; not square
@@ -91,7 +91,7 @@ def compiled_on_a_tpu():
     the interpreter itself is off for GPTQ's float16 scales: 1.8e-2 where the
     compiled kernel is within 3.4e-3 of a float64 product.)"""
     on_tpu = jax.default_backend() == "tpu"
-    return contextlib.nullcontext() if on_tpu else _qkernels.interpreted()
+    return contextlib.nullcontext() if on_tpu else _fp8_kernel.interpreted()
 
 
 def uses_the_kernel(f, *args):
@@ -123,15 +123,15 @@ def test_the_kernel_decodes_every_value_bit_for_bit(kind, tile, unpack, monkeypa
     scales, `s * (q - z)` rounded once, as `dequantize()` rounds it. Tiles of 128
     sum over several grid steps. Both ways of unpacking the values (one or two an
     operation)."""
-    monkeypatch.setattr(_qkernels_int4, "_MAX_TILE", tile)
-    monkeypatch.setattr(_qkernels_int4, "UNPACK", unpack)
+    monkeypatch.setattr(_int4_kernel, "_MAX_TILE", tile)
+    monkeypatch.setattr(_int4_kernel, "UNPACK", unpack)
     q = KINDS[kind](jnp.bfloat16)
     dense = np.asarray(q.dequantize(), np.float32)
     with compiled_on_a_tpu():
-        forward = _qkernels_int4.int4_matmul(
+        forward = _int4_kernel.int4_matmul(
             jnp.eye(IN, dtype=jnp.bfloat16), q.parts, q.scheme, "in"
         )
-        backward = _qkernels_int4.int4_matmul(
+        backward = _int4_kernel.int4_matmul(
             jnp.eye(OUT, dtype=jnp.bfloat16), q.parts, q.scheme, "out"
         )
     assert np.array_equal(np.asarray(forward, np.float32), dense.T)
@@ -154,8 +154,8 @@ def test_a_group_index_runs_the_kernel_only_in_the_plain_order(order):
     with compiled_on_a_tpu():
         got = jax.jit(stored_form(product))(q, x)
         got_dx = jax.jit(jax.grad(loss(stored_form(product), q)))(x)
-        kernel = _qkernels_int4._kernel_product(
-            x, _qkernels_int4.kernel_form(q.parts, q.scheme), "in"
+        kernel = _int4_kernel._kernel_product(
+            x, _int4_kernel.kernel_form(q.parts, q.scheme), "in"
         )
     want = product(q.dequantize(), x)
     close_in_bf16(got, want)
@@ -191,7 +191,7 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
     q = QuantizedArray(q.parts, scheme)
     x = jnp.asarray(RNG.standard_normal((8, IN)), dtype)
     with compiled_on_a_tpu():
-        assert not _qkernels_int4.applies(x, q.parts, q.scheme)
+        assert not _int4_kernel.applies(x, q.parts, q.scheme)
         assert not uses_the_kernel(stored_form(product), q, x)
         got = stored_form(product)(q, x)
     close_in_bf16(got, product(q.dequantize(), x))

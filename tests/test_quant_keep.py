@@ -271,7 +271,7 @@ def test_lora_on_a_quantized_base_trains_as_on_the_dense_one(fp8, name):
         np.testing.assert_allclose(lora[k], dense_lora[k], rtol=1e-4, atol=1e-5)
     # the quantized base: still quantized, untouched bit for bit
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    kept = bridge._qarray.quantized_positions(tree)
+    kept = bridge._kept._array.quantized_positions(tree)
     assert len(kept) == 2 * 7 * C.layers  # weight and scale of each projection
     after = [np.asarray(x) for _, x in flat]
     frozen = jax.tree.leaves(jax.tree.map(lambda s: not s, spec))

@@ -1,5 +1,5 @@
 """Matrix products with weights kept quantized, read in their stored form
-(`bridge._qmatmul`): the same outputs and gradients as the dequantizing path, the
+(`bridge._kept._matmul`): the same outputs and gradients as the dequantizing path, the
 backward pass holds no dense weight as a residual, a kept base stays bit-identical
 through LoRA steps. The oracle: the same function on `bridge.dequantize`'s model."""
 
@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 import bridge
-from bridge._qarray import QuantizedArray, Scheme, dequantized
-from bridge._qmatmul import kept_matmul, stored_form
+from bridge._kept._array import QuantizedArray, Scheme, dequantized
+from bridge._kept._matmul import kept_matmul, stored_form
 
 
 OUT, IN = 256, 384
@@ -155,7 +155,7 @@ def test_a_lora_step_on_a_kept_base_gives_the_dense_gradients(kind, dtype):
     the backward) run in the TPU kernels (here in Pallas's interpreter)."""
     if dtype == "bfloat16":
         pytest.importorskip("jax.experimental.pallas.tpu")
-    from bridge import _qkernels
+    from bridge._kept import _fp8_kernel
 
     q = KINDS[kind]()
 
@@ -181,7 +181,7 @@ def test_a_lora_step_on_a_kept_base_gives_the_dense_gradients(kind, dtype):
         spec = bridge.trainable(tree, "lora")
         step = bridge.make_step(loss_fn, optax.sgd(0.1), spec, donate=False)
         opt_state, before = step.init(tree), tree
-        with _qkernels.interpreted():
+        with _fp8_kernel.interpreted():
             if dtype == "bfloat16" and model is kept:
                 assert "pallas_call" in str(jax.make_jaxpr(step)(tree, opt_state, x))
             for _ in range(3):
@@ -206,7 +206,7 @@ def test_a_lora_step_on_a_kept_base_gives_the_dense_gradients(kind, dtype):
         )
 
 
-# --- the TPU kernel (bridge._qkernels), run in Pallas's interpreter on this backend --
+# --- the TPU kernel (bridge._kept._fp8_kernel), in Pallas's interpreter on this backend
 
 
 def _uses_the_kernel(f, *args):
@@ -218,23 +218,23 @@ def test_the_fp8_kernel_decodes_every_code_bit_for_bit(tile, monkeypatch):
     """Products with the identity are the weight itself: every FP8 code decoded,
     scaled and rounded as `dequantize()` rounds it, both ways, its rows in place
     (the kernel decodes them out of order); subnormal codes (zero exponent field)
-    are flushed to zero (see bridge._qkernels). Tiles of 128 sum over several grid
-    steps."""
+    are flushed to zero (see bridge._kept._fp8_kernel). Tiles of 128 sum over several
+    grid steps."""
     pytest.importorskip("jax.experimental.pallas.tpu")
-    from bridge import _qkernels
+    from bridge._kept import _fp8_kernel
 
-    monkeypatch.setattr(_qkernels, "_MAX_TILE", tile)
+    monkeypatch.setattr(_fp8_kernel, "_MAX_TILE", tile)
 
     q = fp8_block(layout=())
     w, s = q.parts["weight"], q.parts["scale"]
     subnormal = (np.asarray(w).view(np.uint8) & 0x78) == 0
     dense = np.where(subnormal, 0, np.asarray(q.dequantize(), np.float32))
-    with _qkernels.interpreted():
-        assert _qkernels.applies(jnp.eye(IN, dtype=jnp.bfloat16), q.parts, q.scheme)
-        forward = _qkernels.fp8_block_matmul(
+    with _fp8_kernel.interpreted():
+        assert _fp8_kernel.applies(jnp.eye(IN, dtype=jnp.bfloat16), q.parts, q.scheme)
+        forward = _fp8_kernel.fp8_block_matmul(
             jnp.eye(IN, dtype=jnp.bfloat16), w, s, "in"
         )
-        backward = _qkernels.fp8_block_matmul(
+        backward = _fp8_kernel.fp8_block_matmul(
             jnp.eye(OUT, dtype=jnp.bfloat16), w, s, "out"
         )
     assert forward.dtype == backward.dtype == jnp.bfloat16
@@ -248,14 +248,14 @@ def test_the_fp8_kernel_decodes_every_code_bit_for_bit(tile, monkeypatch):
 @pytest.mark.parametrize("build", [nnx_linear, eqx_linear], ids=["nnx", "equinox"])
 def test_the_fp8_kernel_equals_the_dequantizing_path(shape, build):
     pytest.importorskip("jax.experimental.pallas.tpu")
-    from bridge import _qkernels
+    from bridge._kept import _fp8_kernel
 
     model, forward = build(fp8_block())
     if build is eqx_linear and len(shape) > 1:
         forward = lambda m, x: jax.vmap(jax.vmap(m))(x)  # noqa: E731
     x = jnp.asarray(RNG.standard_normal((*shape, IN)), jnp.bfloat16)
     loss = lambda f: lambda x: f(model, x).astype(jnp.float32).sum()  # noqa: E731
-    with _qkernels.interpreted():
+    with _fp8_kernel.interpreted():
         assert _uses_the_kernel(stored_form(forward), model, x)
         got = jax.jit(bridge.quantized_matmuls(forward))(model, x)
         got_dx = jax.grad(loss(stored_form(forward)))(x)
@@ -270,7 +270,7 @@ def test_the_fp8_kernel_equals_the_dequantizing_path(shape, build):
 )
 def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
     pytest.importorskip("jax.experimental.pallas.tpu")
-    from bridge import _qkernels
+    from bridge._kept import _fp8_kernel
 
     q, dtype = fp8_block(layout=()), jnp.bfloat16
     if why == "float32 weight":  # its products run in float32
@@ -290,7 +290,7 @@ def test_the_kernel_leaves_what_it_cannot_compute_to_xla(why):
         q = QuantizedArray(parts, q.scheme._replace(stored=(200, IN)))
     x = jnp.ones((8, IN), dtype)
     f = lambda w, x: x @ w.T  # noqa: E731
-    with _qkernels.interpreted():
+    with _fp8_kernel.interpreted():
         assert not _uses_the_kernel(stored_form(f), q, x)
         got = stored_form(f)(q, x)
     close_in_bf16(got, f(q.dequantize(), x))
@@ -316,18 +316,18 @@ def test_the_kernels_set_the_precision_of_their_products(kind, contract):
     would reach a bfloat16 product there, which Mosaic refuses on a TPU ("Bad lhs
     type")."""
     pytest.importorskip("jax.experimental.pallas.tpu")
-    from bridge import _qkernels, _qkernels_int4
+    from bridge._kept import _fp8_kernel, _int4_kernel
 
     q = fp8_block(layout=()) if kind == "fp8-block" else int4_packed(layout=())
     x = jnp.ones((8, IN if contract == "in" else OUT), jnp.bfloat16)
     if kind == "fp8-block":
         w, s = q.parts["weight"], q.parts["scale"]
-        kernel = lambda x: _qkernels.fp8_block_matmul(x, w, s, contract)  # noqa: E731
+        kernel = lambda x: _fp8_kernel.fp8_block_matmul(x, w, s, contract)  # noqa: E731
     else:
-        kernel = lambda x: _qkernels_int4.int4_matmul(  # noqa: E731
+        kernel = lambda x: _int4_kernel.int4_matmul(  # noqa: E731
             x, q.parts, q.scheme, contract
         )
-    with _qkernels.interpreted(), jax.default_matmul_precision("highest"):
+    with _fp8_kernel.interpreted(), jax.default_matmul_precision("highest"):
         jaxpr = jax.make_jaxpr(kernel)(x)
     (call,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
     products = list(_products(call.params["jaxpr"]))

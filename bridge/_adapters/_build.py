@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import jax.tree_util as jtu
 
+from .._kept._array import is_quantized
 from .._paths import (
     MAX_DEPTH,
     Key,
@@ -22,7 +23,6 @@ from .._paths import (
     path_of,
     path_str,
 )
-from .._qarray import is_quantized
 from .._tree import Source, Tree, _Info
 from ._registry import display_name
 

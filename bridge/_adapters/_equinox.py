@@ -11,9 +11,9 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from .._kept._array import is_quantized
 from .._paths import MAX_DEPTH, Key, Path, child, is_array, key_of, path_of
 from .._placement import placeholder
-from .._qarray import is_quantized
 from .._tree import Held, Tree
 from ._build import Maker, build, native_leaves, source_of
 from ._registry import Adapter, Optimizer, register_adapter

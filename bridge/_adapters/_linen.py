@@ -15,11 +15,11 @@ from flax.errors import InvalidRngError
 from flax.training import train_state
 
 from .._arguments import is_array, type_error
+from .._kept._array import is_quantized
 from .._paths import (
     Key,
     Path,
 )
-from .._qarray import is_quantized
 from .._tree import (
     Tree,
     _keys,

@@ -16,6 +16,7 @@ import jax.tree_util as jtu
 import numpy as np
 from flax.core import FrozenDict
 
+from .._kept._array import is_quantized
 from .._paths import (
     MAX_DEPTH,
     Key,
@@ -26,7 +27,6 @@ from .._paths import (
     path_of,
     path_str,
 )
-from .._qarray import is_quantized
 from .._tree import (
     Held,
     NativeOrder,

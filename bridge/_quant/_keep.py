@@ -37,13 +37,13 @@ from .._io._format import format_named
 from .._io._model import file_tree
 from .._io._plugins import Filled, Request
 from .._io._read import lazy
+from .._kept._array import SCHEMES, QuantizedArray, Scheme, dequantized, is_quantized
 from .._paths import Path, path_of, path_str
 from .._port import _errors
 from .._port._plan import PlanRow
 from .._port._planning import make_plan
 from .._port._port import examples
 from .._port._run import _decoded, _encoded, run
-from .._qarray import SCHEMES, QuantizedArray, Scheme, dequantized, is_quantized
 from .._tree import Tree, framework, map_with_path
 from . import _gguf
 from ._read import applies, scan

@@ -15,9 +15,9 @@ from jax.core import Tracer
 
 from .._adapters._native import forward
 from .._arguments import check_bool, check_callable, check_hashable
+from .._kept._array import quantized_positions
+from .._kept._matmul import stored_form
 from .._paths import Path, path_of, path_str
-from .._qarray import quantized_positions
-from .._qmatmul import stored_form
 from .._tree import Tree, leaf_roles
 
 
@@ -481,9 +481,9 @@ def _forward(
 ) -> tuple[Any, dict[int, Any]]:
     """Run `loss_fn` on the native model; return its output and, by leaf position,
     the new values of the non-`params` leaves that the forward pass wrote. Weights
-    kept quantized (`bridge._qarray.QuantizedArray`) are dequantized here, inside
+    kept quantized (`bridge._kept._array.QuantizedArray`) are dequantized here, inside
     the compiled step: `loss_fn` sees the dense model, and its matrix products with
-    them read them as stored (`bridge._qmatmul`: the backward pass recomputes each
+    them read them as stored (`bridge._kept._matmul`: the backward pass recomputes each
     dense weight instead of keeping it)."""
     run = stored_form(lambda t, b, r: forward(t, loss_fn, b, r))
     out, after = run(tree, batch, rngs)

@@ -9,7 +9,7 @@ from typing import Any
 import jax.tree_util as jtu
 
 from .._arguments import check_pattern
-from .._qarray import quantized_positions
+from .._kept._array import quantized_positions
 from .._tree import Tree, leaf_roles
 
 

@@ -44,8 +44,8 @@ largest output (bfloat16 rounding).
 `applies(...)` says when they run: on a TPU, for `"fp8-block"` weights with
 128 x 128 blocks, dims that are multiples of 128, a bfloat16 input, and a JAX with
 Pallas's TPU API. Everything else, and every CPU run, takes XLA's path in
-`bridge._qmatmul`. `interpreted()` runs them in Pallas's interpreter on any backend,
-for tests.
+`bridge._kept._matmul`. `interpreted()` runs them in Pallas's interpreter on any
+backend, for tests.
 """
 
 from __future__ import annotations

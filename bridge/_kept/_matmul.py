@@ -33,8 +33,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.extend.core import Literal
 
-from . import _qkernels, _qkernels_int4
-from ._qarray import _DEQUANTIZE, QuantizedArray, Scheme, is_quantized
+from . import _fp8_kernel, _int4_kernel
+from ._array import _DEQUANTIZE, QuantizedArray, Scheme, is_quantized
 
 
 def quantized_matmuls(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -212,10 +212,10 @@ def kept_matmul(x: jax.Array, parts: dict[str, Any], scheme: Scheme) -> jax.Arra
 def _forward(x: jax.Array, parts: dict[str, Any], s: Scheme) -> jax.Array:
     # dequantized when `x` is there: XLA may not hoist every layer's to the start
     parts, x = jax.lax.optimization_barrier((parts, x))
-    if _qkernels.applies(x, parts, s):  # on a TPU: decoded in VMEM, see _qkernels
-        return _qkernels.fp8_block_matmul(x, parts["weight"], parts["scale"], "in")
-    if _qkernels_int4.applies(x, parts, s):  # on a TPU: 4-bit values to the MXU
-        return _qkernels_int4.int4_matmul(x, parts, s, "in")
+    if _fp8_kernel.applies(x, parts, s):  # on a TPU: decoded in VMEM, see _fp8_kernel
+        return _fp8_kernel.fp8_block_matmul(x, parts["weight"], parts["scale"], "in")
+    if _int4_kernel.applies(x, parts, s):  # on a TPU: 4-bit values to the MXU
+        return _int4_kernel.int4_matmul(x, parts, s, "in")
     scale = parts.get("scale")
     per_row = (
         s.name in ("int", "fp8")
@@ -243,11 +243,11 @@ def _forward_rule(x, parts, scheme):
 def _backward_rule(scheme, parts, g):
     # recomputed when `g` is there, not early (all layers' dense weights at once)
     parts, g = jax.lax.optimization_barrier((parts, g))
-    if _qkernels.applies(g, parts, scheme):
-        dx = _qkernels.fp8_block_matmul(g, parts["weight"], parts["scale"], "out")
+    if _fp8_kernel.applies(g, parts, scheme):
+        dx = _fp8_kernel.fp8_block_matmul(g, parts["weight"], parts["scale"], "out")
         return dx, jtu.tree_map(_no_gradient, parts)
-    if _qkernels_int4.applies(g, parts, scheme):
-        dx = _qkernels_int4.int4_matmul(g, parts, scheme, "out")
+    if _int4_kernel.applies(g, parts, scheme):
+        dx = _int4_kernel.int4_matmul(g, parts, scheme, "out")
         return dx, jtu.tree_map(_no_gradient, parts)
     w = _DEQUANTIZE[scheme.name](parts, scheme).astype(g.dtype)
     dx = jax.lax.dot_general(

@@ -52,13 +52,13 @@ dequantizing path.
 `int4_matmul(x, parts, scheme, contract)`: `contract="in"`, `x` `(..., in)` ->
 `(..., out)`; `contract="out"`, `g` `(..., out)` -> `(..., in)`.
 
-`applies(...)`: on a TPU (or inside `bridge._qkernels.interpreted()`), 4-bit
+`applies(...)`: on a TPU (or inside `bridge._kept._fp8_kernel.interpreted()`), 4-bit
 `"gptq"` or `"int-packed"` weights in groups of 128 inputs, both dims
 multiples of 128, a bfloat16 input. A GPTQ or compressed-tensors group index
 (`g_idx`, activation order) is checked on the device: when it is the plain order
 (`i // 128`, which many GPTQ checkpoints store) the kernel runs, otherwise XLA's
 dequantizing path (`jax.lax.cond`). Everything else takes XLA's path in
-`bridge._qmatmul`.
+`bridge._kept._matmul`.
 
 Outputs equal the dequantizing path's within bfloat16 rounding: the forward's
 products are exact (bfloat16 `x` times small integers) and scaled in float32, where
@@ -72,8 +72,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _qkernels
-from ._qarray import _DEQUANTIZE, Scheme, _unpack_ct, _unpack_gptq
+from . import _fp8_kernel
+from ._array import _DEQUANTIZE, Scheme, _unpack_ct, _unpack_gptq
 
 
 GROUP = 128
@@ -113,9 +113,9 @@ def applies(x: jax.Array, parts: dict[str, Any], scheme: Scheme) -> bool:
         return False
     if scheme.name != "int-packed" and parts.get("zero") is None:
         return False
-    if _qkernels._pallas() is None:
+    if _fp8_kernel._pallas() is None:
         return False
-    return _qkernels._interpret or jax.default_backend() == "tpu"
+    return _fp8_kernel._interpret or jax.default_backend() == "tpu"
 
 
 def kernel_form(parts: dict[str, Any], scheme: Scheme) -> Int4Form:
@@ -158,8 +158,8 @@ def int4_matmul(
 
     ```python
     >>> import jax.numpy as jnp
-    >>> from bridge._qarray import Scheme
-    >>> from bridge._qkernels import interpreted
+    >>> from bridge._kept._array import Scheme
+    >>> from bridge._kept._fp8_kernel import interpreted
     >>> scheme = Scheme("int-packed", 4, (128, 128), "bfloat16", (("group_size", 128),))
     >>> parts = {"weight": jnp.full((128, 16), 0x99999999 - 2**32, jnp.int32),
     ...          "scale": jnp.full((128, 1), 0.5, jnp.bfloat16)}  # every value 1 * 0.5
@@ -194,13 +194,13 @@ def _dequantizing_product(
 def _kernel_product(
     x: jax.Array, form: Int4Form, contract: str, unpack: str | None = None
 ) -> jax.Array:
-    pl, pltpu = _qkernels._pallas()  # type: ignore[misc]
+    pl, pltpu = _fp8_kernel._pallas()  # type: ignore[misc]
     unpack = unpack or UNPACK
     words, scale, zero = form
     inputs, out = words.shape[0] * 8, words.shape[1]
-    ti, to = _qkernels._tile(inputs, _MAX_TILE), _qkernels._tile(out, _MAX_TILE)
+    ti, to = _fp8_kernel._tile(inputs, _MAX_TILE), _fp8_kernel._tile(out, _MAX_TILE)
     lead, batch = x.shape[:-1], x.size // x.shape[-1]
-    x2, tb = _qkernels.batch_rows(x, _MAX_BATCH_TILE)
+    x2, tb = _fp8_kernel.batch_rows(x, _MAX_BATCH_TILE)
     padded = x2.shape[0]
     order = _ORDERS[unpack]
     if contract == "in":  # the inputs in the order of the kernel's rows
@@ -224,7 +224,7 @@ def _kernel_product(
     make = _forward_kernel if contract == "in" else _gradient_kernel
     kernel = make(pl, pltpu, unpack_tile, ti // GROUP, x.dtype)
     specs = [x_spec, w_spec, group_spec, group_spec]
-    call = _qkernels.tiled_call(
+    call = _fp8_kernel.tiled_call(
         kernel, grid, specs, out_spec, (padded, out_cols), x.dtype
     )
     y = call((ti, to), (tb, acc_cols))(x2, words, scale, zero)
