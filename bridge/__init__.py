@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # what static tools (pyright, the API docs) read
         register_codec as register_codec,
         unregister_codec as unregister_codec,
     )
-    from ._port._compare import compare as compare
+    from ._port._compare import Comparison as Comparison, compare as compare
     from ._port._errors import PortError as PortError, PortWarning as PortWarning
     from ._port._plan import Plan as Plan
     from ._port._planning import port_plan as port_plan
@@ -106,6 +106,7 @@ _PUBLIC = {
     "register_codec": "._port._codec",
     "unregister_codec": "._port._codec",
     "compare": "._port._compare",
+    "Comparison": "._port._compare",
     "PortError": "._port._errors",
     "PortWarning": "._port._errors",
     "Plan": "._port._plan",

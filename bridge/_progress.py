@@ -1,10 +1,11 @@
-"""A progress display for long loads and saves, on stderr: `bridge convert`'s, and
-`bridge.load(..., progress=True)`'s and `bridge.save(..., progress=True)`'s (one
+"""A progress display for long loads and saves, on stderr or in a Jupyter notebook:
+`bridge convert`'s, and `progress=True`'s of `bridge.load` and every save call (one
 implementation).
 
 The readers and writers count the bytes they move with `advance(nbytes)`, once per
 array (or block written); without a display listening, that is one context-variable
-lookup. A display draws itself only on a terminal, and only once the operation has
+lookup. A display draws itself only on a terminal (with rich) or in a notebook (an
+HTML bar updated in place, no widget library), and only once the operation has
 taken `DELAY` seconds: a quick load, a log file or a pipe gets nothing.
 
     >>> with counting(print):
@@ -17,9 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import html
+import importlib
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 
 if TYPE_CHECKING:
@@ -130,12 +135,88 @@ class Display:
             self.progress.stop()
 
 
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (IPython with a kernel attached)."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return getattr(shell, "kernel", None) is not None
+
+
+class Notebook:
+    """A progress bar in a Jupyter notebook's output: an HTML `<progress>` shown
+    once the operation has taken `DELAY` seconds, updated in place (IPython's
+    `display_id`) at most `PER_SECOND` times a second from the thread that counts,
+    and marked done at the end."""
+
+    PER_SECOND = 4
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.begun = clock()
+        self.handle: Any = None
+        self.drawn = 0.0
+        self.description, self.total, self.done = "", 0, 0
+
+    def _html(self, finished: bool = False) -> str:
+        share = self.done / self.total if self.total else 0.0
+        bar = (
+            f'<progress value="{self.done}" max="{self.total}" style="width: 24em">'
+            "</progress>"
+            if self.total
+            else "<progress></progress>"
+        )
+        seconds = self.clock() - self.begun
+        state = "done" if finished else f"{share:.0%}" if self.total else ""
+        return (
+            '<div style="font-family: monospace; font-size: 12px">'
+            f"{html.escape(self.description)} {bar} {state} {seconds:.1f} s</div>"
+        )
+
+    def _draw(self, finished: bool = False) -> None:
+        now = self.clock()
+        if self.handle is None and now - self.begun < DELAY and not finished:
+            return
+        if not finished and now - self.drawn < 1 / self.PER_SECOND:
+            return
+        shown = importlib.import_module("IPython.display")  # in a notebook only
+        HTML, display = shown.HTML, shown.display
+        self.drawn = now
+        if self.handle is None:
+            if finished:
+                return  # over before it was shown: nothing to show
+            self.handle = display(HTML(self._html()), display_id=True)
+        else:
+            self.handle.update(HTML(self._html(finished)))
+
+    @contextlib.contextmanager
+    def phase(
+        self, description: str, total: int | None = None
+    ) -> Iterator[Callable[[int], None]]:
+        """As `Display.phase`."""
+        self.description, self.total, self.done = description, total or 0, 0
+
+        def step(done: int) -> None:
+            self.done += done
+            self._draw()
+
+        with counting(step):
+            yield step
+        self._draw(finished=True)
+
+    def __enter__(self) -> Notebook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def shown(on: bool, description: str, total: int | None = None) -> Iterator[None]:
     """The block as one phase of a display of its own when `on` (`progress=True` of
-    `bridge.load` and `bridge.save`), else as it is."""
+    `bridge.load` and the save calls): in a notebook its bar, else on stderr; else
+    the block as it is."""
     if not on:
         yield
         return
-    with Display() as display, display.phase(description, total):
+    display = Notebook() if in_notebook() else Display()
+    with display, display.phase(description, total):
         yield

@@ -135,3 +135,61 @@ def test_progress_must_be_a_bool(tmp_path):
     bridge.save(path, {"params": {"w": jnp.ones(2)}})
     with pytest.raises(TypeError, match="progress"):
         bridge.load(path, progress=1)
+
+
+class _Handle:
+    def __init__(self, shown):
+        self.shown = shown
+
+    def update(self, obj):
+        self.shown.append(obj.data)
+
+
+def _notebook(monkeypatch):
+    """A Jupyter kernel, as `bridge._progress` sees one: IPython with a kernel, and
+    `IPython.display` recording what is shown (each update of the one output)."""
+    import types
+
+    shown: list[str] = []
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: types.SimpleNamespace(kernel=object())
+    display = types.ModuleType("IPython.display")
+    display.HTML = lambda data: types.SimpleNamespace(data=data)
+
+    def show(obj, display_id=False):
+        assert display_id is True  # updated in place, never a new output each time
+        shown.append(obj.data)
+        return _Handle(shown)
+
+    display.display = show
+    monkeypatch.setitem(__import__("sys").modules, "IPython", ipython)
+    monkeypatch.setitem(__import__("sys").modules, "IPython.display", display)
+    return shown
+
+
+def test_a_notebook_gets_an_html_bar_updated_in_place(monkeypatch):
+    """In Jupyter the display was drawn nowhere (stderr is no terminal there)."""
+    shown = _notebook(monkeypatch)
+    assert _progress.in_notebook()
+    now = [0.0]
+    bar = _progress.Notebook(clock=lambda: now[0])
+    with bar.phase("loading model.safetensors (1.0 KiB)", 1000) as step:
+        step(100)  # before DELAY: nothing shown
+        assert shown == []
+        now[0] = 1.5
+        step(400)  # shown
+        now[0] = 1.6
+        step(100)  # within a quarter second of the last draw: not redrawn
+        now[0] = 2.0
+        step(400)
+    assert len(shown) == 3
+    assert '<progress value="500" max="1000"' in shown[0] and "50%" in shown[0]
+    assert '<progress value="1000" max="1000"' in shown[1] and "100%" in shown[1]
+    assert "done 2.0 s" in shown[2]  # marked done in place
+
+
+def test_a_quick_operation_in_a_notebook_shows_nothing(monkeypatch):
+    shown = _notebook(monkeypatch)
+    with _progress.shown(True, "saving m.safetensors (8 B)", 8):
+        _progress.advance(8)
+    assert shown == []

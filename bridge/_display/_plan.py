@@ -155,7 +155,7 @@ def plan_outline(plan: Any) -> Line:
             cells[4], Span("): "), cells[5],
         )  # fmt: skip
         inner = tuple(
-            Line(_row([s])[0][:1] + [Span(" -> "), Span(s.target)]) for s in run
+            Line((_row([s])[0][0], Span(" -> "), Span(s.target))) for s in run
         )
         lines.append(Line(spans, inner if len(run) > 1 else (), folded=True))
     return Line((Span(_summary(plan), "head"),), (*lines, *_groups(plan)))

@@ -1,9 +1,11 @@
-"""`compare`: the largest output difference of two models of any frameworks."""
+"""`compare`: the largest output difference of two models of any frameworks, as a
+`Comparison` (a float) that also tells, when looked at, the difference layer by layer
+along the model."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,13 @@ import numpy as np
 
 from .._adapters._native import check_model, infer, says_channel_first
 from .._arguments import check_bool, check_mapping, check_pair
+from .._display._compare import (
+    comparison_html,
+    comparison_text,
+    comparison_treescope,
+)
+from ._layerwise import difference, layer_outputs
+from ._planning import port_plan
 
 
 _OUTPUTS_DIFFER = """\
@@ -42,7 +51,7 @@ def compare(
     channel_first: tuple[bool, bool] | None = None,
     per_side: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
     **call_kwargs: Any,
-) -> float:
+) -> Comparison:
     """The largest absolute difference between two models' outputs on the same inputs,
     whatever their frameworks: the check to run after `bridge.port`.
 
@@ -75,7 +84,9 @@ def compare(
 
     **Returns:**
 
-    A python float: `max |a(*inputs) - b(*inputs)|` over every output array.
+    A `bridge.Comparison`: a python float, `max |a(*inputs) - b(*inputs)|` over
+    every output array, which also says layer by layer where the two models part
+    when looked at (its `layers`, its repr in a terminal, its HTML in Jupyter).
 
     **Example:**
 
@@ -96,7 +107,145 @@ def compare(
     if not inputs and not call_kwargs and not any(per_side or ()):
         raise TypeError(_NO_INPUTS)
     leaves_a, leaves_b = outputs(a, b, inputs, channel_first, per_side, call_kwargs)
-    return largest_difference(leaves_a, leaves_b)
+    run = _Run(a, b, inputs, channel_first, per_side, dict(call_kwargs))
+    return Comparison(largest_difference(leaves_a, leaves_b), run)
+
+
+class _Run(NamedTuple):
+    """What `compare` ran, kept for the differences layer by layer (computed when
+    first asked)."""
+
+    a: Any
+    b: Any
+    inputs: tuple[Any, ...]
+    channel_first: tuple[bool, bool] | None
+    per_side: tuple[Mapping[str, Any], Mapping[str, Any]] | None
+    kwargs: dict[str, Any]
+
+
+class Layer(NamedTuple):
+    """One pair of layers of a `Comparison`: their paths in `a` and `b` and the
+    largest difference of their outputs (None where their layouts cannot be
+    compared: a fused layer against its parts)."""
+
+    a: str
+    b: str
+    difference: float | None
+
+
+class Comparison(float):
+    """The largest absolute difference of two models' outputs (`bridge.compare`'s):
+    a float, compared and formatted as one, which also tells where the two models
+    part.
+
+    **Attributes:**
+
+    - `layers`: tuple of `Layer(a, b, difference)`, one per pair of layers (paired
+      as `bridge.port_plan(a, b, example=inputs)` pairs them, else by path), in the
+      order model `a`'s forward pass computes them: the first large difference is
+      the first layer where the two ports part. Computed when first read (the
+      forward passes traced and run again: a second or so); empty where a model
+      cannot be traced by JAX (a PyTorch module), and `why` says so.
+    - `why`: why `layers` is empty, or "".
+
+    `repr` shows the largest difference, a sparkline of the differences along the
+    model and the first layer above `tolerance` (one screen); in Jupyter, a table
+    and a plot; `float(c)` is the number.
+
+    **Example:**
+
+    ```python
+    >>> import jax, jax.numpy as jnp, bridge
+    >>> from flax import nnx
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
+    >>> c = bridge.compare(model, model, jnp.ones((4, 2)))
+    >>> c == 0.0, [layer.difference for layer in c.layers]
+    (True, [0.0, 0.0])
+
+    ```
+    """
+
+    _run: _Run | None
+    _layers: tuple[tuple[Layer, ...], str] | None
+
+    def __new__(cls, value: float, run: _Run | None = None) -> Comparison:
+        self = super().__new__(cls, value)
+        self._run, self._layers = run, None
+        return self
+
+    @property
+    def layers(self) -> tuple[Layer, ...]:
+        return self._by_layer()[0]
+
+    @property
+    def why(self) -> str:
+        return self._by_layer()[1]
+
+    def _by_layer(self) -> tuple[tuple[Layer, ...], str]:
+        if self._layers is None:
+            self._layers = (), "not run" if self._run is None else ""
+            if self._run is not None:
+                self._layers = by_layer(self._run)
+        return self._layers
+
+    def __reduce__(self) -> Any:
+        return (float, (float(self),))
+
+    __str__ = float.__repr__
+
+    def __repr__(self) -> str:
+        return comparison_text(self)
+
+    _repr_html_ = comparison_html
+    __treescope_repr__ = comparison_treescope
+
+
+_UNTRACED = (
+    "layer by layer needs both forward passes traced by JAX ({error}); the outputs "
+    "alone were compared"
+)
+
+
+def by_layer(run: _Run) -> tuple[tuple[Layer, ...], str]:
+    """Each pair of layers of `run`'s two models with the largest difference of
+    their outputs, in the order model `a` computes them; or none and why."""
+    firsts = run.channel_first or (
+        says_channel_first(run.a),
+        says_channel_first(run.b),
+    )
+    sides = run.per_side or ({}, {})
+    found = []
+    for model, kwargs, first in zip((run.a, run.b), sides, firsts, strict=True):
+        merged = {**run.kwargs, **kwargs}
+
+        def call(native: Any, xs: list[Any], merged=merged, first=first) -> Any:
+            return infer(native, tuple(xs), merged, first)
+
+        try:
+            found.append(layer_outputs(model, call, run.inputs))
+        except Exception as error:  # a framework JAX does not trace (PyTorch)
+            return (), _UNTRACED.format(error=f"{type(error).__name__}: {error}"[:200])
+    outs_a, outs_b = found
+    pairs = _pairs(run, outs_a, outs_b)
+    layers = tuple(
+        Layer(la, lb, difference(outs_a[la].value, outs_b[lb].value))
+        for la, lb in pairs
+    )
+    return layers, ""
+
+
+def _pairs(run: _Run, outs_a: Mapping[str, Any], outs_b: Mapping[str, Any]) -> list:
+    """The pairs of layers of `a` and `b` whose outputs both passes kept, in `a`'s
+    order: as the port plan pairs them, else by path."""
+    try:
+        plan = port_plan(run.a, run.b, example=run.inputs)
+        by_source = {s.source: s.target for s in plan.steps}
+    except Exception:  # models the plan cannot pair: by path alone
+        by_source = {}
+    return [
+        (la, by_source.get(la, la)) for la in outs_a if by_source.get(la, la) in outs_b
+    ]
 
 
 def outputs(
