@@ -247,7 +247,8 @@ def torch_resnet18():
 
     class ResNet18(tnn.Module):
         """Takes Haiku's channel-last images (bridge's torch trace passes the
-        example inputs as they are, see /work/notes/haiku-keras/NEEDS.md)."""
+        example inputs as they are: the team's notes on Haiku and Keras, outside
+        this repository)."""
 
         def __init__(self):
             super().__init__()

@@ -119,7 +119,7 @@ def test_resnet18_into_a_twin_computing_the_shortcut_last_is_refused(resnet):
     """torchvision's order (main path, then shortcut) rotates the three BatchNorms of
     a projecting block among the orders of use: the plan sees the dependence
     contradict the pairing and refuses, never guesses
-    (/work/notes/haiku-keras/NEEDS.md, item 4: the core should pair them)."""
+    (the team's notes on Haiku and Keras, item 4: the core should pair them)."""
     source, x = resnet
     kwargs = dict(example=(x,), example_kwargs=({"is_training": False}, {}))
     with pytest.raises(bridge.PortError, match=r"order: .*batchnorm_0 -> .*bn2"):
