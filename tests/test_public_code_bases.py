@@ -67,14 +67,11 @@ _DINO_FOLDER = (
     _DINO + "; the folder holds the legacy names transformers writes "
     "(attention.attention.query)"
 )
-_DIFFUSERS_FOLDER = (
-    "a diffusers folder (diffusion_pytorch_model.safetensors, config.json with "
-    "_class_name) is refused: 'is a directory but not a checkpoint written by "
-    "bridge.save' (issue #54, 6)"
-)
 _DIFFUSERS_SAVE = (
-    "bridge.save writes transformers' model.safetensors into the folder; "
-    "diffusers' from_pretrained looks for diffusion_pytorch_model.safetensors "
+    "bridge.save_pretrained(config=model.config, like=model) writes transformers' "
+    "model.safetensors: a diffusers model's config has no _class_name until "
+    "diffusers' save_config adds it, and `like` (a diffusers ModelMixin) is not "
+    "asked; from_pretrained looks for diffusion_pytorch_model.safetensors "
     "(issue #54, 6)"
 )
 NOT_YET: dict[tuple[str, str], str] = {
@@ -94,9 +91,7 @@ NOT_YET: dict[tuple[str, str], str] = {
     ("equimo-dinov2", "folder->jax"): _DINO_FOLDER,
     ("equimo-dinov2", "jax->torch"): _DINO,
     ("equimo-dinov2", "jax->folder"): _DINO,
-    ("diffusers-vae", "folder->jax"): _DIFFUSERS_FOLDER,
     ("diffusers-vae", "jax->folder"): _DIFFUSERS_SAVE,
-    ("diffusers-unet", "folder->jax"): _DIFFUSERS_FOLDER,
     ("diffusers-unet", "jax->folder"): _DIFFUSERS_SAVE,
 }
 # (case, route): a fragment of the problem a refusal must name, where the two

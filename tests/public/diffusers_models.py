@@ -94,7 +94,7 @@ def vae() -> Case:
         {},
         _write,
         _read,
-        save_kwargs={"config": dict(_torch().config)},
+        save_kwargs={"config": _torch().config},
     )
 
 
@@ -174,7 +174,7 @@ def unet() -> Case:
         {},
         _write,
         _read_unet,
-        save_kwargs={"config": dict(_torch_unet().config)},
+        save_kwargs={"config": _torch_unet().config},
         # the twins' float32 arithmetic differs by this much: diffusers' own
         # converter (convert_pytorch_state_dict_to_flax) gives 7.0e-05
         tolerance=5e-4,
