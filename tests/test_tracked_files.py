@@ -36,6 +36,8 @@ def _tracked() -> list[Path]:
 def test_no_tracked_file_names_a_path_of_this_machine():
     found = []
     for path in _tracked():
+        if path == Path(__file__).resolve():  # its own examples, below
+            continue
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):  # a binary file, a submodule
