@@ -232,6 +232,7 @@ TORCH_TESTS = [
     "tests/test_torch_folder_code.py",
     "tests/test_torch_folder_bounds.py",
     "tests/test_diffusers_folder.py",
+    "tests/test_torch_folder_real.py",
     "tests/test_torch_ties.py",
     "tests/test_torch_port_traced.py",
     "tests/test_torch_weight_norm.py",

@@ -36,13 +36,11 @@ NOT_YET: dict[tuple[str, str], str] = {}
 # head; bonsai's three arrays differ here (each perturbed): one cannot hold them
 # bonsai's Gemma3 keeps its embedding's scale sqrt(hidden) as an array outside any
 # Variable (`nnx.data`); transformers' is a non-persistent buffer, in no state dict:
-# no source array fills bonsai's, and no target array takes it. From the module
-# (torch->nnx, nnx->torch) the buffer's value is read and equals bonsai's: a
-# constant both compute, neither moved nor refused (bridge/_port/_constants.py;
-# both routes exact since branch bonsai). From a folder no value is at hand: a
-# constant made at build and a weight left unfilled look alike, so it refuses
-# naming it; under strict=False it is exact (test_gemma3_embed_scale)
-_EMBED_SCALE = ".embed_tokens.embed_scale (Array: array ())"
+# no source array fills bonsai's, and no target array takes it. The buffer's value
+# is read from the module (torch->nnx, nnx->torch) or, from a folder, from its
+# model built with real tensors (bridge/_adapters/_torch_real.py: a small model)
+# and equals bonsai's: a constant both compute, neither moved nor refused
+# (bridge/_port/_constants.py; every route exact since branch folders)
 # bonsai's V-JEPA 2 predictor takes `int(jnp.max(target_mask[0]))` (and
 # transformers' a data-dependent size): neither pass can be traced, so the
 # VJEPA2Model routes refuse naming the failed pass (vjepa2-cls, whose forward skips
@@ -60,7 +58,6 @@ REFUSED = {
     ("qwen3_vl", "torch->nnx"): _TOWER,
     ("qwen3_vl", "folder->nnx"): _TOWER,
     ("qwen3_vl", "nnx->torch"): _TOWER,
-    ("gemma3", "folder->nnx"): "missing: target layer " + _EMBED_SCALE,
 }
 WRONG: dict[tuple[str, str], str] = {
     # none. DINOv3 nnx->torch (2.5e-3 as bonsai computes) is bonsai's bfloat16 RoPE

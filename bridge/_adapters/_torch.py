@@ -33,7 +33,7 @@ from .._paths import Path, parse
 from .._shown import shown
 from .._tree import Held, Key, Source, Tree, items, kind, walk
 from .._uses import Untraced, Uses
-from . import _torch_folder, _torch_trace
+from . import _torch_folder, _torch_real, _torch_trace
 from ._build import build, native_leaves, source_of
 from ._registry import APART, Adapter, LayoutWriter, register_adapter
 
@@ -699,9 +699,10 @@ def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
 def constants(tree: Tree) -> dict[Path, np.ndarray]:
     """The non-persistent buffers of the module a Tree holds (transformers' Gemma 3
     `embed_tokens.embed_scale`, `sqrt(hidden)`: in no state dict, no file), by the
-    path their name has in the Tree, with their values (floats in float64); empty
-    for a state dict, a folder's Tree (its module is built on the meta device:
-    no values) and any other Tree.
+    path their name has in the Tree, with their values (floats in float64); for a
+    folder's Tree those of its model built with real tensors (`_torch_real`: where
+    it takes at most `MOST_REAL` bytes; none of a larger one); empty for a state
+    dict and any other Tree.
 
     Example: `{("model", "embed_tokens", "embed_scale"): array(4.)}`.
     """
@@ -710,6 +711,9 @@ def constants(tree: Tree) -> dict[Path, np.ndarray]:
         return {}
     record = src.record
     module = record.module.value
+    if not is_module(module) and record.config.value is not None:
+        real = _torch_real.real_module(record.config.value, keys=_files(record))
+        module = None if real.twin else real.module  # a twin's are of its widths
     if not is_module(module):
         return {}
     out = {}
@@ -854,10 +858,9 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
     """
     record = source_of(tree, "torch", TorchRecord).record
     module, renamed = record.module.value, {}
-    if not is_module(module) and record.config.value is not None:
-        files = [_unstrip(n, record) for n in record.names]
-        files += [_unstrip(a, record) for a, _ in record.ties]
-        built = _torch_folder.folder_module(record.config.value, keys=files)
+    folder = not is_module(module) and record.config.value is not None
+    if folder:
+        built = _torch_folder.folder_module(record.config.value, keys=_files(record))
         if built.module is None:
             raise Untraced(_NOT_BUILT.format(reason=built.reason))
         module, renamed = built.module, built.keys
@@ -871,7 +874,17 @@ def trace(tree: Tree, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Uses |
         channels = getattr(config, "in_channels", None)
     inputs = tuple(_channel_first(x, channels) for x in inputs)
     kwargs = {k: _channel_first(x, channels) for k, x in kwargs.items()}
-    uses = _torch_trace.trace_module(module, inputs, kwargs)
+    try:
+        uses = _torch_trace.trace_module(module, inputs, kwargs)
+    except Exception:
+        if not folder:
+            raise
+        # a forward pass that reads values (a `.item()`), which a model of no
+        # memory cannot give: the model again with real tensors, or its twin
+        real = _torch_real.real_module(record.config.value, keys=_files(record))
+        if real.module is None:
+            raise
+        uses = _torch_trace.trace_module(real.module, inputs, kwargs)
     held = set(record.names)
     names: dict[Any, str] = {}
     for name in [*uses.positions, *uses.unused]:
@@ -919,6 +932,12 @@ def with_config(tree: Tree, config: Any) -> Tree:
     source = Source(src.framework, src.paths, src.order, record, src.native)
     info = dataclasses.replace(tree._info, source=source)
     return Tree._make(info, [child for _, child in items(tree)])
+
+
+def _files(record: TorchRecord) -> list[str]:
+    """The names of a folder's Tree as the folder's files hold them."""
+    files = [_unstrip(n, record) for n in record.names]
+    return files + [_unstrip(a, record) for a, _ in record.ties]
 
 
 def _unstrip(name: str, record: TorchRecord) -> str:

@@ -36,11 +36,15 @@ def claims(raw: Mapping) -> bool:
 
 
 def prepare(
-    diffusers: Any, raw: Mapping, bounds: Bounds
+    diffusers: Any, raw: Mapping, bounds: Bounds, narrow: bool = False
 ) -> tuple[str, Callable[[Any], Any]]:
     """The class name and `build(torch)` of the model `raw` names. Raises
     `ValueError` naming a `_class_name` that is not one of diffusers' model
-    classes (`AutoModel`, a pipeline, a function are not)."""
+    classes (`AutoModel`, a pipeline, a function are not), or for `narrow` (no
+    twin of small widths is made of a diffusers model: its widths are lists of
+    block widths, per class)."""
+    if narrow:
+        raise ValueError("no twin of small widths is made of a diffusers model")
     name = raw.get(CLASS)
     cls = None
     if isinstance(name, str) and name.isidentifier():

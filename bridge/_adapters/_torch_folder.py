@@ -48,6 +48,8 @@ class FolderModule(NamedTuple):
     - `merged`: `{module name: the keys}` of the module's weights transformers
       makes from several of the folder's keys (per-expert weights packed into one
       tensor on load).
+    - `twin`: whether the module is a twin of small widths (`_torch_real`), not
+      the model at full size.
     """
 
     module: Any
@@ -55,6 +57,7 @@ class FolderModule(NamedTuple):
     keys: dict[str, str]
     unmatched: tuple[str, ...]
     merged: Mapping[str, tuple[str, ...]] = {}
+    twin: bool = False
 
 
 _NO_PACKAGE = (
@@ -167,6 +170,45 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
     library missing, an unknown class, a failing constructor), and how the
     module's names relate to the folder's keys.
     """
+    plan = _plan(folder, keys)
+    if isinstance(plan, str):
+        return FolderModule(None, plan, {}, ())
+    torch = plan.torch
+    fake_tensor = _import("torch._subclasses.fake_tensor")
+    if fake_tensor is None:
+        return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+    module = _built(
+        plan,
+        plan.build,
+        (  # the meta device where it builds, else fake tensors
+            lambda: torch.device("meta"),
+            lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
+        ),
+    )
+    if isinstance(module, str):
+        return FolderModule(None, module, {}, ())
+    names = _file_names(module, plan.keys, plan.library, plan.package)
+    return FolderModule(module, "", *names)
+
+
+class _Plan(NamedTuple):
+    """What a build from a folder's config needs: the config, the folder's keys,
+    the bounds of the build, the model's library, torch, the class name and
+    `build(torch)` (the library's `prepare`)."""
+
+    raw: dict
+    keys: Any
+    count: int | None
+    bounds: Bounds
+    library: Any
+    package: Any
+    torch: Any
+    name: str
+    build: Any
+
+
+def _plan(folder: Any, keys: Any) -> _Plan | str:
+    """The plan of a build from `folder`'s config, or why there is none."""
     if keys is None and not isinstance(folder, Mapping):
         keys = _folder_keys(folder)
     count = None if keys is None else len(keys)
@@ -178,39 +220,37 @@ def folder_module(folder: Any, keys: Any = None) -> FolderModule:
         torch, package = _import("torch"), _import(library.PACKAGE)
         for name, found in (("torch", torch), (library.PACKAGE, package)):
             if found is None:
-                reason = _NO_PACKAGE.format(name=name, install=install)
-                return FolderModule(None, reason, {}, ())
-        fake_tensor = _import("torch._subclasses.fake_tensor")
-        if fake_tensor is None:
-            return FolderModule(None, "torch has no FakeTensorMode", {}, ())
+                return _NO_PACKAGE.format(name=name, install=install)
         name, build = library.prepare(package, raw, bounds)
     except TooBig as e:
-        return FolderModule(None, _too_big(e, count), {}, ())
+        return _too_big(e, count)
     except _CustomCode as e:
-        return FolderModule(None, str(e), {}, ())
+        return str(e)
     except Exception as e:  # not JSON, not an object, no class, refused by its
         # library
-        reason = f"its config.json is not read: {type(e).__name__}: {e}"
-        return FolderModule(None, reason, {}, ())
+        return f"its config.json is not read: {type(e).__name__}: {e}"
+    return _Plan(raw, keys, count, bounds, library, package, torch, name, build)
+
+
+def _built(plan: _Plan, build: Any, devices: tuple) -> Any:
+    """The module `build` makes within the plan's bounds, in the first of
+    `devices` (contexts) where it builds, in `eval()` mode; else why not."""
     failed = ""
-    for device in (  # the meta device where it builds, else fake tensors
-        lambda: torch.device("meta"),
-        lambda: fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
-    ):
+    torch = plan.torch
+    for device in devices:
         try:
-            with bounds.counting(torch), device(), library.context(package):
-                with bounds.stopping():
+            with plan.bounds.counting(torch), device():
+                with plan.library.context(plan.package), plan.bounds.stopping():
                     module = build(torch)
         except TooBig as e:
-            return FolderModule(None, _too_big(e, count), {}, ())
+            return _too_big(e, plan.count)
         except Exception as e:  # the model's own code: report, do not crash the port
-            failed = failed or f"{name} could not be built: {type(e).__name__}: {e}"
+            failed = (
+                failed or f"{plan.name} could not be built: {type(e).__name__}: {e}"
+            )
             continue
-        break
-    else:
-        return FolderModule(None, failed, {}, ())
-    module.eval()
-    return FolderModule(module, "", *_file_names(module, keys, library, package))
+        return module.eval()
+    return failed
 
 
 def module_from_folder(folder: Any) -> Any:

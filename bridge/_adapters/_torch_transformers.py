@@ -13,6 +13,7 @@ keys)`: the folder's keys as transformers renames them on load.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,16 +35,19 @@ def claims(raw: Mapping) -> bool:
 
 
 def prepare(
-    transformers: Any, raw: Mapping, bounds: Bounds
+    transformers: Any, raw: Mapping, bounds: Bounds, narrow: bool = False
 ) -> tuple[str, Callable[[Any], Any]]:
     """The class name and `build(torch)` of the model `raw` names:
     `architectures[0]` if it is one of transformers' model classes, else the class
     `transformers.AutoModel` maps the config to (never an auto class, which may
-    import code a config names), imported now. Raises `ValueError` naming what
-    has no class; the config's own errors (made within `bounds`)."""
+    import code a config names), imported now; `narrow`: its twin of small widths
+    (`narrowed`). Raises `ValueError` naming what has no class; the config's own
+    errors (made within `bounds`)."""
     rest = {k: v for k, v in raw.items() if k != "model_type"}
     with bounds.stopping():
         config = transformers.AutoConfig.for_model(raw.get("model_type", ""), **rest)
+    if narrow:
+        config = narrowed(config)
     cls = _model_class(transformers, raw.get("architectures"))
     if cls is None:  # the base model of its model_type: transformers' own class
         cls = _base_class(transformers, config)
@@ -64,6 +68,42 @@ def prepare(
         return module
 
     return cls.__name__, build
+
+
+WIDTH = 4
+"""A twin's width per attention head (its `head_dim`)."""
+_WIDTHS = (
+    *("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"),
+    *("d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner"),
+)
+"""Fields of a feed-forward width: set to twice the twin's hidden size."""
+
+
+def narrowed(config: Any) -> Any:
+    """A copy of `config` of small widths, for a twin of its model whose forward
+    pass computes as the model's does (the same layers, names, heads, vocabulary
+    and every other field): in it and each sub-config (`text_config`, ...) with
+    `num_attention_heads`, `hidden_size` is `WIDTH` a head, `head_dim` (where it
+    is set) `WIDTH`, and the feed-forward widths (`_WIDTHS`) twice the hidden size.
+    A width under another name stays as it is (the twin is then larger: its size
+    is checked by its builder)."""
+    twin = copy.deepcopy(config)
+    todo = [twin]
+    while todo:
+        c = todo.pop()
+        heads = getattr(c, "num_attention_heads", None)
+        if isinstance(heads, int) and heads > 0 and hasattr(c, "hidden_size"):
+            c.hidden_size = heads * WIDTH
+            if isinstance(getattr(c, "head_dim", None), int):
+                c.head_dim = WIDTH
+            for field in _WIDTHS:
+                if isinstance(getattr(c, field, None), int):
+                    setattr(c, field, 2 * c.hidden_size)
+        for key in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, key, None)
+            if sub is not None and hasattr(sub, "to_dict"):
+                todo.append(sub)
+    return twin
 
 
 def context(transformers: Any) -> Any:
