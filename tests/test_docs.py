@@ -141,7 +141,10 @@ def steps(path: Path) -> list[tuple[str, str, str | None]]:
             after = found[i + 1] if i + 1 < len(found) else None
             between = text[m.end() : after.start()] if after else ""
             printed = None
-            if after is not None and after[1] == "text" and between.count("\n\n") <= 2:
+            shows = (
+                after is not None and after[1] == "text" and "logged" not in after[2]
+            )
+            if after is not None and shows and between.count("\n\n") <= 2:
                 printed = after[3]
             out.append(("python", m[3], printed))
         elif m[1] == "console":
@@ -162,10 +165,27 @@ def _console(command: str) -> str:
     )
 
 
-def run_pasted(path: Path, cwd: Path) -> list[str]:
+def logged(path: Path) -> dict[int, str]:
+    """`{step index: text}` of the ```text title="logged" blocks of a page: what
+    the ```python block before them logs (on stderr, as a reader's terminal or
+    notebook shows it under the printed output)."""
+    text = path.read_text()
+    out, step = {}, -1
+    for m in _FENCE.finditer(text):
+        if m[1] == "python":
+            step += 1
+        elif m[1] == "console":
+            step += len(re.split(r"^\$ ", m[3], flags=re.M)[1:])
+        elif m[1] == "text" and "logged" in m[2] and step >= 0:
+            out[step] = m[3]
+    return out
+
+
+def run_pasted(path: Path, cwd: Path, stderr: list[str] | None = None) -> list[str]:
     """Run a page as a reader does, top to bottom in one fresh Python process: its
     ```python blocks in order, and each `$ command` of its ```console blocks where
-    it comes, in the same folder; what each printed."""
+    it comes, in the same folder; what each printed (and, into `stderr`, what each
+    wrote on stderr: its log lines)."""
     order = steps(path)
     script = "".join(
         (
@@ -174,6 +194,7 @@ def run_pasted(path: Path, cwd: Path) -> list[str]:
             else _console(c)
         )
         + f"print({_MARK!r}, end='')\n"
+        + f"import sys as _sys; print({_MARK!r}, end='', file=_sys.stderr)\n"
         for i, (kind, c, _) in enumerate(order)
     )
     env = checkout_env(COLUMNS="100")
@@ -187,6 +208,8 @@ def run_pasted(path: Path, cwd: Path) -> list[str]:
         timeout=1800,
     )
     assert done.returncode == 0, f"{path.name}: {done.stderr[-3000:]}"
+    if stderr is not None:
+        stderr.extend(done.stderr.split(_MARK)[: len(order)])
     return done.stdout.split(_MARK)[: len(order)]
 
 
@@ -198,12 +221,14 @@ PAGES = [
 _VARIES = re.compile(r"\d+(\.\d+)? ?(s|ms)\b|\d+:\d\d:\d\d")
 
 
-def _same(out: str, shown: str) -> bool:
-    def norm(text: str) -> list[str]:
-        text = _TMP.sub("/tmp/.../", text)
-        return [_VARIES.sub("T", line.rstrip()) for line in text.strip().splitlines()]
+def _lines(text: str) -> list[str]:
+    """A page's output as compared: temporary folders and times left out."""
+    text = _TMP.sub("/tmp/.../", text)
+    return [_VARIES.sub("T", line.rstrip()) for line in text.strip().splitlines()]
 
-    return norm(out) == norm(shown)
+
+def _same(out: str, shown: str) -> bool:
+    return _lines(out) == _lines(shown)
 
 
 @pytest.mark.slow
@@ -211,12 +236,17 @@ def _same(out: str, shown: str) -> bool:
 def test_page_runs_as_pasted_and_prints_what_it_shows(page, tmp_path):
     """Each page in a fresh process, top to bottom, no setup but an empty folder."""
     path = ROOT / page
-    printed = run_pasted(path, tmp_path)
+    written: list[str] = []
+    printed = run_pasted(path, tmp_path, written)
     for (kind, code, shown), out in zip(steps(path), printed):
         if shown is not None and shown.strip():
             assert _same(out, shown), (
                 f"{page}: {code[:200]!r} printed\n{out}\nshown\n{shown}"
             )
+    for step, shown in logged(path).items():  # each line among what it logged
+        lines = set(_lines(written[step]))
+        missing = [line for line in _lines(shown) if line not in lines]
+        assert missing == [], f"{page}: block {step + 1} logged\n{written[step]}"
 
 
 def test_the_page_runner_reads_a_page_as_a_reader_does(tmp_path):
@@ -235,6 +265,22 @@ def test_the_page_runner_reads_a_page_as_a_reader_does(tmp_path):
     assert first == second  # one process: the second block sees the first's `os`
     assert (cat, echo) == ("hi", "b\n")
     assert steps(page)[1][2] == "hi\n"
+
+
+def test_the_page_runner_compares_what_a_block_logs(tmp_path):
+    """A ```text title="logged" block: each of its lines is among what the block
+    before it wrote on stderr (a logger's lines, which a reader sees too)."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport logging\nlogging.getLogger('x').warning('told')\n"
+        "print('printed')\n```\n\n```text\nprinted\n```\n\n"
+        '```text title="logged"\ntold\n```\n'
+    )
+    assert logged(page) == {0: "told\n"}
+    assert [shown for _, _, shown in steps(page)] == ["printed\n"]
+    written: list[str] = []
+    assert run_pasted(page, tmp_path, written) == ["printed\n"]
+    assert "told" in written[0]
 
 
 def test_shown_outputs_are_text_blocks():
