@@ -129,7 +129,7 @@ def test_a_build_past_its_deadline_is_stopped(monkeypatch):
     )
     assert after == before
     assert torch.empty(1).device.type == "cpu"
-    monkeypatch.setattr(_torch_bounds, "MOST_SECONDS", 10.0)
+    monkeypatch.setattr(_torch_bounds, "MOST_SECONDS", 5.0)
     assert folder_module(_SWIN | dict(embed_dim=8, depths=[2])).module is not None
 
 

@@ -53,7 +53,7 @@ most steps its build may take; with them, the steps beyond `PER_TENSOR` each."""
 PER_TENSOR = 16
 MOST_LISTED = 1 << 22
 MOST_ELEMENTS = 1 << 16
-MOST_SECONDS = 10.0
+MOST_SECONDS = 5.0
 
 
 _UNPACKED = frozenset({"tolist", "__iter__", "unbind"})
