@@ -332,11 +332,12 @@ straight into your model: `model = bridge.load(path, like=model)`."""
 def _leaf_text(leaf: Any) -> str:
     """An array as `dtype[shape]` (`float32[64,32]`), read from its attributes only
     (a lazy or abstract leaf stays unread); a weight kept quantized says so."""
+    if isinstance(leaf, QuantizedArray):  # its scheme and stored shape
+        return repr(leaf)
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
         return type(leaf).__name__
-    text = f"{dtype}[{','.join(map(str, shape))}]"
-    return text + " (quantized)" if isinstance(leaf, QuantizedArray) else text
+    return f"{dtype}[{','.join(map(str, shape))}]"
 
 
 Sizes = dict[str, tuple[int, int]]

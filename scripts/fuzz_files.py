@@ -83,7 +83,7 @@ def _seed_safetensors(directory: Path) -> list[Path]:
     own = directory / "bridge.safetensors"
     bridge.save(own, tree)
     plain = directory / "torch.safetensors"
-    bridge.save(plain, {"params": tree["params"]}, layout="torch")
+    bridge.save_state_dict(plain, {"params": tree["params"]})
     return [own, plain]
 
 
@@ -98,7 +98,7 @@ def _seed_sharded(directory: Path) -> Path:
         }
     }
     folder = directory / "folder"
-    bridge.save(folder, tree, layout="torch", max_shard_size=300)
+    bridge.save_pretrained(folder, tree, max_shard_size=300)
     return folder
 
 

@@ -334,7 +334,7 @@ def test_packed_experts_from_sharded_stacks(tmp_path):
     assert (sharded / "model.safetensors").read_bytes() == (
         plain / "model.safetensors"
     ).read_bytes()
-    with pytest.raises(ValueError, match="`experts` must be one of"):
+    with pytest.raises(ValueError, match="`packed_experts` must be one of"):
         bridge.save_pretrained(tmp_path / "x", model, packed_experts="gpt")
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 import bridge
 from bridge._cli import main
 
-from .helpers import requires
+from .helpers import export, requires
 from .llamas import LAYERS, LlamaForCausalLM, llama_config, tokens
 
 
@@ -77,7 +77,7 @@ def test_an_export_that_differs_from_the_reference_is_refused_writing_nothing(
     last = LAYERS - 1
     for path in (tmp_path / "model.safetensors", tmp_path / "folder"):
         with pytest.raises(ValueError) as error:
-            bridge.save_state_dict(path, model, like=reference)
+            export(path, model, like=reference)
         text = str(error.value)
         assert f"unexpected: model.layers.{last}.self_attn.q_proj.weight" in text
         assert (

@@ -1,5 +1,5 @@
-"""Hostile inputs to `save(..., layout="torch")` and `bridge.from_torch`: each is
-refused by a `ValueError` naming the argument, what was found and the fix, and
+"""Hostile inputs to `save_state_dict`, `save_pretrained` and `bridge.from_torch`:
+each is refused by a `ValueError` naming the argument, what was found and the fix, and
 nothing is written."""
 
 import flax.linen as nn
@@ -193,11 +193,11 @@ def test_an_empty_key_is_refused_before_writing_a_torch_file(
 
 
 def test_a_destination_it_cannot_write_is_refused_before_writing(tmp_path):
-    """`layout="torch"` into a directory that does not exist (a file and a folder),
-    onto an existing directory named as a file, and with a training state: bridge's
-    own errors naming the path, nothing written. Was: the raw `FileNotFoundError`
-    of the writer, and `IsADirectoryError` of a rename after a temporary file was
-    written."""
+    """A PyTorch-layout export into a directory that does not exist (a file and a
+    folder), onto an existing directory named as a file, and with a training state:
+    bridge's own errors naming the path, nothing written. Was: the raw
+    `FileNotFoundError` of the writer, and `IsADirectoryError` of a rename after a
+    temporary file was written."""
     model, variables = _linen()
     missing = tmp_path / "missing"
     for path in (missing / "m.safetensors", missing / "folder"):
@@ -205,16 +205,16 @@ def test_a_destination_it_cannot_write_is_refused_before_writing(tmp_path):
             FileNotFoundError,
             match=rf"{missing}: no such directory to save {path.name} in\.",
         ):
-            bridge.save(path, (model, variables), layout="torch")
+            export(path, (model, variables))
     (tmp_path / "m.safetensors").mkdir()
     with pytest.raises(
         IsADirectoryError,
         match=r"m\.safetensors is a directory: a PyTorch-layout safetensors file is "
         r"one file; pick a file name",
     ):
-        bridge.save(tmp_path / "m.safetensors", (model, variables), layout="torch")
+        bridge.save_state_dict(tmp_path / "m.safetensors", (model, variables))
     opt_state = optax.adam(1e-3).init(variables["params"])
-    for name in ("o.safetensors", "folder"):
+    for name in ("o.safetensors", "folder"):  # the earlier spelling: refused
         with pytest.raises(ValueError, match="holds the model's arrays only"):
             bridge.save(
                 tmp_path / name, (model, variables), layout="torch", opt_state=opt_state

@@ -63,7 +63,9 @@ FAMILIES = {f.name: f for f in (QWEN2_MOE, MIXTRAL)}
 PACKED = "mlp.experts"  # the packed experts' module, in every family
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 
-_UNKNOWN = "`experts` must be one of {known} (a model family's names), got {value!r}."
+_UNKNOWN = (
+    "`packed_experts` must be one of {known} (a model family's names), got {value!r}."
+)
 
 
 def family(name: str) -> ExpertFamily:

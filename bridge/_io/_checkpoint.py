@@ -65,7 +65,7 @@ from . import (  # noqa: F401  (they register formats)
 from ._contents import Contents
 from ._errors import BridgeDeprecationWarning, CheckpointError
 from ._format import format_named, format_of
-from ._model import describe, file_tree
+from ._model import check_metadata, describe, file_tree
 from ._plugins import Filled, Request, asked, plugins
 from ._read import (
     fill,
@@ -170,7 +170,7 @@ def save(
         )
     path = _destination(path)
     tree = _model(path, obj, False, "obj")
-    check_bool(progress, "progress")
+    _checked_inputs(metadata, example, example_kwargs, progress)
     uses = _uses(tree, example, example_kwargs)
     with _saving(progress, path, tree):
         write(path, *describe(tree, metadata, uses))
@@ -230,7 +230,7 @@ def save_training(
     tree = _model(path, model, False)
     check_step(step)
     check_extra(extra)
-    check_bool(progress, "progress")
+    _checked_inputs(metadata, example, example_kwargs, progress)
     uses = _uses(tree, example, example_kwargs)
     with _saving(progress, path, (tree, opt_state, extra)):
         contents, arrays = describe(tree, metadata, uses)
@@ -328,11 +328,14 @@ def save_pretrained(
 
     ```
     """
-    path = _destination(folder)
+    path = _destination(folder, "folder")
+    check_str(packed_experts, "packed_experts", optional=True)
     if format_of(path).suffixes:
         raise ValueError(_NOT_A_FOLDER.format(path=path))
     tree = _model(path, model, True)
-    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    inputs = _exported(
+        metadata, rules, prefix, strict, example, example_kwargs, progress
+    )
     options = dict(
         max_shard_size=max_shard_size,
         config=config,
@@ -393,7 +396,9 @@ def save_state_dict(
     if format_of(path).save_plain is None:
         raise ValueError(_NOT_A_FILE.format(path=path))
     tree = _model(path, model, True)
-    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    inputs = _exported(
+        metadata, rules, prefix, strict, example, example_kwargs, progress
+    )
     with _saving(progress, path, tree):
         save_layout(path, tree, metadata, rules, prefix, {}, None, like, strict, inputs)
 
@@ -435,7 +440,9 @@ def save_quantized(
         raise ValueError(_NOT_A_FILE.format(path=path))
     check_str(scheme, "scheme")
     tree = _model(path, model, True)
-    inputs = _exported(rules, prefix, strict, example, example_kwargs, progress)
+    inputs = _exported(
+        metadata, rules, prefix, strict, example, example_kwargs, progress
+    )
     with _saving(progress, path, tree):
         save_layout(
             path, tree, metadata, rules, prefix, {}, scheme, like, strict, inputs
@@ -451,10 +458,10 @@ Hugging Face folder (a path without a suffix), call bridge.save_pretrained(folde
 model, config=...)."""
 
 
-def _destination(path: Any) -> Path:
+def _destination(path: Any, argument: str = "path") -> Path:
     """`path` as a Path, refused (before anything is read) when it is not a path or
     names a kind of file bridge does not write."""
-    path = _path(path)
+    path = _path(path, argument)
     check_destination(path, " (a Hugging Face folder: bridge.save_pretrained)")
     return path
 
@@ -478,16 +485,28 @@ def _model(path: Path, model: Any, torch_layout: bool, argument: str = "model") 
     return tree
 
 
+def _checked_inputs(metadata: Any, example: Any, kwargs: Any, progress: Any) -> None:
+    """The arguments every save call takes, checked."""
+    check_metadata(metadata)
+    check_inputs(example, "example")
+    check_pair_or_mapping(kwargs, "example_kwargs")
+    check_bool(progress, "progress")
+
+
 def _exported(
-    rules: Any, prefix: Any, strict: Any, example: Any, kwargs: Any, progress: Any
+    metadata: Any,
+    rules: Any,
+    prefix: Any,
+    strict: Any,
+    example: Any,
+    kwargs: Any,
+    progress: Any,
 ) -> Example | None:
     """The arguments of a PyTorch-layout export checked; its example inputs."""
+    _checked_inputs(metadata, example, kwargs, progress)
     check_rules(rules)
     check_str(prefix, "prefix")
     check_bool(strict, "strict")
-    check_bool(progress, "progress")
-    check_inputs(example, "example")
-    check_pair_or_mapping(kwargs, "example_kwargs")
     return None if example is None else Example(example, kwargs)
 
 
@@ -626,14 +645,14 @@ def _uses(tree: Any, example: Any, kwargs: Any) -> dict | None:
         raise ValueError(_ORDER_UNTRACED.format(why=why)) from e
 
 
-def _path(path: Any) -> Path:
+def _path(path: Any, argument: str = "path") -> Path:
     """`path` as a Path, or `TypeError`/`ValueError` naming the argument."""
     if not isinstance(path, str | os.PathLike):
         raise TypeError(
-            f"`path` must be a str or os.PathLike, got {type(path).__name__}."
+            f"`{argument}` must be a str or os.PathLike, got {type(path).__name__}."
         )
     if os.fspath(path) in ("", "."):
-        raise ValueError(f"`path` must name a file or directory, got {path!r}.")
+        raise ValueError(f"`{argument}` must name a file or directory, got {path!r}.")
     return Path(path)
 
 

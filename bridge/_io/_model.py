@@ -79,15 +79,7 @@ def describe(
         raise TypeError(_NOT_AN_ARRAY.format(problems=", ".join(problems)))
     if collisions:
         raise ValueError(_KEY_COLLISION.format(problems="; ".join(collisions)))
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise TypeError(
-            f"`metadata` must be a dict of strings to strings, got a "
-            f"{type(metadata).__name__}."
-        )
-    user = dict(metadata or {})
-    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
-    if bad:
-        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    user = check_metadata(metadata)
     taken = [key for key in user if key in RESERVED]
     if taken:
         raise ValueError(_RESERVED_KEY.format(keys=taken, reserved=RESERVED))
@@ -125,6 +117,21 @@ def _settings(tree: Tree, adapter: Adapter | None) -> Callable[[TreePath], dict]
         return lambda path: {}
     native, settings = adapter.modules(tree), adapter.settings
     return lambda path: settings(at(native, path))
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """`metadata` (None or a dict of strings to strings) as a dict, or `TypeError`
+    naming the argument and what is not a string."""
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"`metadata` must be a dict of strings to strings, got a "
+            f"{type(metadata).__name__}."
+        )
+    user = dict(metadata or {})
+    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
+    if bad:
+        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    return user
 
 
 def both_str(key: Any, value: Any) -> bool:

@@ -47,6 +47,7 @@ from .._tree import Tree, roles
 from ._config import CONFIG
 from ._model import file_tree
 from ._read import lazy, open_checkpoint
+from ._reference import NOT_A_REFERENCE
 from ._torch_layout import LAYOUT, _writer, dotted_torch
 
 
@@ -248,6 +249,8 @@ def paired_names(
     `ValueError` when `like` has no forward pass (`_NO_TARGET`);
     `bridge.PortError` listing every problem of the pairing.
     """
+    if not isinstance(like, str | os.PathLike) and adapter_for(like) is None:
+        raise TypeError(NOT_A_REFERENCE.format(what=type(like).__name__))
     target = computed_target(like)
     if target is None:
         raise ValueError(_NO_TARGET)

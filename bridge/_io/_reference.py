@@ -60,7 +60,7 @@ written and the others reported."""
 _MOST_LINES = 12
 """The most problems of each kind a refusal lists (then how many more)."""
 
-_NOT_A_REFERENCE = """\
+NOT_A_REFERENCE = """\
 `like` (of a PyTorch-layout export) must be a PyTorch module (anything with a
 `state_dict()`), a state dict (names -> arrays or tensors), or the path of a
 checkpoint in the PyTorch layout (a safetensors file, a Hugging Face folder); got
@@ -164,9 +164,10 @@ def reference_of(like: Any, strict: bool = True, fix: str = STRICT_FIX) -> Refer
     if not isinstance(state, Mapping) or not all(
         isinstance(k, str) and hasattr(v, "shape") for k, v in state.items()
     ):
-        raise TypeError(_NOT_A_REFERENCE.format(what=type(like).__name__))
+        raise TypeError(NOT_A_REFERENCE.format(what=type(like).__name__))
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    what = type(like).__name__ + ("" if state is like else ".state_dict()")
+    what = "`like`, " + type(like).__name__
+    what += "" if state is like else ".state_dict()"
     return Reference(shapes, _ties(state), what, _state_values(state), strict, fix)
 
 

@@ -19,7 +19,7 @@ from ._atomic import atomic_files
 from ._config import model_type
 from ._contents import Contents, Stored, is_key
 from ._format import format_named, format_of, formats
-from ._model import _NOT_STRINGS, both_str
+from ._model import check_metadata
 from ._plugins import quantizer
 from ._ported import computed_target, ported_state
 from ._reference import NO_FORWARD_PASS, check, reference_of
@@ -207,10 +207,7 @@ def save_layout(
     model's inputs, whose forward pass decides the layouts its arrays leave open."""
     reference = None if like is None else reference_of(like, strict)
     scheme = quantizer(quantize)  # a plug-in's (bridge._quant), or a ValueError
-    user = dict(metadata or {})
-    bad = [f"{k!r}: {v!r}" for k, v in user.items() if not both_str(k, v)]
-    if bad:
-        raise TypeError(_NOT_STRINGS.format(problems=", ".join(bad)))
+    user = check_metadata(metadata)
     fmt = format_of(path)
     _check_layout_dtypes(path, tree)
     check_place(path, "PyTorch-layout safetensors file" if fmt.suffixes else None)
