@@ -43,11 +43,12 @@ def test_the_first_layer_where_two_ports_part():
     assert isinstance(c, float) and 0 < c < 0.1
     assert [(x.a, x.b) for x in c.layers] == [(f".layers[{i}]",) * 2 for i in range(4)]
     differences = [x.difference for x in c.layers]
-    assert differences[:2] == [0.0, 0.0]
+    assert max(differences[:2]) < 1e-6  # the same up to float rounding
     np.testing.assert_allclose(differences[2], 0.01, rtol=1e-4)
     lines = repr(c).splitlines()
     assert lines[0] == f"Comparison: {float(c):.2e}  # the outputs' largest difference"
-    assert lines[1].startswith("  4 layers along a: ▁▁█")
+    bars = lines[1].removeprefix("  4 layers along a: ")[:4]
+    assert bars[2] == "█" and max(bars[:2]) < "▄"  # low until the third layer
     assert lines[2] == "  first above 1e-04: .layers[2] -> .layers[2]  1.00e-02"
     page = c._repr_html_()
     _balanced(page)
@@ -71,4 +72,4 @@ def test_a_comparison_is_a_float():
     c = bridge.compare(layer, layer, jnp.ones((4, 2)))
     assert c == 0.0 and c < 1e-6 and f"{c:.1e}" == "0.0e+00" and str(c) == "0.0"
     assert type(pickle.loads(pickle.dumps(c))) is float
-    assert c.why == "" and [x.difference for x in c.layers] == [0.0]
+    assert c.why == "" and [x.difference for x in c.layers] == [0.0]  # one model

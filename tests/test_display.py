@@ -18,6 +18,12 @@ import bridge
 from .helpers import requires
 
 
+# treescope reads numpy's public names on first use: numpy 2.5 deprecates one
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The chararray class is deprecated:DeprecationWarning"
+)
+
+
 class Reads:
     """An array-like leaf that counts every read of its values."""
 
