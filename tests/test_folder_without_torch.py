@@ -31,7 +31,9 @@ class Rewrite(nnx.Module):
         return self.second(self.first(x))
 
 
-@pytest.mark.parametrize("absent", ["torch", "transformers"])
+@pytest.mark.parametrize(
+    "absent", ["torch", pytest.param("transformers", marks=pytest.mark.torch)]
+)
 def test_a_folder_load_by_example_without_torch_says_so_in_one_line(
     tmp_path, monkeypatch, absent
 ):
