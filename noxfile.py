@@ -230,6 +230,7 @@ TORCH_TESTS = [
     "tests/test_opt_state_torch.py",
     "tests/test_torch_trace.py",
     "tests/test_torch_folder_code.py",
+    "tests/test_torch_norms.py",
     "tests/test_torch_folder_bounds.py",
     "tests/test_diffusers_folder.py",
     "tests/test_torch_folder_real.py",

@@ -66,7 +66,11 @@ class Uses(NamedTuple):
       (the mean is subtracted: `F.layer_norm`, `group_norm`, `batch_norm`,
       `instance_norm`, or written by hand) or `"rms"` (no mean subtracted:
       `F.rms_norm`, `x * rsqrt(mean(x**2) + eps)` then `w * x`), with `"+1"`
-      appended where the scale applied is `1 + w` (Gemma: `"rms+1"`).
+      appended where the scale applied is `1 + w` (Gemma: `"rms+1"`), and `":bias"`
+      for a bias (added after the scale: `"mean:bias"`).
+    - `eps`: `{name: eps}` for the weight and bias of a normalisation whose
+      variance is given a constant before its inverse root (`F.layer_norm`'s
+      `eps`, `x * rsqrt(var + 1e-6)`).
     - `weight_norm`: `{weight name: (g name, v name)}` for a weight computed by
       weight normalisation (`torch._weight_norm`, the old hooks' `weight_g` /
       `weight_v` or `parametrizations.weight.original0` / `original1`).
@@ -113,6 +117,7 @@ class Uses(NamedTuple):
     alone: dict[Where, bool] = {}  # noqa: RUF012 - never mutated
     reads: dict[Where, frozenset[int]] = {}  # noqa: RUF012 - never mutated
     merges: tuple[tuple[str, tuple[tuple[int | None, int], ...]], ...] = ()
+    eps: dict[Where, float] = {}  # noqa: RUF012 - never mutated
 
 
 class Untraced(Exception):

@@ -160,6 +160,15 @@ _NORMS = {
     "rms_norm": "rms",
 }
 
+_EPS = {
+    "layer_norm": 4,
+    "group_norm": 4,
+    "batch_norm": 7,
+    "instance_norm": 8,
+    "rms_norm": 3,
+}
+"""The position of each normalisation function's `eps` argument."""
+
 _PRODUCTS = frozenset({"linear", "addmm", "matmul", "mm", "bmm", "einsum"})
 """Operations whose output starts a layer's branch where a kernel is contracted."""
 
@@ -263,6 +272,8 @@ class _Recorder:
         self.contracted: dict[Any, Contraction] = {}
         self.convolved: dict[Any, tuple[int, ...]] = {}
         self.norms: dict[Any, str] = {}
+        self.eps: dict[Any, float] = {}
+        self.kwargs: dict = {}  # the keyword arguments of the operation recorded
         self.added: dict[Any, bool] = {}
         self.alone: dict[Any, bool] = {}
         """`{kernel key: whether the layer's output is changed by itself (an
@@ -314,6 +325,7 @@ class _Recorder:
         """Note what `func(*args, **kwargs)` made (`out`) from the tensors it
         knows; `named`: `_name_of(func)`, where the caller has it."""
         name, reflected = named or _name_of(func, self.names)
+        self.kwargs = kwargs
         if reflected and len(args) >= 2:
             args = (args[1], args[0], *args[2:])
         operands = self.operands(name, args, kwargs)
@@ -528,7 +540,12 @@ class _Recorder:
         `key`): a norm's weight or bias, a convolution's kernel, a product's
         contracted axes."""
         if name in _NORMS and slot in ("weight", "bias"):
-            self.norms.setdefault(key, _NORMS[name] + ("+1" if s.plus1 else ""))
+            role = ":bias" if slot == "bias" else ""
+            self.norms.setdefault(key, _NORMS[name] + ("+1" if s.plus1 else "") + role)
+            at = _EPS.get(name)
+            eps = self.kwargs.get("eps", args[at] if len(args) > at else None)
+            if isinstance(eps, int | float):
+                self.eps.setdefault(key, float(eps))
         if slot == _ADDED.get(name) or (
             name == "add"
             and any(self.product(t) for sl, t, _ in operands if sl != slot)
@@ -554,12 +571,15 @@ class _Recorder:
         tag = None if other is None else other.tag
         if tag is None:
             return None
-        kind, centred = tag
+        kind, centred = tag[:2]
         if (name, kind) not in (("mul", "normed"), ("add", "scaled")):
             return None
         what = "mean" if centred else "rms"
-        self.norms.setdefault(key, what + ("+1" if s.plus1 else ""))
-        return ("scaled", centred) if name == "mul" else None
+        role = "" if name == "mul" else ":bias"
+        self.norms.setdefault(key, what + ("+1" if s.plus1 else "") + role)
+        if len(tag) > 2 and tag[2] is not None:
+            self.eps.setdefault(key, tag[2])
+        return ("scaled", centred, *tag[2:]) if name == "mul" else None
 
     def tag(self, name: str, args: tuple, operands: list):
         """The normalisation tag of an operation's output on activations: a mean,
@@ -584,28 +604,30 @@ class _Recorder:
             if power == 2:
                 return ("sq", centred)
             if kinds[0] == "var" and power == -0.5:
-                return ("inv", centred)
+                return ("inv", centred, *first[2:])
             if kinds[0] == "var" and power == 0.5:
-                return ("std", centred)
+                return ("std", centred, *first[2:])
         if name == "square" or (
             name == "mul" and len(operands) == 2 and operands[0][1] is operands[1][1]
         ):
             return ("sq", centred)
         if name == "add" and kinds[0] in ("var", "std") and len(operands) <= 2:
             if len(operands) == 1 or operands[1][2] is None:
-                return first
+                eps = next((a for a in args[1:] if isinstance(a, int | float)), None)
+                return (*first[:2], float(eps)) if eps is not None else first
+        eps = first[2:] if first else ()
         if name == "rsqrt" and kinds[0] == "var":
-            return ("inv", centred)
+            return ("inv", centred, *eps)
         if name == "sqrt" and kinds[0] == "var":
-            return ("std", centred)
+            return ("std", centred, *eps)
         if name == "reciprocal" and kinds[0] == "std":
-            return ("inv", centred)
+            return ("inv", centred, *eps)
         if name in ("mul", "div") and len(tags) == 2:
             wanted = "inv" if name == "mul" else "std"
             for k in (0, 1) if name == "mul" else (1,):
                 scale, x = tags[k], tags[1 - k]
                 if scale is not None and scale[0] == wanted:
-                    return ("normed", bool(scale[1] or (x and x[1])))
+                    return ("normed", bool(scale[1] or (x and x[1])), *scale[2:])
         if (
             name in _PASS_TAG
             and len(operands) >= 1
@@ -1018,7 +1040,7 @@ def _weight_name(g: str, v: str) -> str:
 
 _PER_NAME = (
     *("positions", "contracted", "convolved", "norms", "needs", "added", "alone"),
-    "reads",
+    *("reads", "eps"),
 )
 """The fields of a `Uses` that map each name to a value."""
 

@@ -49,9 +49,10 @@ from .._arguments import (
 from .._gc import paused
 from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
+from .._port._jaxpr import first_uses
 from .._port._port import port_and_plan
 from .._port._report import Report, name, report as made_report, warn
-from .._port._trace import Example, first_uses
+from .._port._trace import Example
 from .._progress import shown
 from .._sizes import human
 from .._tree import Tree, framework

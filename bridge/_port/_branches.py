@@ -43,8 +43,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._paths import Path
+from ._jaxpr import _SEEN_THROUGH, Program, _literal, _subs
 from ._layer import Layer, layer_signature
-from ._trace import _SEEN_THROUGH, Program, Trace, _literal, _subs
+from ._trace import Trace
 
 
 _RELAYOUT = _SEEN_THROUGH | {"reduce_precision", "optimization_barrier"}

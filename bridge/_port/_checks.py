@@ -27,6 +27,7 @@ from ._codec import Codec, same
 from ._constants import constants as _constants
 from ._general import kernel_path, reading_of
 from ._layer import ARRAY, Layer, common_kind, read_specs, same_shapes
+from ._norms import eps_warnings, is_offset, unconfirmed
 from ._order import normalised
 from ._pairing import Pair, dependence, undecided
 from ._plan import PlanRow
@@ -353,6 +354,8 @@ def _open_kinds(pairs: list[Pair]) -> list[str]:
             and reading_of(t.codec(k)) is None
             and not is_folded(s.codec(k))  # nor a weight norm's plain view
             and not is_folded(t.codec(k))
+            and not is_offset(s.codec(k))  # nor an offset norm's plain view
+            and not is_offset(t.codec(k))
         }
         if len(transforms) > 1:
             out.append(
@@ -485,6 +488,7 @@ def check_pairs(
     problems += _open_kinds(pairs)
     problems += _contradicted(pairs, traces)
     problems += _conv_layouts(pairs, traces)
+    problems += unconfirmed(pairs, traces)
     steps, warnings, casts, mismatched = [], [], [], []
     dtype = None if dtype is None else jnp.dtype(dtype)
     for s, t, by in pairs:
@@ -507,6 +511,8 @@ def check_pairs(
                         source=s.where, target=t.where, kind=kind, name=name, a=a, b=b
                     )
                 )
+    told = {(s.where, t.where) for s, t, _ in pairs if _epsilons(s, t)}
+    warnings += eps_warnings(pairs, traces, told)
     if casts:
         warnings.append(_errors.CAST.format(casts="\n    ".join(casts)))
     guessed = [
@@ -522,6 +528,11 @@ def check_pairs(
             )
         )
     return Checked(tuple(steps), tuple(warnings), tuple(mismatched))
+
+
+def _epsilons(s: Layer, t: Layer) -> bool:
+    """Whether both layers' modules give their `epsilon` (compared by `HYPER`)."""
+    return "epsilon" in s.hyper and "epsilon" in t.hyper
 
 
 class Unpaired(NamedTuple):

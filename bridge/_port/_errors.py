@@ -456,3 +456,12 @@ HYPER = (
     "{source} -> {target} ({kind}): {name} is {a!r} in the source and {b!r} in the "
     "target, so the ported layer computes something else."
 )
+
+
+NORM_FORM = (
+    "norm: {offset} computes x * (1 + weight) and {other} is paired with it, but its "
+    "forward pass does not show {other} computing x * weight (no array of it scales "
+    "a normalisation on the example inputs): whether to add 1 is not known, so "
+    "nothing is moved. Give example inputs that run {other}, or a rule pairing it "
+    "with a norm of the same form."
+)

@@ -14,8 +14,9 @@ from .._adapters._registry import APART, creation_order
 from .._tree import Key, Path, Tree, items, kind, native_order, walk
 from . import _errors
 from ._branches import Branch, reads, signatures
+from ._jaxpr import Position
 from ._layer import ARRAY, Layer
-from ._trace import Position, Trace, layer_position
+from ._trace import Trace, layer_position
 
 
 _WORDS = re.compile(r"[A-Za-z]+|[0-9]+|[^\x00-\x7f]+")

@@ -28,6 +28,7 @@ from ._find import find_layers, with_ties
 from ._general import choose, dense_view, kernel_path, reading_of, wanted_shapes
 from ._heads import with_heads
 from ._layer import Layer, read_specs, tell_settings
+from ._norms import read_norms
 from ._order import Order
 from ._pairing import Pair, pair
 from ._plan import Plan
@@ -250,6 +251,7 @@ def _paired(
     with_heads((sources, targets), traces, problems)
     products((sources, targets), traces, problems)
     computed((sources, targets), traces, problems)
+    read_norms((sources, targets), traces, problems)
     for layers, trace in ((sources, traces[0]), (targets, traces[1])):
         for x in read_axes(layers, trace, problems):  # weight norms' `v` layouts
             read_specs(x, problems)
