@@ -362,3 +362,19 @@ def test_folder_into_a_jax_tie(tmp_path, example):
     _llama_folder(untied, tied=False)  # two tensors into one array: refused
     with pytest.raises(bridge.PortError, match=r"\(\.model\.embed_tokens and \.lm_hea"):
         bridge.load(untied, like=Tied(nnx.Rngs(0)), example=(ids,))
+
+
+def test_a_body_folder_has_no_invented_head_tie(tmp_path):
+    """A `BertModel` folder (no LM head: `architectures` names the body) loaded
+    into a model of the same names: the report listed a tie
+    `lm_head.weight = embeddings.word_embeddings.weight` for a layer no model of
+    it has (issue 52, item 7)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    tree = bridge.load(tmp_path)
+    plan = bridge.port_plan(tree, tree)
+    assert plan.steps and not any("lm_head" in line for line in plan.tied), plan

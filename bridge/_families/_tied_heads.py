@@ -45,12 +45,16 @@ def folder_head(
     ''
     >>> folder_head({"vocab_size": 32}, {"lm_head.bias": (32,)}) is None
     True
+    >>> folder_head({"vocab_size": 32, "architectures": ["BertModel"]}, {}) is None
+    True
 
     ```
     """
     module = HEAD.removesuffix("weight")
     if HEAD in shapes or any(name.startswith(module) for name in shapes):
         return None  # the head is there, or `lm_head` is a module (RoBERTa's)
+    if not _with_head(config.get("architectures")):
+        return None  # a model's body (`BertModel`): no head to tie
     said = config.get("tie_word_embeddings")
     tied = DEFAULT if said is None else said
     setting = (
@@ -85,3 +89,15 @@ def _vocabulary(config: Mapping[str, object]) -> int | None:
             if isinstance(vocab, int) and not isinstance(vocab, bool):
                 return vocab
     return None
+
+
+def _with_head(architectures: object) -> bool:
+    """Whether the classes a config names (`architectures`) have an LM head
+    (`...ForCausalLM`, `...LMHeadModel`, `...ForConditionalGeneration`); True where
+    it names none (a config without them says nothing)."""
+    if not isinstance(architectures, list) or not architectures:
+        return True
+    return any(
+        isinstance(name, str) and ("LM" in name or "ConditionalGeneration" in name)
+        for name in architectures
+    )
