@@ -140,9 +140,9 @@ def test_norms_by_what_they_compute(everything):
         "rms.weight": "rms",
         "gemma.weight": "rms+1",
         "ln.weight": "mean",
-        "ln.bias": "mean",
+        "ln.bias": "mean:bias",
         "bn.weight": "mean",
-        "bn.bias": "mean",
+        "bn.bias": "mean:bias",
     }
 
 
@@ -520,7 +520,7 @@ def test_gemma_norms_are_rms_plus_one():
 
 def test_bert_layer_norms_and_tied_decoder():
     uses = traced("bert")
-    assert uses.norms["bert.embeddings.LayerNorm.bias"] == "mean"
+    assert uses.norms["bert.embeddings.LayerNorm.bias"] == "mean:bias"
     decoder = "cls.predictions.decoder.weight"
     assert uses.contracted[decoder] == LINEAR
     assert (
@@ -542,7 +542,8 @@ def test_resnet_batch_norm_statistics_are_read():
     uses = traced("resnet")
     bn = "resnet.embedder.embedder.normalization"
     conv = "resnet.embedder.embedder.convolution.weight"
-    assert uses.norms[f"{bn}.weight"] == uses.norms[f"{bn}.bias"] == "mean"
+    assert uses.norms[f"{bn}.weight"] == "mean"
+    assert uses.norms[f"{bn}.bias"] == "mean:bias"
     assert uses.positions[f"{bn}.running_mean"] == uses.positions[f"{bn}.weight"]
     assert uses.positions[conv] < uses.positions[f"{bn}.running_var"]
     assert uses.convolved[conv] == (0, 1, 2, 3)

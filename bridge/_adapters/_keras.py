@@ -13,6 +13,7 @@ has.
 from __future__ import annotations
 
 import abc
+import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -483,6 +484,38 @@ def _modules(tree: Tree) -> Any:
     return module_nodes(found, model)
 
 
+def _auto_named(tree: Tree) -> frozenset[Path]:
+    """The layers whose names Keras made up (`Adapter.auto_named`): the class's
+    name in snake case, alone or with `_<n>` (`keras.src.utils.naming`: `dense`,
+    `dense_1`, numbered by the layers of the class the process built before)."""
+    model = _record(tree).model.value
+    prefix = f"{model.path or model.name}/"
+    out = set()
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if not layer.path:
+            continue
+        made = _snake(type(layer).__name__)
+        name = layer.name
+        if name == made or re.fullmatch(re.escape(made) + r"_\d+", name):
+            out.add(_tree_path(layer.path, prefix))
+    return frozenset(out)
+
+
+def _snake(name: str) -> str:
+    """Keras's `to_snake_case` (`keras.src.utils.naming`): `Conv2D` -> `conv2d`,
+    `BatchNormalization` -> `batch_normalization`."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _creation_order(cls: Any, keys: Any) -> bool | None:
+    """A Keras layer lists its sublayers and variables in the order it tracked
+    them (`model.variables`: a Sequential's in the order given, a subclassed
+    model's as its attributes were set): its creation order."""
+    return True if isinstance(cls, type) and issubclass(cls, KerasLayer) else None
+
+
 def _optimizer_params(tree: Tree) -> Any:
     """The trainable variables' arrays, as `model.trainable_variables` lists them
     (what Keras's optimizers are built for)."""
@@ -506,6 +539,8 @@ ADAPTER = register_adapter(
         rngs_hint="A Keras model draws its dropout masks from its own seed "
         "generators, which bridge.make_step carries from step to step: drop `rngs`.",
         modules=_modules,
+        auto_named=_auto_named,
+        creation_order=_creation_order,
         embed=_embed,
         optimizer=Optimizer(
             lambda obj: None, lambda like, state, step: state, params=_optimizer_params

@@ -155,6 +155,11 @@ class Adapter(NamedTuple):
       their values; empty where the Tree holds no model (a state dict, a file). The
       port compares them with the other side's unpaired loose arrays
       (`bridge._port._constants`).
+    - `auto_named`: optional, `auto_named(tree) -> {module path}`: the modules
+      whose name the framework made up from what the process built before, not
+      the model's own (Keras's `dense`, `dense_1`: a counter per class, per
+      process): the port never pairs layers by such names, only by the order of
+      use or of creation.
     - `with_config`: optional, `with_config(tree, folder) -> Tree`: the same Tree
       read from the files of a Hugging Face folder, recording that folder, whose
       `config.json` `trace` builds the model from (the PyTorch adapter's).
@@ -204,6 +209,7 @@ class Adapter(NamedTuple):
     trace: Callable[[Tree, tuple[Any, ...], dict[str, Any]], Uses | None] | None = None
     with_config: Callable[[Tree, Any], Tree] | None = None
     constants: Callable[[Tree], Mapping[Path, Any]] | None = None
+    auto_named: Callable[[Tree], frozenset[Path]] | None = None
 
 
 class LayoutWriter(NamedTuple):

@@ -28,7 +28,7 @@ from ._constants import constants as _constants
 from ._general import kernel_path, reading_of
 from ._layer import ARRAY, Layer, common_kind, read_specs, same_shapes
 from ._norms import eps_warnings, is_offset, unconfirmed
-from ._order import normalised
+from ._order import idle, normalised
 from ._pairing import Pair, dependence, undecided
 from ._plan import PlanRow
 from ._product import unread
@@ -530,6 +530,19 @@ def check_pairs(
     return Checked(tuple(steps), tuple(warnings), tuple(mismatched))
 
 
+def _idle(sides: tuple[Side, Side]) -> Any:
+    """`idle(layer, side)`: the words saying that its side's traced forward pass
+    does not use the layer (empty where it does, or nothing was traced)."""
+    uses = [(side.trace() or {}) if side.trace is not None else {} for side in sides]
+
+    def words(x: Layer, side: int) -> str:
+        if not uses[side] or x.tied or not idle(x, uses[side]):
+            return ""
+        return _errors.IDLE.format(side=sides[side].name)
+
+    return words
+
+
 def _epsilons(s: Layer, t: Layer) -> bool:
     """Whether both layers' modules give their `epsilon` (compared by `HYPER`)."""
     return "epsilon" in s.hyper and "epsilon" in t.hyper
@@ -574,11 +587,14 @@ def check_unpaired(
             (_errors.COMPUTED_BY_TARGET, _errors.COMPUTED_BY_SOURCE), tables
         )
         for x, v in stored.values()
-    ]
+        if v.startswith("sinusoidal")  # a table may be learned: refused with strict;
+    ]  # inverse frequencies, position ids and masks are only ever computed
+    idle = _idle(sides)
     missing = [
         _errors.MISSING.format(
             target=t.where, kind="/".join(t.kinds), shapes=t.shapes()
         )
+        + idle(t, 1)
         for t in lone_targets
     ]
     unexpected = [
@@ -588,6 +604,7 @@ def check_unpaired(
             shapes=s.shapes(),
             source_re=re.escape(s.where),
         )
+        + idle(s, 0)
         for s in lone_sources
     ]
     unexpected += _fused(lone_sources, lone_targets)

@@ -55,13 +55,13 @@ UNEXPECTED = (
 )
 COMPUTED_BY_TARGET = (
     "computed by the target: source layer {where} ({kind}: {shapes}) is a stored "
-    "sinusoidal position table ({variant}), which the target computes (it has no "
-    "array for it); pass strict=False to leave it out."
+    "{variant}, which the target computes (it has no array for it); pass "
+    "strict=False to leave it out."
 )
 COMPUTED_BY_SOURCE = (
     "computed by the source: target layer {where} ({kind}: {shapes}) holds a "
-    "sinusoidal position table ({variant}), which the source computes (it has no "
-    "array for it); pass strict=False to keep its values."
+    "{variant}, which the source computes (it has no array for it); pass "
+    "strict=False to keep its values."
 )
 FUSED = (
     "fused: source layer {source} (Dense, {out} outputs) holds {parts} side by side; "
@@ -464,4 +464,9 @@ NORM_FORM = (
     "a normalisation on the example inputs): whether to add 1 is not known, so "
     "nothing is moved. Give example inputs that run {other}, or a rule pairing it "
     "with a norm of the same form."
+)
+IDLE = (
+    " It is not used by the example's forward pass (the {side}'s traced pass never "
+    "reads it), so the computation cannot pair it: pass strict=False to leave it as "
+    "it is, or a rule."
 )

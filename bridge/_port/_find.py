@@ -301,9 +301,13 @@ def find_layers(
         if not leaves:
             continue
         cls = kind(node)
-        length, axis = _stacked(seen, path, leaves, problems, axes)
+        length, axis = _scanned(seen, path, side.trace) or _stacked(
+            seen, path, leaves, problems, axes
+        )
         if length and loose:
-            layers += _stack_layers(seen, path, (length, axis), problems, native, views)
+            layers += _stack_layers(
+                seen, path, (length, axis), problems, native, views, opened
+            )
             taken.add(path)
             continue
         found, misnamed = seen.found(path, None)
@@ -419,11 +423,13 @@ def _stack_layers(
     problems: list[str],
     native: Any = None,
     views: bool = False,
+    opened: frozenset[str] = frozenset(),
 ) -> list[Layer]:
     """The layers of a stack, one per index: `.blocks[3].Dense_0` is the fourth
     slice of `.blocks.Dense_0`'s arrays. `native`: the model, for the settings of
     a stack's modules where classes are recorded (one module stands for all).
-    `stacked`: the stack's length and layer axis."""
+    `stacked`: the stack's length and layer axis; a layer of a kind in `opened`
+    is read as its sublayers, as `find_layers` does."""
     length, axis = stacked
     out: list[Layer] = []
     taken: set[Path] = set()
@@ -433,7 +439,7 @@ def _stack_layers(
         arrays, paths = seen.arrays(sub_path)
         one = seen.leaves(sub_path, axis)
         found = seen.found(sub_path, axis)[0] if one else ()
-        if not found:
+        if not found or found[0].kind in opened:
             continue
         taken.add(sub_path)
         rel = sub_path[len(path) :]
@@ -465,6 +471,34 @@ def _stack_layers(
 def _drop(x: Any, axis: int) -> jax.ShapeDtypeStruct:
     """The shape of one layer of a stacked array (`axis` dropped)."""
     return jax.ShapeDtypeStruct(x.shape[:axis] + x.shape[axis + 1 :], x.dtype)
+
+
+def _scanned(seen: _Walk, path: Path, trace: Any) -> tuple[int, int] | None:
+    """`(layer count, layer axis)` of a node whose arrays the traced forward pass
+    all iterates over at one stored axis (a `scan` over a stack of layers: Equinox
+    blocks made by `eqx.filter_vmap`, run by `lax.scan`), where the codecs
+    recognise the node's layers with that axis dropped; None otherwise, or without
+    a trace. A stack is a stack whatever the framework: the computation says it, not
+    the shapes alone (an `eqx.nn.LayerNorm` reads a `(layers, D)` scale as its own
+    shape)."""
+    if not path or trace is None:
+        return None
+    arrays, paths = seen.arrays(path)
+    ranks = {x.ndim for x in arrays.values()}
+    if not arrays or min(ranks) < 1:
+        return None
+    lengths = {x.shape[0] for x in arrays.values()}
+    if len(lengths) != 1 or lengths.pop() < 2 or not trace():
+        return None
+    scanned = trace.layer_axes()
+    found = {scanned.get(path + paths[k]) for k in arrays}
+    if len(found) != 1 or None in found:
+        return None
+    (axis,) = found
+    counts = {x.shape[axis] for x in arrays.values() if x.ndim > axis}
+    if len(counts) != 1 or not seen.covered(path, axis):
+        return None
+    return counts.pop(), axis
 
 
 def _stacked(
@@ -542,6 +576,8 @@ def _fits_flax(codec: Codec, leaves: Leaves) -> bool | None:
         return None
     try:
         canonical = _shapes.decoded(codec, leaves, {})
+    except KeyError:  # a setting the module gives (heads, an equation): no answer
+        return None
     except Exception:  # the codec's own refusal: not this layout
         return False
     return bool(flax.recognise(None, canonical))

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._paths import Path
-from ._codec import Codec, Leaves
+from ._codec import Codec, Leaves, same, same_as_like
 
 
 class Reading(NamedTuple):
@@ -53,13 +53,24 @@ class Reading(NamedTuple):
         return f"inputs {self.inputs}, outputs {self.outputs}"
 
 
-_VIEWS: dict[tuple[str, Reading], Codec] = {}
+_VIEWS: dict[tuple[str, Any], Codec] = {}
 
 
 def _bias_order(outputs: tuple[int, ...]) -> tuple[int, ...]:
     """The bias spans the output axes in stored order: its axes in `outputs`' order."""
     ranked = sorted(outputs)
     return tuple(ranked.index(a) for a in outputs)
+
+
+def embed_view(framework: str) -> Codec:
+    """The `Embed` codec of a loose table of `framework` found by the computation
+    (`_product.lookups`): `embedding (rows, features)`, as stored."""
+    key = (framework, "Embed")
+    if key not in _VIEWS:
+        _VIEWS[key] = Codec(
+            "Embed", framework, lambda cls, leaves: False, same, same_as_like
+        )
+    return _VIEWS[key]
 
 
 def dense_view(framework: str, reading: Reading) -> Codec:

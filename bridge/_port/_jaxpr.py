@@ -59,6 +59,7 @@ def first_uses(
     adapter: Any = None,
     normalised: dict[Path, str] | None = None,
     eps: dict[Path, float] | None = None,
+    looked_up: set[Path] | None = None,
 ) -> dict[Path, Position]:
     """`{leaf path: position of its first use}` in `tree`'s forward pass on `inputs`,
     traced abstractly; leaves the pass never reads are absent. With `contracted`,
@@ -174,6 +175,8 @@ def first_uses(
         scanned.update({paths[i]: a for i, a in layer_axes.items()})
     if attended is not None:
         attended.update({paths[i]: later[i] for i in gathered if i in later})
+    if looked_up is not None:
+        looked_up.update(paths[i] for i in gathered)
     if normalised is not None:
         normalised.update({paths[i]: kind for i, kind in norms.found.items()})
     if eps is not None:

@@ -13,7 +13,7 @@ import jax
 from .._lazy import materialise
 from .._paths import Path, path_str
 from . import _errors, _shapes
-from ._codec import Codec, Leaves, same, same_as_like
+from ._codec import Codec, Leaves
 
 
 NOT_PORTED = frozenset({"rngs", "cache", "intermediates", "losses", "counters"})
@@ -35,9 +35,25 @@ _LOOSE: dict[str, Codec] = {}
 def _loose(framework: str) -> Codec:
     if framework not in _LOOSE:
         _LOOSE[framework] = Codec(
-            ARRAY, framework, lambda cls, leaves: False, same, same_as_like
+            ARRAY, framework, lambda cls, leaves: False, _squeezed, _unsqueezed
         )
     return _LOOSE[framework]
+
+
+def _squeezed(leaves: Leaves, hyper: dict[str, Any]) -> Leaves:
+    """A loose array without its leading axes of length 1: `(1, 1, D)` and `(1,
+    D)` are one array wherever the computation broadcasts it (a cls token, a
+    position table `(1, N, D)` against `(N, D)`); trailing ones are kept (`(C, 1,
+    1)`, a channels-first scale, is not `(C,)`)."""
+    array = leaves["array"]
+    shape = tuple(array.shape)
+    first = next((i for i, n in enumerate(shape) if n != 1), len(shape))
+    return {"array": array.reshape(shape[first:]) if first else array}
+
+
+def _unsqueezed(canonical: Leaves, like: Leaves, hyper: dict[str, Any]) -> Leaves:
+    array, shape = canonical["array"], tuple(like["array"].shape)
+    return {"array": array if tuple(array.shape) == shape else array.reshape(shape)}
 
 
 def loose_layer(path: Path, framework: str, leaf: Any) -> Layer:

@@ -64,8 +64,10 @@ class Order:
         tree: Tree,
         stacks: set[Path] | frozenset = frozenset(),
         trace: Callable[[], Mapping[Path, Position] | None] | None = None,
+        auto_named: frozenset[Path] = frozenset(),
     ):
         self._trace = trace
+        self._auto = auto_named
         self._uses: Mapping[Path, Position] | None = None
         self._nodes: dict[Path, tuple[dict[Key, int], bool]] = {}
         # nodes whose arrays and submodules are each in creation order, but not
@@ -110,6 +112,24 @@ class Order:
         ]
         arrays = {h for x in used for h in x.tied}
         return [x for x in tied if x not in used and not x.tied - arrays]
+
+    def named(self, x: Layer) -> bool:
+        """Whether `x`'s name is its model's own: no module on its path was named
+        by its framework from what the process built before (`Adapter.auto_named`:
+        Keras's `dense_1`), which pairs nothing by name."""
+        base = x.real if x.index is not None else x.path
+        return not any(base[:n] in self._auto for n in range(1, len(base) + 1))
+
+    def idle(self, layers: list[Layer]) -> list[Layer]:
+        """Of `layers`, those none of whose arrays the traced forward pass uses (a
+        contact head only run when asked, a head a backbone never calls): left out
+        of the pairing by shapes and order, never paired with a layer that is
+        used; none without a trace. Names of a tied array are `unused`'s."""
+        if self._trace is None or not self.was_traced():
+            return []
+        if self._uses is None:
+            self._uses = self._trace() or {}
+        return [x for x in layers if not x.tied and idle(x, self._uses)]
 
     def tracer(self) -> Any:
         """The side's trace where its forward pass was traced, else None."""
@@ -266,3 +286,12 @@ def _known(node: Tree, keys: list[Key]) -> bool | str:
     # give the order instead
     known = creation_order(cls, keys)
     return known if known == APART else bool(known)
+
+
+def idle(x: Layer, uses: Mapping[Path, Position]) -> bool:
+    """Whether the forward pass (its first uses, `uses`) reads none of `x`'s
+    arrays."""
+    base = x.real if x.index is not None else x.path
+    return all(base + p not in uses for p in x.paths.values()) and all(
+        x.leaf(e) not in uses for e in x.paths
+    )

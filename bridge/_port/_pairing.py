@@ -96,6 +96,12 @@ class _Pairing:
         done = self.paired | self.ambiguous | {id(x) for x in self.left}
         return [x for x in layers if id(x) not in done]
 
+    def idle(self) -> None:
+        """Leave out of the pairing by shapes and order the layers neither name
+        paired that their side's forward pass does not use (`Order.idle`)."""
+        for side in (0, 1):
+            self.left += self.orders[side].idle(self.rest(side))
+
     def unused_ties(self) -> None:
         """Leave out of the pairing by shapes and order the names of a tied
         array that names did not pair and the forward pass does not use (`Order.
@@ -161,7 +167,8 @@ class _Pairing:
             found: list[dict] = [{}, {}]
             for side in (0, 1):
                 for x in self.rest(side):
-                    found[side].setdefault(name(x.path), []).append(x)
+                    if self.orders[side].named(x):
+                        found[side].setdefault(name(x.path), []).append(x)
             for key, (s, *more) in found[0].items():
                 ts = found[1].get(key, [])
                 if more or len(ts) != 1 or common_kind(s, ts[0]) is None:
@@ -658,6 +665,7 @@ def pair(
     p.rules(rules or {})
     fallback = p.names()
     p.unused_ties()
+    p.idle()
     p.shapes()
     for s, t in fallback:
         if id(s) not in p.paired and id(t) not in p.paired:

@@ -78,14 +78,15 @@ class Plan:
       target"`): the target keeps its own values there, as Hugging Face's
       `ignore_mismatched_sizes=True` does. With `strict=True` they are problems.
     - `dropped`: source layers a rule `{pattern: None}` leaves out.
-    - `computed_by_target`: source layers without a target layer that hold a
-      stored sinusoidal position table (`embed_positions.weight` of transformers'
-      Marian, Pegasus, RoFormer), which the target computes: left out (only with
-      `strict=False`, else an error). Recognised by their values, never by name:
-      a learned table is `unexpected`.
+    - `computed_by_target`: source layers without a target layer that hold what
+      the target computes from its config: a stored sinusoidal position table
+      (`embed_positions.weight` of transformers' Marian, Pegasus, RoFormer; left
+      out only with `strict=False`, else an error: a table may be learned), rotary
+      inverse frequencies, position ids, a causal mask (left out). Recognised by
+      their values, never by name: a learned array is `unexpected`.
     - `computed_by_source`: target layers without a source layer whose values are
-      such a table, which the source computes: they keep their values (only with
-      `strict=False`, else an error).
+      such an array, which the source computes: they keep their values (a table
+      only with `strict=False`).
     - `constants`: loose arrays of either side without a counterpart that equal a
       constant the other side's model keeps out of its state, beside the layer
       theirs is paired with (PyTorch's non-persistent buffers: Gemma 3's

@@ -32,7 +32,7 @@ from ._norms import read_norms
 from ._order import Order
 from ._pairing import Pair, pair
 from ._plan import Plan
-from ._product import products
+from ._product import biases_apart, lookups, products
 from ._side import Side, read_side
 from ._trace import Example
 from ._weight_norm import read_axes
@@ -128,7 +128,7 @@ def _found(
         open_ = [x for x in open_ if x[1] not in fixed[x[0]]]
     if not open_:
         problems += first
-        return read
+        return _with_biases(read, sides, problems)
     fitting = []  # stacks whose layer axis the shapes leave open: the other side
     for choice in itertools.product(*(c for _, _, c in open_)):
         chosen = (dict(fixed[0]), dict(fixed[1]))
@@ -139,7 +139,7 @@ def _found(
         if not trial and not attempt.lone_sources and not attempt.lone_targets:
             fitting.append(attempt)
     if len(fitting) == 1:
-        return fitting[0]
+        return _with_biases(fitting[0], sides, problems)
     problems += first
     for side, path, candidates in open_:
         problems.append(
@@ -150,6 +150,18 @@ def _found(
             )
         )
     return read
+
+
+def _with_biases(read: Found, sides: tuple[Side, Side], problems: list[str]) -> Found:
+    """`read` with the biases one side holds apart from their products joined to
+    them (`_product.biases_apart`)."""
+    if not read.lone_sources and not read.lone_targets:
+        return read
+    traces = (sides[0].trace, sides[1].trace)
+    lone = biases_apart(
+        read.pairs, (read.lone_sources, read.lone_targets), traces, problems
+    )
+    return read._replace(lone_sources=lone[0], lone_targets=lone[1])
 
 
 def _tie_lines(pairs: list[Pair], ties: tuple[Any, Any]) -> tuple[str, ...]:
@@ -250,6 +262,7 @@ def _paired(
     traces = (sides[0].trace, sides[1].trace)
     with_heads((sources, targets), traces, problems)
     products((sources, targets), traces, problems)
+    lookups((sources, targets), traces, problems)
     computed((sources, targets), traces, problems)
     read_norms((sources, targets), traces, problems)
     for layers, trace in ((sources, traces[0]), (targets, traces[1])):
@@ -258,13 +271,20 @@ def _paired(
     told = tell_settings((sources, targets), problems)
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)
-    orders = (
-        Order(sides[0].tree, {x.stack[0] for x in sources if x.stack}, traces[0]),
-        Order(sides[1].tree, {x.stack[0] for x in targets if x.stack}, traces[1]),
+    orders = tuple(
+        Order(
+            side.tree, {x.stack[0] for x in layers if x.stack}, trace, side.auto_named
+        )
+        for side, layers, trace in zip(sides, (sources, targets), traces)
     )
     kept, sources, dropped = _dropped(rules, sources, problems)
     pairs, lone_sources, lone_targets = pair(sources, targets, kept, problems, orders)
     return Found(sources, targets, told, pairs, lone_sources, lone_targets, dropped)
+
+
+def _order(side: Side, layers: list[Layer]) -> Order:
+    stacks = {x.stack[0] for x in layers if x.stack}
+    return Order(side.tree, stacks, side.trace, side.auto_named)
 
 
 def _traced_ties(side: Side, known: dict[Path, Path]) -> dict[Path, Path]:

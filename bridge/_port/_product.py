@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _errors
-from ._general import Reading, dense_view
+from ._general import Reading, dense_view, embed_view
 from ._layer import ARRAY, Layer, read_specs
 from ._trace import Trace
 
@@ -65,6 +65,39 @@ def products(
         layers[:] = [replaced.get(id(x), x) for x in layers if id(x) not in dropped]
         for new, _ in made:
             read_specs(new, problems)
+
+
+def lookups(
+    sides: tuple[list[Layer], list[Layer]],
+    traces: tuple[Trace | None, Trace | None],
+    problems: list[str],
+) -> None:
+    """Each side's loose 2-D arrays its traced pass first uses as a table to look
+    rows up in (a `gather`: KerasHub's `ReversibleEmbedding.embeddings`, which no
+    codec claims beside its `reverse_embeddings`) replaced, in place, by one
+    `Embed` layer each, `embedding (rows, features)` as stored."""
+    for layers, trace in zip(sides, traces):
+        wanted = [
+            x
+            for x in layers
+            if x.kinds == (ARRAY,) and x.index is None and len(_shape(x)) == 2
+        ]
+        if trace is None or not wanted or not trace():
+            continue
+        table = trace.lookups()
+        for i, x in enumerate(layers):
+            if x in wanted and x.path in table:
+                framework = x.codecs[0].framework
+                new = Layer(
+                    x.path,
+                    (embed_view(framework),),
+                    {"embedding": x.leaves["array"]},
+                    {"embedding": ()},
+                    {},
+                )
+                read_specs(new, problems)
+                if new.codecs:
+                    layers[i] = new
 
 
 def unread(
@@ -172,3 +205,63 @@ def _layer(
     if bias is not None:
         leaves["bias"] = bias.leaves["array"]
     return Layer(path, (dense_view(framework, reading),), leaves, paths, {})
+
+
+def biases_apart(
+    pairs: list[Any],
+    lone: tuple[list[Layer], list[Layer]],
+    traces: tuple[Trace | None, Trace | None],
+    problems: list[str],
+) -> tuple[list[Layer], list[Layer]]:
+    """A `Dense` paired with one that has a bias, whose side holds that bias apart
+    as a loose array the traced pass adds to its product (ESM's `lm_head.bias` after
+    the tied `lm_head.decoder`): that array is the layer's bias (`Layer.held`),
+    and no longer unpaired. Returns the unpaired layers left per side."""
+    out = [list(lone[0]), list(lone[1])]
+    for pair in pairs:
+        s, t = pair.source, pair.target
+        for side, x, other in ((0, s, t), (1, t, s)):
+            if not _bias_apart(x, other) or traces[side] is None:
+                continue
+            found = _added_to(x, out[side], traces[side])
+            if found is None:
+                continue
+            x.leaves["bias"] = found.leaves["array"]
+            x.paths["bias"] = ("bias",)
+            x.held = {**x.held, "bias": found.path}
+            read_specs(x, problems)
+            out[side].remove(found)
+    return out[0], out[1]
+
+
+def _bias_apart(x: Layer, other: Layer) -> bool:
+    """A `Dense` without a bias of its own paired with one that has one."""
+    if "Dense" not in x.kinds or "Dense" not in other.kinds or x.index is not None:
+        return False
+    mine, theirs = x.specs.get("Dense", {}), other.specs.get("Dense", {})
+    return "bias" not in mine and "bias" in theirs and "kernel" in mine
+
+
+def _added_to(x: Layer, lone: list[Layer], trace: Trace) -> Layer | None:
+    """The one unpaired loose 1-D array of `x`'s module or its parent's that the
+    traced pass adds to `x`'s product (first used on a value computed from its
+    kernel), of its outputs' size; None otherwise."""
+    if not trace():
+        return None
+    added, needs = trace.biases(), trace.upstream()
+    kernel = next(e for e in x.paths if e != "bias")
+    bit = needs.get(x.leaf(kernel), (0, 0))[0]
+    size = x.specs["Dense"]["kernel"].shape[-1]
+    near = (x.path[:-1], x.path)
+    found = [
+        y
+        for y in lone
+        if y.kinds == (ARRAY,)
+        and y.index is None
+        and y.path[:-1] in near
+        and y.path in added
+        and _shape(y) == (size,)
+        and bit
+        and needs.get(y.path, (0, 0))[1] & bit
+    ]
+    return found[0] if len(found) == 1 else None

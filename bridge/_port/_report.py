@@ -37,11 +37,12 @@ class Report:
       (Dense): kernel (8, 10) in the source, (8, 5) in the target"`); the target
       keeps its values there (a new head).
     - `dropped`: the source's layers a rule `{pattern: None}` left out on purpose.
-    - `computed_by_target`: the source's layers that hold a stored sinusoidal
-      position table which the target computes (it has no array for it): left out.
-    - `computed_by_source`: the target's layers that hold such a table, which the
+    - `computed_by_target`: the source's layers that hold what the target computes
+      from its config (a stored sinusoidal position table, rotary inverse
+      frequencies, position ids, a causal mask; it has no array for it): left out.
+    - `computed_by_source`: the target's layers that hold such an array, which the
       source computes: they keep their values. Both are recognised by their values
-      (a learned table is `unexpected` or `missing`) and leave the port
+      (a learned array is `unexpected` or `missing`) and leave the port
       `complete`.
     - `tied`: arrays held once under several names and how they were filled, as
       `port_plan` lists them (`".model.embed_tokens.weight -> .model.embed_tokens,

@@ -42,6 +42,8 @@ class Side:
     - `ties`: `{leaf path of a tied name: the leaf path the Tree holds it at}`.
     - `tie_records`: the adapter's ties as it gives them, `(name, same as[, why])`.
     - `trace`: the forward pass on the example inputs, or None without them.
+    - `auto_named`: the modules whose names the framework made up
+      (`Adapter.auto_named`: Keras's `dense_1`), which never pair by name.
     """
 
     index: int
@@ -53,6 +55,7 @@ class Side:
     ties: dict[Path, Path] = field(default_factory=dict)
     tie_records: tuple[tuple[str, ...], ...] = ()
     trace: Trace | None = None
+    auto_named: frozenset[Path] = frozenset()
 
     @functools.cached_property
     def constants(self) -> Mapping[Path, Any]:
@@ -105,4 +108,7 @@ def read_side(
     records = adapter.ties(tree) if whole and adapter.ties is not None else ()
     ties = {parse(t[0]): parse(t[1]) for t in records if t[1]}
     trace = None if example is None else Trace(tree, example, index, problems, recorded)
-    return Side(index, tree, adapter, whole, native, wrapped, ties, records, trace)
+    auto = adapter.auto_named(tree) if whole and adapter.auto_named else frozenset()
+    return Side(
+        index, tree, adapter, whole, native, wrapped, ties, records, trace, auto
+    )

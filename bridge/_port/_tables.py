@@ -1,5 +1,8 @@
-"""Stored sinusoidal position tables among a port's unpaired layers, told by their
-values (`bridge._families._sinusoid`), alone or in a stack of layers.
+"""Arrays one side computes among a port's unpaired layers, told by their values:
+stored sinusoidal position tables (`bridge._families._sinusoid`), alone or in a
+stack of layers; and loose arrays holding what a model computes from its config
+(`bridge._families._computed`: rotary inverse frequencies, position ids, a causal
+mask).
 
 A table is one 2-D float array whose values are one of the variants (finite: an
 array holding NaN or inf is none). In a stack
@@ -20,6 +23,7 @@ from typing import Any
 
 import jax
 
+from .._families._computed import computed
 from .._families._sinusoid import sinusoid
 from .._lazy import materialise
 from ._layer import ARRAY, Layer
@@ -50,8 +54,13 @@ def _variant(x: Layer, axes: set[tuple[Any, int, int]]) -> str | None:
     if _abstract(leaf):
         return None
     ndim = getattr(leaf, "ndim", None)
-    if ndim == 2:
-        return sinusoid(materialise(leaf))
+    if ndim == 2 or x.index is not None:
+        found = sinusoid(materialise(leaf))
+        return None if found is None else f"sinusoidal position table ({found})"
+    if x.kinds == (ARRAY,) and x.index is None:
+        found = computed(materialise(leaf))
+        if found is not None:
+            return found
     module = x.path[:-1]  # a loose array beside a stack's layers: per layer
     found = {(a, n) for path, a, n in axes if path[: len(module)] == module}
     if ndim != 3 or x.kinds != (ARRAY,) or len(found) != 1:
@@ -66,7 +75,8 @@ def _variant(x: Layer, axes: set[tuple[Any, int, int]]) -> str | None:
     }
     if len(found) != 1 or None in found:
         return None
-    return f"{found.pop()}, each of {stacked.shape[axis]} layers"
+    table = found.pop()
+    return f"sinusoidal position table ({table}, each of {stacked.shape[axis]} layers)"
 
 
 def _abstract(leaf: Any) -> bool:

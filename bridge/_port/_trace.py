@@ -124,6 +124,7 @@ class Trace:
         self.read: list[Mapping[Path, frozenset]] = []
         """`_branches.reads`' answer, once made (PyTorch's `Uses.reads`)."""
         self.attended: dict[Path, Path] = {}
+        self.gathered: set[Path] = set()
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
 
@@ -165,6 +166,12 @@ class Trace:
         read from either side's trace: `_jaxpr_norms`, PyTorch's recorder)."""
         self()
         return self.normalised
+
+    def lookups(self) -> frozenset[Path]:
+        """The leaf paths first used as a table rows are looked up in (a JAX
+        `gather`'s operand: an embedding, whatever module holds it)."""
+        self()
+        return frozenset(self.gathered)
 
     def norm_eps(self) -> Mapping[Path, float]:
         """`{leaf path: eps}` of the arrays a normalisation scales or shifts: the
@@ -244,6 +251,7 @@ class Trace:
                 adapter,
                 self.normalised,
                 self.epsilons,
+                self.gathered,
             )
 
         try:
