@@ -160,6 +160,17 @@ def like(target: Any, tree: Tree) -> Any:
     )
 
 
+def runnable(target: Any, ported: Any) -> Any:
+    """What a ported model (`like(target, tree)`) runs as for inference, or None
+    where it cannot run (`Adapter.runnable`)."""
+    if isinstance(target, Tree):
+        return ported
+    adapter = adapter_for(target)
+    if adapter is None or adapter.runnable is None:
+        return ported
+    return adapter.runnable(target, ported)
+
+
 def placeholders(target: Any) -> Any:
     """An abstract target model (from `eval_shape`) made acceptable to its adapter at
     no memory cost; anything else as it is."""

@@ -155,6 +155,10 @@ class Adapter(NamedTuple):
       their values; empty where the Tree holds no model (a state dict, a file). The
       port compares them with the other side's unpaired loose arrays
       (`bridge._port._constants`).
+    - `runnable`: optional, `runnable(target, ported) -> model or None`: what
+      `ported` (what `like(target, ...)` gave) runs as for inference, or None where
+      it cannot run (PyTorch: a state dict loaded into a copy of the `target`
+      module, None for a module on the `meta` device); by default `ported`.
     - `auto_named`: optional, `auto_named(tree) -> {module path}`: the modules
       whose name the framework made up from what the process built before, not
       the model's own (Keras's `dense`, `dense_1`: a counter per class, per
@@ -210,6 +214,7 @@ class Adapter(NamedTuple):
     with_config: Callable[[Tree, Any], Tree] | None = None
     constants: Callable[[Tree], Mapping[Path, Any]] | None = None
     auto_named: Callable[[Tree], frozenset[Path]] | None = None
+    runnable: Callable[[Any, Any], Any] | None = None
 
 
 class LayoutWriter(NamedTuple):

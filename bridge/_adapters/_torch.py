@@ -12,6 +12,7 @@ tensor or a module is given, or tensors are asked for.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import itertools
@@ -696,6 +697,58 @@ def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
     return record.ties if head is None else (*record.ties, head)
 
 
+def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A `torch.nn.Module` run for inference (`Adapter.infer`): arrays given as
+    tensors (numpy's dtypes), in evaluation mode and without gradients (its mode
+    put back after), its outputs as numpy arrays (a transformers `ModelOutput` as
+    a dict of them)."""
+    if not is_module(model):
+        raise TypeError(
+            "a PyTorch state dict has no forward pass to run: give the module"
+        )
+    torch = _torch()
+
+    def tensor(x: Any) -> Any:
+        return torch.from_numpy(np.array(x)) if hasattr(x, "shape") else x
+
+    def array(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().numpy()
+        if isinstance(x, Mapping):
+            return {k: array(v) for k, v in x.items() if v is not None}
+        if isinstance(x, list | tuple):
+            return type(x)(array(v) for v in x)
+        return x
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(
+                *map(tensor, inputs), **{k: tensor(v) for k, v in kwargs.items()}
+            )
+    finally:
+        model.train(training)
+    return array(out)
+
+
+def _runnable(target: Any, ported: Any) -> Any:
+    """A copy of the `target` module holding the `ported` state dict (tensors), or
+    None where it cannot run: a state dict, a module on the `meta` device."""
+    if not is_module(target):
+        return None
+    torch = _torch()
+    if any(t.is_meta for t in target.state_dict().values()):
+        return None
+    module = copy.deepcopy(target)
+    state = {
+        k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+        for k, v in ported.items()
+    }
+    module.load_state_dict(state, strict=True)
+    return module.eval()
+
+
 def constants(tree: Tree) -> dict[Path, np.ndarray]:
     """The non-persistent buffers of the module a Tree holds (transformers' Gemma 3
     `embed_tokens.embed_scale`, `sqrt(hidden)`: in no state dict, no file), by the
@@ -983,6 +1036,8 @@ ADAPTER = register_adapter(
         module_types=(),  # torch is optional: its classes are read by name
         layout="torch",
         like=lambda target, tree: to_torch(tree, tensors=wants_tensors(target)),
+        runnable=_runnable,
+        infer=_infer,
         placeholders=_placeholders,
         rngs_hint="A state dict has no random streams: drop `rngs`.",
         modules=modules,

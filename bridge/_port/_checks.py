@@ -120,7 +120,7 @@ def _check(
     tcodec = t.codec(kind)
     transform = _transform(s.codec(kind), tcodec, s, t)
     transform += "".join(f", {k} = {v}" for k, v in sorted(fill.items()))
-    if fitting:
+    if fitting and t.part is None:  # a part is written with its fused layer
         like = {
             k: jax.ShapeDtypeStruct(v.shape, _retyped(v.dtype, dtype))
             for k, v in t.leaves.items()
@@ -622,7 +622,7 @@ def check_unpaired(
         problems += unread((lone_sources, lone_targets), traces)
     if problems:
         problems += _prefix(pairs, found.sources, found.targets)
-    for side, layers, stored in zip(sides, (found.sources, found.targets), tables):
+    for side, layers, stored in zip(sides, (lone_sources, lone_targets), tables):
         loose = [x.where for x in layers if x.kinds == (ARRAY,) and id(x) not in stored]
         fix = side.hidden_wrappers() if problems and loose else None
         if fix:

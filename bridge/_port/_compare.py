@@ -255,8 +255,13 @@ def outputs(
     channel_first: tuple[bool, bool] | None,
     per_side: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
     call_kwargs: Mapping[str, Any],
+    matched: bool = False,
 ) -> tuple[list[Any], list[Any]]:
-    """Both models' output arrays on `inputs`, checked to have the same shapes."""
+    """Both models' output arrays on `inputs`, checked to have the same shapes.
+    With `matched`, outputs of other structures are compared where they agree:
+    each array of the side with fewer is matched with the first one left of the
+    other side of its shape (a transformers `ModelOutput`'s `last_hidden_state`
+    beside its `pooler_output`, against a model returning the hidden states)."""
     if channel_first is None:
         channel_first = (
             says_channel_first(a),
@@ -275,9 +280,28 @@ def outputs(
     )
     shapes_a = [tuple(jnp.shape(x)) for x in leaves_a]
     shapes_b = [tuple(jnp.shape(x)) for x in leaves_b]
-    if shapes_a != shapes_b:
+    if shapes_a != shapes_b and matched:
+        leaves_a, leaves_b = _matched(leaves_a, leaves_b)
+    elif shapes_a != shapes_b:
         raise ValueError(_OUTPUTS_DIFFER.format(a=shapes_a, b=shapes_b))
     return leaves_a, leaves_b
+
+
+def _matched(a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
+    """`(a, b)` cut to pairs of one shape (see `outputs`); `ValueError` where an
+    array of the side with fewer has none of its shape left on the other."""
+    few, many = (a, b) if len(a) <= len(b) else (b, a)
+    left = list(many)
+    picked = []
+    for x in few:
+        shape = tuple(jnp.shape(x))
+        y = next((y for y in left if tuple(jnp.shape(y)) == shape), None)
+        if y is None:
+            shapes = [tuple(jnp.shape(v)) for v in many]
+            raise ValueError(_OUTPUTS_DIFFER.format(a=[shape], b=shapes))
+        left.remove(y)
+        picked.append(y)
+    return (few, picked) if few is a else (picked, few)
 
 
 def _run(

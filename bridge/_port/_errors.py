@@ -470,3 +470,24 @@ IDLE = (
     "reads it), so the computation cannot pair it: pass strict=False to leave it as "
     "it is, or a rule."
 )
+PART_MISSING = (
+    "split: target layer {target} is written whole from its {parts} parts, and "
+    "parts {missing} have no source layer: pair them (rules), or leave the fused "
+    "layer out (strict=False with no part paired)."
+)
+SPLIT_UNCHECKED = (
+    "split: {layers} read as parts of a fused layer ({pairs}), but which part is "
+    "which layer only the outputs tell, and {why}. Give example inputs with values "
+    "(arrays, not jax.ShapeDtypeStruct) from models both of which run, or say which "
+    "with rules."
+)
+SPLIT_NONE = (
+    "split: no assignment of the parts of {layers} to the other side's layers "
+    "computes the source's outputs on the example inputs (the closest is "
+    "{diff:.3g} off): the fused layers are not these layers. Say which with rules."
+)
+SPLIT_SEVERAL = (
+    "split: {n} assignments of the parts of {layers} to the other side's layers "
+    "compute the source's outputs on the example inputs alike: they do not tell "
+    "which part is which. Give other example inputs, or say which with rules."
+)

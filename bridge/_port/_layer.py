@@ -99,6 +99,9 @@ class Layer:
     tied: frozenset[Path] = frozenset()
     """The leaf paths of this layer's arrays that other layers hold too (a tie):
     layers whose `tied` meet are one array under several names."""
+    part: tuple[int, int, Layer] | None = None
+    """For one part of a fused layer (`_split`): `(its index, how many, the fused
+    layer)`; its arrays are the fused layer's (`held`)."""
 
     def leaf(self, entry: str) -> Path:
         """The leaf path of one of the layer's entries (a stack's: the stacked

@@ -220,10 +220,12 @@ class Order:
         for x in layers:
             base = x.real if x.index is not None else x.path
             leaf_paths = [base + p for p in x.paths.values()]
+            if x.part is not None:  # a part of a fused layer: the fused arrays
+                leaf_paths = [x.leaf(e) for e in x.paths]
             key = layer_position(self._uses, leaf_paths, x.index)
             if key is None:
                 return None
-            keys.append(key)
+            keys.append(key if x.part is None else key + (x.part[0],))
         if len(set(keys)) != len(keys):
             return None
         return [x for _, x in sorted(zip(keys, layers), key=lambda kx: kx[0])]

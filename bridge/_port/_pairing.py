@@ -18,6 +18,7 @@ from ._align import _align
 from ._branches import _described, _matched, _parts
 from ._layer import ARRAY, Layer, common_kind, layer_signature, same_shapes
 from ._order import Order, _counted, normalised
+from ._split import SPLIT
 
 
 ONE_SIDE = "one side"
@@ -98,9 +99,22 @@ class _Pairing:
 
     def idle(self) -> None:
         """Leave out of the pairing by shapes and order the layers neither name
-        paired that their side's forward pass does not use (`Order.idle`)."""
+        paired that their side's forward pass does not use (`Order.idle`); two
+        such layers, one a side, of one last name each side holds once and of one
+        kind and shapes, pair by that name (DINOv2's `embeddings.mask_token` and
+        a rewrite's `mask_token`: nothing else tells, and no guess by order)."""
+        found = [self.orders[side].idle(self.rest(side)) for side in (0, 1)]
+        last: list[dict[tuple, list[Layer]]] = [{}, {}]
         for side in (0, 1):
-            self.left += self.orders[side].idle(self.rest(side))
+            for x in found[side]:
+                if self.orders[side].named(x):
+                    last[side].setdefault(normalised(x.path[-1:]), []).append(x)
+        for name, xs in last[0].items():
+            ys = last[1].get(name, [])
+            if len(xs) == 1 == len(ys) and _fits(xs[0], ys[0]) and name:
+                self.add(xs[0], ys[0], "name")
+        for side in (0, 1):
+            self.left += [x for x in found[side] if id(x) not in self.paired]
 
     def unused_ties(self) -> None:
         """Leave out of the pairing by shapes and order the names of a tied
@@ -217,7 +231,7 @@ class _Pairing:
             pending += paired
             side_by_side += found
         for s, t in pending + self.decide(side_by_side):
-            self.add(s, t, "trace")
+            self.add(s, t, SPLIT if s.part or t.part else "trace")
 
     def side_by_side(
         self, a: list[Layer], b: list[Layer]
@@ -319,6 +333,9 @@ class _Pairing:
             return [st for sa, sb in groups for st in zip(sa, sb)]
         left = []
         for (sa, sb), ba, bb in zip(groups, found[0], found[1]):
+            if all(x.part for x in sa) or all(x.part for x in sb):
+                left += list(zip(sa, sb))  # the parts of one fused layer: which is
+                continue  # which the example inputs check (`_split`)
             matched = _matched(ba, bb)
             if matched is not None:
                 left += [(sa[i], sb[j]) for i, j in matched]
@@ -402,25 +419,28 @@ class _Pairing:
         )
 
     def _by_index(self, a: list[Layer], b: list[Layer]):
-        """Pair `a` with `b` by their indices and last names (`_indexed_name`) when
-        that names every layer once, alike on both sides, and both forward passes
-        were traced (their orders of use would pair them otherwise, and differ
-        only where a block's branches run in another order; without traces a
-        prefix that names do not explain stays a problem, with its fix); return
-        the others."""
+        """Pair the layers of `a` and `b` whose indices and last name
+        (`_indexed_name`) each side gives one layer, where both forward passes were
+        traced (their orders of use would pair them otherwise, and differ only
+        where a block's branches run in another order: a Griffin block's
+        `linear_x` and `linear_y`; without traces a prefix that names do not
+        explain stays a problem, with its fix); return the others. Names made up by
+        a framework (`Order.named`) pair nothing."""
         if not all(o.was_traced() for o in self.orders):
             return a, b
-        keys = [{_indexed_name(x): x for x in side} for side in (a, b)]
-        if (
-            len(a) > 1
-            and len(keys[0]) == len(a)
-            and len(keys[1]) == len(b)
-            and keys[0].keys() == keys[1].keys()
-        ):
-            for key, s in keys[0].items():
-                self.add(s, keys[1][key], "name")
-            return [], []
-        return a, b
+        keys: list[dict[tuple, list[Layer]]] = [{}, {}]
+        for side, layers in ((0, a), (1, b)):
+            for x in layers:
+                if self.orders[side].named(x):
+                    keys[side].setdefault(_indexed_name(x), []).append(x)
+        for key, xs in keys[0].items():
+            ys = keys[1].get(key, [])
+            if len(xs) == 1 == len(ys) and len(a) > 1:
+                self.add(xs[0], ys[0], "name")
+        return (
+            [x for x in a if id(x) not in self.paired],
+            [x for x in b if id(x) not in self.paired],
+        )
 
     def indexed(self) -> None:
         """The layers left, in groups of one common kind and equal shapes in it

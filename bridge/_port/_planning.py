@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from .._adapters._native import check_model, placeholders
 from .._arguments import check_inputs, check_pair_or_mapping, check_rules
 from .._paths import Path, parse, path_str
-from . import _errors
+from . import _errors, _split
 from ._checks import check_pairs, check_unpaired, untraced_first
 from ._computed import computed
 from ._find import find_layers, with_ties
@@ -127,6 +127,7 @@ def _found(
         read = _paired(sides, rules, first, chosen, opened, ties)
         open_ = [x for x in open_ if x[1] not in fixed[x[0]]]
     if not open_:
+        read, first = _with_parts(read, sides, rules, first, axes, opened, ties)
         problems += first
         return _with_biases(read, sides, problems)
     fitting = []  # stacks whose layer axis the shapes leave open: the other side
@@ -150,6 +151,32 @@ def _found(
             )
         )
     return read
+
+
+def _with_parts(
+    read: Found,
+    sides: tuple[Side, Side],
+    rules: Mapping[str, str | None] | None,
+    first: list[str],
+    axes: tuple[dict[Path, Any], dict[Path, Any]],
+    opened: tuple[frozenset[str], frozenset[str]],
+    ties: tuple[dict[Path, Path], dict[Path, Path]],
+) -> tuple[Found, list[str]]:
+    """`read` again with each fused Dense the first pairing left against layers
+    that split it read as its parts (`_split.fused`), where both forward passes are
+    traced (the example inputs then check which part is which); else as it was."""
+    if not all(side.trace is not None and side.trace() for side in sides):
+        return read, first
+    found = _split.fused((read.sources, read.targets))
+    if not found:
+        return read, first
+    split = (
+        {x.path: found[id(x)] for x in read.sources if id(x) in found},
+        {x.path: found[id(x)] for x in read.targets if id(x) in found},
+    )
+    again: list[str] = []
+    attempt = _paired(sides, rules, again, axes, opened, ties, split)
+    return attempt, again
 
 
 def _with_biases(read: Found, sides: tuple[Side, Side], problems: list[str]) -> Found:
@@ -243,6 +270,7 @@ def _paired(
     axes: tuple[dict[Path, Any], dict[Path, Any]],
     opened: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
     ties: tuple[dict[Path, Path], dict[Path, Path]] = ({}, {}),
+    split: tuple[dict[Path, int], dict[Path, int]] = ({}, {}),
 ) -> Found:
     """Both sides' layers (stacks' layer axes from `axes`, a layer per tied name
     from `ties`, the kinds in `opened` read as their sublayers), what the traced
@@ -268,6 +296,17 @@ def _paired(
     for layers, trace in ((sources, traces[0]), (targets, traces[1])):
         for x in read_axes(layers, trace, problems):  # weight norms' `v` layouts
             read_specs(x, problems)
+    for layers, parts in ((sources, split[0]), (targets, split[1])):
+        if parts:
+            layers[:] = [
+                y
+                for x in layers
+                for y in (
+                    _split.parts(x, parts[x.path], problems)
+                    if x.path in parts and x.index is None
+                    else [x]
+                )
+            ]
     told = tell_settings((sources, targets), problems)
     _read_views(sources, targets, traces[0], problems)
     _read_views(targets, sources, traces[1], problems)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from .._adapters._native import check_model, like, placeholders, to_neutral
+import jax
+
+from .._adapters._native import (
+    check_model,
+    like,
+    placeholders,
+    runnable,
+    to_neutral,
+)
 from .._arguments import (
     check_bool,
     check_dtype,
@@ -17,10 +26,11 @@ from .._paths import Path
 from .._tree import Tree
 from . import _carry, _errors
 from ._compare import largest_difference, outputs, tolerance
-from ._plan import Plan
+from ._plan import Plan, PlanRow
 from ._planning import make_plan
 from ._report import name, report as made_report, warn
 from ._run import run
+from ._split import SPLIT, verified
 from ._trace import Example
 
 
@@ -189,9 +199,11 @@ def port_and_plan(
     if problems:
         raise _errors.PortError(problems)
     tree = run(plan)
+    ported = like(target, tree)
+    if any(s.by == SPLIT for s in plan.steps):  # which part is which: the outputs
+        plan, ported = _split_checked(plan, source, target, ported, given)
     if plan.warnings:  # the mismatched layers: in the report (`bridge.Report`)
         warn("Port warnings:\n  " + "\n  ".join(plan.warnings), _errors.PortWarning)
-    ported = like(target, tree)
     if adapters:
         ported = _carry.join(adapters, plan.steps, ported)
     if check is not None:
@@ -206,6 +218,65 @@ def examples(
     if example is None:
         example, example_kwargs = check, example_kwargs or check_kwargs
     return None if example is None else Example(example, example_kwargs)
+
+
+def _split_checked(
+    plan: Plan, source: Any, target: Any, ported: Any, example: Example | None
+) -> tuple[Plan, Any]:
+    """The plan and ported model whose assignment of fused parts to layers
+    computes the source's outputs on the example inputs (`_split.verified`)."""
+    layers = ", ".join(sorted({s.source for s in plan.steps if s.by == SPLIT})[:3])
+    if example is None or not all(_valued(x) for x in example.inputs):
+        why = "the example inputs hold no values" if example else "none were given"
+        raise _errors.PortError(
+            [_errors.SPLIT_UNCHECKED.format(layers=layers, pairs="parts", why=why)]
+        )
+    kwargs = example.kwargs if example.paired else None
+    both = {} if example.paired else example.kwargs[0]
+    expected: list[Any] = []
+
+    def difference(ported: Any) -> float:
+        model = runnable(target, ported)
+        if model is None:
+            raise ValueError(
+                _errors.SPLIT_UNCHECKED.format(
+                    layers=layers,
+                    pairs="parts",
+                    why="the ported target cannot run (a state dict, or a module "
+                    "on the meta device: give the module with its tensors)",
+                )
+            )
+        try:
+            a, b = outputs(
+                source, model, example.inputs, None, kwargs, both, matched=True
+            )
+        except Exception as error:  # a side that cannot run: no check
+            raise ValueError(
+                _errors.SPLIT_UNCHECKED.format(
+                    layers=layers,
+                    pairs="parts",
+                    why=f"the models do not both run ({type(error).__name__}: "
+                    f"{str(error)[:200]})",
+                )
+            ) from None
+        if not expected:
+            expected.append(tolerance(a)[0])
+        return largest_difference(a, b) / expected[0]
+
+    def rerun(rows: tuple[PlanRow, ...]) -> Any:
+        return like(target, run(dataclasses.replace(plan, steps=rows)))
+
+    try:
+        rows, ported = verified(plan.steps, ported, rerun, difference)
+    except ValueError as error:
+        raise _errors.PortError([str(error)]) from None
+    return dataclasses.replace(plan, steps=rows), ported
+
+
+def _valued(x: Any) -> bool:
+    """Whether an example input holds values (not a `jax.ShapeDtypeStruct`)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return not any(isinstance(v, jax.ShapeDtypeStruct) for v in leaves)
 
 
 def _check(source: Any, ported: Any, inputs: Any, kwargs: Any) -> None:

@@ -76,11 +76,15 @@ def lookups(
     rows up in (a `gather`: KerasHub's `ReversibleEmbedding.embeddings`, which no
     codec claims beside its `reverse_embeddings`) replaced, in place, by one
     `Embed` layer each, `embedding (rows, features)` as stored."""
-    for layers, trace in zip(sides, traces):
+    for side, (layers, trace) in enumerate(zip(sides, traces)):
+        kept = {_shape(x) for x in sides[1 - side] if x.kinds == (ARRAY,)}
         wanted = [
             x
             for x in layers
-            if x.kinds == (ARRAY,) and x.index is None and len(_shape(x)) == 2
+            if x.kinds == (ARRAY,)
+            and x.index is None
+            and len(_shape(x)) == 2
+            and _shape(x) not in kept  # the other side's loose array pairs with it
         ]
         if trace is None or not wanted or not trace():
             continue

@@ -41,9 +41,14 @@ def run(plan: Plan) -> Tree:
     again: dict[Path, list[tuple[PlanRow, Any]]] = {}  # written again (a tie)
     steps = sorted(plan.steps, key=_reading_order)
     ahead = _read_ahead(steps, plan._source)
+    whole: dict[int, dict[int, PlanRow]] = {}  # a fused target: its parts' rows
     with ahead, Placing(ahead.budget) as placing:
         for i, step in enumerate(steps):
             ahead.reached(i)
+            part = step._target.part if step._target is not None else None
+            if part is not None:  # written with the fused layer's other parts
+                whole.setdefault(id(part[2]), {})[part[0]] = step
+                continue
             if _written(step, stacks, targets, writes):
                 continue
             for path, index, value in _move(step, problems, fused, placing):
@@ -59,6 +64,9 @@ def run(plan: Plan) -> Tree:
                     stack = _fresh(targets[path])
                 at, axis = index
                 stacks[path] = _write(stack, jnp.asarray(value, stack.dtype), at, axis)
+        for rows in whole.values():
+            for path, value in _joined(rows, problems).items():
+                new[path] = _placed(value, targets[path], path_str(path), placing)
         new = {path: placing.result(value) for path, value in new.items()}
         for path, more in again.items():
             steps_ = [wrote[path]] + [m for m, _ in more]
@@ -262,6 +270,41 @@ def _fused(step: PlanRow, cache: dict[Any, Any]) -> dict[str, Any] | None:
     except jax.errors.JAXTypeError:  # a codec that needs concrete values
         cache[key] = None
         return None
+
+
+def _joined(rows: dict[int, PlanRow], problems: list[str]) -> dict[Path, Any]:
+    """A fused target's arrays from the rows of its parts (`_split`): each part's
+    canonical arrays, in part order, concatenated and encoded once by the fused
+    layer's codec; `{target leaf path: array}`."""
+    first = next(iter(rows.values()))
+    assert first._target is not None and first._target.part is not None
+    _, count, fused = first._target.part
+    if sorted(rows) != list(range(count)):
+        problems.append(
+            _errors.PART_MISSING.format(
+                target=fused.where,
+                parts=count,
+                missing=[i + 1 for i in range(count) if i not in rows],
+            )
+        )
+        return {}
+    pieces = []
+    for i in range(count):
+        step = rows[i]
+        s = step._source
+        assert s is not None
+        leaves = {k: materialise(v) for k, v in s.own_leaves().items()}
+        pieces.append(_decoded(step, leaves))
+    spec = fused.specs["Dense"]
+    canonical = {
+        k: jnp.concatenate([jnp.asarray(p[k]) for p in pieces], axis=-1)
+        for k in spec
+        if all(k in p for p in pieces)
+    }
+    canonical = filled(canonical, spec, first.fill)
+    codec = fused.codec("Dense")
+    encoded = codec.encode(canonical, fused.leaves, fused.hyper)
+    return {fused.leaf(k): v for k, v in encoded.items()}
 
 
 def _decoded(step: PlanRow, leaves: dict[str, Any]) -> dict[str, Any]:

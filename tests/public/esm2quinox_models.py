@@ -97,7 +97,7 @@ def esm2() -> Case:
         save_kwargs={"config": _hf_config()},
         # transformers' EsmModel holds a contact-prediction head whatever the task;
         # no forward pass of the masked LM runs it, and esm2quinox has none
-        left_out=("contact_head",),
+        left_out=("contact_head", "inv_freq"),  # a head no pass runs; computed
     )
 
 
