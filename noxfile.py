@@ -232,6 +232,7 @@ TORCH_TESTS = [
     "tests/test_torch_folder_code.py",
     "tests/test_torch_norms.py",
     "tests/test_torch_split.py",
+    "tests/test_torch_channels.py",
     "tests/test_torch_folder_bounds.py",
     "tests/test_diffusers_folder.py",
     "tests/test_torch_folder_real.py",

@@ -250,6 +250,19 @@ EXEMPT = {
     ("load", "rules"): "no row yet",
     ("save", "other_jobs"): "bridge.save's earlier spellings of other jobs' keywords, "
     "each checked by the call of that job (tests/test_save_calls.py)",
+    # their valid calls need dm-haiku or keras, which this session does not install:
+    # each argument's refusals are in tests/test_haiku_adapter.py and
+    # tests/test_keras_adapter.py (`nox -s tests_haiku_keras`)
+    **{
+        (function, argument): "checked where haiku / keras are installed"
+        for function, arguments in (
+            ("from_haiku", ("params", "state", "fn", "example")),
+            ("to_haiku", ("tree",)),
+            ("from_keras", ("model",)),
+            ("to_keras", ("tree",)),
+        )
+        for argument in arguments
+    },
 }
 
 

@@ -238,3 +238,45 @@ def test_no_import_points_up_and_frameworks_stay_in_their_modules():
 @pytest.mark.parametrize("debt", sorted(DEBTS))
 def test_each_listed_debt_still_happens(debt):
     assert debt in _violations(), f"{debt} no longer happens: remove it from DEBTS"
+
+
+# the frameworks' names, as adapters register them: nothing above the adapters
+# compares a framework with one (it asks the adapter: `layout_of`, `reads_classes`)
+FRAMEWORK_NAMES = {"linen", "nnx", "equinox", "torch", "haiku", "keras"}
+
+
+def _framework_tests(name: str, path: Path) -> list[str]:
+    """The comparisons in a module of a framework (its `framework` attribute or
+    the `framework(...)` of something) with a framework's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        names = set()
+        for operand in operands:
+            for n in ast.walk(operand):
+                if isinstance(n, ast.Constant) and n.value in FRAMEWORK_NAMES:
+                    names.add(n.value)
+        framework = any(
+            (isinstance(n, ast.Attribute) and n.attr == "framework")
+            or (isinstance(n, ast.Name) and n.id == "framework")
+            for operand in operands
+            for n in ast.walk(operand)
+        )
+        if names and framework:
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_framework_name_test_above_the_adapters():
+    """A layer above the adapters asks the adapter what it needs (a layout, whether
+    classes are recorded), never which framework it holds (fails on `c.framework
+    == "torch"`, as `_port/_computed.py` had)."""
+    found = []
+    for name, path in _modules().items():
+        layer = _layer(name)
+        if layer is not None and layer > LAYERS["bridge._adapters"]:
+            if not _frameworks_allowed(name):
+                found += _framework_tests(name, path)
+    assert found == []

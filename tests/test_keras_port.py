@@ -153,9 +153,11 @@ def test_an_untied_reversible_embedding_both_ways():
         np.testing.assert_allclose(back(torch.from_numpy(IDS)).logits, want, atol=1e-5)
 
 
-def test_gpt2_fused_qkv_is_refused_not_guessed():
-    """GPT-2's `c_attn` feeds KerasHub's three query/key/value kernels: one tensor
-    into three, which the port does not read yet (NEEDS.md item 3)."""
+def test_gpt2_fused_qkv_into_three_kernels():
+    """GPT-2's `c_attn` (`Conv1D`, `(D, 3D)`) feeds KerasHub's three query/key/value
+    `EinsumDense` kernels: one tensor read as its three parts (`_split`), which is
+    which decided by running both models on the example (it was refused as
+    ambiguous). The backbone's sequence output equals transformers' hidden states."""
     config = transformers.GPT2Config(
         vocab_size=V, n_embd=D, n_layer=1, n_head=2, n_positions=32
     )
@@ -164,10 +166,11 @@ def test_gpt2_fused_qkv_is_refused_not_guessed():
         vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=D,
         intermediate_dim=4 * D, max_sequence_length=32,
     )  # fmt: skip
-    with pytest.raises(
-        bridge.PortError, match=r"ambiguous: source layer \.h\[0\]\.attn"
-    ):
-        bridge.port(hf, keras_gpt2, example=(IDS,))
+    ported = bridge.port(hf, keras_gpt2, example=(IDS,))
+    got = ported({"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    with torch.no_grad():
+        want = hf(torch.from_numpy(IDS)).last_hidden_state.numpy()
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
 def test_keras_auto_names_never_pair_by_name():

@@ -391,6 +391,25 @@ def plain_reader(meta: Mapping[str, str], names: Iterable[str]) -> Adapter | Non
     )
 
 
+TORCH_LAYOUT = "torch"
+"""The layout of PyTorch state dicts and Hugging Face folders (`bridge convert
+--to-layout torch`): weights `(out, in)`, convolutions `(O, I, *k)`."""
+
+
+def layout_of(framework: str | None) -> str:
+    """The layout a framework stores its arrays in (`Adapter.layout`); the
+    canonical one for a part of a model (no framework)."""
+    found = registered(framework)
+    return CANONICAL_LAYOUT if found is None else found.layout
+
+
+def reads_classes(framework: str) -> bool:
+    """Whether a framework's Trees record every module's class
+    (`Adapter.records_classes`)."""
+    found = registered(framework)
+    return found is None or found.records_classes
+
+
 def ties_of(tree: Tree) -> tuple[tuple[str, ...], ...]:
     """The tied names `(name, same as)` of a whole-model Tree, from its adapter
     (empty for a part, or a framework without ties)."""

@@ -712,13 +712,16 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return torch.from_numpy(np.array(x)) if hasattr(x, "shape") else x
 
     def array(x: Any) -> Any:
+        """Tensors as numpy arrays; what is none (a cache object) left out."""
         if isinstance(x, torch.Tensor):
             return x.detach().cpu().numpy()
         if isinstance(x, Mapping):
-            return {k: array(v) for k, v in x.items() if v is not None}
+            kept = {k: array(v) for k, v in x.items()}
+            return {k: v for k, v in kept.items() if v is not None}
         if isinstance(x, list | tuple):
-            return type(x)(array(v) for v in x)
-        return x
+            kept = [array(v) for v in x]
+            return tuple(v for v in kept if v is not None)
+        return x if isinstance(x, int | float | np.ndarray) else None
 
     training = model.training
     model.eval()

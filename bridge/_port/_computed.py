@@ -22,6 +22,12 @@ with it.
 
 from __future__ import annotations
 
+from .._adapters._registry import (
+    CANONICAL_LAYOUT,
+    TORCH_LAYOUT,
+    layout_of,
+    reads_classes,
+)
 from .._tree import Path
 from ._general import reading_of
 from ._layer import Layer, loose_layer, read_specs
@@ -104,7 +110,7 @@ def _by_computation(x: Layer, trace: Trace, problems: list[str]) -> None:
     if x.index is not None:  # a stack's layers: names decide
         return
     where = x.path + x.paths.get("weight", ("weight",))
-    torch = tuple(c for c in x.codecs if c.framework == "torch")
+    torch = tuple(c for c in x.codecs if layout_of(c.framework) == TORCH_LAYOUT)
     spec = trace.kernels().get(where)
     if spec is not None and torch:
         kind = {(0, 1): "Conv", (1, 0): "ConvTranspose"}.get((spec[0], spec[1]))
@@ -139,10 +145,14 @@ def _first_use_a_product(trace: Trace, where: Path) -> bool:
 
 
 def _flax_dense(x: Layer) -> bool:
-    """A class-less Linen layer read as a Flax `Dense` (kernel `(in, out)`)."""
-    return any(c.kind == "Dense" and c.framework == "linen" for c in x.codecs) and (
-        x.leaves["kernel"].ndim == 2
-    )
+    """A class-less layer (a framework recording no classes: Linen) read as a Flax
+    `Dense` (kernel `(in, out)`)."""
+    return any(
+        c.kind == "Dense"
+        and layout_of(c.framework) == CANONICAL_LAYOUT
+        and not reads_classes(c.framework)
+        for c in x.codecs
+    ) and (x.leaves["kernel"].ndim == 2)
 
 
 def _keep(x: Layer, codecs: tuple) -> None:

@@ -433,9 +433,20 @@ class _Pairing:
             for x in layers:
                 if self.orders[side].named(x):
                     keys[side].setdefault(_indexed_name(x), []).append(x)
+        every = (
+            keys[0].keys() == keys[1].keys()
+            and all(len(v) == 1 for side in keys for v in side.values())
+            and sum(map(len, keys[0].values())) == len(a)
+        )
         for key, xs in keys[0].items():
             ys = keys[1].get(key, [])
-            if len(xs) == 1 == len(ys) and len(a) > 1:
+            # a numbered last name (`Conv_1`, `conv1`) counts positions: it pairs
+            # only where every layer's name pairs so
+            if (
+                len(xs) == 1 == len(ys)
+                and len(a) > 1
+                and (every or not _counted(key[1]))
+            ):
                 self.add(xs[0], ys[0], "name")
         return (
             [x for x in a if id(x) not in self.paired],

@@ -107,6 +107,9 @@ class Plan:
     computed_by_target: tuple[str, ...] = ()
     computed_by_source: tuple[str, ...] = ()
     constants: tuple[str, ...] = ()
+    _channel_first: tuple[bool, bool] = field(default=(False, False), repr=False)
+    """Per side, whether its traced pass took the example images channels first
+    (`Trace.channel_first`): run so again where the port checks its outputs."""
 
     def __str__(self) -> str:
         """The table (`table`), folded to the terminal's width (`$COLUMNS`, else

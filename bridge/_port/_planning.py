@@ -90,8 +90,14 @@ def make_plan(
         left.computed_by_target,
         left.computed_by_source,
         left.constants,
+        (_channel_first(sides[0]), _channel_first(sides[1])),
     )
     return plan, problems
+
+
+def _channel_first(side: Side) -> bool:
+    """Whether the side's pass took the example images channels first."""
+    return side.trace is not None and side.trace.channel_first
 
 
 def _found(

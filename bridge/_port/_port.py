@@ -13,6 +13,7 @@ from .._adapters._native import (
     like,
     placeholders,
     runnable,
+    says_channel_first,
     to_neutral,
 )
 from .._arguments import (
@@ -247,8 +248,12 @@ def _split_checked(
                 )
             )
         try:
+            first = tuple(
+                traced or says_channel_first(m)
+                for traced, m in zip(plan._channel_first, (source, model))
+            )
             a, b = outputs(
-                source, model, example.inputs, None, kwargs, both, matched=True
+                source, model, example.inputs, first, kwargs, both, matched=True
             )
         except Exception as error:  # a side that cannot run: no check
             raise ValueError(

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 from warnings import warn
 
+import jax
+
 from .._adapters._registry import registered
 from .._paths import Path
 from .._tree import Tree, framework
@@ -127,6 +129,9 @@ class Trace:
         self.gathered: set[Path] = set()
         self.why = ""
         """Why there is no trace, where the adapter says (`Untraced`)."""
+        self.channel_first = False
+        """Whether the pass ran on the example images moved to channels first
+        (`_channels_first`: a PyTorch model's convolutions)."""
 
     def __call__(self) -> Mapping[Path, Position] | None:
         if not self.done:
@@ -278,7 +283,9 @@ class Trace:
     def _by(self, trace: Callable[..., Uses | None]) -> Mapping[Path, Position] | None:
         """The adapter's own trace (`Adapter.trace`), its records kept."""
         try:
-            uses = self._run(lambda kw: trace(self.tree, self.example.inputs, kw))
+            uses = self._channels_first(trace)
+            if uses is None:
+                uses = self._run(lambda kw: trace(self.tree, self.example.inputs, kw))
         except Untraced as why:  # nothing to run: no trace, and the reason
             self.why = str(why)
             return None
@@ -297,6 +304,35 @@ class Trace:
         if uses.reads:
             self.read.append(cast(dict[Path, frozenset], uses.reads))
         return cast(dict[Path, Position], uses.positions)
+
+    def _channels_first(self, trace: Callable[..., Uses | None]) -> Uses | None:
+        """The adapter's trace on the example images moved to channels first
+        (`(N, H, W, C)` -> `(N, C, H, W)`, as PyTorch's convolutions take them),
+        where the inputs as given (channels last, as Flax takes them) fail and those
+        run: `channel_first` is then True. None where no input is an image, or the
+        pass fails either way (the inputs as given are then tried again, and their
+        error is the problem)."""
+        inputs = self.example.inputs
+        if not any(getattr(x, "ndim", 0) == 4 for x in inputs):
+            return None
+        kwargs = self.example.kwargs[self.side]
+        try:
+            return trace(self.tree, inputs, kwargs)
+        except (Untraced, NoModel):
+            raise
+        except Exception:  # the model's own error: channels first, perhaps
+            moved = tuple(
+                jax.ShapeDtypeStruct((x.shape[0], x.shape[3], *x.shape[1:3]), x.dtype)
+                if getattr(x, "ndim", 0) == 4
+                else x
+                for x in inputs
+            )
+            try:
+                found = trace(self.tree, moved, kwargs)
+            except Exception:  # not the channels: the inputs as given say why
+                return None
+            self.channel_first = True
+            return found
 
     def _run(self, run: Callable[[Mapping[str, Any]], Any]) -> Any:
         """`run(this side's example_kwargs)`, or None with the model's error a

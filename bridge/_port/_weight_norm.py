@@ -29,6 +29,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from .._adapters._registry import CANONICAL_LAYOUT, TORCH_LAYOUT, layout_of
 from .._paths import Path
 from . import _errors, _shapes
 from ._codec import Codec, Leaves, codec_of
@@ -131,19 +132,20 @@ def read_axes(layers: list[Layer], trace: Any, problems: list[str]) -> list[Laye
             continue
         codec = next((c for c in x.codecs if c.kind in _PLAIN), None)
         v = next((n for n in _V if n in x.leaves), None)
-        if codec is None or v is None or codec.framework not in _FLAX + ("torch",):
+        layout = None if codec is None else layout_of(codec.framework)
+        if codec is None or v is None or layout not in (CANONICAL_LAYOUT, TORCH_LAYOUT):
             continue
         base = x.real if x.index is not None else x.path
         path = base + x.paths.get(v, (v,))
         axes = _traced(x, trace, path, v)
         plain = axes is None or axes == tuple(range(len(axes)))
-        if codec.framework in _FLAX:
+        if layout == CANONICAL_LAYOUT:
             if not _transposed(x, trace, path, axes, problems):
                 continue
             if "turned" in x.hyper:  # read again as the pass reads it
                 told.append(x)
                 continue
-        if codec.framework == "torch":
+        if layout == TORCH_LAYOUT:
             if codec.kind == WEIGHT_NORM["ConvTranspose"]:  # (in, out, *k) read
                 if axes is not None and axes[:2] != (1, 0):
                     problems.append(
@@ -236,7 +238,6 @@ _NOT_SEEN = (
     "The forward pass on the example inputs convolves (or multiplies) no weight "
     "computed from it element by element."
 )
-_FLAX = ("linen", "nnx")
 """The frameworks whose weight-norm codecs read `v`'s axes from the forward pass."""
 
 

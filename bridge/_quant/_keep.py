@@ -32,6 +32,7 @@ from .._adapters._native import (
     like as like_form,
     to_neutral,
 )
+from .._adapters._registry import TORCH_LAYOUT, layout_of
 from .._io._contents import Contents
 from .._io._format import format_named
 from .._io._model import file_tree
@@ -153,7 +154,7 @@ def load_kept(contents: Contents, request: Request) -> Filled | None:
         )
     target = request.target  # like's Tree, its leaves placeholders
     assert target is not None
-    if framework(target) == "torch":
+    if layout_of(framework(target)) == TORCH_LAYOUT:
         raise KeepError(
             f"{contents.path}: keep_quantized=True keeps weights quantized in Flax "
             "Linen, Flax NNX and Equinox models, not in a PyTorch-layout model "
