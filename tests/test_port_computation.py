@@ -187,4 +187,8 @@ def test_a_layer_the_forward_pass_never_runs_is_said_so():
     ):
         bridge.port(source, target, example=(x,))
     ported = bridge.port(source, target, example=(x,), strict=False)
-    np.testing.assert_array_equal(jax.vmap(ported)(x), source(x))
+    # the body's arrays moved bit for bit; the outputs agree to float32 rounding
+    # (a vmapped matrix-vector product against a matrix product)
+    np.testing.assert_array_equal(ported.layer.weight, source.body.kernel[...].T)
+    np.testing.assert_array_equal(ported.layer.bias, source.body.bias[...])
+    np.testing.assert_allclose(jax.vmap(ported)(x), source(x), rtol=1e-5, atol=1e-6)
