@@ -199,3 +199,34 @@ def test_a_loss_that_drops_the_state_is_refused():
     )
     with pytest.raises(TypeError, match=r"must return `\(loss, new_state\)`"):
         step(t, step.init(t), x)
+
+
+def test_a_haiku_model_runs_inside_nnx_and_equinox():
+    """`bridge.as_nnx` / `as_equinox` take `(fn, params[, state])` (an
+    `hk.Transformed` is run through its `apply`): Haiku's own outputs, gradients
+    reach the Haiku arrays, and the BatchNorm state a training call writes comes
+    back as Haiku's `apply` returns it."""
+    from flax import nnx
+
+    fn, params, x = _mlp()
+    wrapped = bridge.as_nnx((fn, params))
+    np.testing.assert_array_equal(wrapped(x), fn.apply(params, x))
+    grads = nnx.grad(lambda m: m(x).sum())(wrapped)
+    assert all(np.abs(g).sum() > 0 for g in jax.tree_util.tree_leaves(grads))
+    inner = bridge.as_equinox((fn, params))
+    np.testing.assert_array_equal(inner(x), fn.apply(params, x))
+
+    fn, params, state, x = _resnet()
+    wrapped = bridge.as_nnx((fn, params, state))
+    want, want_state = fn.apply(params, state, None, x, True)
+    np.testing.assert_array_equal(wrapped(x, True), want)
+    stats = nnx.state(wrapped, nnx.BatchStat)
+    bn = stats["res_net18"]["initial_batchnorm"]
+    want_bn = "res_net18/~/initial_batchnorm/~/"
+    for ema in ("mean_ema", "var_ema"):
+        assert jnp.array_equal(
+            bn[ema]["average"][...], want_state[want_bn + ema]["average"]
+        )
+        assert not jnp.array_equal(
+            state[want_bn + ema]["average"], want_state[want_bn + ema]["average"]
+        )

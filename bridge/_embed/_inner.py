@@ -102,7 +102,7 @@ def inner_of(model: Any, wrapper: str, outer: str) -> tuple[Inner, list[Any]]:
     if adapter.embed is None:
         raise TypeError(_NOT_EMBEDDABLE.format(wrapper=wrapper, name=adapter.display))
     native = adapter.to_native(tree)
-    if not callable(native[0] if isinstance(native, tuple) else native):
+    if not _runnable(native[0] if isinstance(native, tuple) else native):
         raise TypeError(_NOTHING_TO_RUN.format(wrapper=wrapper, name=adapter.display))
     flat, treedef = jtu.tree_flatten_with_path(tree)
     inner = Inner(
@@ -112,6 +112,12 @@ def inner_of(model: Any, wrapper: str, outer: str) -> tuple[Inner, list[Any]]:
         kind,
     )
     return inner, [leaf for _, leaf in flat]
+
+
+def _runnable(model: Any) -> bool:
+    """A model to call, or one run through its `apply` (Haiku's `hk.Transformed`,
+    a tuple of `init` and `apply`)."""
+    return callable(model) or callable(getattr(model, "apply", None))
 
 
 def _tree_of(model: Any, wrapper: str) -> Tree:
