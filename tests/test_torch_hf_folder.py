@@ -162,12 +162,8 @@ def _version_saver(hf):
 
     def save(path, version, max_shard_size):
         arrays = jax.tree.map(lambda x: jnp.full(x.shape, version, x.dtype), tree)
-        bridge.save(
-            path,
-            arrays,
-            layout="torch",
-            max_shard_size=max_shard_size,
-            config=hf.config,
+        bridge.save_pretrained(
+            path, arrays, max_shard_size=max_shard_size, config=hf.config
         )
 
     return save
