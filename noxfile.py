@@ -239,6 +239,7 @@ TORCH_TESTS = [
     "tests/test_torch_ties.py",
     "tests/test_torch_port_traced.py",
     "tests/test_torch_weight_norm.py",
+    "tests/test_torch_recurrent_layers.py",
     "tests/test_public_bonsai.py",
 ]
 # examples that need torch, transformers, peft or qwix (the `examples` session, which

@@ -4,7 +4,9 @@ what it does with it there.
 `first_uses` runs a Tree's model under `jax.make_jaxpr` (no FLOPs, no weights
 materialised) and walks the program once, equation by equation, into nested
 computations (`pjit`, `scan`, `cond`, `custom_jvp`, ...), following each array
-through operations that only relayout it: its first use, how a product contracts
+through operations that only relayout it or compute with it alone (`1 + w`,
+`exp(-softplus(a))`: its first use is where it meets an activation, as PyTorch's
+recorder reads it): its first use, how a product contracts
 it, a convolution's kernel axes, a scan's layer axis, what it depends on, whether it
 is added to a product (a bias), a scale's axis, a kernel applied transposed, and the
 norm it scales (`_jaxpr_norms`). `_trace.Trace` asks it when a step first needs it.
@@ -156,7 +158,10 @@ def first_uses(
     norms = Norms()
     records = (axes, layer_axes, upstream, kernels, later, gathered, sums, norms)
     fed = set(jaxpr.invars[len(structs) :])
-    _visit(jaxpr, tracked, found, stored, records, taint, fed)
+    relayed: dict[int, Position] = {}
+    _visit(jaxpr, tracked, found, stored, records, taint, fed, relayed)
+    for leaf, position in relayed.items():  # never met an activation
+        found.setdefault(leaf, position)
     if program is not None:
         program.append((Program(jaxpr, len(structs)), paths))
     if convolved is not None:
@@ -230,6 +235,7 @@ def _visit(
     ],
     taint: dict[Any, int],
     fed: set[Any],
+    relayed: dict[int, Position],
     changed: set[Any] | None = None,
 ) -> None:
     """Record in `found` the first use of every leaf a `tracked` variable holds
@@ -244,8 +250,10 @@ def _visit(
     `gathered`, the leaves first used as a `gather`'s table. `fed`: the
     variables computed from the inputs (the others are computed from weights
     alone); `changed`: the variables that are a weight changed element by
-    element (`_changed`). `records` also holds the variables that hold a
-    product's result (`dot_general`'s, only relaid out since), the leaves first
+    element (`_changed`); `relayed`: the first operation on each leaf alone, its
+    first use where the pass never computes it with an activation. `records`
+    also holds the variables that hold a product's result (`dot_general`'s, only
+    relaid out since), the leaves first
     used added to one (a bias), the variables that are a 1-D leaf reshaped to one
     axis (`{var: axis}`), the leaves first used so in a `mul` (`{leaf: axis}`), the
     variables that are a weight with some stored axes reversed (`{var: those
@@ -395,6 +403,7 @@ def _visit(
                 records,
                 inner_taint,
                 inner_fed,
+                relayed,
                 inner_changed,
             )
             if s == 0:
@@ -421,6 +430,17 @@ def _visit(
             elif len(sub.outvars) == len(eqn.outvars):
                 for v, w in zip(eqn.outvars, sub.outvars):
                     taint[v] |= 0 if _literal(w) else inner_taint.get(w, 0)
+        if len({leaf for _, (leaf, _) in used}) == 1 and all(
+            _literal(v) or v in tracked for v in eqn.invars
+        ):  # one weight alone (`1 + w`, `exp(-softplus(a))`): the result is that
+            # weight, first used where it meets an activation, as PyTorch's
+            # recorder reads it (the order of use alike on both sides)
+            leaf, prefix = used[0][1]
+            for v in eqn.outvars:
+                tracked.setdefault(v, (leaf, prefix))
+            if leaf not in found:
+                relayed.setdefault(leaf, prefix + (n,))
+                continue
         for i, (leaf, prefix) in used:
             if leaf not in found:
                 others = 0

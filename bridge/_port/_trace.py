@@ -5,8 +5,9 @@ of its adapter's `infer` on `jax.ShapeDtypeStruct`s: no FLOPs, no weights
 materialised). Every array of the Tree gets the position of the first operation
 that reads it, as a tuple of equation indices through nested computations (`pjit`,
 `scan`, `cond`, `custom_jvp`, ...). Operations that only relayout an array
-(`transpose`, `reshape`, `convert_element_type`, ...) are seen through: the
-position is that of the operation that computes with it. An array that enters a
+(`transpose`, `reshape`, `convert_element_type`, ...) or compute with it alone
+(`1 + w`, `sigmoid(gate)`) are seen through: the position is that of the operation
+that computes with it and an activation, as for a PyTorch module. An array that enters a
 `scan` as a scanned-over input (a stack of layers) gets `ITER` where the iteration
 is, which a stack's layer `i` replaces by `i`: layer `i`'s query comes after layer
 `i - 1`'s output projection, as in a model of separate layers.
