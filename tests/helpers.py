@@ -328,3 +328,20 @@ def export(path, model, **kwargs):
     if str(path).endswith(".safetensors"):
         return bridge.save_state_dict(path, model, **kwargs)
     return bridge.save_pretrained(path, model, **kwargs)
+
+
+def script(name: str) -> Any:
+    """The module of `scripts/<name>.py` (the scripts are no package), imported
+    once."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

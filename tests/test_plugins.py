@@ -4,9 +4,7 @@ a layer above `_io` knows (quantized schemes: `bridge._quant`) is registered, an
 show each capability is asked where the module's note says, and only then; the
 walk of `load`'s `like` through the layers (`scripts/walk_layers.py`) stays short."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -19,6 +17,8 @@ import bridge
 from bridge._io import _plugins
 from bridge._io._plugins import Filled, Plugin, Quantizer, register_plugin
 from bridge._lazy import LazyArray
+
+from .helpers import script
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,19 +132,8 @@ def test_registry_refuses_a_second_plugin_of_a_name(registry):
         register_plugin({"name": "x"})
 
 
-def _walk_layers():
-    spec = importlib.util.spec_from_file_location(
-        "walk_layers", ROOT / "scripts" / "walk_layers.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["walk_layers"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_walk_of_a_kept_load_climbs_at_most_10_times(tmp_path):
-    walk_layers = _walk_layers()
+    walk_layers = script("walk_layers")
     layer = walk_layers._layers(ROOT / "tests" / "test_imports.py")
     run, like = walk_layers.scenarios(tmp_path)["load, FP8 kept quantized"]
     run()
