@@ -111,6 +111,26 @@ def test_a_diffusers_folder_loads_by_example_and_saves_back(tmp_path, name):
         np.testing.assert_allclose(_torch_out(back, *inputs), got, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_saved_for_a_diffusers_module_in_memory_opens_in_diffusers(tmp_path):
+    """`config=unet.config, like=unet` (no folder): diffusers adds `_class_name`
+    to a model's config only as it writes it, so the module's own JSON is written
+    (the class named, the weights files named as diffusers names them); was
+    transformers' `model.safetensors`, which `from_pretrained` does not look for."""
+    cls, config, twin, inputs = CASES["UNet2DModel"]
+    torch.manual_seed(0)
+    like = cls(**config).eval()
+    assert "_class_name" not in like.config
+    mine = twin(rngs=nnx.Rngs(3))
+    out = tmp_path / "out"
+    bridge.save_pretrained(out, mine, config=like.config, like=like, example=inputs)
+    assert {p.name for p in out.iterdir()} == {WEIGHTS, "config.json"}
+    assert json.loads((out / "config.json").read_text())["_class_name"] == cls.__name__
+    back = cls.from_pretrained(out).eval()
+    np.testing.assert_allclose(
+        _torch_out(back, *inputs), np.asarray(mine(*inputs)), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_a_sharded_diffusers_folder_is_read(tmp_path):
     """diffusers' own sharded save (its index and shards) loads as its one-file
     save does."""

@@ -49,20 +49,11 @@ _DINO_FOLDER = (
     "the fused qkv's parts are told apart by running both models on the example "
     "inputs, and a folder's arrays have no model to run (the module route is exact)"
 )
-_DIFFUSERS_SAVE = (
-    "bridge.save_pretrained(config=model.config, like=model) writes transformers' "
-    "model.safetensors: a diffusers model's config has no _class_name until "
-    "diffusers' save_config adds it, and `like` (a diffusers ModelMixin) is not "
-    "asked; from_pretrained looks for diffusion_pytorch_model.safetensors "
-    "(issue #54, 6)"
-)
 NOT_YET: dict[tuple[str, str], str] = {
     ("recurrentgemma", "folder->jax"): _BARE_FILE,
     **{("recurrentgemma-hf", route): _RG_HF for route in _ROUTES},
     ("esm2", "folder->jax"): _ESM_FOLDER,
     ("equimo-dinov2", "folder->jax"): _DINO_FOLDER,
-    ("diffusers-vae", "jax->folder"): _DIFFUSERS_SAVE,
-    ("diffusers-unet", "jax->folder"): _DIFFUSERS_SAVE,
 }
 # (case, route): a fragment of the problem a refusal must name, where the two
 # models cannot settle it (none on these routes: ESM's contact head, which the

@@ -46,6 +46,7 @@ from .._arguments import (
     check_step,
     check_str,
 )
+from .._families._diffusers import completed
 from .._gc import paused
 from .._lazy import LazyArray, read_early
 from .._port._errors import PortError
@@ -281,7 +282,10 @@ def save_pretrained(
     - `model`: a `bridge.Tree` or a native model (not a training state).
     - `config`, `generation_config`: a transformers configuration object
       (`hf.config`), a dict, or the folder the weights came from (its
-      `config.json` and `generation_config.json` are copied).
+      `config.json` and `generation_config.json` are copied). A diffusers
+      model's `config` given with that model as `like` is written as diffusers
+      writes it (its `_class_name`; the weights as
+      `diffusion_pytorch_model.safetensors`).
     - `like`: the model the export is for: a PyTorch module
       (`AutoModelForCausalLM.from_config(config)`, on the `meta` device or not),
       its `state_dict()`, or a PyTorch-layout checkpoint (a Hugging Face folder,
@@ -339,7 +343,7 @@ def save_pretrained(
     )
     options = dict(
         max_shard_size=max_shard_size,
-        config=config,
+        config=completed(config, like),
         generation_config=generation_config,
         packed_experts=packed_experts,
     )
