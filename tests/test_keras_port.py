@@ -173,6 +173,30 @@ def test_gpt2_fused_qkv_into_three_kernels():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+def test_a_gpt2_folder_into_three_kernels(tmp_path):
+    """The same from GPT-2's Hugging Face folder: which part is which, both models
+    decide by running, the folder's as its model built from `config.json` with
+    the folder's arrays (`Adapter.run_tree`; was refused: a folder's arrays have
+    no model to run)."""
+    config = transformers.GPT2Config(
+        vocab_size=V, n_embd=D, n_layer=1, n_head=2, n_positions=32
+    )
+    hf = perturbed(transformers.GPT2Model(config))
+    hf.save_pretrained(tmp_path)
+    keras_gpt2 = keras_hub.models.GPT2Backbone(
+        vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=D,
+        intermediate_dim=4 * D, max_sequence_length=32,
+    )  # fmt: skip
+    ported = bridge.load(tmp_path, like=keras_gpt2, example=(IDS,))
+    got = ported({"token_ids": IDS, "padding_mask": np.ones_like(IDS)})
+    with torch.no_grad():
+        want = hf(torch.from_numpy(IDS)).last_hidden_state.numpy()
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # the folder's Tree runs as its model, as the module it was saved from does
+    # (built again from its config: transformers may pick another attention kernel)
+    assert bridge.compare(bridge.load(tmp_path), hf, IDS) < 1e-6
+
+
 def test_keras_auto_names_never_pair_by_name():
     """The same MLP built twice in one process, once after a stray Dense: its layers
     are `dense_1, dense_2, dense_3`, the other's (after clear_session) `dense,

@@ -45,15 +45,10 @@ _ESM_FOLDER = (
     "a '*' in the inv_freq name): the folder's embedding and tied decoder meet "
     "the Equinox head's linear2 as alike"
 )
-_DINO_FOLDER = (
-    "the fused qkv's parts are told apart by running both models on the example "
-    "inputs, and a folder's arrays have no model to run (the module route is exact)"
-)
 NOT_YET: dict[tuple[str, str], str] = {
     ("recurrentgemma", "folder->jax"): _BARE_FILE,
     **{("recurrentgemma-hf", route): _RG_HF for route in _ROUTES},
     ("esm2", "folder->jax"): _ESM_FOLDER,
-    ("equimo-dinov2", "folder->jax"): _DINO_FOLDER,
 }
 # (case, route): a fragment of the problem a refusal must name, where the two
 # models cannot settle it (none on these routes: ESM's contact head, which the

@@ -204,7 +204,7 @@ def infer(
     default, where the model says so (`channel_first = True` on its class)."""
     if isinstance(model, Tree):
         adapter = adapter_of_tree(model)
-        model = adapter.to_native(model)
+        model = (adapter.run_tree or adapter.to_native)(model)
     else:
         adapter = adapter_of(model)
     kwargs = dict(kwargs or {})

@@ -159,6 +159,10 @@ class Adapter(NamedTuple):
       `ported` (what `like(target, ...)` gave) runs as for inference, or None where
       it cannot run (PyTorch: a state dict loaded into a copy of the `target`
       module, None for a module on the `meta` device); by default `ported`.
+    - `run_tree`: optional, `run_tree(tree) -> model`: what a Tree runs as for
+      inference where its native form does not run (PyTorch: a state dict; the
+      module it holds, or a folder's model built with real tensors, each given the
+      Tree's arrays); by default `to_native(tree)`.
     - `auto_named`: optional, `auto_named(tree) -> {module path}`: the modules
       whose name the framework made up from what the process built before, not
       the model's own (Keras's `dense`, `dense_1`: a counter per class, per
@@ -215,6 +219,7 @@ class Adapter(NamedTuple):
     constants: Callable[[Tree], Mapping[Path, Any]] | None = None
     auto_named: Callable[[Tree], frozenset[Path]] | None = None
     runnable: Callable[[Any, Any], Any] | None = None
+    run_tree: Callable[[Tree], Any] | None = None
 
 
 class LayoutWriter(NamedTuple):

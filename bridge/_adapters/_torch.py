@@ -701,7 +701,8 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A `torch.nn.Module` run for inference (`Adapter.infer`): arrays given as
     tensors (numpy's dtypes), in evaluation mode and without gradients (its mode
     put back after), its outputs as numpy arrays (a transformers `ModelOutput` as
-    a dict of them)."""
+    a dict of them); keyword arguments its `forward` does not name are left out,
+    as the trace leaves them (the JAX model's `deterministic=`, `key=`)."""
     if not is_module(model):
         raise TypeError(
             "a PyTorch state dict has no forward pass to run: give the module"
@@ -723,6 +724,7 @@ def _infer(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return tuple(v for v in kept if v is not None)
         return x if isinstance(x, int | float | np.ndarray) else None
 
+    kwargs = _torch_trace.forward_kwargs(model, inputs, kwargs)  # as traced
     training = model.training
     model.eval()
     try:
@@ -750,6 +752,40 @@ def _runnable(target: Any, ported: Any) -> Any:
     }
     module.load_state_dict(state, strict=True)
     return module.eval()
+
+
+def _run_tree(tree: Tree) -> Any:
+    """What a PyTorch-layout Tree runs as (`Adapter.run_tree`): a copy of the
+    module it holds, or for a folder's Tree a copy of the folder's model built
+    with real tensors (`_torch_real`: at full size, at most `MOST_REAL` bytes),
+    holding the Tree's arrays; the state dict (which runs as nothing) where there
+    is no such module, or where the module holds an array the Tree does not give
+    (a weight its library makes from several of the file's)."""
+    state = to_torch(tree)
+    record = source_of(tree, "torch", TorchRecord).record
+    module, renamed = record.module.value, {}
+    if not is_module(module) and record.config.value is not None:
+        real = _torch_real.real_module(record.config.value, keys=_files(record))
+        module, renamed = (None if real.twin else real.module), real.keys
+    if not is_module(module):
+        return state
+    wanted = module.state_dict(keep_vars=True)
+    if any(t.is_meta for t in wanted.values()):
+        return state
+    torch = _torch()
+    given = {}
+    for name in wanted:
+        array = state.get(renamed.get(name, name))
+        if array is not None:
+            array = np.asarray(array)
+            exact = array.dtype.kind != "V"  # ml_dtypes' (bfloat16): no torch view
+            given[name] = torch.tensor(array if exact else array.astype("f4"))
+    held = {id(wanted[n]) for n in given}  # a tie's second name: one tensor
+    if any(n not in given and id(t) not in held for n, t in wanted.items()):
+        return state
+    copied = copy.deepcopy(module)
+    copied.load_state_dict(given, strict=False)
+    return copied.eval()
 
 
 def constants(tree: Tree) -> dict[Path, np.ndarray]:
@@ -1041,6 +1077,7 @@ ADAPTER = register_adapter(
         like=lambda target, tree: to_torch(tree, tensors=wants_tensors(target)),
         runnable=_runnable,
         infer=_infer,
+        run_tree=_run_tree,
         placeholders=_placeholders,
         rngs_hint="A state dict has no random streams: drop `rngs`.",
         modules=modules,

@@ -864,7 +864,7 @@ def _to_torch(x: Any, torch: Any, fake: Any, meta: bool) -> Any:
     return t
 
 
-def _named(module: Any, inputs: tuple, kwargs: dict) -> dict:
+def forward_kwargs(module: Any, inputs: tuple, kwargs: dict) -> dict:
     """The keyword arguments the module's `forward` names and the positional inputs
     do not already give: the example's keyword arguments are often the JAX
     model's (Flax's `deterministic=`), which a PyTorch `forward` does not take."""
@@ -966,7 +966,7 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
     meta = any(t.device.type == "meta" for t in objects)
     args = _to_torch(inputs, torch, fake, meta)
     call: dict[str, Any] = _to_torch(dict(kwargs or {}), torch, fake, meta)
-    call = _named(module, inputs, call)
+    call = forward_kwargs(module, inputs, call)
     if fake is not None or meta:
         call = _with_mask(module, args, call, torch)
     tied: dict[int, list[str]] = {}
