@@ -9,6 +9,7 @@ from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from flax.errors import InvalidRngError
@@ -427,10 +428,31 @@ def _declared(
     if wanted(module):
         return []
     try:  # best effort: a module whose setup fails outside apply has none found
-        bound = module.clone(parent=None).bind(to_linen(tree))
-        return list(_declared_in(bound, wanted))
+        return _abstractly(
+            lambda: list(
+                _declared_in(module.clone(parent=None).bind(to_linen(tree)), wanted)
+            )
+        )
     except Exception:
         return []
+
+
+def _abstractly(walk: Callable[[], Any]) -> Any:
+    """`walk()`, a walk of a bound module's `setup`s, run under `jax.eval_shape`:
+    the arrays a `setup` computes (transformers' rotary tables) are traced, not
+    compiled and computed (10 XLA compilations, 0.1-0.3 s, for a Flax Llama); run
+    again as it is where a setup cannot be traced (one reading array values)."""
+    found: list[Any] = []
+
+    def traced() -> tuple:
+        found.append(walk())
+        return ()
+
+    try:
+        jax.eval_shape(traced)
+    except Exception:
+        return walk()
+    return found[0]
 
 
 def _declared_in(module: nn.Module, wanted: Callable[[Any], bool]):
@@ -452,11 +474,15 @@ def _listed(tree: Tree) -> dict[Path, Path]:
     module = source_of(tree, "linen", LinenRecord).record.module.value
     if module is None:
         return {}
-    out: dict[Path, Path] = {}
     try:  # best effort, as `_declared`
-        _listed_in(module.clone(parent=None).bind(to_linen(tree)), (), (), out)
+        return _abstractly(lambda: _listed_from(module, tree))
     except Exception:
         return {}
+
+
+def _listed_from(module: nn.Module, tree: Tree) -> dict[Path, Path]:
+    out: dict[Path, Path] = {}
+    _listed_in(module.clone(parent=None).bind(to_linen(tree)), (), (), out)
     return out
 
 
