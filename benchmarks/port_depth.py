@@ -20,6 +20,24 @@ forward passes are traced and paired (what `example=` costs):
 
     python benchmarks/port_depth.py            # full (minutes)
     python benchmarks/port_depth.py --quick    # 4 / 16 layers, small sizes
+
+Measured (2 shared cores, transformers 4.57; two full runs of 3 rounds after issue
+50, one round of the code before it, 8963ebd, in the same script):
+
+| measure | before | after | goal |
+|---|---|---|---|
+| depth, 64 layers: bridge / transformers | 1.03 | 0.52-0.63 | 1.5 |
+| ms per added layer (16 -> 64): bridge, transformers | 53, 13 | 28-33, 12-20 | |
+| port, ~250 MiB: bridge / convert | 2.42 | 1.78-1.97 | 1.2 |
+| load, ~1 GiB: bridge / floor | 2.25 | 1.84-2.15 | 1.5 |
+
+transformers' side includes its random initialisation's XLA compilations (about
+2.2 s of its 3 s at 4 layers), which `from_pt=True` cannot skip (`_do_init=False`
+is refused with it). What bridge's port and load still spend beyond the bytes: the
+PyTorch trace on fake tensors (transformers 4.57's checks read values; 0.1-0.7 s,
+a tenth of that on transformers 5's meta tensors), both models' traces and the
+walk of a Linen model's setups (0.1-0.3 s), and reads that overlap the plan for a
+quarter of the file (`_io/_checkpoint.EARLY`).
 """
 
 from __future__ import annotations
@@ -50,7 +68,9 @@ def config(layers: int, dim: int = 16, vocab: int = 128):
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        # transformers' Flax rotary table keeps only max_position_embeddings of
+        # its head_dim columns (`out[:, :, :num_pos]`): at least one per column
+        max_position_embeddings=max(64, dim),
         tie_word_embeddings=False,
     )
 
@@ -127,6 +147,7 @@ def prepare(side: str, folder: Path, size: tuple[int, int, int]):
         return convert
     import bridge
 
+    bridge.load, bridge.port  # the lazy import of bridge's modules, untimed too
     like = flax_like(*size)
     if side == "bridge-port":
         torch_model = transformers.LlamaForCausalLM.from_pretrained(folder)
