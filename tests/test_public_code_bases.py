@@ -40,15 +40,9 @@ _RG_HF = (
     "gate_proj + up_proj; the depthwise conv w (K, C) computed by shifted products "
     "against Conv1d(groups=C) (issue #54, 7, 10)"
 )
-_ESM_FOLDER = (
-    "the legacy names transformers' save_pretrained writes (LayerNorm.gamma/beta, "
-    "a '*' in the inv_freq name): the folder's embedding and tied decoder meet "
-    "the Equinox head's linear2 as alike"
-)
 NOT_YET: dict[tuple[str, str], str] = {
     ("recurrentgemma", "folder->jax"): _BARE_FILE,
     **{("recurrentgemma-hf", route): _RG_HF for route in _ROUTES},
-    ("esm2", "folder->jax"): _ESM_FOLDER,
 }
 # (case, route): a fragment of the problem a refusal must name, where the two
 # models cannot settle it (none on these routes: ESM's contact head, which the

@@ -82,6 +82,12 @@ def _align(
     if count[0][0][0] > 1:
         second = set(trace(prefer_pair=False))
         differ = set(first) ^ second
+        if _one_array(differ, sources, targets):  # the names read as the kind
+            # they pair as (a head's `decoder` as Dense, not the embedding's table)
+            chosen = max(
+                (first, sorted(second)), key=lambda p: _native(p, sources, targets)
+            )
+            return [(sources[i], targets[j]) for i, j in chosen]
         for i, j in differ:
             ambiguous.update((id(sources[i]), id(targets[j])))
         for i in sorted({a for a, _ in differ}):  # a line per source either pairs
@@ -103,3 +109,51 @@ def _align(
             )
         return [(sources[i], targets[j]) for i, j in first if (i, j) in second]
     return [(sources[i], targets[j]) for i, j in first]
+
+
+def _one_array(
+    differ: set[tuple[int, int]], sources: list[Layer], targets: list[Layer]
+) -> bool:
+    """Whether two best pairings differ only by names of one array: where one
+    pairs source `a` with a target and the other source `b` with it (or one
+    source with target `a` or `b`), `a` and `b` hold the very same arrays (a tied
+    embedding and the head reading it, one tensor in a folder) and pair with it
+    as the same kind, so either fills it with the same values."""
+    if not differ:
+        return False
+    by_target: dict[int, set[int]] = {}
+    by_source: dict[int, set[int]] = {}
+    for i, j in differ:
+        by_target.setdefault(j, set()).add(i)
+        by_source.setdefault(i, set()).add(j)
+    for j, found in by_target.items():
+        if len(found) > 1 and not _alike([sources[i] for i in found], targets[j]):
+            return False
+    for i, found in by_source.items():
+        if len(found) > 1 and not _alike([targets[j] for j in found], sources[i]):
+            return False
+    return all(len(f) > 1 for f in by_target.values()) or all(
+        len(f) > 1 for f in by_source.values()
+    )
+
+
+def _native(
+    pairs: list[tuple[int, int]], sources: list[Layer], targets: list[Layer]
+) -> int:
+    """How many of `pairs` pair a source layer as its first kind."""
+    return sum(
+        sources[i].kinds[0] == common_kind(sources[i], targets[j]) for i, j in pairs
+    )
+
+
+def _alike(layers: list[Layer], other: Layer) -> bool:
+    """Whether `layers` hold one set of arrays, untouched by any other, and each
+    pairs with `other` as one kind."""
+    arrays = {frozenset(x.leaf(e) for e in x.paths) for x in layers}
+    kinds = {common_kind(x, other) for x in layers}
+    return (
+        len(arrays) == 1
+        and len(kinds) == 1
+        and None not in kinds
+        and all(x.index is None and x.tied for x in layers)
+    )
