@@ -12,23 +12,26 @@ import pytest
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
 
 
-def _check(monkeypatch, kinds, files):
+def _check(monkeypatch, kinds, files) -> list[str]:
     monkeypatch.syspath_prepend(str(SCRIPTS))  # the processes import it by name
     fuzz = importlib.import_module("fuzz_files")
     outcomes = fuzz.run(fuzz.cases(kinds, files), timeout=120)
     assert len(outcomes) == len(kinds) * files
     bad = [o for o in outcomes if o.result not in ("loaded", "refused")]
     assert not bad, "\n".join(f"{o.result}: {o.case}: {o.detail}" for o in bad)
-    assert any(o.result == "refused" for o in outcomes)
-    refused = [o.detail for o in outcomes if o.result == "refused"]
-    assert all("CheckpointError" in d for d in refused)
+    return [o.detail for o in outcomes if o.result == "refused"]
+
+
+def _in_bridges_words(refused: list[str]) -> bool:
+    """Some files refused, each as a `CheckpointError`."""
+    return bool(refused) and all("CheckpointError" in d for d in refused)
 
 
 def test_damaged_safetensors_and_sharded_files_are_refused_or_loaded(monkeypatch):
-    _check(monkeypatch, ["safetensors", "sharded"], 6)
+    assert _in_bridges_words(_check(monkeypatch, ["safetensors", "sharded"], 6))
 
 
 @pytest.mark.torch
 def test_damaged_gguf_files_are_refused_or_loaded(monkeypatch):
     pytest.importorskip("gguf")
-    _check(monkeypatch, ["gguf"], 6)
+    assert _in_bridges_words(_check(monkeypatch, ["gguf"], 6))

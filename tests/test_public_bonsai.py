@@ -106,7 +106,9 @@ def _case(name):
 @pytest.mark.parametrize(("name", "route"), list(_cases()))
 def test_port(name, route):
     outcome = bonsai_models.run_route(_case(name), route)
-    hf_flax.judge(outcome, f"{name} {route}", REFUSED.get((name, route)))
+    refusal = REFUSED.get((name, route))
+    verdict = hf_flax.judge(outcome, f"{name} {route}", refusal)
+    assert verdict == ("refused" if refusal else "exact")
 
 
 def _dinov3_by_hand(model):

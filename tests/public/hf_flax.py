@@ -887,19 +887,21 @@ def command_line(main: Callable[[list[str] | None], dict]) -> None:
             )
 
 
-def judge(outcome: Outcome, label: str, refusal: str | None = None) -> None:
-    """A test's verdict on one route: with `refusal` (a fragment of the problem the
-    two models cannot settle) it must be refused naming it; otherwise exact, a
-    `SilentlyWrong` when the outputs differ with no error, a `NotYet` when it was
-    refused or crashed (what an `xfail` of the case expects)."""
+def judge(outcome: Outcome, label: str, refusal: str | None = None) -> str:
+    """A test's verdict on one route, its outcome (`"exact"`, `"refused"`): with
+    `refusal` (a fragment of the problem the two models cannot settle) it must be
+    refused naming it; otherwise exact, a `SilentlyWrong` when the outputs differ
+    with no error, a `NotYet` when it was refused or crashed (what an `xfail` of
+    the case expects)."""
     if refusal is not None:
         assert outcome.outcome == "refused", outcome
         assert any(refusal in p for p in outcome.problems), outcome.problems
-        return
+        return outcome.outcome
     if outcome.outcome == "wrong":
         raise SilentlyWrong(f"{label}: {outcome}")
     if outcome.outcome != "exact":
         raise NotYet(f"{label}: {outcome}")
+    return outcome.outcome
 
 
 if __name__ == "__main__":
