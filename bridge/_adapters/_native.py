@@ -191,6 +191,16 @@ def forward(
     return adapter.forward(tree, loss_fn, batch, rngs)
 
 
+def runnable_model(model: Any) -> Any:
+    """What `infer` runs: a Tree as its adapter runs it (`Adapter.run_tree`: a
+    PyTorch folder's Tree as the folder's model holding its arrays), else as its
+    native model; any other model as it is. Made once, it runs many times."""
+    if not isinstance(model, Tree):
+        return model
+    adapter = adapter_of_tree(model)
+    return (adapter.run_tree or adapter.to_native)(model)
+
+
 def infer(
     model: Any,
     inputs: tuple[Any, ...],
@@ -202,11 +212,8 @@ def infer(
     `channel_first`, each input of rank >= 3 gets its last axis moved to axis 1
     (`(N, H, W, C)` -> `(N, C, H, W)`) and each output of rank >= 3 back; by
     default, where the model says so (`channel_first = True` on its class)."""
-    if isinstance(model, Tree):
-        adapter = adapter_of_tree(model)
-        model = (adapter.run_tree or adapter.to_native)(model)
-    else:
-        adapter = adapter_of(model)
+    adapter = adapter_of_tree(model) if isinstance(model, Tree) else adapter_of(model)
+    model = runnable_model(model)
     kwargs = dict(kwargs or {})
     if channel_first is None:
         channel_first = says_channel_first(model)

@@ -745,13 +745,25 @@ def _runnable(target: Any, ported: Any) -> Any:
     torch = _torch()
     if any(t.is_meta for t in target.state_dict().values()):
         return None
-    module = copy.deepcopy(target)
-    state = {
-        k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-        for k, v in ported.items()
-    }
-    module.load_state_dict(state, strict=True)
-    return module.eval()
+    state = {k: _tensor(v, torch) for k, v in ported.items()}
+    return _holding(target, state, strict=True)
+
+
+def _tensor(x: Any, torch: Any) -> Any:
+    """A tensor of an array: a copy (a file's arrays are read-only), ml_dtypes'
+    (bfloat16), which torch cannot take, as float32: loaded into a module, the
+    copy is cast to the parameter's dtype."""
+    if isinstance(x, torch.Tensor):
+        return x
+    array = np.asarray(x)
+    return torch.tensor(array if array.dtype.kind != "V" else array.astype("f4"))
+
+
+def _holding(module: Any, state: dict[str, Any], strict: bool) -> Any:
+    """A copy of `module` holding `state`, in evaluation mode."""
+    copied = copy.deepcopy(module)
+    copied.load_state_dict(state, strict=strict)
+    return copied.eval()
 
 
 def _run_tree(tree: Tree) -> Any:
@@ -773,19 +785,12 @@ def _run_tree(tree: Tree) -> Any:
     if any(t.is_meta for t in wanted.values()):
         return state
     torch = _torch()
-    given = {}
-    for name in wanted:
-        array = state.get(renamed.get(name, name))
-        if array is not None:
-            array = np.asarray(array)
-            exact = array.dtype.kind != "V"  # ml_dtypes' (bfloat16): no torch view
-            given[name] = torch.tensor(array if exact else array.astype("f4"))
+    files = {name: renamed.get(name, name) for name in wanted}
+    given = {n: _tensor(state[f], torch) for n, f in files.items() if f in state}
     held = {id(wanted[n]) for n in given}  # a tie's second name: one tensor
     if any(n not in given and id(t) not in held for n, t in wanted.items()):
         return state
-    copied = copy.deepcopy(module)
-    copied.load_state_dict(given, strict=False)
-    return copied.eval()
+    return _holding(module, given, strict=False)
 
 
 def constants(tree: Tree) -> dict[Path, np.ndarray]:

@@ -13,6 +13,7 @@ from .._adapters._native import (
     like,
     placeholders,
     runnable,
+    runnable_model,
     says_channel_first,
     to_neutral,
 )
@@ -235,6 +236,7 @@ def _split_checked(
     kwargs = example.kwargs if example.paired else None
     both = {} if example.paired else example.kwargs[0]
     expected: list[Any] = []
+    source = runnable_model(source)  # once: it runs for every assignment tried
 
     def difference(ported: Any) -> float:
         model = runnable(target, ported)
