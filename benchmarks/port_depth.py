@@ -147,19 +147,22 @@ def prepare(side: str, folder: Path, size: tuple[int, int, int]):
         return convert
     import bridge
 
-    bridge.load, bridge.port  # the lazy import of bridge's modules, untimed too
+    # the lazy imports, untimed too: bridge's modules, and transformers' PyTorch
+    # Llama, which bridge builds (on the meta device) to trace the folder's model
+    bridge.load, bridge.port, transformers.LlamaForCausalLM
     like = flax_like(*size)
+    given = example()  # the inputs a user has at hand (made by XLA: 0.09 s)
     if side == "bridge-port":
         torch_model = transformers.LlamaForCausalLM.from_pretrained(folder)
 
         def port():
-            _, variables = bridge.port(torch_model, like, example=example())
+            _, variables = bridge.port(torch_model, like, example=given)
             return jax.block_until_ready(variables)
 
         return port
 
     def load():
-        _, variables = bridge.load(folder, like=like, example=example())
+        _, variables = bridge.load(folder, like=like, example=given)
         return jax.block_until_ready(variables)
 
     return load

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import bridge
+from bridge._embed._as_linen import linen_wrappers
 
 from .embed_models import (
     DIRECTIONS,
@@ -22,7 +23,7 @@ from .embed_models import (
     native,
 )
 from .helpers import requires
-from .models import NNXCNN, EquinoxCNN
+from .models import D_IN, D_OUT, NNXCNN, EquinoxCNN
 
 
 HEAD_IN, HEAD_OUT = 2, 3
@@ -221,3 +222,66 @@ def test_looking_for_linen_wrappers_never_breaks_a_port():
     np.testing.assert_array_equal(
         ported.kernel[...], variables["params"]["dense"]["kernel"]
     )
+
+
+SETUPS = []
+
+
+class WrappingBlock(nn.Module):
+    """A residual block whose `setup` makes a wrapper (a stack's block)."""
+
+    seed: int = 0
+
+    def setup(self):
+        SETUPS.append(self.name)
+        self.enc = bridge.as_linen(native("equinox", "mlp", self.seed))
+        self.proj = nn.Dense(D_IN)
+
+    def __call__(self, x):
+        return x + self.proj(self.enc(x))
+
+
+class WrappingStack(nn.Module):
+    def setup(self):
+        # three alike, one of other settings: a walk of its own
+        self.blocks = [WrappingBlock(seed=1 if i == 3 else 0) for i in range(4)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.enc = NNXMLP(rngs)
+        self.proj = nnx.Linear(D_OUT, D_IN, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.proj(self.enc(x))
+
+
+class NNXStack(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(4)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@requires("NNX")
+def test_linen_wrappers_in_every_block_of_a_stack_each_setup_walked_once():
+    """Looking for wrappers walks a block's `setup` once for all the blocks alike
+    (a 64-layer Llama: 9 ms a layer), and finds each block's wrapper."""
+    x, _ = inputs("mlp")
+    model = WrappingStack()
+    variables = model.init(jax.random.key(0), x)
+    variables = jax.tree.map(lambda v: v + 0.01, variables)  # not the wrappers' own
+    SETUPS.clear()
+    found = dict(linen_wrappers(bridge.from_linen(variables, model)))
+    assert sorted(found) == [(f"blocks_{i}", "enc") for i in range(4)]
+    assert SETUPS == ["blocks_0", "blocks_3"], SETUPS
+    ported = bridge.port((model, variables), NNXStack(nnx.Rngs(2)))
+    np.testing.assert_allclose(ported(x), model.apply(variables, x), atol=1e-6)

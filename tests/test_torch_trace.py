@@ -253,6 +253,38 @@ def test_inputs_from_jax_and_kwargs():
     assert uses.contracted == {"a.weight": LINEAR}
 
 
+def test_a_meta_pass_opening_autocast_runs_on_meta(monkeypatch):
+    """transformers 4.x's rotary embeddings open `torch.autocast(device_type=
+    x.device.type, enabled=False)`, which PyTorch refuses for `meta`: the meta pass
+    runs through it (once, never again on fake tensors: 5-10x slower), reads as the
+    real module does, and leaves `torch.autocast` as it was."""
+    import bridge._adapters._torch_trace as torch_trace
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                angle = self.a(x).float()
+            return self.b(x * angle.cos())
+
+    with pytest.raises(RuntimeError):  # what the meta pass met before
+        torch.autocast(device_type="meta", enabled=False)
+    opened = torch.autocast.__init__
+    real = trace_module(Rotary(), (np.ones((2, 4), np.float32),))
+    monkeypatch.setattr(torch_trace, "_fake_copy", None)  # no fake pass is made
+    with torch.device("meta"):
+        meta = trace_module(Rotary(), (np.ones((2, 4), np.float32),))
+    assert meta == real
+    assert meta.needs["b.weight"][1] & meta.needs["a.weight"][0]  # b reads a's output
+    assert torch.autocast.__init__ is opened
+    with pytest.raises(RuntimeError):
+        torch.autocast(device_type="meta", enabled=False)
+
+
 # tiny transformers models, as config.json holds them
 CONFIGS = {
     "bert": dict(

@@ -33,7 +33,7 @@ from ._build import (
     native_leaves,
     source_of,
 )
-from ._linen_blocks import repeated
+from ._linen_blocks import repeated, same
 from ._linen_walk import (
     _ALIKE,
     _KNOWN,
@@ -428,11 +428,8 @@ def _declared(
     if wanted(module):
         return []
     try:  # best effort: a module whose setup fails outside apply has none found
-        return _abstractly(
-            lambda: list(
-                _declared_in(module.clone(parent=None).bind(to_linen(tree)), wanted)
-            )
-        )
+        bound = module.clone(parent=None).bind(to_linen(tree))
+        return _abstractly(lambda: _declared_in(bound, wanted))
     except Exception:
         return []
 
@@ -455,15 +452,35 @@ def _abstractly(walk: Callable[[], Any]) -> Any:
     return found[0]
 
 
-def _declared_in(module: nn.Module, wanted: Callable[[Any], bool]):
+def _declared_in(
+    module: nn.Module,
+    wanted: Callable[[Any], bool],
+    walked: dict[Any, list[tuple[Path, Any]]] | None = None,
+) -> list[tuple[Path, Any]]:
+    """The submodules of a bound `module` that `wanted` accepts, at any depth below
+    its `setup`, by path. A submodule like one walked before (`_linen_blocks.same`:
+    its class, settings and variables' shapes: the blocks of a stack) declares the
+    same ones: they are found at its own path without running its `setup` again
+    (a 64-layer transformers Llama: 9 ms a layer)."""
+    walked = {} if walked is None else walked
     module._try_setup()
+    found = []
     for child in module._state.children.values():
         if not isinstance(child, nn.Module) or child.scope is None:
             continue
+        path = tuple(child.scope.path)
         if wanted(child):
-            yield tuple(child.scope.path), child
-        else:
-            yield from _declared_in(child, wanted)
+            found.append((path, child))
+            continue
+        key = same(child)
+        inside = walked.get(key) if key is not None else None
+        if inside is None:
+            inside = _declared_in(child, wanted, walked)
+            inside = [(p[len(path) :], m) for p, m in inside]
+            if key is not None:
+                walked[key] = inside
+        found += [(path + p, m) for p, m in inside]
+    return found
 
 
 def _listed(tree: Tree) -> dict[Path, Path]:

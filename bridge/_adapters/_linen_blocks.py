@@ -81,6 +81,13 @@ def repeated(seen: dict[tuple, Any]) -> Callable[..., Any]:
     return Repeated(seen).call
 
 
+def same(module: nn.Module) -> Any:
+    """What a bound module's `setup` declares depends on, hashable: its class, its
+    settings and its variables' shapes (a call's key without the call); None where
+    that cannot be told. Two blocks of a stack are the same."""
+    return _key(module, (), {})
+
+
 def _key(module: nn.Module, args: Any, kwargs: Any) -> Any:
     """What decides a call's computation, hashable; None where something cannot be
     told (an argument that is neither an array nor hashable)."""

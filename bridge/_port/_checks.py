@@ -13,12 +13,12 @@ fix where there is one.
 
 from __future__ import annotations
 
-import itertools
 import re
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._adapters._registry import adapter_named, canonical_adapter
 from .._paths import path_str
@@ -29,7 +29,7 @@ from ._general import kernel_path, reading_of
 from ._layer import ARRAY, Layer, common_kind, read_specs, same_shapes
 from ._norms import eps_warnings, is_offset, unconfirmed
 from ._order import idle, normalised
-from ._pairing import Pair, dependence, undecided
+from ._pairing import Pair, dependence, feeding, undecided
 from ._plan import PlanRow
 from ._product import unread
 from ._side import Side
@@ -382,26 +382,25 @@ def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
     checked = [p for p in checked if not p.source.tied and not p.target.tied]
     if len(checked) < 2:
         return []
-    sides = []
-    for side, trace in enumerate(traces):
-        found = dependence(trace, [(p.source, p.target)[side] for p in checked])
-        sides.append(([f[0] for f in found], [f[1] for f in found]))
-    (s_own, s_feeds), (t_own, t_feeds) = sides
+    source, target = (
+        feeding(dependence(trace, [(p.source, p.target)[side] for p in checked]))
+        for side, trace in enumerate(traces)
+    )
     out = []
-    for i, j in itertools.permutations(range(len(checked)), 2):
-        if s_own[i] & s_feeds[j] and t_own[j] & t_feeds[i]:  # i before j; j before i
-            a, b = checked[i], checked[j]
-            out.append(
-                _errors.CONTRADICTED.format(
-                    a=a.source.where,
-                    b=b.source.where,
-                    ta=a.target.where,
-                    tb=b.target.where,
-                    by=a.by if a.by == b.by else f"{a.by}, {b.by}",
-                    a_re=re.escape(a.source.where),
-                    b_re=re.escape(b.source.where),
-                )
+    # i feeds j in the source, j feeds i in the target (never i itself: `dependence`)
+    for i, j in np.argwhere(source.T & target):
+        a, b = checked[i], checked[j]
+        out.append(
+            _errors.CONTRADICTED.format(
+                a=a.source.where,
+                b=b.source.where,
+                ta=a.target.where,
+                tb=b.target.where,
+                by=a.by if a.by == b.by else f"{a.by}, {b.by}",
+                a_re=re.escape(a.source.where),
+                b_re=re.escape(b.source.where),
             )
+        )
     return out
 
 

@@ -76,8 +76,8 @@ def _as_bias(x: Layer, added: frozenset) -> Layer:
 def _by_class(x: Layer, trace: Trace) -> None:
     """A layer whose forward pass calls it as a class of known kind (Linen's
     compact submodules, by `nn.intercept_methods`): that kind."""
-    cls = trace.classes().get(x.real if x.index is not None else x.path)
-    name = getattr(cls, "__name__", None)
+    module = trace.modules().get(x.real if x.index is not None else x.path)
+    name = None if module is None else type(module).__name__
     named = [c for c in x.codecs if name in c.names]
     if any(c.kind == "DenseGeneral" for c in named):  # and its per-head Dense view
         named += [c for c in x.codecs if reading_of(c) is not None]

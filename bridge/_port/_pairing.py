@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._tree import Path
 from . import _errors
 from ._align import _align
@@ -516,33 +518,30 @@ class _Pairing:
         if traces[0] is None or traces[1] is None:
             return
         for _ in range(len(self.pairs)):
-            kept = [
-                k
-                for k, p in enumerate(self.pairs)
-                if p.source.index is None
-                and p.target.index is None
-                and _untied(p.source)
-                and _untied(p.target)
-            ]
-            sides = [
-                dependence(t, [(p.source, p.target)[side] for p in self.pairs])
+            kept = np.array(
+                [
+                    p.source.index is None
+                    and p.target.index is None
+                    and _untied(p.source)
+                    and _untied(p.target)
+                    for p in self.pairs
+                ]
+            )
+            after = [  # [k, j]: whether pair j's layer feeds pair k's, both kept
+                feeding(dependence(t, [(p.source, p.target)[side] for p in self.pairs]))
+                & kept
                 for side, t in enumerate(traces)
             ]
-            after = [[0] * len(self.pairs), [0] * len(self.pairs)]
-            for side, found in enumerate(sides):
-                for k in kept:
-                    for j in kept:
-                        if found[k][1] & found[j][0]:
-                            after[side][k] |= 1 << j
             wrong: dict[tuple, list[int]] = {}
-            for k in kept:
-                p = self.pairs[k]
-                if p.by == "trace" and after[0][k] != after[1][k]:
+            for k, p in enumerate(self.pairs):
+                if kept[k] and p.by == "trace" and (after[0][k] != after[1][k]).any():
                     key = (p.source.kinds, layer_signature(p.source))
                     wrong.setdefault(key, []).append(k)
             changed = False
             for ks in wrong.values():
-                fits = {k: [j for j in ks if after[0][k] == after[1][j]] for k in ks}
+                fits = {
+                    k: [j for j in ks if (after[0][k] == after[1][j]).all()] for k in ks
+                }
                 if all(len(f) == 1 for f in fits.values()) and len(
                     {f[0] for f in fits.values()}
                 ) == len(ks):
@@ -681,6 +680,24 @@ def dependence(trace: Any, layers: list[Layer]) -> list[tuple[int, int]]:
                 mine, fed = mine | bit, fed | upstream
         out.append((mine, fed & ~mine))
     return out
+
+
+def feeding(found: list[tuple[int, int]]) -> np.ndarray:
+    """`[k, j]`: whether layer `j`'s arrays feed layer `k`'s input, of `dependence`'s
+    `found`, as one product of bit matrices (`(n, n)` booleans; the `n**2` tests
+    of big integers cost 0.1 s for a 64-layer Llama's 580 layers)."""
+    width = max((max(a.bit_length(), b.bit_length()) for a, b in found), default=0)
+    size = max(1, (width + 7) // 8)
+
+    def bits(xs: list[int]) -> np.ndarray:
+        packed = np.frombuffer(
+            b"".join(x.to_bytes(size, "little") for x in xs), np.uint8
+        )
+        unpacked = np.unpackbits(packed.reshape(len(xs), size), 1, bitorder="little")
+        return unpacked.astype(np.float32)
+
+    own, fed = bits([a for a, _ in found]), bits([b for _, b in found])
+    return fed @ own.T > 0
 
 
 def pair(

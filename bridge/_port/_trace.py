@@ -216,11 +216,6 @@ class Trace:
         self()
         return self.attended
 
-    def classes(self) -> Mapping[Path, type]:
-        """`{module path: class}` of the submodules the pass calls, where the Tree
-        does not record them (Linen's compact submodules)."""
-        return {p: type(m) for p, m in self.modules().items()}
-
     def modules(self) -> Mapping[Path, Any]:
         """`{module path: module}` of the submodules the pass calls, where the Tree
         does not record them (Linen's compact submodules: their settings, which
