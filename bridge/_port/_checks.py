@@ -18,18 +18,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._adapters._registry import adapter_named, canonical_adapter
 from .._paths import path_str
 from . import _errors, _shapes
 from ._codec import Codec, same
 from ._constants import constants as _constants
+from ._feeds import contradicted
 from ._general import kernel_path, reading_of
 from ._layer import ARRAY, Layer, common_kind, read_specs, same_shapes
 from ._norms import eps_warnings, is_offset, unconfirmed
 from ._order import idle, normalised
-from ._pairing import Pair, dependence, feeding, undecided
+from ._pairing import Pair, undecided
 from ._plan import PlanRow
 from ._product import unread
 from ._side import Side
@@ -370,38 +370,23 @@ def _open_kinds(pairs: list[Pair]) -> list[str]:
 
 
 def _contradicted(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:
-    """Pairs the forward passes contradict: in the source layer `a` feeds `b`
-    (`b`'s input is computed from `a`'s arrays), in the target `b`'s partner feeds
-    `a`'s. Names (or order) paired them, the computation says otherwise: refused,
+    """Pairs the forward passes contradict (`_feeds.contradicted`), refused,
     whatever paired them but rules (the user's word)."""
     if traces[0] is None or traces[1] is None or not traces[0]() or not traces[1]():
         return []
-    checked = [p for p in pairs if p.by != "rule" and p.source.index is None]
-    checked = [p for p in checked if p.target.index is None]
-    # a tied array's names share its bit: each seems to feed what the others do
-    checked = [p for p in checked if not p.source.tied and not p.target.tied]
-    if len(checked) < 2:
-        return []
-    source, target = (
-        feeding(dependence(trace, [(p.source, p.target)[side] for p in checked]))
-        for side, trace in enumerate(traces)
-    )
-    out = []
-    # i feeds j in the source, j feeds i in the target (never i itself: `dependence`)
-    for i, j in np.argwhere(source.T & target):
-        a, b = checked[i], checked[j]
-        out.append(
-            _errors.CONTRADICTED.format(
-                a=a.source.where,
-                b=b.source.where,
-                ta=a.target.where,
-                tb=b.target.where,
-                by=a.by if a.by == b.by else f"{a.by}, {b.by}",
-                a_re=re.escape(a.source.where),
-                b_re=re.escape(b.source.where),
-            )
+    checked = [p for p in pairs if p.by != "rule"]
+    return [
+        _errors.CONTRADICTED.format(
+            a=a.source.where,
+            b=b.source.where,
+            ta=a.target.where,
+            tb=b.target.where,
+            by=a.by if a.by == b.by else f"{a.by}, {b.by}",
+            a_re=re.escape(a.source.where),
+            b_re=re.escape(b.source.where),
         )
-    return out
+        for a, b in contradicted(checked, traces)
+    ]
 
 
 def _conv_layouts(pairs: list[Pair], traces: tuple[Any, Any]) -> list[str]:

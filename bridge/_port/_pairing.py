@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import numpy as np
-
-from .._tree import Path
 from . import _errors
 from ._align import _align
 from ._branches import _described, _matched, _parts
-from ._layer import ARRAY, Layer, common_kind, layer_signature, same_shapes
+from ._feeds import alike, repaired
+from ._layer import Layer, common_kind, layer_signature, same_shapes
 from ._order import Order, _counted, normalised
 from ._split import SPLIT
 
@@ -505,98 +503,20 @@ class _Pairing:
         )
 
     def preceded(self) -> None:
-        """Re-pair layers that the orders of use paired against what each is
-        computed from: where a source layer's input comes from the layers of some
-        pairs and its partner's from others' (a query's norm paired with the key's,
-        when one side computes the key first; a masked-LM head's loose `bias`
-        paired with another head's), and exchanging partners within their kind and
-        shapes makes every such pair agree, one way only. Both forward passes
-        traced; stacks' layers (one array for every index) and ties are left as
-        they are, but for a loose array held under several names (a bias tied to
-        its `decoder.bias`: one array, one use)."""
+        """Re-pair what the orders of use paired against what feeds each layer
+        (`_feeds.repaired`), both forward passes traced."""
         traces = [o.tracer() for o in self.orders]
-        if traces[0] is None or traces[1] is None:
-            return
-        for _ in range(len(self.pairs)):
-            kept = np.array(
-                [
-                    p.source.index is None
-                    and p.target.index is None
-                    and _untied(p.source)
-                    and _untied(p.target)
-                    for p in self.pairs
-                ]
-            )
-            after = [  # [k, j]: whether pair j's layer feeds pair k's, both kept
-                feeding(dependence(t, [(p.source, p.target)[side] for p in self.pairs]))
-                & kept
-                for side, t in enumerate(traces)
-            ]
-            wrong: dict[tuple, list[int]] = {}
-            for k, p in enumerate(self.pairs):
-                if kept[k] and p.by == "trace" and (after[0][k] != after[1][k]).any():
-                    key = (p.source.kinds, layer_signature(p.source))
-                    wrong.setdefault(key, []).append(k)
-            changed = False
-            for ks in wrong.values():
-                fits = {
-                    k: [j for j in ks if (after[0][k] == after[1][j]).all()] for k in ks
-                }
-                if all(len(f) == 1 for f in fits.values()) and len(
-                    {f[0] for f in fits.values()}
-                ) == len(ks):
-                    targets = {k: self.pairs[fits[k][0]].target for k in ks}
-                    for k in ks:
-                        self.pairs[k] = Pair(self.pairs[k].source, targets[k], "trace")
-                    changed = True
-            if not changed:
-                return
+        if traces[0] is not None and traces[1] is not None:
+            self.pairs = repaired(self.pairs, traces)
 
     def loose_alike(self) -> None:
-        """Refuse loose arrays of one shape that the orders of use paired (names
-        differing) but that a forward pass computes alike: from the same arrays,
-        neither from the other (two masked-LM heads' loose biases, each added to a
-        product of one input with one table). Which it adds first is its own
-        choice, so their order of use does not pair them, and nothing else in the
-        computation does (`preceded` pairs those that it does)."""
+        """Refuse loose arrays a forward pass computes side by side, which the
+        orders of use paired (`_feeds.alike`), both forward passes traced."""
         traces = [o.tracer() for o in self.orders]
         if traces[0] is None or traces[1] is None:
             return
-        ks = [
-            k
-            for k, p in enumerate(self.pairs)
-            if p.by == "trace" and p.source.kinds == (ARRAY,) and p.source.index is None
-        ]
-        groups: dict[tuple, list[int]] = {}
-        for k in ks:
-            groups.setdefault(layer_signature(self.pairs[k].source), []).append(k)
         gone: set[int] = set()
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            sides = [
-                dependence(
-                    t,
-                    [
-                        (self.pairs[k].source, self.pairs[k].target)[side]
-                        for k in members
-                    ],
-                )
-                for side, t in enumerate(traces)
-            ]
-            alike = [
-                i
-                for i in range(len(members))
-                if any(
-                    _alike(found[i], found[j])
-                    for found in sides
-                    for j in range(len(members))
-                    if j != i
-                )
-            ]
-            if len(alike) < 2:
-                continue
-            at = [members[i] for i in alike]
+        for at in alike(self.pairs, traces):
             gone.update(at)
             self._ambiguous(
                 [self.pairs[k].source for k in at],
@@ -604,11 +524,10 @@ class _Pairing:
                 _errors.SIDE_BY_SIDE,
                 why=_errors.LOOSE_ALIKE,
             )
-        if gone:
-            for k in gone:
-                p = self.pairs[k]
-                self.paired.difference_update((id(p.source), id(p.target)))
-            self.pairs = [p for k, p in enumerate(self.pairs) if k not in gone]
+        for k in gone:
+            p = self.pairs[k]
+            self.paired.difference_update((id(p.source), id(p.target)))
+        self.pairs = [p for k, p in enumerate(self.pairs) if k not in gone]
 
     def remainder(self) -> None:
         """What names and equal-shape groups left: an alignment in creation order
@@ -643,61 +562,6 @@ class _Pairing:
                 t = candidates[0]
                 if [x for x in rest_s if common_kind(x, t)] == [s]:
                     self.add(s, t, "kind")
-
-
-def _alike(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether two arrays (`dependence`'s `(bits, upstream bits)`), both used, are
-    computed with the same arrays (some: a token concatenated first, computed with
-    none, is left to the order of use) and neither from the other."""
-    return (
-        bool(a[0] and b[0] and a[1])
-        and a[1] == b[1]
-        and not (a[0] & b[1] or b[0] & a[1])
-    )
-
-
-def _untied(x: Layer) -> bool:
-    """Whether `x` is no tie, or a loose array held under several names (one array,
-    which its dependence reads under each: `dependence`)."""
-    return not x.tied or x.kinds == (ARRAY,)
-
-
-def dependence(trace: Any, layers: list[Layer]) -> list[tuple[int, int]]:
-    """Per layer, `(its arrays' bits, the bits of the arrays its input is computed
-    from)` in one side's traced forward pass (`Trace.upstream`), an array the Tree
-    holds once for several names (`Trace.ties`: BERT's `cls.predictions.bias`, used
-    as `decoder.bias`) read under the names the pass used."""
-    needs = trace.upstream()
-    names: dict[Path, list[Path]] = {}
-    for name, held in trace.ties().items():
-        names.setdefault(held, []).append(name)
-    out = []
-    for x in layers:
-        mine, fed = 0, 0
-        for rel in x.paths.values():
-            for path in [x.path + rel, *names.get(x.path + rel, ())]:
-                bit, upstream = needs.get(path, (0, 0))
-                mine, fed = mine | bit, fed | upstream
-        out.append((mine, fed & ~mine))
-    return out
-
-
-def feeding(found: list[tuple[int, int]]) -> np.ndarray:
-    """`[k, j]`: whether layer `j`'s arrays feed layer `k`'s input, of `dependence`'s
-    `found`, as one product of bit matrices (`(n, n)` booleans; the `n**2` tests
-    of big integers cost 0.1 s for a 64-layer Llama's 580 layers)."""
-    width = max((max(a.bit_length(), b.bit_length()) for a, b in found), default=0)
-    size = max(1, (width + 7) // 8)
-
-    def bits(xs: list[int]) -> np.ndarray:
-        packed = np.frombuffer(
-            b"".join(x.to_bytes(size, "little") for x in xs), np.uint8
-        )
-        unpacked = np.unpackbits(packed.reshape(len(xs), size), 1, bitorder="little")
-        return unpacked.astype(np.float32)
-
-    own, fed = bits([a for a, _ in found]), bits([b for _, b in found])
-    return fed @ own.T > 0
 
 
 def pair(
