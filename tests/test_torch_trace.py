@@ -285,6 +285,35 @@ def test_a_meta_pass_opening_autocast_runs_on_meta(monkeypatch):
         torch.autocast(device_type="meta", enabled=False)
 
 
+class Counting(torch.nn.Module):
+    """A BatchNorm in training mode, and a buffer its forward changes in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.bn(self.conv(x))
+
+
+def test_tracing_a_real_module_changes_nothing():
+    """A real module's pass runs on copies of its buffers: a BatchNorm in training
+    mode keeps its statistics, a buffer changed in place keeps its value."""
+    torch.manual_seed(0)
+    model = Counting().train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    uses = trace_module(model, (np.ones((2, 3, 6, 6), np.float32),))
+    assert model.training and model.calls.item() == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert uses.convolved == {"conv.weight": (0, 1, 2, 3)}
+    assert {"bn.running_mean", "bn.running_var"} <= set(uses.positions)
+    assert uses.needs["bn.weight"][1] & uses.needs["conv.weight"][0]
+
+
 # tiny transformers models, as config.json holds them
 CONFIGS = {
     "bert": dict(

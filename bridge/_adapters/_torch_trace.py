@@ -24,7 +24,9 @@ record is the same either way. On plain meta tensors the results of elementwise
 operations, `mean`, `cat`, `F.linear` and `matmul` are made without PyTorch's
 meta kernels (`_torch_meta`: most of them are Python reference implementations).
 `_torch_folder.folder_module(folder)` builds such a module, of full size and with
-no memory, from a Hugging Face folder's `config.json`.
+no memory, from a Hugging Face folder's `config.json`. A module of real tensors is
+never changed by its trace (a BatchNorm in training mode keeps its statistics): the
+pass runs on its parameters and copies of its buffers.
 
 torch is imported here only, when called.
 """
@@ -908,7 +910,9 @@ def trace_module(
     nothing: its inputs are made fake (or meta) too, and a text model given token
     ids alone gets an attention mask of ones. A meta module whose code reads a
     value is run again on fake copies of its tensors (on the CPU, no memory),
-    swapped in for the call only (`torch.func.functional_call`).
+    swapped in for the call only (`torch.func.functional_call`). A module of real
+    tensors runs on copies of its buffers, swapped in likewise: the module is
+    never changed.
 
     **Arguments:**
 
@@ -940,7 +944,9 @@ def trace_module(
     meta = fake is None and any(t.device.type == "meta" for t in objects)
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
-    if not meta:
+    if fake is None and not meta:
+        return _real(module, names, objects, of, inputs, kwargs)
+    if fake is not None:
         return _run(module, names, objects, of, inputs, kwargs, fake, None)
     try:  # the meta device: ~3x cheaper than fake tensors where it runs
         return _run(module, names, objects, of, inputs, kwargs, None, None)
@@ -949,6 +955,18 @@ def trace_module(
         fake = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [_fake_copy(fake, t) for t in objects]
         return _run(module, names, fakes, of, inputs, kwargs, fake, fakes)
+
+
+def _real(module, names, objects, of, inputs, kwargs) -> Uses:
+    """The record of a module holding real tensors, which the pass never changes:
+    it runs on the module's parameters and copies of its buffers, swapped in for
+    the call (a BatchNorm in training mode updates its statistics: the caller's
+    stay as they were). Not on meta copies, which cost nothing per weight: PyTorch's
+    first meta operations in a process take 0.3 s, and transformers' masks read
+    values (`.item()`), which meta tensors refuse."""
+    buffers = {id(b) for b in module.buffers()}
+    copies = [t.clone() if id(t) in buffers else t for t in objects]
+    return _run(module, names, copies, of, inputs, kwargs, None, copies)
 
 
 def _fake_copy(fake: Any, t: Any) -> Any:
@@ -991,11 +1009,10 @@ def _run(module, names, objects, of, inputs, kwargs, fake, swapped) -> Uses:
         if swapped is None:
             recorder.output(module(*args, **call))
         else:  # and the non-persistent buffers (BERT's `position_ids`) likewise
-            assert fake is not None  # swapped tensors are fake copies
             tensors = {n: swapped[i] for n, i in zip(names, of)}
             for n, t in module.named_buffers(remove_duplicate=False):
                 if n not in tensors:
-                    tensors[n] = _fake_copy(fake, t)
+                    tensors[n] = t.clone() if fake is None else _fake_copy(fake, t)
             out = torch.func.functional_call(module, tensors, args, call, strict=True)
             recorder.output(out)
     return _uses(recorder, names, of)
