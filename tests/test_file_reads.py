@@ -646,6 +646,34 @@ def test_a_large_copy_under_way_does_not_hold_up_the_ones_within_the_budget(
         assert np.asarray(placing.result(out)).tobytes() == x.T.tobytes()
 
 
+def test_copies_of_memory_held_anyway_wait_outside_the_budget(monkeypatch):
+    """`Placing.put(x, held=True)`: a view of memory the source holds anyway (a
+    PyTorch module's weights) frees nothing when copied, so its copy never waits
+    for a budget (of 0 here: a port from memory reads nothing lazily), where a
+    copy of memory of its own (a converted array) waits for the one under way."""
+    release = threading.Event()
+    to_jax = _buffers.to_jax
+
+    def slow(x):
+        assert release.wait(10)
+        return to_jax(x)
+
+    monkeypatch.setattr(_buffers, "to_jax", slow)
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal((30, 20), np.float32) for _ in range(4)]
+    with _buffers.Placing(budget=0) as placing:
+        views = [placing.put(w.T, held=True) for w in weights]  # none waited
+        assert not any(v.done() for v in views) and len(placing._waiting) == 4
+        own = threading.Thread(target=lambda: views.append(placing.put(weights[0].T)))
+        own.start()
+        own.join(0.2)
+        assert own.is_alive()  # a copy of memory of its own waits for the others
+        release.set()
+        own.join(10)
+    for out, w in zip(views, [*weights, weights[0]], strict=True):
+        assert np.asarray(placing.result(out)).tobytes() == w.T.tobytes()
+
+
 # --- the cyclic garbage collector during a load --------------------------------------
 
 

@@ -217,3 +217,45 @@ def test_from_torch_pauses_the_collector_and_restores_the_callers_state(monkeypa
         lambda: bridge.from_torch(not_arrays),
         TypeError,
     )
+
+
+@needs_torch
+def test_a_modules_weights_are_copied_on_both_threads(tmp_path, monkeypatch):
+    """A port from a PyTorch module into an abstract target: its transposed weights
+    are views of memory the module holds anyway, copied without waiting for a
+    budget (`Placing.put(held=)`); a lazily read file's arrays are memory of their
+    own, counted. The ports are exact either way."""
+    import safetensors.numpy
+    import torch
+
+    from bridge import _buffers
+
+    seen = []
+    put = _buffers.Placing.put
+
+    def recorded(self, x, held=False):
+        seen.append(held)
+        return put(self, x, held)
+
+    monkeypatch.setattr(_buffers.Placing, "put", recorded)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    target = nnx.eval_shape(
+        lambda: nnx.Sequential(
+            nnx.Linear(4, 6, rngs=nnx.Rngs(0)), nnx.Linear(6, 3, rngs=nnx.Rngs(1))
+        )
+    )
+    ported = bridge.port(module, target)
+    x = np.ones((2, 4), np.float32)
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ported(x), want, rtol=1e-6)
+    assert seen == [True] * 4  # two kernels, two biases
+    seen.clear()
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(
+        {k: v.numpy() for k, v in module.state_dict().items()}, path
+    )
+    loaded = bridge.load(path, like=target)
+    np.testing.assert_allclose(loaded(x), want, rtol=1e-6)
+    assert seen == [False] * 4

@@ -226,8 +226,13 @@ def _move(
         leaves = _converted(step, problems)
     if t.index is not None:
         return [(t.leaf(k), (t.index, t.axis), v) for k, v in leaves.items()]
+    held = [v for v in s.own_leaves().values() if isinstance(v, np.ndarray)]
     return [
-        (t.leaf(k), None, _placed(v, t.leaves[k], path_str(t.leaf(k)), placing))
+        (
+            t.leaf(k),
+            None,
+            _placed(v, t.leaves[k], path_str(t.leaf(k)), placing, held),
+        )
         for k, v in leaves.items()
     ]
 
@@ -356,13 +361,16 @@ def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
     return _encoded(step, canonical, t.leaves)
 
 
-def _placed(new: Any, like: Any, where: str, placing: Placing) -> Any:
+def _placed(
+    new: Any, like: Any, where: str, placing: Placing, held: list[np.ndarray]
+) -> Any:
     """`new` with the sharding of the target's leaf it replaces, concrete or abstract
     (a no-op when they already agree, or when the target's leaf has none). A numpy
     array (from a PyTorch-layout state dict or a file) becomes a JAX array: the model
     owns it (one copy at most, none for memory a read filled; a copy changing the
-    layout may be a `Future`, `placing`'s)."""
+    layout may be a `Future`, `placing`'s, free of its budget where `new` is a view
+    of the source's arrays `held` in memory anyway)."""
     sharding = sharding_of(like, where)
     if isinstance(new, np.ndarray) and sharding is None:
-        return placing.put(new)
+        return placing.put(new, any(np.may_share_memory(new, h) for h in held))
     return place(new, sharding)  # a host array goes to each device shard by shard
