@@ -13,31 +13,40 @@ forward passes are traced and paired (what `example=` costs):
   deepest, and each side's cost per added layer (16 -> 64). Goal: <= 1.5x.
 - **port**: `bridge.port(torch_model, (module, variables), example=...)` against
   transformers' `convert_pytorch_state_dict_to_flax` + `jnp.asarray` of every
-  array, a ~250 MiB Llama (quick: ~25 MiB). Goal: <= 1.2x.
-- **load**: `bridge.load(folder, like=..., example=...)` of a ~1 GiB folder (quick:
+  array, a ~450 MiB Llama (quick: ~25 MiB). Goal: <= 1.2x.
+- **load**: `bridge.load(folder, like=..., example=...)` of a ~1.6 GiB folder (quick:
   ~64 MiB) against the bytes' floor, `safetensors.numpy.load_file` of its shards.
   Goal: <= 1.5x.
 
     python benchmarks/port_depth.py            # full (minutes)
     python benchmarks/port_depth.py --quick    # 4 / 16 layers, small sizes
 
-Measured (2 shared cores, transformers 4.57; two full runs of 3 rounds after issue
-50, one round of the code before it, 8963ebd, in the same script):
+Imports are untimed on every side: bridge's lazy modules, and transformers'
+PyTorch Llama class, which bridge builds (on the meta device) to trace a folder's
+model; the example inputs are made before the clock starts too.
 
-| measure | before | after | goal |
-|---|---|---|---|
-| depth, 64 layers: bridge / transformers | 1.03 | 0.52-0.63 | 1.5 |
-| ms per added layer (16 -> 64): bridge, transformers | 53, 13 | 28-33, 12-20 | |
-| port, ~250 MiB: bridge / convert | 2.42 | 1.78-1.97 | 1.2 |
-| load, ~1 GiB: bridge / floor | 2.25 | 1.84-2.15 | 1.5 |
+Measured (2 shared cores, transformers 4.57; medians of interleaved rounds):
 
-transformers' side includes its random initialisation's XLA compilations (about
-2.2 s of its 3 s at 4 layers), which `from_pt=True` cannot skip (`_do_init=False`
-is refused with it). What bridge's port and load still spend beyond the bytes: the
-PyTorch trace on fake tensors (transformers 4.57's checks read values; 0.1-0.7 s,
-a tenth of that on transformers 5's meta tensors), both models' traces and the
-walk of a Linen model's setups (0.1-0.3 s), and reads that overlap the plan for a
-quarter of the file (`_io/_checkpoint.EARLY`).
+| measure | 8963ebd | f48e4e1 | now | goal |
+|---|---|---|---|---|
+| depth, 64 layers: bridge / transformers | 1.03 | 0.51 | 0.17-0.26 | 1.5 |
+| ms per added layer (16 -> 64): bridge | 53 | 45 | 10-18 | |
+| ms per added layer (16 -> 64): transformers | 13 | 34 | 3-18 | |
+| port, ~450 MiB: bridge / convert | 2.42 | 1.67 | 1.02 | 1.2 |
+| load, ~1.6 GiB: bridge / floor | 2.25 | 1.83 | 1.22-1.27 | 1.5 |
+
+8963ebd (the round's start): one round of an earlier version of this script, which
+timed the example inputs' creation and the import of transformers' PyTorch Llama
+on bridge's side. f48e4e1 (issue 50's first stop): this script, 3 rounds, on a busy
+machine. Now: 3 to 5 rounds, three runs. transformers' cost per layer is within its
+noise (about 4 s, most of it the XLA compilations of its random initialisation,
+which `from_pt=True` cannot skip: `_do_init=False` is refused with it).
+
+What changed since f48e4e1: a meta pass through `torch.autocast(device_type="meta")`
+(it ran again on fake tensors, 5-10x slower: 1.0 s of 64 layers), a Linen model's
+setups walked once per kind of block, which layer feeds which as one product of bit
+matrices, and a port's layout copies of a module's weights on both threads (they
+waited for a budget meant for lazily read bytes: one copy at a time).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ target's sharding. Nothing is assembled before every row has run."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -362,7 +363,7 @@ def _converted(step: PlanRow, problems: list[str]) -> dict[str, Any]:
 
 
 def _placed(
-    new: Any, like: Any, where: str, placing: Placing, held: list[np.ndarray]
+    new: Any, like: Any, where: str, placing: Placing, held: Sequence[np.ndarray] = ()
 ) -> Any:
     """`new` with the sharding of the target's leaf it replaces, concrete or abstract
     (a no-op when they already agree, or when the target's leaf has none). A numpy
