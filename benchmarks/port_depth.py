@@ -31,16 +31,20 @@ Measured (2 shared cores, transformers 4.57; medians of interleaved rounds):
 |---|---|---|---|---|
 | depth, 64 layers: bridge / transformers | 1.03 | 0.51 | 0.17-0.26 | 1.5 |
 | ms per added layer (16 -> 64): bridge | 53 | 45 | 10-18 | |
-| ms per added layer (16 -> 64): transformers | 13 | 34 | 3-18 | |
-| port, ~450 MiB: bridge / convert | 2.42 | 1.67 | 1.02 | 1.2 |
+| ms per added layer (16 -> 64): transformers | 13 | 34 | 3-23 | |
+| port, ~450 MiB: bridge / convert | 2.42 | 1.67 | 1.02-1.39 (1.05) | 1.2 |
 | load, ~1.6 GiB: bridge / floor | 2.25 | 1.83 | 1.22-1.27 | 1.5 |
 
 8963ebd (the round's start): one round of an earlier version of this script, which
 timed the example inputs' creation and the import of transformers' PyTorch Llama
 on bridge's side. f48e4e1 (issue 50's first stop): this script, 3 rounds, on a busy
-machine. Now: 3 to 5 rounds, three runs. transformers' cost per layer is within its
-noise (about 4 s, most of it the XLA compilations of its random initialisation,
-which `from_pt=True` cannot skip: `_do_init=False` is refused with it).
+machine. Now: 3 to 5 rounds, three or four runs (the port's middle run in
+parentheses). transformers' cost per layer is within its noise (about 4 s, most of
+it the XLA compilations of its random initialisation, which `from_pt=True` cannot
+skip: `_do_init=False` is refused with it). The port's spread is its trace, the
+model's first PyTorch pass in the process (the first touch of every weight, and
+PyTorch's first calls): 0.11-0.45 s from one process to the next, 0.07-0.09 s when
+run again in one process.
 
 What changed since f48e4e1: a meta pass through `torch.autocast(device_type="meta")`
 (it ran again on fake tensors, 5-10x slower: 1.0 s of 64 layers), a Linen model's
