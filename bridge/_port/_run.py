@@ -227,7 +227,8 @@ def _move(
         leaves = _converted(step, problems)
     if t.index is not None:
         return [(t.leaf(k), (t.index, t.axis), v) for k, v in leaves.items()]
-    held = [v for v in s.own_leaves().values() if isinstance(v, np.ndarray)]
+    # the source's own arrays, unsliced and unread (a stack's, a file's lazily read)
+    held = [v for v in (s.arrays or s.leaves).values() if isinstance(v, np.ndarray)]
     return [
         (
             t.leaf(k),
